@@ -1,0 +1,71 @@
+"""zarrlake: versioned, transactional Zarr repositories on object storage.
+
+    >>> import zarrlake, zarr
+    >>> repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+    >>> session = repo.writable_session("main")
+    >>> root = zarr.open_group(session.store, mode="w")
+    >>> session.commit("create root group")  # doctest: +SKIP
+"""
+
+from zarrlake.changeset import Changeset
+from zarrlake.config import RepositoryConfig
+from zarrlake.conflicts import UseOurs, UseTheirs
+from zarrlake.errors import (
+    BranchExists,
+    Conflict,
+    ConflictError,
+    CorruptObject,
+    InvalidName,
+    LockTimeout,
+    LockUnavailable,
+    MergeConflictError,
+    ReadOnlyError,
+    RefNotFound,
+    RepositoryExists,
+    RepositoryNotFound,
+    RetryableError,
+    SessionExpired,
+    TagExists,
+    UnsupportedFormat,
+    ZarrlakeError,
+)
+from zarrlake.repository import Repository
+from zarrlake.session import ForkedSession, NothingToCommit, Session
+from zarrlake.storage import Storage, StorageError
+from zarrlake.store import ZarrlakeStore
+from zarrlake.types import CommitInfo, Diff
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BranchExists",
+    "Changeset",
+    "CommitInfo",
+    "Conflict",
+    "ConflictError",
+    "CorruptObject",
+    "Diff",
+    "ForkedSession",
+    "InvalidName",
+    "LockTimeout",
+    "LockUnavailable",
+    "MergeConflictError",
+    "NothingToCommit",
+    "ReadOnlyError",
+    "RefNotFound",
+    "Repository",
+    "RepositoryConfig",
+    "RepositoryExists",
+    "RepositoryNotFound",
+    "RetryableError",
+    "Session",
+    "SessionExpired",
+    "Storage",
+    "StorageError",
+    "TagExists",
+    "UnsupportedFormat",
+    "UseOurs",
+    "UseTheirs",
+    "ZarrlakeError",
+    "ZarrlakeStore",
+]

@@ -1,0 +1,44 @@
+"""Repository configuration, stored in the ``repo`` object at creation."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+MAX_SESSION_TTL = dt.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class RepositoryConfig:
+    """Engine settings.
+
+    - ``inline_threshold_bytes``: chunks at most this size live inside the manifest, not as objects.
+    - ``shard_max_refs``: the bound on chunk refs per manifest shard (what makes commits O(change)).
+    - ``session_ttl``: default lifetime of a writable session (at most 7 days).
+    """
+
+    inline_threshold_bytes: int = 512
+    shard_max_refs: int = 2048
+    session_ttl: dt.timedelta = dt.timedelta(hours=24)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.inline_threshold_bytes <= 1 << 20:
+            raise ValueError("inline_threshold_bytes must be between 0 and 1 MiB")
+        if not 4 <= self.shard_max_refs <= 1_000_000:
+            raise ValueError("shard_max_refs must be between 4 and 1,000,000")
+        if not dt.timedelta(0) < self.session_ttl <= MAX_SESSION_TTL:
+            raise ValueError("session_ttl must be positive and at most 7 days")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["session_ttl"] = self.session_ttl.total_seconds()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RepositoryConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "session_ttl" in kw and not isinstance(kw["session_ttl"], dt.timedelta):
+            kw["session_ttl"] = dt.timedelta(seconds=float(kw["session_ttl"]))
+        return cls(**kw)

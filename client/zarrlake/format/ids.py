@@ -1,0 +1,55 @@
+"""Identifiers: time-ordered snapshot ids and content hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_DECODE = {c: i for i, c in enumerate(_CROCKFORD)}
+SNAPSHOT_ID_LEN = 26
+
+_last = [0, 0]  # (millis, random) of the previous id, to keep ids strictly increasing per process
+_guard = threading.Lock()
+
+
+def _encode(value: int, length: int) -> str:
+    out = []
+    for _ in range(length):
+        out.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+def new_snapshot_id(now_ms: int | None = None) -> str:
+    """A 128-bit id, 48 bits of milliseconds then 80 random bits, Crockford base32 (26 chars).
+
+    Ids sort by creation time; within one millisecond in one process they still increase.
+    """
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    with _guard:
+        if ms <= _last[0]:
+            ms = _last[0]
+            rand = _last[1] + 1
+        else:
+            rand = int.from_bytes(os.urandom(10), "big")
+        _last[0], _last[1] = ms, rand
+    return _encode((ms << 80) | (rand & ((1 << 80) - 1)), SNAPSHOT_ID_LEN)
+
+
+def is_snapshot_id(text: str) -> bool:
+    return len(text) == SNAPSHOT_ID_LEN and all(c in _DECODE for c in text) and text[0] in "01234567"
+
+
+def snapshot_id_millis(snapshot_id: str) -> int:
+    value = 0
+    for c in snapshot_id:
+        value = (value << 5) | _DECODE[c]
+    return value >> 80
+
+
+def content_hash(data: bytes) -> str:
+    """Hex SHA-256: the name of content-addressed chunks and manifest shards."""
+    return hashlib.sha256(data).hexdigest()

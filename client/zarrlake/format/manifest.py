@@ -1,0 +1,255 @@
+"""Manifest shards: the chunk index of a snapshot, split into bounded, content-addressed pieces.
+
+A snapshot's manifest is the sorted sequence of (chunk key, chunk ref) pairs, cut into shards of at
+most ``max_refs`` entries. The snapshot keeps only the shard index (first key, last key, digest,
+count). A commit rewrites the shards its changes fall into — splitting a shard that grew past the
+bound, absorbing a neighbour into one that shrank below a quarter of it — and reuses every other
+shard by digest. So committing one chunk costs the same in a repository of a thousand chunks as in
+one of ten million, and diffing two snapshots skips every shard they share.
+
+These are pure functions over values; the caller passes ``load(ShardInfo) -> ManifestShard``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from zarrlake.format.ids import content_hash
+from zarrlake.format.model import ChunkRef, ManifestShard, ShardInfo
+
+Loader = Callable[[ShardInfo], ManifestShard]
+
+#: A character above every character Zarr keys use: ``prefix + _TOP`` bounds a prefix's key range.
+_TOP = "\U0010ffff"
+
+
+def prefix_matches(key: str, prefix: str) -> bool:
+    """Whether ``key`` lies inside the subtree ``prefix`` ('' is everything)."""
+    if not prefix:
+        return True
+    p = prefix.rstrip("/")
+    return key == p or key.startswith(p + "/")
+
+
+def _subtree_bounds(prefix: str) -> tuple[str, str]:
+    p = prefix.rstrip("/")
+    return (p, p + "/" + _TOP) if p else ("", _TOP)
+
+
+def _shard_for(firsts: list[str], key: str) -> int:
+    return max(0, bisect.bisect_right(firsts, key) - 1)
+
+
+def lookup(index: list[ShardInfo], key: str, load: Loader) -> ChunkRef | None:
+    """The ref stored for ``key``, or None."""
+    if not index:
+        return None
+    i = _shard_for([s.first for s in index], key)
+    info = index[i]
+    if key < info.first or key > info.last:
+        return None
+    shard = load(info)
+    j = bisect.bisect_left(shard.keys, key)
+    if j < len(shard.keys) and shard.keys[j] == key:
+        return shard.refs[j]
+    return None
+
+
+def shards_in_subtree(index: list[ShardInfo], prefix: str) -> list[ShardInfo]:
+    lo, hi = _subtree_bounds(prefix)
+    return [s for s in index if s.last >= lo and s.first <= hi]
+
+
+def iter_subtree(index: list[ShardInfo], prefix: str, load: Loader) -> Iterator[tuple[str, ChunkRef]]:
+    """Every (key, ref) inside the subtree ``prefix``, in key order."""
+    for info in shards_in_subtree(index, prefix):
+        shard = load(info)
+        for k, r in zip(shard.keys, shard.refs, strict=True):
+            if prefix_matches(k, prefix):
+                yield k, r
+
+
+def iter_prefix(index: list[ShardInfo], prefix: str, load: Loader) -> Iterator[tuple[str, ChunkRef]]:
+    """Every (key, ref) whose key starts with the plain string ``prefix``, in key order."""
+    hi = prefix + _TOP
+    for info in index:
+        if info.last < prefix or info.first > hi:
+            continue
+        shard = load(info)
+        j = bisect.bisect_left(shard.keys, prefix)
+        for k, r in zip(shard.keys[j:], shard.refs[j:], strict=True):
+            if not k.startswith(prefix):
+                break
+            yield k, r
+
+
+def first_at_or_after(index: list[ShardInfo], cursor: str, load: Loader) -> str | None:
+    """The smallest key >= ``cursor``, or None."""
+    if not index:
+        return None
+    i = _shard_for([s.first for s in index], cursor)
+    for info in index[i:]:
+        if info.last < cursor:
+            continue
+        shard = load(info)
+        j = bisect.bisect_left(shard.keys, cursor)
+        if j < len(shard.keys):
+            return shard.keys[j]
+    return None
+
+
+def child_names(index: list[ShardInfo], prefix: str, load: Loader) -> list[str]:
+    """Distinct next path segments of keys under ``prefix`` (ending in '/' or empty), skipping
+    over each child's subtree instead of reading every key in it."""
+    names: dict[str, None] = {}
+    cursor = prefix
+    while True:
+        key = first_at_or_after(index, cursor, load)
+        if key is None or not key.startswith(prefix):
+            return list(names)
+        name, sep, _ = key[len(prefix) :].partition("/")
+        names[name] = None
+        cursor = prefix + name + "/" + _TOP if sep else key + "\0"
+
+
+def iter_all(index: list[ShardInfo], load: Loader) -> Iterator[tuple[str, ChunkRef]]:
+    for info in index:
+        shard = load(info)
+        yield from zip(shard.keys, shard.refs, strict=True)
+
+
+@dataclass(slots=True)
+class ManifestUpdate:
+    """The result of applying changes: the new index and the shards that must be written."""
+
+    index: list[ShardInfo]
+    new_shards: dict[str, bytes]  # digest -> encoded shard
+
+
+def build_shard(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes]:
+    data = ManifestShard(keys, refs).encode()
+    digest = content_hash(data)
+    return ShardInfo(keys[0], keys[-1], digest, len(keys)), data
+
+
+def _emit(
+    keys: list[str], refs: list[ChunkRef], max_refs: int, out: list[ShardInfo], new: dict[str, bytes]
+) -> None:
+    if not keys:
+        return
+    pieces = -(-len(keys) // max_refs)
+    size = -(-len(keys) // pieces)
+    for start in range(0, len(keys), size):
+        info, data = build_shard(keys[start : start + size], refs[start : start + size])
+        out.append(info)
+        new[info.digest] = data
+
+
+def apply_changes(
+    index: list[ShardInfo],
+    changes: Mapping[str, ChunkRef | None],
+    deleted_prefixes: Iterable[str],
+    load: Loader,
+    max_refs: int,
+) -> ManifestUpdate:
+    """Apply chunk sets (ref) and deletes (None), after removing whole subtrees.
+
+    ``deleted_prefixes`` act first: a key both under a deleted prefix and in ``changes`` ends up
+    with its value from ``changes`` (the changeset records writes made after the delete).
+    Only shards touched by the changes are loaded and rewritten.
+    """
+    if max_refs < 4:
+        raise ValueError("max_refs must be at least 4")
+    min_refs = max(1, max_refs // 4)
+    deleted = [p.rstrip("/") for p in deleted_prefixes]
+    firsts = [s.first for s in index]
+
+    touched: dict[int, list[str]] = {}
+    for key in sorted(changes):
+        touched.setdefault(_shard_for(firsts, key) if index else 0, []).append(key)
+    dropped: set[int] = set()
+    for p in deleted:
+        lo, hi = _subtree_bounds(p)
+        for i, s in enumerate(index):
+            if s.last >= lo and s.first <= hi:
+                if prefix_matches(s.first, p) and prefix_matches(s.last, p) and i not in touched:
+                    dropped.add(i)  # wholly inside the deleted subtree: no need to read it
+                else:
+                    touched.setdefault(i, [])
+
+    if not index:
+        keys = sorted(k for k, v in changes.items() if v is not None)
+        out: list[ShardInfo] = []
+        new: dict[str, bytes] = {}
+        _emit(keys, [changes[k] for k in keys], max_refs, out, new)
+        return ManifestUpdate(out, new)
+
+    out = []
+    new = {}
+    pend_keys: list[str] = []
+    pend_refs: list[ChunkRef] = []
+    for i, info in enumerate(index):
+        if i in dropped:
+            continue
+        if i not in touched and not pend_keys:
+            out.append(info)
+            continue
+        shard = load(info)
+        if i in touched:
+            merged = dict(zip(shard.keys, shard.refs, strict=True))
+            if deleted:
+                for k in list(merged):
+                    if any(prefix_matches(k, p) for p in deleted):
+                        del merged[k]
+            for k in touched[i]:
+                v = changes[k]
+                if v is None:
+                    merged.pop(k, None)
+                else:
+                    merged[k] = v
+            ks = sorted(merged)
+            pend_keys.extend(ks)
+            pend_refs.extend(merged[k] for k in ks)
+        else:
+            pend_keys.extend(shard.keys)
+            pend_refs.extend(shard.refs)
+        if len(pend_keys) >= min_refs:
+            _emit(pend_keys, pend_refs, max_refs, out, new)
+            pend_keys, pend_refs = [], []
+    if pend_keys:
+        if out and out[-1].count + len(pend_keys) <= max_refs:
+            # An undersized tail joins the shard before it.
+            prev = out.pop()
+            shard = load(prev) if prev.digest not in new else ManifestShard.decode(new[prev.digest])
+            pend_keys = shard.keys + pend_keys
+            pend_refs = shard.refs + pend_refs
+        _emit(pend_keys, pend_refs, max_refs, out, new)
+    return ManifestUpdate(out, {d: b for d, b in new.items() if any(s.digest == d for s in out)})
+
+
+def diff_entries(
+    a: list[ShardInfo], b: list[ShardInfo], load: Loader
+) -> Iterator[tuple[str, ChunkRef | None, ChunkRef | None]]:
+    """Keys whose refs differ between two manifests: (key, ref in a, ref in b).
+
+    Shards present in both (same digest) hold the same keys with the same refs and — because every
+    key lives in exactly one shard of a manifest — no key of theirs can differ, so they are skipped
+    without being read: the cost is proportional to the difference.
+    """
+    common = {s.digest for s in a} & {s.digest for s in b}
+    left: dict[str, ChunkRef] = {}
+    for info in a:
+        if info.digest not in common:
+            shard = load(info)
+            left.update(zip(shard.keys, shard.refs, strict=True))
+    right: dict[str, ChunkRef] = {}
+    for info in b:
+        if info.digest not in common:
+            shard = load(info)
+            right.update(zip(shard.keys, shard.refs, strict=True))
+    for key in sorted(left.keys() | right.keys()):
+        ra, rb = left.get(key), right.get(key)
+        if ra != rb:
+            yield key, ra, rb

@@ -1,0 +1,161 @@
+"""Branches and tags on storage.
+
+A branch is a journal of create-only entries; the newest entry is the first key in a listing. Two
+writers racing for the same sequence number: the backend lets exactly one create it. A writer whose
+create-only response was lost reads the entry back and recognizes its own writer id, so a lost
+response never turns into a false conflict.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+
+from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists
+from zarrlake.format.model import (
+    JournalEntry,
+    TagRecord,
+    branch_entry_key,
+    branch_prefix,
+    ref_name_from_key,
+    seq_from_entry_key,
+    tag_key,
+    tag_tombstone_key,
+)
+from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def validate_name(name: object, kind: str = "branch") -> str:
+    """Reject names that are empty, contain whitespace or control characters, contain '..',
+    start with '-', end with '/', or exceed 255 bytes."""
+    if not isinstance(name, str):
+        raise InvalidName(f"{kind} name must be a string, not {type(name).__name__}")
+    problem = None
+    if not name:
+        problem = "is empty"
+    elif _CONTROL.search(name):
+        problem = "contains a control character"
+    elif any(c.isspace() for c in name):
+        problem = "contains whitespace"
+    elif ".." in name:
+        problem = "contains '..'"
+    elif name.startswith("-"):
+        problem = "starts with '-'"
+    elif name.startswith("/") or name.endswith("/") or "//" in name:
+        problem = "has an empty path segment"
+    elif len(name.encode("utf-8")) > 255:
+        problem = "is longer than 255 bytes"
+    if problem:
+        raise InvalidName(f"invalid {kind} name {name!r}: {problem}")
+    return name
+
+
+def new_writer_id() -> str:
+    return uuid.uuid4().hex
+
+
+class BranchJournal:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def head(self, name: str) -> JournalEntry | None:
+        """The newest entry of the branch's journal (None if the branch never existed)."""
+        keys = self.storage.list_keys(branch_prefix(name), limit=1)
+        if not keys:
+            return None
+        return self._read(keys[0])
+
+    def _read(self, key: str) -> JournalEntry:
+        entry = JournalEntry.decode(self.storage.get(key), key)
+        if entry.seq != seq_from_entry_key(key):
+            raise CorruptObject(key, f"entry claims sequence {entry.seq}")
+        return entry
+
+    def current(self, name: str) -> JournalEntry:
+        """The head entry of a live branch. Raises :class:`RefNotFound`."""
+        entry = self.head(name)
+        if entry is None or entry.snapshot is None:
+            raise RefNotFound(name, "branch")
+        return entry
+
+    def history(self, name: str) -> list[JournalEntry]:
+        """Every retained entry, newest first."""
+        keys = self.storage.list_keys(branch_prefix(name))
+        return self.storage.map(self._read, keys)
+
+    def append(self, name: str, entry: JournalEntry) -> bool:
+        """Create-only write of ``entry``. True if it is now the branch's newest entry.
+
+        False means another writer took that sequence number (the caller re-reads and retries).
+        """
+        key = branch_entry_key(name, entry.seq)
+        try:
+            self.storage.put(key, entry.encode(), create_only=True)
+            return True
+        except PreconditionFailed:
+            try:
+                existing = self._read(key)
+            except ObjectNotFound:
+                return False
+            # Our own write whose response was lost still counts as ours.
+            return existing.writer == entry.writer and existing.snapshot == entry.snapshot
+
+    def names(self) -> list[str]:
+        return [
+            ref_name_from_key(d[len("branch.") :])
+            for d in self.storage.list_dirs("refs/")
+            if d.startswith("branch.")
+        ]
+
+
+class Tags:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def get(self, name: str) -> str:
+        try:
+            data = self.storage.get(tag_key(name))
+        except ObjectNotFound:
+            raise RefNotFound(name, "tag") from None
+        if self.storage.exists(tag_tombstone_key(name)):
+            raise RefNotFound(name, "tag")
+        return TagRecord.decode(data, tag_key(name)).snapshot
+
+    def create(self, name: str, snapshot_id: str) -> None:
+        if self.storage.exists(tag_tombstone_key(name)):
+            raise TagExists(f"tag {name!r} was deleted; tag names are never reused")
+        try:
+            self.storage.put(
+                tag_key(name),
+                TagRecord(snapshot_id, dt.datetime.now(dt.UTC)).encode(),
+                create_only=True,
+            )
+        except PreconditionFailed:
+            raise TagExists(f"tag {name!r} already exists") from None
+
+    def delete(self, name: str) -> None:
+        self.get(name)  # RefNotFound if absent or already deleted
+        try:
+            self.storage.put(
+                tag_tombstone_key(name),
+                TagRecord("", dt.datetime.now(dt.UTC)).encode(),
+                create_only=True,
+            )
+        except PreconditionFailed:
+            raise RefNotFound(name, "tag") from None
+
+    def all(self) -> dict[str, str]:
+        live: dict[str, str] = {}
+        deleted = {
+            ref_name_from_key(k[len("refs/tagdel.") :]) for k in self.storage.list_keys("refs/tagdel.")
+        }
+        keys = [k for k in self.storage.list_keys("refs/tag.")]
+        names = [ref_name_from_key(k[len("refs/tag.") :]) for k in keys]
+        records = self.storage.map(lambda k: TagRecord.decode(self.storage.get(k), k), keys)
+        for name, rec in zip(names, records, strict=True):
+            if name not in deleted:
+                live[name] = rec.snapshot
+        return live

@@ -1,0 +1,575 @@
+"""The repository: refs, history, diff, merge, sessions, and the commit protocol.
+
+Commit protocol (see DESIGN.md): read the branch head; if it moved since the session's base, rebase
+the changeset on it (conflicts are detected from the txlogs in between); write shards, txlog and
+snapshot; then append one create-only journal entry. Losing that race means another commit landed
+first: re-read, rebase again, retry. Safety rests on the create-only write alone; a lock, when
+configured, only keeps writers from stampeding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import heapq
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from zarrlake.changeset import Changeset
+from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
+from zarrlake.conflicts import (
+    ChangeSummary,
+    Solver,
+    UseOurs,
+    UseTheirs,
+    rebase_conflicts,
+    resized_arrays,
+    three_way,
+)
+from zarrlake.errors import (
+    BranchExists,
+    Conflict,
+    ConflictError,
+    MergeConflictError,
+    RefNotFound,
+    RepositoryExists,
+    RepositoryNotFound,
+    ZarrlakeError,
+)
+from zarrlake.format import manifest
+from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
+from zarrlake.format.manifest import prefix_matches
+from zarrlake.format.model import (
+    REPO_KEY,
+    JournalEntry,
+    RepoRecord,
+    Snapshot,
+    TxLog,
+    to_micros,
+)
+from zarrlake.nodes import array_paths, meta_key_node, split_chunk_key
+from zarrlake.objects import ObjectStore
+from zarrlake.refs import BranchJournal, Tags, new_writer_id, validate_name
+from zarrlake.session import Session, diff_nodes
+from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
+from zarrlake.types import CommitInfo, Diff
+
+MAIN = "main"
+_MAX_COMMIT_ATTEMPTS = 200
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _commit_info(s: Snapshot) -> CommitInfo:
+    return CommitInfo(s.id, tuple(s.parents), s.message, s.author, s.time, dict(s.metadata))
+
+
+class Repository:
+    """A versioned Zarr repository in one storage location. Open it with :meth:`open`/:meth:`create`."""
+
+    def __init__(self, storage: Storage, record: RepoRecord, lock: Any = None) -> None:
+        self.storage = storage
+        self._record = record
+        self._lock = lock
+        self._config = RepositoryConfig.from_dict(record.config)
+        self._objects = ObjectStore(storage)
+        self._journal = BranchJournal(storage)
+        self._tags = Tags(storage)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"storage": self.storage, "record": self._record, "lock": self._lock}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["storage"], state["record"], state["lock"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<zarrlake.Repository {self.id} at {self.storage.url}>"
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        storage: Storage,
+        *,
+        config: RepositoryConfig | dict[str, Any] | None = None,
+        lock: Any = None,
+    ) -> Repository:
+        """Initialize a repository with an empty ``main`` branch. Raises :class:`RepositoryExists`."""
+        if isinstance(config, dict):
+            config = RepositoryConfig.from_dict(config)
+        config = config or RepositoryConfig()
+        record = RepoRecord(str(uuid.uuid4()), _now(), config.to_dict())
+        try:
+            storage.put(REPO_KEY, record.encode(), create_only=True)
+        except PreconditionFailed:
+            raise RepositoryExists(f"a repository already exists at {storage.url}") from None
+        repo = cls(storage, record, lock)
+        repo._ensure_main()
+        return repo
+
+    @classmethod
+    def open(cls, storage: Storage, *, lock: Any = None) -> Repository:
+        """Open an existing repository. Raises :class:`RepositoryNotFound`."""
+        try:
+            data = storage.get(REPO_KEY)
+        except ObjectNotFound:
+            raise RepositoryNotFound(f"no zarrlake repository at {storage.url}") from None
+        repo = cls(storage, RepoRecord.decode(data, REPO_KEY), lock)
+        repo._ensure_main()
+        return repo
+
+    @classmethod
+    def open_or_create(
+        cls,
+        storage: Storage,
+        *,
+        config: RepositoryConfig | dict[str, Any] | None = None,
+        lock: Any = None,
+    ) -> Repository:
+        try:
+            return cls.open(storage, lock=lock)
+        except RepositoryNotFound:
+            try:
+                return cls.create(storage, config=config, lock=lock)
+            except RepositoryExists:
+                return cls.open(storage, lock=lock)
+
+    @staticmethod
+    def exists(storage: Storage) -> bool:
+        return storage.exists(REPO_KEY)
+
+    def _ensure_main(self) -> None:
+        # The marker is written first (it decides a creation race); a creator that died before
+        # the first commit leaves a repository that the next open completes.
+        if self._journal.head(MAIN) is not None:
+            return
+        snap = Snapshot(new_snapshot_id(), (), _now(), None, "Repository initialized", {}, {}, [])
+        self._objects.put_snapshot(snap, TxLog([], [], [], []), {})
+        self._journal.append(MAIN, JournalEntry(0, snap.id, None, _now(), new_writer_id()))
+
+    @property
+    def id(self) -> str:
+        return self._record.id
+
+    @property
+    def config(self) -> RepositoryConfig:
+        return self._config
+
+    @property
+    def lock(self) -> Any:
+        return self._lock
+
+    # -- branches ------------------------------------------------------------------------------------
+
+    def list_branches(self) -> dict[str, str]:
+        names = self._journal.names()
+        heads = self.storage.map(self._journal.head, names)
+        return {n: e.snapshot for n, e in sorted(zip(names, heads, strict=True)) if e and e.snapshot}
+
+    def lookup_branch(self, name: str) -> str:
+        validate_name(name)
+        return self._journal.current(name).snapshot  # type: ignore[return-value]
+
+    def create_branch(self, name: str, from_ref: str = MAIN) -> str:
+        """Create ``name`` at ``from_ref`` (branch, tag or snapshot id). Raises :class:`BranchExists`."""
+        validate_name(name)
+        target = self.resolve(from_ref)
+        head = self._journal.head(name)
+        if head is not None and head.snapshot is not None:
+            raise BranchExists(f"branch {name!r} already exists")
+        seq = 0 if head is None else head.seq + 1
+        entry = JournalEntry(seq, target, None, _now(), new_writer_id())
+        if not self._journal.append(name, entry):
+            raise BranchExists(f"branch {name!r} already exists")
+        return target
+
+    def reset_branch(self, name: str, to_ref: str, *, expected: str | None = None) -> str:
+        """Point ``name`` at ``to_ref``. With ``expected``, only if the head is still that snapshot
+        (else :class:`ConflictError`). Returns the new head."""
+        validate_name(name)
+        target = self.resolve(to_ref)
+        with self._hold_lock(name) as token:
+            while True:
+                cur = self._journal.current(name)
+                if expected is not None and cur.snapshot != expected:
+                    raise ConflictError(
+                        [Conflict("branch-moved", name)],
+                        f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
+                    )
+                entry = JournalEntry(cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token)
+                if self._journal.append(name, entry):
+                    return target
+
+    def delete_branch(self, name: str) -> None:
+        validate_name(name)
+        if name == MAIN:
+            raise ZarrlakeError("the main branch cannot be deleted")
+        with self._hold_lock(name) as token:
+            while True:
+                cur = self._journal.current(name)
+                entry = JournalEntry(cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token)
+                if self._journal.append(name, entry):
+                    return
+
+    # -- tags ----------------------------------------------------------------------------------------
+
+    def list_tags(self) -> dict[str, str]:
+        return dict(sorted(self._tags.all().items()))
+
+    def lookup_tag(self, name: str) -> str:
+        validate_name(name, "tag")
+        return self._tags.get(name)
+
+    def create_tag(self, name: str, ref: str) -> str:
+        """Tag ``ref``. Raises :class:`TagExists`, also for names of deleted tags."""
+        validate_name(name, "tag")
+        target = self.resolve(ref)
+        self._tags.create(name, target)
+        return target
+
+    def delete_tag(self, name: str) -> None:
+        validate_name(name, "tag")
+        self._tags.delete(name)
+
+    # -- refs ----------------------------------------------------------------------------------------
+
+    def resolve(self, ref: str) -> str:
+        """Branch, tag or snapshot id -> snapshot id. Raises :class:`RefNotFound`."""
+        if not isinstance(ref, str) or not ref:
+            raise RefNotFound(str(ref))
+        if is_snapshot_id(ref):
+            try:
+                self._objects.snapshot(ref)
+                return ref
+            except RefNotFound:
+                pass
+        try:
+            validate_name(ref)
+        except ZarrlakeError:
+            raise RefNotFound(ref) from None
+        head = self._journal.head(ref)
+        if head is not None and head.snapshot is not None:
+            return head.snapshot
+        try:
+            return self._tags.get(ref)
+        except RefNotFound:
+            raise RefNotFound(ref) from None
+
+    def _is_branch(self, ref: str) -> bool:
+        try:
+            validate_name(ref)
+        except ZarrlakeError:
+            return False
+        head = self._journal.head(ref)
+        return head is not None and head.snapshot is not None
+
+    def _as_of(self, ref: str, when: dt.datetime) -> str:
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        if self._is_branch(ref):
+            for entry in self._journal.history(ref):
+                if entry.time <= when:
+                    if entry.snapshot is None:
+                        break
+                    return entry.snapshot
+            raise RefNotFound(f"{ref}@{when.isoformat()}", "branch version")
+        for info in self.log(ref):
+            if info.time <= when:
+                return info.id
+        raise RefNotFound(f"{ref}@{when.isoformat()}", "version")
+
+    # -- history -------------------------------------------------------------------------------------
+
+    def log(self, ref: str = MAIN, *, limit: int | None = None) -> Iterator[CommitInfo]:
+        """Commits reachable from ``ref``, newest first (merge parents included)."""
+        start = self.resolve(ref)
+        first = self._objects.snapshot(start)
+        return self._walk(first, limit)
+
+    def _walk(self, first: Snapshot, limit: int | None) -> Iterator[CommitInfo]:
+        heap = [(-to_micros(first.time), first.id)]
+        seen = {first.id}
+        produced = 0
+        while heap and (limit is None or produced < limit):
+            _, sid = heapq.heappop(heap)
+            snap = self._objects.snapshot(sid)
+            yield _commit_info(snap)
+            produced += 1
+            # History is a chain of dependent fetches; the ancestry list lets us fetch ahead.
+            want = snap.ancestry if limit is None else snap.ancestry[: max(0, limit - produced)]
+            if snap.parents and not self._objects.is_cached(snap.parents[0]) and len(want) > 1:
+                with contextlib.suppress(RefNotFound):
+                    self._objects.snapshots([a for a in want if not self._objects.is_cached(a)])
+            for parent in snap.parents:
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                try:
+                    ps = self._objects.snapshot(parent)
+                except RefNotFound:
+                    continue  # history ends at an expired snapshot
+                heapq.heappush(heap, (-to_micros(ps.time), parent))
+
+    def diff(self, from_ref: str, to_ref: str) -> Diff:
+        """Nodes added/removed/changed and chunks changed going from ``from_ref`` to ``to_ref``."""
+        a = self._objects.snapshot(self.resolve(from_ref))
+        b = self._objects.snapshot(self.resolve(to_ref))
+        return self._diff_snapshots(a, b)
+
+    def _diff_snapshots(self, a: Snapshot, b: Snapshot) -> Diff:
+        arrays = array_paths(a.nodes) | array_paths(b.nodes)
+        chunks: dict[str, set[tuple[Any, ...]]] = {}
+        for key, _, _ in manifest.diff_entries(a.shards, b.shards, self._objects.shard):
+            path, coords = split_chunk_key(key, arrays)
+            chunks.setdefault(path, set()).add(coords)
+        return diff_nodes(a.nodes, b.nodes, chunks)
+
+    def _merge_base(self, a: str, b: str) -> str | None:
+        """The newest common ancestor of two snapshots."""
+        flags = {a: 1, b: 2} if a != b else {a: 3}
+        heap = [(-to_micros(self._objects.snapshot(x).time), x) for x in flags]
+        heapq.heapify(heap)
+        done: set[str] = set()
+        while heap:
+            _, sid = heapq.heappop(heap)
+            if sid in done:
+                continue
+            done.add(sid)
+            f = flags[sid]
+            if f == 3:
+                return sid
+            try:
+                snap = self._objects.snapshot(sid)
+            except RefNotFound:
+                continue
+            for p in snap.parents:
+                nf = flags.get(p, 0) | f
+                if nf != flags.get(p):
+                    flags[p] = nf
+                    done.discard(p)
+                    try:
+                        heapq.heappush(heap, (-to_micros(self._objects.snapshot(p).time), p))
+                    except RefNotFound:
+                        continue
+        return None
+
+    def merge(
+        self,
+        source: str,
+        into: str,
+        *,
+        message: str | None = None,
+        strategy: str | None = None,
+        author: str | None = None,
+    ) -> str:
+        """Three-way merge of ``source`` (any ref) into branch ``into``; returns the new head.
+
+        A merge commit has two parents. ``strategy`` None fails on conflicts with
+        :class:`MergeConflictError`; ``"source-wins"``/``"dest-wins"`` settle them all.
+        """
+        if strategy not in (None, "source-wins", "dest-wins"):
+            raise ValueError(f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'")
+        validate_name(into)
+        src_id = self.resolve(source)
+        dest_id = self._journal.current(into).snapshot
+        assert dest_id is not None
+        base_id = self._merge_base(src_id, dest_id)
+        if base_id == src_id:
+            return dest_id  # already merged
+        src = self._objects.snapshot(src_id)
+        dest = self._objects.snapshot(dest_id)
+        base = (
+            self._objects.snapshot(base_id)
+            if base_id is not None
+            else Snapshot("", (), _now(), None, "", {}, {}, [])
+        )
+        load = self._objects.shard
+        src_changes = {k: (x, y) for k, x, y in manifest.diff_entries(base.shards, src.shards, load)}
+        dest_changes = {k: (x, y) for k, x, y in manifest.diff_entries(base.shards, dest.shards, load)}
+        arrays = array_paths(base.nodes) | array_paths(src.nodes) | array_paths(dest.nodes)
+        plan = three_way(base.nodes, src.nodes, dest.nodes, src_changes, dest_changes, arrays, strategy)
+        if plan.conflicts:
+            raise MergeConflictError(plan.conflicts)
+        changeset = Changeset(uuid.uuid4().hex, dest_id, chunks=plan.chunks, nodes=plan.nodes)
+        return self._commit_changeset(
+            into,
+            changeset,
+            message=message or f"Merge {source} into {into}",
+            author=author,
+            metadata={"merge": {"source": source, "source_snapshot": src_id}},
+            rebase=True,
+            solver=None,
+            extra_parents=(src_id,),
+        )
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    def readonly_session(self, ref: str = MAIN, *, as_of: dt.datetime | None = None) -> Session:
+        """A read-only view of ``ref`` (branch, tag, snapshot id), optionally as it was at ``as_of``."""
+        sid = self._as_of(ref, as_of) if as_of is not None else self.resolve(ref)
+        branch = ref if as_of is None and self._is_branch(ref) else None
+        return Session(self, sid, branch=branch, read_only=True)
+
+    def writable_session(self, branch: str = MAIN, *, ttl: dt.timedelta | None = None) -> Session:
+        """A transaction on ``branch``, expiring after ``ttl`` (default from config, at most 7 days)."""
+        validate_name(branch)
+        if ttl is not None and not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
+            raise ValueError("session ttl must be positive and at most 7 days")
+        head = self._journal.current(branch).snapshot
+        assert head is not None
+        return Session(self, head, branch=branch, read_only=False, ttl=ttl)
+
+    @contextlib.contextmanager
+    def transaction(
+        self, branch: str = MAIN, *, message: str, author: str | None = None
+    ) -> Iterator[Any]:
+        """``with repo.transaction("main", message="...") as store:`` — commits on success,
+        discards on error. Nothing is committed if nothing was written."""
+        session = self.writable_session(branch)
+        try:
+            yield session.store
+        except BaseException:
+            session.discard()
+            raise
+        if session.has_changes:
+            session.commit(message, author=author)
+
+    # -- the commit protocol --------------------------------------------------------------------------
+
+    def _hold_lock(self, branch: str) -> contextlib.AbstractContextManager[int | None]:
+        if self._lock is None:
+            return contextlib.nullcontext(None)
+        return self._lock.hold(self.id, branch)
+
+    def _commit_changeset(
+        self,
+        branch: str,
+        changeset: Changeset,
+        *,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        rebase: bool,
+        solver: Solver,
+        extra_parents: tuple[str, ...] = (),
+    ) -> str:
+        if solver is not None and not isinstance(solver, UseOurs | UseTheirs):
+            raise TypeError("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
+        with self._hold_lock(branch) as token:
+            for attempt in range(_MAX_COMMIT_ATTEMPTS):
+                head_entry = self._journal.current(branch)
+                head = head_entry.snapshot
+                assert head is not None
+                if head != changeset.base:
+                    if not rebase:
+                        raise ConflictError(
+                            [Conflict("branch-moved", branch)],
+                            f"branch {branch!r} moved from {changeset.base} to {head} "
+                            "(commit with rebase=True to rebase)",
+                        )
+                    changeset = self._rebase(changeset, head, solver)
+                if changeset.dedup_chunks:
+                    self._objects.check_chunks_exist(changeset.dedup_chunks)
+                parent = self._objects.snapshot(head)
+                snap, txlog, shards = self._build_snapshot(
+                    parent, changeset, message, author, metadata, extra_parents
+                )
+                self._objects.put_snapshot(snap, txlog, shards)
+                entry = JournalEntry(head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token)
+                if self._journal.append(branch, entry):
+                    return snap.id
+                # Another commit took this sequence number: back off a little, then rebase on it.
+                time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
+        raise ZarrlakeError(f"could not commit to {branch!r} after {_MAX_COMMIT_ATTEMPTS} attempts")
+
+    def _changes_since(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
+        """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
+        or — if ``base`` is not on it (the branch was reset) — from a diff of the two."""
+        logs: list[TxLog] = []
+        cur = head
+        while cur.id != base.id:
+            if not cur.parents or len(logs) > 10_000:
+                return self._summary_from_diff(base, head)
+            try:
+                logs.append(self._objects.txlog(cur.id))
+                cur = self._objects.snapshot(cur.parents[0])
+            except RefNotFound:
+                return self._summary_from_diff(base, head)
+        summary = ChangeSummary()
+        for log in logs:
+            summary.add_txlog(log)
+        return summary
+
+    def _summary_from_diff(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
+        chunks = {k for k, _, _ in manifest.diff_entries(base.shards, head.shards, self._objects.shard)}
+        node_keys = {k for k in set(base.nodes) | set(head.nodes) if base.nodes.get(k) != head.nodes.get(k)}
+        removed = {meta_key_node(k).lstrip("/") for k in node_keys if k not in head.nodes}
+        changed = {k: head.nodes.get(k) for k in node_keys}
+        return ChangeSummary(node_keys, chunks, removed, resized_arrays(base.nodes, changed))
+
+    def _rebase(self, changeset: Changeset, head_id: str, solver: Solver) -> Changeset:
+        base = self._objects.snapshot(changeset.base)
+        head = self._objects.snapshot(head_id)
+        theirs = self._changes_since(base, head)
+        ours_nodes = {k: v for k, v in changeset.nodes.items() if v is not None}
+        arrays = array_paths(base.nodes) | array_paths(head.nodes) | array_paths(ours_nodes)
+        conflicts, drop = rebase_conflicts(changeset, base.nodes, theirs, head.nodes, arrays, solver)
+        if conflicts:
+            raise ConflictError(conflicts)
+        rebased = changeset.copy()
+        rebased.base = head_id
+        for key in drop:
+            rebased.chunks.pop(key, None)
+        return rebased
+
+    def _build_snapshot(
+        self,
+        parent: Snapshot,
+        cs: Changeset,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        extra_parents: tuple[str, ...],
+    ) -> tuple[Snapshot, TxLog, dict[str, bytes]]:
+        nodes = dict(parent.nodes)
+        removed_nodes = []
+        for p in cs.deleted_prefixes:
+            for k in [k for k in nodes if prefix_matches(k, p)]:
+                removed_nodes.append(k)
+                del nodes[k]
+        for k, v in cs.nodes.items():
+            if v is None:
+                nodes.pop(k, None)
+            else:
+                nodes[k] = v
+        update = manifest.apply_changes(
+            parent.shards, cs.chunks, cs.deleted_prefixes, self._objects.shard, self._config.shard_max_refs
+        )
+        txlog = TxLog(
+            sorted(set(cs.nodes) | set(removed_nodes)),
+            sorted(cs.chunks),
+            sorted(cs.deleted_prefixes),
+            sorted(resized_arrays(parent.nodes, cs.nodes)),
+        )
+        snap = Snapshot(
+            id=new_snapshot_id(),
+            parents=(parent.id, *extra_parents),
+            time=max(_now(), parent.time + dt.timedelta(microseconds=1)),
+            author=author,
+            message=message,
+            metadata=metadata,
+            nodes=nodes,
+            shards=update.index,
+            ancestry=[parent.id, *parent.ancestry[: Snapshot.ANCESTRY - 1]],
+        )
+        try:
+            snap.encode()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"commit metadata is not serializable: {e}") from None
+        return snap, txlog, update.new_shards

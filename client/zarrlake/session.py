@@ -1,0 +1,433 @@
+"""Sessions: a base snapshot plus uncommitted changes, read and written through a Zarr store.
+
+A :class:`Session` is a transaction on one branch (or a read-only view of a version). Chunk bytes
+are uploaded as they are written (content-addressed, so identical concurrent writes are harmless);
+a commit writes only shards, a txlog, a snapshot and one journal entry. :meth:`Session.fork` hands a
+picklable writer to another process; its :class:`Changeset` comes back through :meth:`Session.merge`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from zarrlake.changeset import Changeset
+from zarrlake.config import RepositoryConfig
+from zarrlake.conflicts import Solver
+from zarrlake.errors import (
+    ConflictError,
+    ReadOnlyError,
+    SessionExpired,
+    ZarrlakeError,
+)
+from zarrlake.format import manifest
+from zarrlake.format.model import ChunkRef, Snapshot
+from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, node_paths, split_chunk_key
+from zarrlake.objects import ObjectStore
+from zarrlake.types import Diff
+
+if TYPE_CHECKING:
+    from zarrlake.repository import Repository
+    from zarrlake.store import ZarrlakeStore
+
+
+class NothingToCommit(ZarrlakeError):
+    """``commit`` on a session without changes (pass ``allow_empty=True`` to commit anyway)."""
+
+
+class Workspace:
+    """The read/write machinery shared by sessions and forks: layers of changes over a snapshot.
+
+    ``_layers`` are read top first; writes go to ``_layers[0]``.
+    """
+
+    _objects: ObjectStore
+    _config: RepositoryConfig
+    _base_id: str
+    _layers: list[Changeset]
+    _read_only: bool
+    _expires_at: dt.datetime | None
+    _session_id: str
+    _branch: str | None
+
+    def _init_workspace(self) -> None:
+        self._mutex = threading.Lock()
+        self._store: ZarrlakeStore | None = None
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @property
+    def base(self) -> str:
+        """Id of the snapshot this session started from."""
+        return self._base_id
+
+    @property
+    def branch(self) -> str | None:
+        return self._branch
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def expires_at(self) -> dt.datetime | None:
+        return self._expires_at
+
+    @property
+    def store(self) -> ZarrlakeStore:
+        """A ``zarr.abc.store.Store`` over this session."""
+        if self._store is None:
+            from zarrlake.store import ZarrlakeStore
+
+            self._store = ZarrlakeStore(self, read_only=self._read_only)
+        return self._store
+
+    def _snapshot(self) -> Snapshot:
+        return self._objects.snapshot(self._base_id)
+
+    def _check_writable(self) -> None:
+        if self._read_only:
+            raise ReadOnlyError(
+                "this session is read-only (open a writable_session on a branch to write)"
+            )
+        if self._expires_at is not None and dt.datetime.now(dt.UTC) >= self._expires_at:
+            raise SessionExpired(
+                f"session {self._session_id} expired at {self._expires_at.isoformat()}; "
+                "start a new session"
+            )
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _layer_value(self, key: str, meta: bool) -> tuple[bool, Any]:
+        """(decided, value) from the uncommitted layers: value None means deleted."""
+        for layer in self._layers:
+            d = layer.nodes if meta else layer.chunks
+            if key in d:
+                return True, d[key]
+            if layer.deleted_prefixes and layer.deleted_by_prefix(key):
+                return True, None
+        return False, None
+
+    def resolve(self, key: str) -> bytes | ChunkRef | None:
+        """The metadata document bytes, or the chunk ref, stored under ``key`` — or None."""
+        meta = is_meta_key(key)
+        decided, value = self._layer_value(key, meta)
+        if decided:
+            return value
+        snap = self._snapshot()
+        if meta:
+            return snap.nodes.get(key)
+        return manifest.lookup(snap.shards, key, self._objects.shard)
+
+    def read(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
+        value = self.resolve(key)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            return value if byte_range is None else value[byte_range[0] : byte_range[1]]
+        return self._objects.read_chunk(value, byte_range)
+
+    def exists(self, key: str) -> bool:
+        return self.resolve(key) is not None
+
+    def _visible(self, key: str) -> bool:
+        decided, value = self._layer_value(key, is_meta_key(key))
+        return value is not None if decided else True
+
+    def list_prefix(self, prefix: str) -> Iterator[str]:
+        """Every key starting with ``prefix``, in sorted order."""
+        snap = self._snapshot()
+        keys: set[str] = {k for k in snap.nodes if k.startswith(prefix)}
+        keys.update(k for k, _ in manifest.iter_prefix(snap.shards, prefix, self._objects.shard))
+        if any(not layer.is_empty() for layer in self._layers):
+            keys = {k for k in keys if self._visible(k)}
+            for layer in self._layers:
+                for d in (layer.nodes, layer.chunks):
+                    keys.update(k for k, v in d.items() if v is not None and k.startswith(prefix))
+            keys = {k for k in keys if self._visible(k)}
+        return iter(sorted(keys))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names directly below ``prefix`` (files and directories)."""
+        p = prefix.strip("/")
+        p = p + "/" if p else ""
+        deletions = any(
+            layer.deleted_prefixes
+            or any(v is None and k.startswith(p) for d in (layer.nodes, layer.chunks) for k, v in d.items())
+            for layer in self._layers
+        )
+        if deletions:
+            names = {k[len(p) :].split("/", 1)[0] for k in self.list_prefix(p)}
+            return sorted(names)
+        snap = self._snapshot()
+        names = set(manifest.child_names(snap.shards, p, self._objects.shard))
+        names.update(k[len(p) :].split("/", 1)[0] for k in snap.nodes if k.startswith(p))
+        for layer in self._layers:
+            for d in (layer.nodes, layer.chunks):
+                names.update(k[len(p) :].split("/", 1)[0] for k in d if k.startswith(p))
+        return sorted(names)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def write(self, key: str, data: bytes) -> None:
+        self._check_writable()
+        top = self._layers[0]
+        if is_meta_key(key):
+            with self._mutex:
+                top.nodes[key] = bytes(data)
+            return
+        ref, dedup = self._objects.write_chunk(data, self._config.inline_threshold_bytes)
+        with self._mutex:
+            top.chunks[key] = ref
+            if dedup:
+                top.dedup_chunks.add(ref[1])
+
+    def delete(self, key: str) -> None:
+        self._check_writable()
+        if not self.exists(key):
+            return
+        with self._mutex:
+            layer = self._layers[0]
+            (layer.nodes if is_meta_key(key) else layer.chunks)[key] = None
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove a whole subtree ('' removes everything)."""
+        self._check_writable()
+        with self._mutex:
+            self._layers[0].delete_prefix(prefix)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    @property
+    def has_changes(self) -> bool:
+        return not self._layers[0].is_empty()
+
+    def status(self) -> Diff:
+        """The uncommitted changes, as a :class:`Diff` against the base snapshot."""
+        snap = self._snapshot()
+        cs = self._layers[0]
+        new_nodes = dict(snap.nodes)
+        for k in list(new_nodes):
+            if cs.deleted_by_prefix(k):
+                del new_nodes[k]
+        for k, v in cs.nodes.items():
+            if v is None:
+                new_nodes.pop(k, None)
+            else:
+                new_nodes[k] = v
+        arrays = array_paths(snap.nodes) | array_paths(new_nodes)
+        chunks: dict[str, set[tuple[Any, ...]]] = {}
+        changed_keys = set(cs.chunks)
+        for p in cs.deleted_prefixes:
+            changed_keys.update(k for k, _ in manifest.iter_subtree(snap.shards, p, self._objects.shard))
+        for key in changed_keys:
+            old = manifest.lookup(snap.shards, key, self._objects.shard)
+            decided, new = self._layer_value(key, False)
+            if old != new:
+                path, coords = split_chunk_key(key, arrays)
+                chunks.setdefault(path, set()).add(coords)
+        return diff_nodes(snap.nodes, new_nodes, chunks)
+
+
+def diff_nodes(
+    old: dict[str, bytes], new: dict[str, bytes], chunks: dict[str, set[tuple[Any, ...]]]
+) -> Diff:
+    old_paths, new_paths = node_paths(old), node_paths(new)
+    changed = {
+        meta_key_node(k)
+        for k in set(old) | set(new)
+        if old.get(k) != new.get(k) and meta_key_node(k) in old_paths & new_paths
+    }
+    return Diff.build(new_paths - old_paths, old_paths - new_paths, changed, chunks)
+
+
+class Session(Workspace):
+    """A transaction on a branch, or a read-only view of a version. See :mod:`zarrlake.session`."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        base: str,
+        *,
+        branch: str | None,
+        read_only: bool,
+        ttl: dt.timedelta | None = None,
+    ) -> None:
+        self._repo = repo
+        self._objects = repo._objects
+        self._config = repo.config
+        self._base_id = base
+        self._branch = branch
+        self._read_only = read_only
+        self._session_id = uuid.uuid4().hex
+        self._expires_at = None if read_only else dt.datetime.now(dt.UTC) + (ttl or self._config.session_ttl)
+        self._layers = [Changeset(self._session_id, base)]
+        self._merged: dict[str, Any] = {}
+        self._committed: str | None = None
+        self._init_workspace()
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self._read_only else "writable"
+        return f"<Session {mode} branch={self._branch!r} base={self._base_id}>"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_mutex", None)
+        state["_store"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mutex = threading.Lock()
+
+    def commit(
+        self,
+        message: str,
+        *,
+        author: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        rebase: bool = True,
+        solver: Solver = None,
+        allow_empty: bool = False,
+    ) -> str:
+        """Publish the changes as a new snapshot on the branch and return its id.
+
+        If the branch moved since the base, the changes are rebased onto the new head
+        (``rebase=True``); overlapping changes raise :class:`ConflictError` listing each conflict,
+        unless ``solver`` (:class:`UseOurs` / :class:`UseTheirs`) settles chunk conflicts.
+        Afterwards the session is read-only. Raises :class:`SessionExpired`, :class:`ReadOnlyError`,
+        :class:`NothingToCommit`.
+        """
+        self._check_writable()
+        if not isinstance(message, str):
+            raise TypeError("commit message must be a string")
+        if not self.has_changes and not allow_empty:
+            raise NothingToCommit("no changes to commit (pass allow_empty=True to commit anyway)")
+        assert self._branch is not None
+        with self._mutex:
+            changeset = self._layers[0].copy()
+        new_id = self._repo._commit_changeset(
+            self._branch,
+            changeset,
+            message=message,
+            author=author,
+            metadata=metadata or {},
+            rebase=rebase,
+            solver=solver,
+        )
+        self._committed = new_id
+        self._base_id = new_id
+        self._layers = [Changeset(self._session_id, new_id)]
+        self._read_only = True
+        if self._store is not None:
+            self._store._read_only = True
+        return new_id
+
+    def discard(self) -> None:
+        """Drop every uncommitted change (uploaded chunks become garbage for GC)."""
+        self._check_writable()
+        with self._mutex:
+            self._layers = [Changeset(self._session_id, self._base_id)]
+            self._merged.clear()
+
+    def fork(self) -> ForkedSession:
+        """A picklable writer for another process, seeing this session's changes so far."""
+        self._check_writable()
+        with self._mutex:
+            inherited = self._layers[0].copy()
+        return ForkedSession(
+            objects=self._objects,
+            config=self._config,
+            base=self._base_id,
+            branch=self._branch,
+            session_id=self._session_id,
+            expires_at=self._expires_at,
+            inherited=inherited,
+        )
+
+    def merge(self, *changesets: Changeset) -> None:
+        """Fold forked work back into this session (then :meth:`commit`).
+
+        Raises :class:`ConflictError` if two forks wrote different bytes to the same key, and
+        :class:`ZarrlakeError` for a changeset that does not belong to this session.
+        """
+        self._check_writable()
+        for cs in changesets:
+            if not isinstance(cs, Changeset):
+                raise TypeError(f"expected a Changeset, got {type(cs).__name__}")
+            if cs.session_id != self._session_id or cs.base != self._base_id:
+                raise ZarrlakeError("changeset comes from a fork of a different session")
+        from zarrlake.errors import Conflict
+
+        conflicts = []
+        with self._mutex:
+            snap_nodes = self._snapshot().nodes
+            arrays = array_paths(snap_nodes) | array_paths(
+                {k: v for k, v in self._layers[0].nodes.items() if v is not None}
+            )
+            for cs in changesets:
+                for d in (cs.chunks, cs.nodes):
+                    for k, v in d.items():
+                        if k in self._merged and self._merged[k] != v:
+                            if is_meta_key(k):
+                                conflicts.append(Conflict("node", meta_key_node(k)))
+                            else:
+                                path, coords = split_chunk_key(k, arrays)
+                                conflicts.append(Conflict("chunk", path, coords))
+            if conflicts:
+                raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
+            for cs in changesets:
+                for d in (cs.chunks, cs.nodes):
+                    self._merged.update(d)
+                self._layers[0].fold(cs)
+
+
+class ForkedSession(Workspace):
+    """A session's writer in another process (a Spark task): picklable, commits nothing itself."""
+
+    def __init__(
+        self,
+        *,
+        objects: ObjectStore,
+        config: RepositoryConfig,
+        base: str,
+        branch: str | None,
+        session_id: str,
+        expires_at: dt.datetime | None,
+        inherited: Changeset,
+    ) -> None:
+        self._objects = objects
+        self._config = config
+        self._base_id = base
+        self._branch = branch
+        self._session_id = session_id
+        self._expires_at = expires_at
+        self._read_only = False
+        self._layers = [Changeset(session_id, base), inherited]
+        self._init_workspace()
+
+    def changeset(self) -> Changeset:
+        """This fork's own changes, to hand back to :meth:`Session.merge`."""
+        with self._mutex:
+            return self._layers[0].copy()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_mutex", None)
+        state["_store"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mutex = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<ForkedSession of {self._session_id} base={self._base_id}>"
+

@@ -1,0 +1,169 @@
+"""A directory on the local file system.
+
+Create-only writes are atomic: data goes to a temporary file first, and ``os.link`` publishes it
+under the final name, which fails if the name exists (``O_EXCL`` semantics without exposing a
+half-written file). Plain writes use ``os.replace``, also atomic. Readers never see torn objects.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import ClassVar
+
+from zarrlake.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+)
+
+_TMP = ".tmp"
+
+
+class LocalStorage(Storage):
+    concurrency: ClassVar[int] = 8
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = Path(path).expanduser().absolute()
+
+    @property
+    def url(self) -> str:
+        return self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise StorageError(f"invalid object key: {key!r}")
+        return self.root / key
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                if byte_range is None:
+                    return f.read()
+                start, end = byte_range
+                f.seek(start)
+                return f.read(max(0, end - start))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(key) from None
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        tmpdir = self.root / _TMP
+        tmp = tmpdir / f"{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            tmpdir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd) if self.fsync else None
+        finally:
+            os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return tmp
+
+    #: fsync every object before publishing it (durability across power loss, at a cost).
+    fsync: ClassVar[bool] = False
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            if create_only:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(key) from None
+                except OSError as e:  # file systems without hard links
+                    if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                        raise
+                    self._create_exclusive(path, key, data)
+            else:
+                os.replace(tmp, path)
+                tmp = None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def _create_exclusive(self, path: Path, key: str, data: bytes) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise PreconditionFailed(key) from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not os.path.isfile(self._path(key)):
+            return None
+        return ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Walk only the directory that can hold the prefix, then filter.
+        base_dir, _, _ = prefix.rpartition("/")
+        start = self.root / base_dir if base_dir else self.root
+        if not start.is_dir():
+            return
+        results: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            if rel_dir == "" :
+                dirnames[:] = [d for d in dirnames if d != _TMP]
+            # prune directories that cannot match
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if (rel_dir + d + "/").startswith(prefix) or prefix.startswith(rel_dir + d + "/")
+            ]
+            for name in filenames:
+                key = rel_dir + name
+                if key.startswith(prefix):
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except FileNotFoundError:
+                        continue
+                    results.append(
+                        ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
+                    )
+        results.sort(key=lambda o: o.key)
+        yield from results
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        path = self.root / prefix if prefix else self.root
+        try:
+            names = sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [n for n in names if n != _TMP and (path / n).is_dir()]
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        n = 0
+        for key in keys:
+            n += 1
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+        return n
+
+    def set_modified(self, key: str, when: dt.datetime) -> None:
+        """Backdate an object (tests of grace periods use this)."""
+        ts = when.timestamp()
+        os.utime(self._path(key), (ts, ts))

@@ -1,0 +1,76 @@
+"""A process-local backend: a dict behind a lock. Create-only is a compare-and-set."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
+
+
+class MemoryStorage(Storage):
+    durable: ClassVar[bool] = False
+    concurrency: ClassVar[int] = 4
+
+    def __init__(self) -> None:
+        self._objects: dict[str, tuple[bytes, dt.datetime]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return "memory://"
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        try:
+            data, _ = self._objects[key]
+        except KeyError:
+            raise ObjectNotFound(key) from None
+        if byte_range is None:
+            return data
+        return data[byte_range[0] : byte_range[1]]
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        now = dt.datetime.now(dt.UTC)
+        with self._lock:
+            if create_only and key in self._objects:
+                raise PreconditionFailed(key)
+            self._objects[key] = (bytes(data), now)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        entry = self._objects.get(key)
+        if entry is None:
+            return None
+        return ObjectInfo(key, len(entry[0]), entry[1])
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = [(k, v) for k, v in self._objects.items() if k.startswith(prefix)]
+        items.sort(key=lambda kv: kv[0])
+        for key, (data, mtime) in items:
+            yield ObjectInfo(key, len(data), mtime)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        n = 0
+        with self._lock:
+            for key in keys:
+                self._objects.pop(key, None)
+                n += 1
+        return n
+
+    def set_modified(self, key: str, when: dt.datetime) -> None:
+        """Backdate an object (tests of grace periods use this)."""
+        with self._lock:
+            data, _ = self._objects[key]
+            self._objects[key] = (data, when)
+
+    # A memory store is identified by its object; pickling copies the contents (useful for forks
+    # that run in the same process, as Spark's local mode does for Python workers it reuses).
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            return {"_objects": dict(self._objects)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._objects = state["_objects"]
+        self._lock = threading.Lock()

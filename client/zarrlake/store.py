@@ -1,0 +1,199 @@
+"""The Zarr store adapter: ``zarr.abc.store.Store`` over a session.
+
+Zarr's async machinery calls these methods concurrently; the blocking object-store calls run on the
+backend's I/O thread pool, so many chunk reads or uploads are in flight at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+
+from zarrlake.errors import ReadOnlyError
+from zarrlake.format.model import ref_size
+
+if TYPE_CHECKING:
+    from zarrlake.session import Workspace
+
+
+def _range(byte_range: ByteRequest | None, size: int) -> tuple[int, int] | None:
+    if byte_range is None:
+        return None
+    if isinstance(byte_range, RangeByteRequest):
+        return max(0, byte_range.start), min(size, byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return min(size, byte_range.offset), size
+    if isinstance(byte_range, SuffixByteRequest):
+        return max(0, size - byte_range.suffix), size
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
+class ZarrlakeStore(Store):
+    """Zarr's view of a zarrlake session. Obtain it as ``session.store``."""
+
+    supports_writes: bool = True
+    supports_deletes: bool = True
+    supports_listing: bool = True
+    supports_partial_writes: bool = False  # type: ignore[assignment]
+
+    def __init__(self, session: Workspace, *, read_only: bool | None = None) -> None:
+        super().__init__(read_only=session.read_only if read_only is None else read_only)
+        self._session = session
+
+    @property
+    def session(self) -> Workspace:
+        return self._session
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyError("store was opened in read-only mode and does not support writing")
+
+    def with_read_only(self, read_only: bool = False) -> ZarrlakeStore:
+        return type(self)(self._session, read_only=read_only)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ZarrlakeStore)
+            and other._session.session_id == self._session.session_id
+            and other._session.base == self._session.base
+            and other.read_only == self.read_only
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._session.session_id, self.read_only))
+
+    def __repr__(self) -> str:
+        return f"ZarrlakeStore({self._session!r})"
+
+    def __str__(self) -> str:
+        return f"zarrlake://{self._session.base}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"session": self._session, "read_only": self.read_only, "is_open": self._is_open}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._session = state["session"]
+        self._read_only = state["read_only"]
+        self._is_open = state["is_open"]
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _get_blocking(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+        value = self._session.resolve(key)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            rng = _range(byte_range, len(value))
+            return value if rng is None else value[rng[0] : rng[1]]
+        rng = _range(byte_range, ref_size(value))
+        return self._session._objects.read_chunk(value, rng)
+
+    async def get(
+        self,
+        key: str,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
+        if prototype is None:
+            prototype = default_buffer_prototype()
+        if not self._is_open:
+            await self._open()
+        storage = self._session._objects.storage
+        data = await storage.run_async(self._get_blocking, key, byte_range)
+        return None if data is None else prototype.buffer.from_bytes(data)
+
+    def get_sync(
+        self,
+        key: str,
+        *,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
+        if prototype is None:
+            prototype = default_buffer_prototype()
+        data = self._get_blocking(key, byte_range)
+        return None if data is None else prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        import asyncio
+
+        return list(
+            await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges))
+        )
+
+    async def exists(self, key: str) -> bool:
+        return await self._session._objects.storage.run_async(self._session.exists, key)
+
+    async def getsize(self, key: str) -> int:
+        value = self._session.resolve(key)
+        if value is None:
+            raise FileNotFoundError(key)
+        return len(value) if isinstance(value, bytes) else ref_size(value)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        await self._ensure_open()
+        if not isinstance(value, Buffer):
+            raise TypeError(f"ZarrlakeStore.set(): value must be a Buffer, not {type(value)}")
+        await self._session._objects.storage.run_async(
+            self._session.write, key, value.to_bytes()
+        )
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        self._session.write(key, value.to_bytes())
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        if not await self.exists(key):
+            await self.set(key, value)
+
+    async def delete(self, key: str) -> None:
+        self._check_writable()
+        await self._session._objects.storage.run_async(self._session.delete, key)
+
+    def delete_sync(self, key: str) -> None:
+        self._check_writable()
+        self._session.delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._check_writable()
+        self._session.delete_prefix(prefix)
+
+    async def clear(self) -> None:
+        self._check_writable()
+        self._session.delete_prefix("")
+
+    # -- listing --------------------------------------------------------------------------------
+
+    async def list(self) -> AsyncIterator[str]:
+        for key in self._session.list_prefix(""):
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for key in self._session.list_prefix(prefix):
+            yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        for name in self._session.list_dir(prefix):
+            yield name
+
+    async def is_empty(self, prefix: str) -> bool:
+        for _ in self._session.list_prefix(prefix):
+            return False
+        return True
