@@ -1,0 +1,44 @@
+# The README's commands. Everything installs into ./.venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test bench bench-quick lint crds clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Stamp files: re-install only when pyproject.toml changes.
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[examples]"
+	touch $@
+
+$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+$(VENV)/.bench-installed: pyproject.toml $(VENV)/.dev-installed
+	$(BIN)/pip install -q -e ".[bench]"
+	touch $@
+
+## demo: quickstart on a local directory repository (no servers needed)
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/quickstart.py
+
+## test: the whole suite (real S3 API server, real PySpark, real file system)
+test: $(VENV)/.dev-installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run
+bench: $(VENV)/.bench-installed
+	$(BIN)/python bench/run.py --markdown bench/results/latest.md
+
+bench-quick: $(VENV)/.bench-installed
+	$(BIN)/python bench/run.py --quick
+
+lint: $(VENV)/.dev-installed
+	$(BIN)/ruff check client tests bench examples
+
+clean:
+	rm -rf $(VENV) demo-repo .pytest_cache .hypothesis

@@ -1,0 +1,470 @@
+"""The Repository and Session API of API.md, on memory, local-directory and S3 storage."""
+
+from __future__ import annotations
+
+import datetime as dt
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+import zarrlake
+from zarrlake.format.model import JournalEntry, branch_entry_key, snapshot_key
+
+
+def write_array(session: zarrlake.Session, path: str = "a", shape=(8, 8), chunks=(4, 4), fill=1.0):
+    arr = zarr.create_array(session.store, name=path, shape=shape, chunks=chunks, dtype="f8")
+    arr[:] = fill
+    return arr
+
+
+def read(repo: zarrlake.Repository, ref: str, path: str = "a") -> np.ndarray:
+    return zarr.open_array(repo.readonly_session(ref).store, path=path, mode="r")[:]
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+def test_create_open_exists(storage: zarrlake.Storage) -> None:
+    assert not zarrlake.Repository.exists(storage)
+    with pytest.raises(zarrlake.RepositoryNotFound):
+        zarrlake.Repository.open(storage)
+    repo = zarrlake.Repository.create(storage)
+    assert zarrlake.Repository.exists(storage)
+    with pytest.raises(zarrlake.RepositoryExists):
+        zarrlake.Repository.create(storage)
+    again = zarrlake.Repository.open(storage)
+    assert again.id == repo.id
+    assert zarrlake.Repository.open_or_create(storage).id == repo.id
+    assert list(repo.list_branches()) == ["main"]
+    assert [c.message for c in repo.log()] == ["Repository initialized"]
+
+
+def test_config_is_stored(storage: zarrlake.Storage) -> None:
+    cfg = zarrlake.RepositoryConfig(inline_threshold_bytes=0, shard_max_refs=64)
+    zarrlake.Repository.create(storage, config=cfg)
+    assert zarrlake.Repository.open(storage).config == cfg
+    with pytest.raises(ValueError):
+        zarrlake.RepositoryConfig(shard_max_refs=1)
+
+
+# -- branches and tags --------------------------------------------------------------------------
+
+
+def test_branches(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s)
+    c1 = s.commit("one")
+    assert repo.create_branch("dev") == c1
+    assert repo.create_branch("feature/x", from_ref=c1) == c1
+    with pytest.raises(zarrlake.BranchExists):
+        repo.create_branch("dev")
+    assert repo.list_branches() == {"dev": c1, "feature/x": c1, "main": c1}
+    first = list(repo.log())[-1].id
+    assert repo.reset_branch("dev", first) == first
+    assert repo.lookup_branch("dev") == first
+    with pytest.raises(zarrlake.ConflictError):
+        repo.reset_branch("dev", c1, expected=c1)  # dev is at `first`, not c1
+    assert repo.reset_branch("dev", c1, expected=first) == c1
+    repo.delete_branch("dev")
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.lookup_branch("dev")
+    assert "dev" not in repo.list_branches()
+    assert repo.create_branch("dev", from_ref=first) == first  # a deleted name can be reused
+    with pytest.raises(zarrlake.ZarrlakeError):
+        repo.delete_branch("main")
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.delete_branch("nope")
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.create_branch("x", from_ref="no-such-ref")
+
+
+@pytest.mark.parametrize(
+    "name", ["", " ", "a b", "a..b", "-x", "tab\there", "nul\x00", "x" * 256, "a/", "/a", "a//b"]
+)
+def test_invalid_names(repo: zarrlake.Repository, name: str) -> None:
+    with pytest.raises(zarrlake.InvalidName):
+        repo.create_branch(name)
+    with pytest.raises(zarrlake.InvalidName):
+        repo.create_tag(name, "main")
+    assert list(repo.list_branches()) == ["main"]
+    assert repo.list_tags() == {}
+
+
+def test_tags(repo: zarrlake.Repository) -> None:
+    head = repo.lookup_branch("main")
+    assert repo.create_tag("v1", "main") == head
+    assert repo.lookup_tag("v1") == head
+    assert repo.resolve("v1") == head
+    with pytest.raises(zarrlake.TagExists):
+        repo.create_tag("v1", "main")
+    repo.delete_tag("v1")
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.lookup_tag("v1")
+    with pytest.raises(zarrlake.TagExists):
+        repo.create_tag("v1", "main")  # deleted names are never reused
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.delete_tag("v1")
+    repo.create_tag("release/2026-11", head)
+    assert repo.list_tags() == {"release/2026-11": head}
+
+
+def test_resolve(repo: zarrlake.Repository) -> None:
+    head = repo.lookup_branch("main")
+    assert repo.resolve("main") == head
+    assert repo.resolve(head) == head
+    for bad in ["nope", "01ARZ3NDEKTSV4RRFFQ69G5FAV", "", "a..b"]:
+        with pytest.raises(zarrlake.RefNotFound):
+            repo.resolve(bad)
+
+
+# -- sessions -------------------------------------------------------------------------------------
+
+
+def test_read_your_writes_and_isolation(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, fill=3.0)
+    assert s.has_changes
+    np.testing.assert_array_equal(zarr.open_array(s.store, path="a")[:], np.full((8, 8), 3.0))
+    other = repo.readonly_session("main")
+    with pytest.raises(FileNotFoundError):
+        zarr.open_array(other.store, path="a", mode="r")
+    status = s.status()
+    assert "/a" in status.added_nodes and "a" in status.added_nodes
+    assert status.changed_chunks["a"] == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    c = s.commit("write a", author="me", metadata={"k": [1, 2]})
+    assert s.read_only
+    with pytest.raises(zarrlake.ReadOnlyError):
+        zarr.open_array(s.store, path="a")[0, 0] = 1
+    info = next(repo.log())
+    assert (info.id, info.message, info.author, info.metadata) == (c, "write a", "me", {"k": [1, 2]})
+    assert info.time.tzinfo is not None
+    np.testing.assert_array_equal(read(repo, "main"), np.full((8, 8), 3.0))
+
+
+def test_nothing_to_commit(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    with pytest.raises(zarrlake.NothingToCommit):
+        s.commit("empty")
+    c = s.commit("empty", allow_empty=True)
+    assert repo.lookup_branch("main") == c
+
+
+def test_readonly_session_refuses_writes(repo: zarrlake.Repository) -> None:
+    import asyncio
+
+    from zarr.core.buffer import cpu
+
+    s = repo.readonly_session()
+    with pytest.raises(ValueError):  # Zarr's own check
+        zarr.open_group(s.store, mode="w")
+    with pytest.raises(zarrlake.ReadOnlyError):
+        asyncio.run(s.store.set("zarr.json", cpu.Buffer.from_bytes(b"{}")))
+    with pytest.raises(ValueError):  # ReadOnlyError is also a ValueError, as Zarr expects
+        s.store.set_sync("x/c/0", cpu.Buffer.from_bytes(b"1"))
+    with pytest.raises(zarrlake.ReadOnlyError):  # the session itself, below the store
+        s.write("x/c/0", b"1")
+    with pytest.raises(zarrlake.ReadOnlyError):
+        s.commit("x")
+
+
+def test_session_expiry(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session(ttl=dt.timedelta(milliseconds=200))
+    write_array(s)
+    time.sleep(0.3)
+    with pytest.raises(zarrlake.SessionExpired):
+        s.commit("too late")
+    with pytest.raises(zarrlake.SessionExpired):
+        zarr.open_array(s.store, path="a")[0, 0] = 5
+    assert [c.message for c in repo.log()] == ["Repository initialized"]
+    with pytest.raises(ValueError):
+        repo.writable_session(ttl=dt.timedelta(days=8))
+
+
+def test_discard(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s)
+    s.discard()
+    assert not s.has_changes
+    assert not s.status()
+
+
+def test_transaction(repo: zarrlake.Repository) -> None:
+    with repo.transaction("main", message="tx") as store:
+        zarr.create_array(store, name="t", shape=(4,), chunks=(2,), dtype="i4")[:] = 7
+    assert next(repo.log()).message == "tx"
+    head = repo.lookup_branch("main")
+    with pytest.raises(RuntimeError), repo.transaction("main", message="fails") as store:
+        zarr.open_array(store, path="t")[:] = 9
+        raise RuntimeError("boom")
+    assert repo.lookup_branch("main") == head
+    np.testing.assert_array_equal(zarr.open_array(repo.readonly_session().store, path="t", mode="r")[:], 7)
+
+
+# -- concurrency: rebase and conflicts -------------------------------------------------------------
+
+
+def test_disjoint_concurrent_commits_rebase(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, fill=0.0)
+    s.commit("base")
+    a, b = repo.writable_session(), repo.writable_session()
+    zarr.open_array(a.store, path="a")[0:4, 0:4] = 1
+    zarr.open_array(b.store, path="a")[4:8, 4:8] = 2
+    ca = a.commit("a")
+    cb = b.commit("b")
+    assert repo.lookup_branch("main") == cb
+    assert next(repo.log()).parents == (ca,)
+    data = read(repo, "main")
+    assert (data[0:4, 0:4] == 1).all() and (data[4:8, 4:8] == 2).all() and data[0, 7] == 0
+
+
+def test_conflicting_chunk_and_solvers(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, fill=0.0)
+    s.commit("base")
+
+    def race(ours: float, theirs: float) -> zarrlake.Session:
+        a, b = repo.writable_session(), repo.writable_session()
+        zarr.open_array(a.store, path="a")[0, 0] = theirs
+        zarr.open_array(b.store, path="a")[0, 0] = ours
+        a.commit("theirs")
+        return b
+
+    b = race(2, 1)
+    with pytest.raises(zarrlake.ConflictError) as info:
+        b.commit("ours")
+    assert info.value.conflicts == [zarrlake.Conflict("chunk", "/a", (0, 0))]
+    assert read(repo, "main")[0, 0] == 1
+    with pytest.raises(zarrlake.ConflictError):
+        b.commit("ours", rebase=False)
+    b.commit("ours", solver=zarrlake.UseOurs())
+    assert read(repo, "main")[0, 0] == 2
+
+    b = race(4, 3)
+    b.commit("ours", solver=zarrlake.UseTheirs())
+    assert read(repo, "main")[0, 0] == 3
+
+
+def test_metadata_and_delete_conflicts(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s)
+    write_array(s, "b")
+    s.commit("base")
+    a, b = repo.writable_session(), repo.writable_session()
+    zarr.open_array(a.store, path="a").attrs["x"] = 1
+    zarr.open_array(b.store, path="a").attrs["x"] = 2
+    a.commit("attrs a")
+    with pytest.raises(zarrlake.ConflictError) as info:
+        b.commit("attrs b")
+    assert [c.kind for c in info.value.conflicts] == ["node"]
+
+    a, b = repo.writable_session(), repo.writable_session()
+    del zarr.open_group(a.store)["b"]
+    zarr.open_array(b.store, path="b")[0, 0] = 9
+    a.commit("delete b")
+    with pytest.raises(zarrlake.ConflictError) as info:
+        b.commit("write b")
+    assert {c.kind for c in info.value.conflicts} == {"deleted-theirs"}
+    assert "/b" not in [p for p in repo.diff(repo.resolve("main"), "main").added_nodes]
+
+
+def test_resize_conflicts_with_chunk_write(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s)
+    s.commit("base")
+    a, b = repo.writable_session(), repo.writable_session()
+    zarr.open_array(a.store, path="a").resize((4, 4))
+    zarr.open_array(b.store, path="a")[0, 0] = 5
+    a.commit("shrink")
+    with pytest.raises(zarrlake.ConflictError) as info:
+        b.commit("write")
+    assert {c.kind for c in info.value.conflicts} == {"resized"}
+
+
+def test_many_threads_commit_disjoint_chunks(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, shape=(8,), chunks=(1,), fill=0.0)
+    s.commit("base")
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            w = repo.writable_session()
+            zarr.open_array(w.store, path="a")[i] = i + 1
+            w.commit(f"writer {i}")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    np.testing.assert_array_equal(read(repo, "main"), np.arange(1, 9))
+    history = list(repo.log())
+    assert len(history) == 10 and all(len(c.parents) <= 1 for c in history)
+
+
+def test_lost_journal_response_is_not_a_conflict(repo: zarrlake.Repository) -> None:
+    journal = repo._journal
+    head = journal.current("main")
+    entry = JournalEntry(head.seq + 1, head.snapshot, head.snapshot, head.time, "writer-1")
+    assert journal.append("main", entry)
+    # The same writer retries after a lost response: it recognizes its own entry.
+    assert journal.append("main", entry)
+    # Someone else racing for the same sequence number loses.
+    assert not journal.append("main", JournalEntry(head.seq + 1, head.snapshot, None, head.time, "w2"))
+    assert repo.storage.exists(branch_entry_key("main", head.seq + 1))
+
+
+# -- fork / merge of changesets ----------------------------------------------------------------------
+
+
+def test_fork_and_merge(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, shape=(8,), chunks=(2,), fill=0.0)  # metadata not committed yet: forks see it
+    forks = [pickle.loads(pickle.dumps(s.fork())) for _ in range(4)]
+    changesets = []
+    for i, f in enumerate(forks):
+        zarr.open_array(f.store, path="a")[2 * i : 2 * i + 2] = i + 1
+        changesets.append(pickle.loads(pickle.dumps(f.changeset())))
+    s.merge(*changesets)
+    s.commit("forked work")
+    np.testing.assert_array_equal(read(repo, "main"), [1, 1, 2, 2, 3, 3, 4, 4])
+
+    other = repo.writable_session()
+    with pytest.raises(zarrlake.ZarrlakeError):
+        other.merge(changesets[0])
+
+
+def test_forks_disagreeing_conflict(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, shape=(4,), chunks=(4,), fill=0.0)
+    f1, f2 = s.fork(), s.fork()
+    zarr.open_array(f1.store, path="a")[:] = 1
+    zarr.open_array(f2.store, path="a")[:] = 2
+    with pytest.raises(zarrlake.ConflictError):
+        s.merge(f1.changeset(), f2.changeset())
+
+
+# -- history, diff, merge, time travel ---------------------------------------------------------------
+
+
+def test_log_limit_and_diff(repo: zarrlake.Repository) -> None:
+    ids = []
+    for i in range(5):
+        s = repo.writable_session()
+        if i == 0:
+            write_array(s, shape=(10,), chunks=(1,), fill=0.0)
+        else:
+            zarr.open_array(s.store, path="a")[i] = i
+        ids.append(s.commit(f"c{i}"))
+    assert [c.id for c in repo.log(limit=3)] == ids[::-1][:3]
+    d = repo.diff(ids[1], ids[4])
+    assert d.changed_chunks["/a"] == {(2,), (3,), (4,)}
+    assert not d.added_nodes and not d.removed_nodes
+    assert not repo.diff("main", "main")
+    d0 = repo.diff(list(repo.log())[-1].id, "main")
+    assert d0.added_nodes == {"/", "/a"} or d0.added_nodes == {"/a"}
+
+
+def test_merge_three_way(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, shape=(4,), chunks=(1,), fill=0.0)
+    s.commit("base")
+    repo.create_branch("dev")
+    for branch, idx, val in [("dev", 0, 1), ("main", 3, 2), ("dev", 1, 5), ("main", 1, 5)]:
+        w = repo.writable_session(branch)
+        zarr.open_array(w.store, path="a")[idx] = val
+        w.commit(f"{branch} {idx}")
+    dest_head = repo.lookup_branch("main")
+    m = repo.merge("dev", "main")
+    info = next(repo.log())
+    assert info.id == m and info.parents == (dest_head, repo.lookup_branch("dev"))
+    np.testing.assert_array_equal(read(repo, "main"), [1, 5, 0, 2])
+    assert repo.merge("dev", "main") == m  # nothing new to merge
+
+    for branch, val in [("dev", 7), ("main", 8)]:
+        w = repo.writable_session(branch)
+        zarr.open_array(w.store, path="a")[2] = val
+        w.commit(f"{branch} conflict")
+    with pytest.raises(zarrlake.MergeConflictError) as info:
+        repo.merge("dev", "main")
+    assert info.value.conflicts == [zarrlake.Conflict("chunk", "/a", (2,))]
+    with pytest.raises(ValueError):
+        repo.merge("dev", "main", strategy="theirs")
+    head = repo.lookup_branch("main")
+    repo.merge("dev", "main", strategy="dest-wins")
+    assert read(repo, "main")[2] == 8
+    repo.reset_branch("main", head)
+    repo.merge("dev", "main", strategy="source-wins")
+    assert read(repo, "main")[2] == 7
+
+
+def test_time_travel(repo: zarrlake.Repository) -> None:
+    s = repo.writable_session()
+    write_array(s, shape=(2,), chunks=(2,), fill=1.0)
+    c1 = s.commit("one")
+    time.sleep(0.05)
+    between = dt.datetime.now(dt.UTC)
+    time.sleep(0.05)
+    s = repo.writable_session()
+    zarr.open_array(s.store, path="a")[:] = 2
+    c2 = s.commit("two")
+    assert read(repo, c1)[0] == 1 and read(repo, c2)[0] == 2
+    ro = repo.readonly_session("main", as_of=between)
+    assert ro.base == c1
+    assert zarr.open_array(ro.store, path="a", mode="r")[0] == 1
+    with pytest.raises(zarrlake.RefNotFound):
+        repo.readonly_session("main", as_of=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+
+
+# -- O(change) --------------------------------------------------------------------------------------
+
+
+def test_one_chunk_commit_rewrites_one_shard(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(
+        storage, config=zarrlake.RepositoryConfig(inline_threshold_bytes=64, shard_max_refs=100)
+    )
+    s = repo.writable_session()
+    arr = zarr.create_array(s.store, name="big", shape=(5000,), chunks=(1,), dtype="i4")
+    arr[:] = np.arange(5000)
+    s.commit("5000 chunks")
+    snap = repo._objects.snapshot(repo.lookup_branch("main"))
+    assert len(snap.shards) >= 50
+    before = set(storage.list_keys("manifests/"))
+    s = repo.writable_session()
+    zarr.open_array(s.store, path="big")[2500] = -1
+    s.commit("one chunk")
+    written = set(storage.list_keys("manifests/")) - before
+    assert 1 <= len(written) <= 2
+    assert read(repo, "main", "big")[2500] == -1 and read(repo, "main", "big")[2499] == 2499
+
+
+# -- corruption -------------------------------------------------------------------------------------
+
+
+def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    write_array(s)
+    c = s.commit("one")
+    good = storage.get(snapshot_key(c))
+    storage.put(snapshot_key(c), good[: len(good) // 2])
+    fresh = zarrlake.Repository.open(storage)
+    with pytest.raises(zarrlake.CorruptObject):
+        fresh.readonly_session("main")
+    storage.put(snapshot_key(c), b"PK\x03\x04 not ours")
+    with pytest.raises(zarrlake.UnsupportedFormat):
+        zarrlake.Repository.open(storage).readonly_session("main")
+    storage.put(snapshot_key(c), good)
+    assert read(zarrlake.Repository.open(storage), "main")[0, 0] == 1
+
+    storage.put("repo", b"ZLAK\x09\x01garbage")
+    with pytest.raises(zarrlake.UnsupportedFormat):
+        zarrlake.Repository.open(storage)
