@@ -32,10 +32,22 @@ from zarrlake.errors import (
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession, NothingToCommit, Session
 from zarrlake.storage import Storage, StorageError
-from zarrlake.store import ZarrlakeStore
 from zarrlake.types import CommitInfo, Diff
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The Zarr store adapter imports zarr (slow); load it when first asked for.
+    if name == "ZarrlakeStore":
+        from zarrlake.store import ZarrlakeStore
+
+        return ZarrlakeStore
+    if name in ("RedisLock", "LocalLock"):
+        from zarrlake import locks
+
+        return getattr(locks, name)
+    raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
 __all__ = [
     "BranchExists",
@@ -48,10 +60,12 @@ __all__ = [
     "ForkedSession",
     "InvalidName",
     "LockTimeout",
+    "LocalLock",
     "LockUnavailable",
     "MergeConflictError",
     "NothingToCommit",
     "ReadOnlyError",
+    "RedisLock",
     "RefNotFound",
     "Repository",
     "RepositoryConfig",

@@ -106,6 +106,8 @@ class S3Storage(Storage):
             ClientError,
             ConnectionError,
             EndpointConnectionError,
+            NoCredentialsError,
+            PartialCredentialsError,
             ReadTimeoutError,
         )
 
@@ -128,6 +130,8 @@ class S3Storage(Storage):
                 raise StorageError(f"S3 {code or status} on {key}: {err.get('Message', '')}") from e
             except (EndpointConnectionError, ConnectionError, ReadTimeoutError) as e:
                 raise TransientStorageError(f"S3 unreachable for {key}: {e}") from e
+            except (NoCredentialsError, PartialCredentialsError) as e:
+                raise StorageError(f"no usable AWS credentials for s3://{self.bucket}: {e}") from None
 
         return with_retries(once)
 
