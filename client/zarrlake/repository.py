@@ -73,6 +73,10 @@ class Repository:
     """A versioned Zarr repository in one storage location. Open it with :meth:`open`/:meth:`create`."""
 
     def __init__(self, storage: Storage, record: RepoRecord, lock: Any = None) -> None:
+        if isinstance(lock, str):
+            from zarrlake.locks import lock_from_url
+
+            lock = lock_from_url(lock)
         self.storage = storage
         self._record = record
         self._lock = lock

@@ -1,0 +1,337 @@
+"""Branch locks: liveness and fairness for many writers; never what safety rests on.
+
+A commit takes the per-(repository, branch) lock before it reads the branch head and releases it
+after the journal write. Without a lock, writers racing for one branch retry optimistically, and
+under heavy contention most of their work is thrown away (a retry storm). With a lock they queue.
+
+Safety never depends on the lock: the create-only journal write still decides. A holder whose lease
+ran out (a paused process) simply loses the create-only race and rebases; it cannot move a branch
+backwards or overwrite a commit. Every journal entry records the holder's fencing token, which
+increases monotonically per repository, so a log shows who held the lock when.
+
+- :class:`RedisLock` — a lease in Redis, renewed while held, released by compare-and-delete,
+  waiters served in arrival order (a ticket queue) and polling with bounded, position-scaled,
+  jittered backoff instead of spinning.
+- :class:`LocalLock` — ``flock(2)`` on files in a directory, for processes on one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+from zarrlake.errors import LockTimeout, LockUnavailable
+
+log = logging.getLogger("zarrlake.locks")
+
+# KEYS: lock, queue, beats, fence   ARGV: holder, ticket, lease_ms, beat_ms
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local beat = tonumber(ARGV[4])
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) == false then
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
+end
+redis.call('HSET', KEYS[3], ARGV[1], now + beat)
+redis.call('PEXPIRE', KEYS[2], beat * 4)
+redis.call('PEXPIRE', KEYS[3], beat * 4)
+local rank = 0
+local waiters = redis.call('ZRANGE', KEYS[2], 0, -1)
+for _, w in ipairs(waiters) do
+  if w == ARGV[1] then break end
+  local exp = tonumber(redis.call('HGET', KEYS[3], w) or '0')
+  if exp < now then
+    redis.call('ZREM', KEYS[2], w)
+    redis.call('HDEL', KEYS[3], w)
+  else
+    rank = rank + 1
+  end
+end
+if rank > 0 or redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, rank, redis.call('PTTL', KEYS[1])}
+end
+local token = redis.call('INCR', KEYS[4])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', tonumber(ARGV[3]))
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return {1, token, 0}
+"""
+
+# KEYS: lock   ARGV: expected value
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS: lock   ARGV: expected value, lease_ms
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+end
+return 0
+"""
+
+# KEYS: queue, beats   ARGV: holder
+_LEAVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What ``zarrlake lock status`` shows for one held branch lock."""
+
+    branch: str
+    holder: str
+    token: int
+    ttl_ms: int
+    waiters: int
+
+
+class Lease:
+    """A held Redis lock: renewed in the background until released."""
+
+    def __init__(self, lock: RedisLock, key: str, value: str, token: int) -> None:
+        self._lock = lock
+        self.key = key
+        self.value = value
+        self.token = token
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="zarrlake-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        interval = max(0.05, self._lock.lease_s / 3)
+        lease_ms = int(self._lock.lease_s * 1000)
+        while not self._stop.wait(interval):
+            try:
+                ok = self._lock._script(_RENEW)(keys=[self.key], args=[self.value, lease_ms])
+            except Exception as e:  # Redis down: the lease will lapse; the journal keeps us safe
+                log.warning("could not renew lock %s: %s", self.key, e)
+                continue
+            if not ok:
+                self.lost = True
+                log.warning("lost lock %s (lease expired); commit stays safe via the journal", self.key)
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._lock._script(_RELEASE)(keys=[self.key], args=[self.value])
+        except Exception as e:
+            log.warning("could not release lock %s (it will expire): %s", self.key, e)
+
+
+class RedisLock:
+    """A per-(repository, branch) lease in Redis with a per-repository fencing token.
+
+    ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` for TLS.
+    ``lease_s``: lease length; renewed every ``lease_s/3`` while held. ``wait_s``: how long to wait
+    before :class:`LockTimeout`. ``on_unavailable``: if Redis cannot be reached, ``"optimistic"``
+    commits without the lock (safe, only less orderly), ``"fail"`` raises :class:`LockUnavailable`.
+    Keys live under ``zarrlake:{<repository id>}:`` so many repositories can share one Redis.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_s: float = 30,
+        wait_s: float = 120,
+        on_unavailable: str = "optimistic",
+        namespace: str = "zarrlake",
+    ) -> None:
+        if on_unavailable not in ("optimistic", "fail"):
+            raise ValueError("on_unavailable must be 'optimistic' or 'fail'")
+        if lease_s <= 0 or wait_s < 0:
+            raise ValueError("lease_s must be positive and wait_s non-negative")
+        scheme = urlparse(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"not a Redis URL: {url!r}")
+        self.url = url
+        self.lease_s = float(lease_s)
+        self.wait_s = float(wait_s)
+        self.on_unavailable = on_unavailable
+        self.namespace = namespace
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None
+        state["_scripts"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        u = urlparse(self.url)
+        host = u.hostname or ""
+        safe = u._replace(netloc=f"{host}:{u.port}" if u.port else host).geturl()  # no credentials
+        return f"RedisLock({safe!r}, lease_s={self.lease_s}, wait_s={self.wait_s})"
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(
+                self.url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True
+            )
+        return self._client
+
+    def _script(self, source: str) -> Any:
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.client.register_script(source)
+        return script
+
+    def _keys(self, repo_id: str, branch: str) -> tuple[str, str, str, str, str]:
+        base = f"{self.namespace}:{{{repo_id}}}"
+        b = quote(branch, safe="")
+        return (
+            f"{base}:lock:{b}",
+            f"{base}:queue:{b}",
+            f"{base}:beats:{b}",
+            f"{base}:fence",
+            f"{base}:tickets",
+        )
+
+    def acquire(self, repo_id: str, branch: str) -> Lease | None:
+        """Wait for the lock; a :class:`Lease`, or None when Redis is down and we go optimistic."""
+        import redis
+
+        lock_key, queue_key, beats_key, fence_key, tickets_key = self._keys(repo_id, branch)
+        holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        lease_ms = int(self.lease_s * 1000)
+        beat_ms = 5000
+        deadline = time.monotonic() + self.wait_s
+        try:
+            ticket = self.client.incr(tickets_key)
+            acquire = self._script(_ACQUIRE)
+            while True:
+                got, value, ttl = acquire(
+                    keys=[lock_key, queue_key, beats_key, fence_key],
+                    args=[holder, ticket, lease_ms, beat_ms],
+                )
+                if got:
+                    return Lease(self, lock_key, f"{holder}:{value}", int(value))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    with contextlib.suppress(redis.RedisError):
+                        self._script(_LEAVE)(keys=[queue_key, beats_key], args=[holder])
+                    raise LockTimeout(
+                        f"could not lock branch {branch!r} of repository {repo_id} within "
+                        f"{self.wait_s:g}s ({value} waiter(s) ahead)"
+                    )
+                # Bounded backoff scaled by our place in line: the next in line polls often,
+                # the back of the queue rarely, so waiting costs the server little.
+                delay = min(0.25, 0.003 * (int(value) + 1)) * random.uniform(0.5, 1.5)
+                time.sleep(min(delay, remaining))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if self.on_unavailable == "fail":
+                raise LockUnavailable(f"lock service {self!r} unreachable: {e}") from None
+            log.warning("lock service unreachable (%s); committing optimistically", e)
+            return None
+
+    @contextlib.contextmanager
+    def hold(self, repo_id: str, branch: str) -> Iterator[int | None]:
+        """Hold the branch lock for the block; yields the fencing token (None if optimistic)."""
+        lease = self.acquire(repo_id, branch)
+        try:
+            yield None if lease is None else lease.token
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def status(self, repo_id: str) -> list[LockHolder]:
+        """Current holders of this repository's branch locks."""
+        from urllib.parse import unquote
+
+        base = f"{self.namespace}:{{{repo_id}}}:lock:"
+        out = []
+        for key in sorted(self.client.scan_iter(match=base.replace("[", "\\[") + "*")):
+            value = self.client.get(key)
+            if value is None:
+                continue
+            branch = unquote(key[len(base) :])
+            holder, _, token = value.rpartition(":")
+            waiters = self.client.zcard(self._keys(repo_id, branch)[1])
+            out.append(LockHolder(branch, holder, int(token), int(self.client.pttl(key)), waiters))
+        return out
+
+
+class LocalLock:
+    """Branch locks for processes on one machine: ``flock(2)`` on files under ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str], *, wait_s: float = 120) -> None:
+        self.path = Path(path).expanduser().absolute()
+        self.wait_s = float(wait_s)
+
+    def __repr__(self) -> str:
+        return f"LocalLock({str(self.path)!r})"
+
+    def _next_token(self, repo_dir: Path) -> int:
+        fd = os.open(repo_dir / "fence", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 32, 0).strip()
+            token = int(raw or b"0") + 1
+            os.pwrite(fd, str(token).encode().ljust(20), 0)
+            return token
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def hold(self, repo_id: str, branch: str) -> Iterator[int]:
+        repo_dir = self.path / quote(repo_id, safe="")
+        repo_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(repo_dir / (quote(branch, safe="") + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + self.wait_s
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockTimeout(
+                            f"could not lock branch {branch!r} of repository {repo_id} "
+                            f"within {self.wait_s:g}s"
+                        ) from None
+                    time.sleep(delay * random.uniform(0.5, 1.5))
+                    delay = min(delay * 2, 0.05)
+            try:
+                yield self._next_token(repo_dir)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def lock_from_url(url: str, **options: Any) -> RedisLock | LocalLock:
+    """``redis://…``/``rediss://…`` -> :class:`RedisLock`; ``file:///dir`` or a path -> :class:`LocalLock`."""
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisLock(url, **options)
+    if scheme == "file":
+        return LocalLock(urlparse(url).path, **options)
+    if "://" not in url:
+        return LocalLock(url, **options)
+    raise ValueError(f"unsupported lock URL {url!r} (use redis://, rediss:// or a directory)")
