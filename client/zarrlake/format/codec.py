@@ -61,7 +61,7 @@ def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:
     if kind != int(expected):
         raise CorruptObject(key, f"expected a {expected.name.lower()} object, found type {kind}")
     try:
-        body = _zc()[1].decompress(data[HEADER_LEN:])
+        body = _zc()[1].decompress(data[HEADER_LEN:], allow_extra_data=False)
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # zstd and msgpack raise many types on garbage
         raise CorruptObject(key, f"{type(e).__name__}: {e}") from None

@@ -38,6 +38,10 @@ def _subtree_bounds(prefix: str) -> tuple[str, str]:
     return (p, p + "/" + _TOP) if p else ("", _TOP)
 
 
+def _first(info: ShardInfo) -> str:
+    return info.first
+
+
 def _shard_for(firsts: list[str], key: str) -> int:
     return max(0, bisect.bisect_right(firsts, key) - 1)
 
@@ -46,7 +50,7 @@ def lookup(index: list[ShardInfo], key: str, load: Loader) -> ChunkRef | None:
     """The ref stored for ``key``, or None."""
     if not index:
         return None
-    i = _shard_for([s.first for s in index], key)
+    i = max(0, bisect.bisect_right(index, key, key=_first) - 1)
     info = index[i]
     if key < info.first or key > info.last:
         return None
@@ -89,7 +93,7 @@ def first_at_or_after(index: list[ShardInfo], cursor: str, load: Loader) -> str 
     """The smallest key >= ``cursor``, or None."""
     if not index:
         return None
-    i = _shard_for([s.first for s in index], cursor)
+    i = max(0, bisect.bisect_right(index, cursor, key=_first) - 1)
     for info in index[i:]:
         if info.last < cursor:
             continue
@@ -139,12 +143,17 @@ def _emit(
 ) -> None:
     if not keys:
         return
+    # Balanced pieces (sizes differ by at most one): cutting max_refs-sized pieces could leave a
+    # tiny last one, and with more than one piece each holds more than max_refs / 2.
     pieces = -(-len(keys) // max_refs)
-    size = -(-len(keys) // pieces)
-    for start in range(0, len(keys), size):
-        info, data = build_shard(keys[start : start + size], refs[start : start + size])
+    size, extra = divmod(len(keys), pieces)
+    start = 0
+    for p in range(pieces):
+        end = start + size + (p < extra)
+        info, data = build_shard(keys[start:end], refs[start:end])
         out.append(info)
         new[info.digest] = data
+        start = end
 
 
 def apply_changes(
@@ -174,7 +183,10 @@ def apply_changes(
         lo, hi = _subtree_bounds(p)
         for i, s in enumerate(index):
             if s.last >= lo and s.first <= hi:
-                if prefix_matches(s.first, p) and prefix_matches(s.last, p) and i not in touched:
+                # Only keys below "p/" form a contiguous range: "p" itself and "p/..." do not
+                # ("p-x" sorts between them), so a shard starting at "p" must be read.
+                inside = not p or (s.first.startswith(p + "/") and s.last.startswith(p + "/"))
+                if inside and i not in touched:
                     dropped.add(i)  # wholly inside the deleted subtree: no need to read it
                 else:
                     touched.setdefault(i, [])
@@ -219,14 +231,16 @@ def apply_changes(
             _emit(pend_keys, pend_refs, max_refs, out, new)
             pend_keys, pend_refs = [], []
     if pend_keys:
-        if out and out[-1].count + len(pend_keys) <= max_refs:
-            # An undersized tail joins the shard before it.
+        if out:
+            # An undersized tail joins the shard before it (and _emit splits them evenly if
+            # together they exceed the bound).
             prev = out.pop()
             shard = load(prev) if prev.digest not in new else ManifestShard.decode(new[prev.digest])
             pend_keys = shard.keys + pend_keys
             pend_refs = shard.refs + pend_refs
         _emit(pend_keys, pend_refs, max_refs, out, new)
-    return ManifestUpdate(out, {d: b for d, b in new.items() if any(s.digest == d for s in out)})
+    kept = {s.digest for s in out}
+    return ManifestUpdate(out, {d: b for d, b in new.items() if d in kept})
 
 
 def diff_entries(

@@ -94,18 +94,53 @@ def _ref_from_wire(item: Any) -> ChunkRef:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICRO = dt.timedelta(microseconds=1)
+
+
 def to_micros(when: dt.datetime) -> int:
-    return int(when.timestamp() * 1_000_000)
+    # Integer arithmetic: going through a float timestamp loses microseconds.
+    if when.tzinfo is None:
+        when = when.astimezone()  # naive means local time, as datetime.timestamp() has it
+    return (when - _EPOCH) // _MICRO
 
 
 def from_micros(us: int) -> dt.datetime:
-    return dt.datetime.fromtimestamp(us / 1_000_000, dt.UTC)
+    return _EPOCH + dt.timedelta(microseconds=us)
 
 
 def _need(obj: Any, name: str, key: str) -> Any:
     if not isinstance(obj, dict) or name not in obj:
         raise CorruptObject(key, f"missing field {name!r}")
     return obj[name]
+
+
+# Decoders check the shape of what they read: a well-enveloped object with nonsense inside is
+# corrupt, and must not surface later as a TypeError far from where it was read.
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], key: str, name: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise CorruptObject(key, f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _opt(value: Any, kind: type, key: str, name: str) -> Any:
+    return None if value is None else _typed(value, kind, key, name)
+
+
+def _strs(value: Any, key: str, name: str) -> list[str]:
+    _typed(value, list, key, name)
+    for item in value:
+        _typed(item, str, key, name)
+    return value
+
+
+def _time(value: Any, key: str, name: str) -> dt.datetime:
+    try:
+        return from_micros(_typed(value, int, key, name))
+    except (OverflowError, ValueError):
+        raise CorruptObject(key, f"field {name!r} is not a valid time ({value})") from None
 
 
 # -- manifest shards -----------------------------------------------------------------------------
@@ -135,7 +170,15 @@ class ManifestShard:
     def decode(cls, data: bytes, key: str = "<manifest>") -> ManifestShard:
         obj = decode(data, ObjectType.MANIFEST, key)
         keys, refs = _need(obj, "k", key), _need(obj, "r", key)
-        if not isinstance(keys, list) or not isinstance(refs, list) or len(keys) != len(refs):
+        # Shards hold thousands of entries: check their types in bulk, not field by field.
+        if (
+            not isinstance(keys, list)
+            or not isinstance(refs, list)
+            or not all(type(k) is str for k in keys)
+            or not all(type(r) is list for r in refs)
+        ):
+            raise CorruptObject(key, "keys must be strings and refs arrays")
+        if len(keys) != len(refs):
             raise CorruptObject(key, "keys and refs differ in length")
         return cls(keys, [tuple(r) for r in refs])
 
@@ -179,20 +222,27 @@ class Snapshot:
     @classmethod
     def decode(cls, data: bytes, key: str = "<snapshot>") -> Snapshot:
         obj = decode(data, ObjectType.SNAPSHOT, key)
-        try:
-            return cls(
-                id=_need(obj, "id", key),
-                parents=tuple(_need(obj, "parents", key)),
-                time=from_micros(_need(obj, "time", key)),
-                author=obj.get("author"),
-                message=obj.get("message", ""),
-                metadata=obj.get("metadata") or {},
-                nodes=dict(_need(obj, "nodes", key)),
-                shards=[ShardInfo(*s) for s in _need(obj, "shards", key)],
-                ancestry=list(obj.get("ancestry") or []),
-            )
-        except (TypeError, ValueError) as e:
-            raise CorruptObject(key, str(e)) from None
+        nodes = _typed(_need(obj, "nodes", key), dict, key, "nodes")
+        for path, doc in nodes.items():
+            _typed(path, str, key, "nodes")
+            _typed(doc, bytes, key, "nodes")
+        shards = []
+        for s in _typed(_need(obj, "shards", key), list, key, "shards"):
+            if not isinstance(s, list) or len(s) != 4:
+                raise CorruptObject(key, f"bad shard index entry {s!r}")
+            first, last, digest = (_typed(x, str, key, "shards") for x in s[:3])
+            shards.append(ShardInfo(first, last, digest, _typed(s[3], int, key, "shards")))
+        return cls(
+            id=_typed(_need(obj, "id", key), str, key, "id"),
+            parents=tuple(_strs(_need(obj, "parents", key), key, "parents")),
+            time=_time(_need(obj, "time", key), key, "time"),
+            author=_opt(obj.get("author"), str, key, "author"),
+            message=_typed(obj.get("message", ""), str, key, "message"),
+            metadata=_typed(obj.get("metadata") or {}, dict, key, "metadata"),
+            nodes=nodes,
+            shards=shards,
+            ancestry=_strs(obj.get("ancestry") or [], key, "ancestry"),
+        )
 
     @property
     def chunk_count(self) -> int:
@@ -221,10 +271,10 @@ class TxLog:
     def decode(cls, data: bytes, key: str = "<txlog>") -> TxLog:
         obj = decode(data, ObjectType.TXLOG, key)
         return cls(
-            list(_need(obj, "n", key)),
-            list(_need(obj, "c", key)),
-            list(_need(obj, "d", key)),
-            list(obj.get("r") or []),
+            _strs(_need(obj, "n", key), key, "n"),
+            _strs(_need(obj, "c", key), key, "c"),
+            _strs(_need(obj, "d", key), key, "d"),
+            _strs(obj.get("r") or [], key, "r"),
         )
 
 
@@ -258,13 +308,16 @@ class JournalEntry:
     @classmethod
     def decode(cls, data: bytes, key: str = "<journal entry>") -> JournalEntry:
         obj = decode(data, ObjectType.BRANCH_ENTRY, key)
+        seq = _typed(_need(obj, "seq", key), int, key, "seq")
+        if not 0 <= seq <= SEQ_MAX:
+            raise CorruptObject(key, f"sequence number {seq} out of range")
         return cls(
-            seq=int(_need(obj, "seq", key)),
-            snapshot=obj.get("snapshot"),
-            previous=obj.get("previous"),
-            time=from_micros(_need(obj, "time", key)),
-            writer=str(_need(obj, "writer", key)),
-            token=obj.get("token"),
+            seq=seq,
+            snapshot=_opt(obj.get("snapshot"), str, key, "snapshot"),
+            previous=_opt(obj.get("previous"), str, key, "previous"),
+            time=_time(_need(obj, "time", key), key, "time"),
+            writer=_typed(_need(obj, "writer", key), str, key, "writer"),
+            token=_opt(obj.get("token"), int, key, "token"),
         )
 
 
@@ -279,7 +332,10 @@ class TagRecord:
     @classmethod
     def decode(cls, data: bytes, key: str = "<tag>") -> TagRecord:
         obj = decode(data, ObjectType.TAG, key)
-        return cls(_need(obj, "snapshot", key), from_micros(_need(obj, "time", key)))
+        return cls(
+            _typed(_need(obj, "snapshot", key), str, key, "snapshot"),
+            _time(_need(obj, "time", key), key, "time"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +355,7 @@ class RepoRecord:
     def decode(cls, data: bytes, key: str = REPO_KEY) -> RepoRecord:
         obj = decode(data, ObjectType.REPO, key)
         return cls(
-            str(_need(obj, "id", key)),
-            from_micros(_need(obj, "created", key)),
-            dict(obj.get("config") or {}),
+            _typed(_need(obj, "id", key), str, key, "id"),
+            _time(_need(obj, "created", key), key, "created"),
+            dict(_typed(obj.get("config") or {}, dict, key, "config")),
         )

@@ -165,6 +165,8 @@ class Storage:
     def list_keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
         """Keys starting with ``prefix`` in ascending order, at most ``limit`` of them."""
         out: list[str] = []
+        if limit is not None and limit <= 0:
+            return out
         for info in self.list(prefix):
             out.append(info.key)
             if limit is not None and len(out) >= limit:

@@ -26,6 +26,10 @@ from zarrlake.storage.base import (
 _TMP = ".tmp"
 
 
+def _holds_file(path: Path) -> bool:
+    return any(files for _, _, files in os.walk(path))
+
+
 class LocalStorage(Storage):
     concurrency: ClassVar[int] = 8
 
@@ -151,7 +155,8 @@ class LocalStorage(Storage):
             names = sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return [n for n in names if n != _TMP and (path / n).is_dir()]
+        # Folders left empty by deletes are not listed: a folder exists only through its objects.
+        return [n for n in names if n != _TMP and (path / n).is_dir() and _holds_file(path / n)]
 
     def delete_many(self, keys: Iterable[str]) -> int:
         n = 0

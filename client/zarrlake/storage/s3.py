@@ -89,7 +89,9 @@ class S3Storage(Storage):
                 endpoint_url=self.endpoint_url,
                 config=Config(
                     max_pool_connections=self.concurrency * 2,
-                    retries={"max_attempts": 1, "mode": "standard"},  # we retry ourselves
+                    # One attempt: we retry ourselves ("max_attempts" would count retries, and
+                    # botocore's backoff on top of ours multiplies requests and waits).
+                    retries={"total_max_attempts": 1, "mode": "standard"},
                     connect_timeout=10,
                     read_timeout=60,
                     s3={"addressing_style": "path"} if self.endpoint_url else None,
@@ -106,9 +108,10 @@ class S3Storage(Storage):
             ClientError,
             ConnectionError,
             EndpointConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
             NoCredentialsError,
             PartialCredentialsError,
-            ReadTimeoutError,
         )
 
         def once() -> Any:
@@ -128,8 +131,11 @@ class S3Storage(Storage):
                 if code in _TRANSIENT_CODES or status >= 500 or status == 429:
                     raise TransientStorageError(f"S3 {code or status} on {key}") from e
                 raise StorageError(f"S3 {code or status} on {key}: {err.get('Message', '')}") from e
-            except (EndpointConnectionError, ConnectionError, ReadTimeoutError) as e:
+            except (EndpointConnectionError, ConnectionError) as e:
                 raise TransientStorageError(f"S3 unreachable for {key}: {e}") from e
+            except (HTTPClientError, IncompleteReadError) as e:
+                # A connection dropped mid-request, a read timeout, a truncated body.
+                raise TransientStorageError(f"S3 connection failed for {key}: {e}") from e
             except (NoCredentialsError, PartialCredentialsError) as e:
                 raise StorageError(f"no usable AWS credentials for s3://{self.bucket}: {e}") from None
 

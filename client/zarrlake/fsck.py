@@ -1,0 +1,155 @@
+"""Consistency check: is everything reachable from the refs present and well-formed?
+
+Walks every branch journal and tag, every snapshot reachable from them, and checks that each
+snapshot, txlog, manifest shard (digest included) and chunk object or pack range exists and parses.
+Problems are reported precisely (which object, what is wrong), never raised one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from zarrlake.errors import CorruptObject, RefNotFound, UnsupportedFormat
+from zarrlake.format.model import (
+    INLINE,
+    OBJECT,
+    PACKED,
+    branch_prefix,
+    chunk_key,
+    pack_key,
+    snapshot_key,
+    txlog_key,
+)
+
+if TYPE_CHECKING:
+    from zarrlake.repository import Repository
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # missing | corrupt | unsupported | dangling-ref
+    key: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.key}: {self.detail}"
+
+
+@dataclass
+class FsckReport:
+    problems: list[Problem] = field(default_factory=list)
+    refs: int = 0
+    snapshots: int = 0
+    shards: int = 0
+    chunks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checked": {
+                "refs": self.refs,
+                "snapshots": self.snapshots,
+                "shards": self.shards,
+                "chunks": self.chunks,
+            },
+            "problems": [
+                {"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems
+            ],
+        }
+
+
+def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
+    """Check the repository; see the module docstring. ``check_chunks=False`` skips chunk objects."""
+    report = FsckReport()
+    storage = repo.storage
+    objects = repo._objects
+
+    def problem(kind: str, key: str, detail: str) -> None:
+        report.problems.append(Problem(kind, key, detail))
+
+    # Roots: every journal entry of every branch (as_of reads them), and every live tag.
+    roots: list[str] = []
+    for name in repo._journal.names():
+        for key in storage.list_keys(branch_prefix(name)):
+            report.refs += 1
+            try:
+                entry = repo._journal._read(key)
+            except (CorruptObject, UnsupportedFormat) as e:
+                problem("corrupt", key, str(e))
+                continue
+            if entry.snapshot is not None:
+                roots.append(entry.snapshot)
+    try:
+        tags = repo._tags.all()
+    except (CorruptObject, UnsupportedFormat) as e:
+        problem("corrupt", "refs/tag.*", str(e))
+        tags = {}
+    report.refs += len(tags)
+    roots.extend(tags.values())
+
+    seen: set[str] = set()
+    shard_seen: set[str] = set()
+    chunk_refs: dict[str, int] = {}  # object key -> minimum size the refs need
+    stack = list(dict.fromkeys(roots))
+    while stack:
+        sid = stack.pop()
+        if sid in seen:
+            continue
+        seen.add(sid)
+        try:
+            snap = objects.snapshot(sid)
+        except RefNotFound:
+            problem("missing", snapshot_key(sid), "snapshot referenced by a ref or a child is absent")
+            continue
+        except (CorruptObject, UnsupportedFormat) as e:
+            problem("corrupt", snapshot_key(sid), str(e))
+            continue
+        report.snapshots += 1
+        try:
+            objects.txlog(sid)
+        except RefNotFound:
+            problem("missing", txlog_key(sid), "transaction log is absent")
+        except (CorruptObject, UnsupportedFormat) as e:
+            problem("corrupt", txlog_key(sid), str(e))
+        for info in snap.shards:
+            if info.digest in shard_seen:
+                continue
+            shard_seen.add(info.digest)
+            report.shards += 1
+            try:
+                shard = objects.shard(info)
+            except (CorruptObject, UnsupportedFormat) as e:
+                problem("corrupt", e.key if isinstance(e, CorruptObject) else info.digest, str(e))
+                continue
+            if len(shard.keys) != info.count or (shard.keys and (shard.keys[0], shard.keys[-1]) != (info.first, info.last)):
+                problem("corrupt", f"manifests/{info.digest}", "shard does not match its index entry")
+            for ref in shard.refs:
+                if ref[0] == OBJECT:
+                    key = chunk_key(ref[1].hex())
+                    chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]))
+                elif ref[0] == PACKED:
+                    key = pack_key(ref[1])
+                    chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]) + int(ref[3]))
+                elif ref[0] != INLINE:
+                    problem("corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}")
+        stack.extend(p for p in snap.parents if p not in seen)
+
+    if check_chunks and chunk_refs:
+        present: dict[str, int] = {}
+        for prefix in ("chunks/", "packs/"):
+            for obj in storage.list(prefix):
+                if obj.key in chunk_refs:
+                    present[obj.key] = obj.size
+        for key, need in sorted(chunk_refs.items()):
+            report.chunks += 1
+            size = present.get(key)
+            if size is None:
+                problem("missing", key, "chunk object referenced by a manifest is absent")
+            elif size < need:
+                problem("corrupt", key, f"object has {size} bytes, references need {need}")
+    return report

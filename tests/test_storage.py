@@ -1,0 +1,793 @@
+"""The object-store protocol on every backend (memory, local directory, S3 via a real moto server).
+
+Failure modes moto cannot produce (a closed port, a dropped connection, a truncated body, a 503)
+come from real sockets on the loopback interface: the storage code and botocore run unmodified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import inspect
+import multiprocessing as mp
+import os
+import pickle
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import zarrlake
+from zarrlake.errors import ZarrlakeError
+from zarrlake.storage import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+    TransientStorageError,
+)
+from zarrlake.storage.base import with_retries
+from zarrlake.storage.local import LocalStorage
+from zarrlake.storage.memory import MemoryStorage
+from zarrlake.storage.s3 import S3Storage
+
+FORK = mp.get_context("fork")
+DEFAULT_ATTEMPTS = inspect.signature(with_retries).parameters["attempts"].default
+
+
+def keys_of(infos: Iterator[ObjectInfo]) -> list[str]:
+    return [i.key for i in infos]
+
+
+def assert_recent(when: dt.datetime) -> None:
+    assert when.tzinfo is not None and when.utcoffset() is not None, "naive datetime"
+    assert abs(dt.datetime.now(dt.UTC) - when) < dt.timedelta(minutes=10)
+
+
+# -- put / get -------------------------------------------------------------------------------------
+
+
+def test_put_get_overwrite(storage: Storage) -> None:
+    storage.put("a/b/c", b"hello")
+    assert storage.get("a/b/c") == b"hello"
+    storage.put("a/b/c", b"world!")
+    assert storage.get("a/b/c") == b"world!"
+    every_byte = bytes(range(256)) * 3
+    storage.put("bin", every_byte)
+    assert storage.get("bin") == every_byte
+    storage.put("empty", b"")
+    assert storage.get("empty") == b""
+    empty = storage.head("empty")
+    assert empty is not None and (empty.key, empty.size) == ("empty", 0)
+    assert storage.get("empty", (0, 10)) == b""
+    # The characters real keys use: ref names are percent-quoted, journal entries hex, ...
+    for key in ["refs/branch.a%2Fb/fffffffffffffffe", "refs/tag.v1.0", "chunks/ab/" + "ab" * 32]:
+        storage.put(key, key.encode())
+        assert storage.get(key) == key.encode()
+        assert storage.exists(key)
+
+
+RANGES = [
+    ((0, 10), slice(0, 10)),
+    ((10, 20), slice(10, 20)),
+    ((1000, 1024), slice(1000, 1024)),
+    ((1020, 2000), slice(1020, 1024)),  # runs past the end: what there is
+    ((1024, 1030), slice(0, 0)),  # starts at the end
+    ((2000, 3000), slice(0, 0)),  # starts past the end
+    ((5, 5), slice(0, 0)),  # empty
+    ((0, 1024), slice(0, 1024)),
+    ((1023, 1024), slice(1023, 1024)),
+]
+
+
+def test_byte_range_get(storage: Storage) -> None:
+    data = bytes(range(256)) * 4
+    storage.put("obj", data)
+    for byte_range, expect in RANGES:
+        assert storage.get("obj", byte_range) == data[expect], byte_range
+
+
+def test_missing_key(storage: Storage) -> None:
+    with pytest.raises(ObjectNotFound) as info:
+        storage.get("no/such/key")
+    assert info.value.key == "no/such/key"
+    assert isinstance(info.value, KeyError)
+    assert isinstance(info.value, StorageError)
+    assert isinstance(info.value, ZarrlakeError)
+    with pytest.raises(ObjectNotFound):
+        storage.get("no/such/key", (0, 10))
+    assert storage.head("no/such/key") is None
+    assert not storage.exists("no/such/key")
+    assert list(storage.list("no/")) == []
+
+
+def test_a_folder_is_not_an_object(storage: Storage) -> None:
+    storage.put("dir/sub/obj", b"x")
+    for key in ["dir", "dir/sub"]:
+        assert storage.head(key) is None
+        assert not storage.exists(key)
+        with pytest.raises(ObjectNotFound):
+            storage.get(key)
+
+
+# -- create-only -----------------------------------------------------------------------------------
+
+
+def test_create_only(storage: Storage) -> None:
+    storage.put("k", b"first", create_only=True)
+    with pytest.raises(PreconditionFailed) as info:
+        storage.put("k", b"second", create_only=True)
+    assert info.value.key == "k"
+    assert not isinstance(info.value, TransientStorageError)
+    assert storage.get("k") == b"first"
+    storage.put("k", b"plain overwrite")  # a plain put still replaces
+    assert storage.get("k") == b"plain overwrite"
+    storage.delete_many(["k"])
+    storage.put("k", b"again", create_only=True)  # free again once deleted
+    assert storage.get("k") == b"again"
+    storage.put("deep/new/dirs/k", b"x", create_only=True)
+    assert storage.get("deep/new/dirs/k") == b"x"
+
+
+def payload_for(writer: int, key: str, size: int = 2048) -> bytes:
+    stamp = f"{writer}:{key}|".encode()
+    return (stamp * (size // len(stamp) + 1))[:size]
+
+
+def test_racing_create_only_threads(storage: Storage) -> None:
+    writers, rounds = 8, 6
+    barrier = threading.Barrier(writers)
+    wins: dict[str, list[int]] = {f"race/{r}": [] for r in range(rounds)}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(w: int) -> None:
+        for key in wins:
+            barrier.wait()
+            try:
+                storage.put(key, payload_for(w, key), create_only=True)
+                with lock:
+                    wins[key].append(w)
+            except PreconditionFailed:
+                pass
+            except BaseException as e:  # anything else is a failure of the test
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for key, winners in wins.items():
+        assert len(winners) == 1, f"{key}: winners {winners}"
+        assert storage.get(key) == payload_for(winners[0], key)
+
+
+def _race_worker(
+    root: str, keys: list[str], writer: int, barrier: mp.synchronize.Barrier, out: mp.Queue
+) -> None:  # type: ignore[name-defined]
+    store = Storage.local(root)
+    won: list[str] = []
+    try:
+        for key in keys:
+            barrier.wait(30)
+            try:
+                store.put(key, payload_for(writer, key, 64 * 1024), create_only=True)
+                won.append(key)
+            except PreconditionFailed:
+                pass
+        out.put((writer, won, None))
+    except BaseException as e:
+        out.put((writer, won, repr(e)))
+
+
+def test_racing_create_only_processes_local(tmp_path: Path) -> None:
+    root = str(tmp_path / "repo")
+    writers = 4
+    keys = [f"refs/branch.main/{i:016x}" for i in range(12)]
+    barrier = FORK.Barrier(writers)
+    out = FORK.Queue()
+    procs = [
+        FORK.Process(target=_race_worker, args=(root, keys, w, barrier, out))
+        for w in range(writers)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert all(err is None for _, _, err in results), results
+    store = Storage.local(root)
+    for key in keys:
+        winners = [w for w, won, _ in results if key in won]
+        assert len(winners) == 1, f"{key}: winners {winners}"
+        assert store.get(key) == payload_for(winners[0], key, 64 * 1024)
+    assert keys_of(store.list()) == sorted(keys)  # no temporary files visible
+
+
+# -- listing ---------------------------------------------------------------------------------------
+
+LIST_KEYS = [
+    "a/1",
+    "a/2",
+    "a/10",
+    "a-b/c",
+    "ab",
+    "b/x/y/z",
+    "refs/branch.main/fffffffffffffffe",
+    "refs/branch.main/ffffffffffffffff",
+    "refs/branch.ma/ffffffffffffffff",
+    "refs/tag.v1",
+    "refs/tagdel.v0",
+    "z",
+]
+
+
+def fill(storage: Storage, keys: list[str]) -> None:
+    shuffled = list(keys)
+    random.Random(3).shuffle(shuffled)
+    for key in shuffled:
+        storage.put(key, key.encode())
+
+
+PREFIXES = [
+    "",
+    "a",
+    "a/",
+    "a/1",
+    "a-",
+    "ab",
+    "b/x/",
+    "refs/",
+    "refs/branch.ma",
+    "refs/branch.main/",
+    "refs/tag.",
+    "refs/tagdel.",
+    "zz",
+    "nothing/",
+]
+
+
+def test_list_sorted_with_prefix(storage: Storage) -> None:
+    fill(storage, LIST_KEYS)
+    for prefix in PREFIXES:
+        infos = list(storage.list(prefix))
+        expected = sorted(k for k in LIST_KEYS if k.startswith(prefix))
+        assert [i.key for i in infos] == expected, prefix
+        for info in infos:
+            assert info.size == len(info.key.encode())
+            assert_recent(info.modified)
+        assert storage.list_keys(prefix) == expected, prefix
+
+
+def test_list_keys_limit(storage: Storage) -> None:
+    fill(storage, LIST_KEYS)
+    ordered = sorted(LIST_KEYS)
+    for limit in [0, 1, 2, 5, len(ordered), len(ordered) + 5, 5000]:
+        assert storage.list_keys(limit=limit) == ordered[:limit], limit
+    branch = sorted(k for k in LIST_KEYS if k.startswith("refs/branch.main/"))
+    assert storage.list_keys("refs/branch.main/", limit=1) == branch[:1]  # the newest entry
+    assert storage.list_keys("refs/branch.main/", limit=1) == ["refs/branch.main/fffffffffffffffe"]
+    assert storage.list_keys("nothing/", limit=1) == []
+
+
+def test_list_dirs(storage: Storage) -> None:
+    fill(storage, ["d/a/1", "d/a/2", "d/b/x/y", "d/c", "d/a-b/1", "e/1", "top"])
+    dirs = storage.list_dirs("d/")
+    assert len(dirs) == len(set(dirs))
+    assert sorted(dirs) == ["a", "a-b", "b"]  # "c" is an object, not a folder
+    assert sorted(storage.list_dirs("")) == ["d", "e"]
+    assert storage.list_dirs("d/b/") == ["x"]
+    assert storage.list_dirs("nothing/") == []
+    assert storage.list_dirs("d/a/") == []
+    # A folder whose objects are all gone is no longer listed.
+    storage.delete_many(["d/b/x/y"])
+    assert sorted(storage.list_dirs("d/")) == ["a", "a-b"]
+    storage.delete_many(["e/1"])
+    assert sorted(storage.list_dirs("")) == ["d"]
+
+
+def test_list_on_empty_storage(storage: Storage) -> None:
+    assert list(storage.list()) == []
+    assert storage.list_keys(limit=1) == []
+    assert storage.list_dirs("") == []
+    assert storage.list_dirs("refs/") == []
+
+
+# -- delete ----------------------------------------------------------------------------------------
+
+
+def test_delete_many(storage: Storage) -> None:
+    fill(storage, ["x/1", "x/2", "x/3", "y/1"])
+    assert storage.delete_many(["x/1", "x/3", "never/was", "x/1"]) == 4
+    assert storage.list_keys() == ["x/2", "y/1"]
+    assert storage.delete_many(iter(["y/1"])) == 1  # any iterable
+    assert storage.delete_many([]) == 0
+    assert storage.list_keys() == ["x/2"]
+    with pytest.raises(ObjectNotFound):
+        storage.get("x/1")
+
+
+def test_more_than_a_thousand_keys(storage: Storage) -> None:
+    # S3 pages listings and batches deletes by 1000: cross both boundaries.
+    n = 1005
+    keys = [f"d/{i:04d}/x" for i in range(n)]
+    storage.map(lambda k: storage.put(k, b"."), keys)
+    storage.put("keep", b"k")
+    assert storage.list_keys("d/") == keys
+    assert storage.list_keys("d/", limit=1002) == keys[:1002]
+    assert sorted(storage.list_dirs("d/")) == [f"{i:04d}" for i in range(n)]
+    absent = [f"absent/{i}" for i in range(1200)]
+    # present keys at both ends of every batch, among many absent ones
+    requested = absent[:999] + keys[:2] + absent[999:] + keys[2:]
+    assert storage.delete_many(requested) == len(requested)
+    assert storage.list_keys() == ["keep"]
+
+
+# -- head ------------------------------------------------------------------------------------------
+
+
+def test_head(storage: Storage) -> None:
+    storage.put("h/obj", b"x" * 1234)
+    info = storage.head("h/obj")
+    assert info is not None
+    assert info.key == "h/obj"
+    assert info.size == 1234
+    assert isinstance(info.modified, dt.datetime)
+    assert_recent(info.modified)
+    listed = next(iter(storage.list("h/")))
+    assert (listed.key, listed.size) == ("h/obj", 1234)
+    assert abs(listed.modified - info.modified) < dt.timedelta(seconds=2)
+    storage.put("h/obj", b"yy")
+    assert storage.head("h/obj").size == 2  # type: ignore[union-attr]
+
+
+# -- pickling and URLs -----------------------------------------------------------------------------
+
+
+def test_pickled_storage_works(storage: Storage) -> None:
+    storage.put("before", b"1")
+    assert storage.map(storage.get, ["before", "before"]) == [b"1", b"1"]  # pool now exists
+    if isinstance(storage, S3Storage):
+        assert storage.client is not None  # and a client
+    copy = pickle.loads(pickle.dumps(storage))
+    assert type(copy) is type(storage)
+    assert copy.url == storage.url
+    assert copy.get("before") == b"1"
+    copy.put("after", b"2", create_only=True)
+    assert copy.get("after") == b"2"
+    assert copy.map(copy.get, ["before", "after"]) == [b"1", b"2"]
+    if storage.durable:  # the copy is the same store
+        assert storage.get("after") == b"2"
+        with pytest.raises(PreconditionFailed):
+            copy.put("before", b"x", create_only=True)
+    else:  # a memory store's copy is a snapshot of its contents
+        assert storage.head("after") is None
+    assert pickle.loads(pickle.dumps(copy)).get("before") == b"1"
+
+
+def test_url_round_trip(storage: Storage) -> None:
+    storage.put("u", b"v")
+    again = Storage.from_url(storage.url)
+    assert type(again) is type(storage)
+    assert again.url == storage.url
+    if storage.durable:
+        assert again.get("u") == b"v"
+        again.put("w", b"x")
+        assert storage.get("w") == b"x"
+
+
+def test_from_url_file_and_paths(tmp_path: Path) -> None:
+    root = tmp_path / "with space" / "ünï"
+    s1 = Storage.from_url(root.as_uri())
+    s2 = Storage.from_url(str(root))
+    s3 = Storage.from_url("file://" + str(root))
+    for s in (s1, s2, s3):
+        assert isinstance(s, LocalStorage)
+        assert s.root == root
+    s1.put("k", b"v")
+    assert s2.get("k") == b"v"
+    assert (root / "k").read_bytes() == b"v"
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        rel = Storage.from_url("relative/dir")
+        assert isinstance(rel, LocalStorage)
+        assert rel.root == tmp_path / "relative" / "dir"  # resolved when created
+    finally:
+        os.chdir(cwd)
+    assert rel.root == tmp_path / "relative" / "dir"  # and stays put when the process moves on
+
+
+def test_from_url_memory() -> None:
+    a = Storage.from_url("memory://")
+    b = Storage.from_url("memory://")
+    assert isinstance(a, MemoryStorage) and isinstance(b, MemoryStorage)
+    assert a.url == "memory://"
+    a.put("k", b"v")
+    assert b.head("k") is None  # each URL opens a fresh, private store
+    assert not a.durable
+
+
+def test_from_url_s3(moto_s3) -> None:  # type: ignore[no-untyped-def]
+    url = f"s3://{moto_s3.bucket}/deep/prefix?endpoint_url={moto_s3.endpoint}&region=us-east-1"
+    s = Storage.from_url(url)
+    assert isinstance(s, S3Storage)
+    assert (s.bucket, s.prefix, s.endpoint_url, s.region) == (
+        moto_s3.bucket,
+        "deep/prefix/",
+        moto_s3.endpoint,
+        "us-east-1",
+    )
+    assert s.allow_http  # an explicit http:// endpoint in a URL is consent enough
+    s.put("k", b"via url")
+    assert moto_s3.storage("deep/prefix").get("k") == b"via url"
+    assert moto_s3.storage("deep").list_keys() == ["prefix/k"]
+    bare = Storage.from_url("s3a://bucket?region=eu-west-1")
+    assert isinstance(bare, S3Storage)
+    assert (bare.bucket, bare.prefix, bare.endpoint_url, bare.region) == (
+        "bucket",
+        "",
+        None,
+        "eu-west-1",
+    )
+    assert not bare.allow_http
+
+
+@pytest.mark.parametrize(
+    "url", ["gs://bucket/p", "http://example.com/x", "ftp://h/p", "s3://", "s3:///p", "az://c/p"]
+)
+def test_from_url_rejects(url: str) -> None:
+    with pytest.raises(StorageError):
+        Storage.from_url(url)
+
+
+def test_s3_plain_http_needs_allow_http() -> None:
+    with pytest.raises(StorageError, match="allow_http"):
+        Storage.s3("bucket", endpoint_url="http://127.0.0.1:9000")
+    assert isinstance(Storage.s3("bucket", endpoint_url="https://s3.example.com"), S3Storage)
+    assert isinstance(
+        Storage.s3("bucket", endpoint_url="http://127.0.0.1:9000", allow_http=True), S3Storage
+    )
+
+
+def test_s3_credentials_travel_only_if_given(moto_s3) -> None:  # type: ignore[no-untyped-def]
+    explicit = moto_s3.storage()
+    implicit = Storage.s3(moto_s3.bucket, "p", endpoint_url=moto_s3.endpoint, allow_http=True)
+    assert b"testing" in pickle.dumps(explicit)
+    assert b"testing" not in pickle.dumps(implicit)
+    assert "testing" not in explicit.url and "testing" not in repr(explicit)
+
+
+def test_s3_prefixes_are_isolated(moto_s3) -> None:  # type: ignore[no-untyped-def]
+    tag = os.urandom(4).hex()
+    p, p2 = moto_s3.storage(f"iso-{tag}/p"), moto_s3.storage(f"iso-{tag}/p-2")
+    p.put("k", b"1")
+    p2.put("k", b"2")
+    assert p.list_keys() == ["k"] and p2.list_keys() == ["k"]
+    assert p.get("k") == b"1" and p2.get("k") == b"2"
+    assert sorted(moto_s3.storage(f"iso-{tag}").list_dirs("")) == ["p", "p-2"]
+    p.delete_many(["k"])
+    assert p2.get("k") == b"2"
+
+
+# -- retries -------------------------------------------------------------------------------------
+
+
+def flaky(failures: int, error: Callable[[], Exception]) -> tuple[Callable[[], str], list[int]]:
+    calls: list[int] = []
+
+    def fn() -> str:
+        calls.append(1)
+        if len(calls) <= failures:
+            raise error()
+        return "ok"
+
+    return fn, calls
+
+
+def test_with_retries_retries_transient_errors() -> None:
+    fn, calls = flaky(3, lambda: TransientStorageError("slow down"))
+    assert with_retries(fn, base_delay=0) == "ok"
+    assert len(calls) == 4
+
+
+def test_with_retries_gives_up() -> None:
+    fn, calls = flaky(100, lambda: TransientStorageError("down"))
+    with pytest.raises(TransientStorageError):
+        with_retries(fn, attempts=5, base_delay=0)
+    assert len(calls) == 5
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda: PreconditionFailed("k"),
+        lambda: ObjectNotFound("k"),
+        lambda: StorageError("denied"),
+        lambda: ValueError("bug"),
+    ],
+)
+def test_with_retries_never_retries_answers_or_hard_errors(error: Callable[[], Exception]) -> None:
+    fn, calls = flaky(1, error)
+    with pytest.raises(type(error())):
+        with_retries(fn, base_delay=0)
+    assert len(calls) == 1
+
+
+def test_with_retries_backs_off() -> None:
+    fn, calls = flaky(3, lambda: TransientStorageError("x"))
+    start = time.monotonic()
+    with_retries(fn, base_delay=0.001)
+    assert time.monotonic() - start < 1.0
+    assert len(calls) == 4
+
+
+# -- S3 failures -----------------------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def s3_at(port: int) -> Storage:
+    return Storage.s3(
+        "bucket",
+        "prefix",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region="us-east-1",
+        access_key_id="a",
+        secret_access_key="b",
+        allow_http=True,
+    )
+
+
+@pytest.mark.parametrize("op", ["get", "put", "head", "list"])
+def test_s3_unreachable_is_a_transient_storage_error(op: str) -> None:
+    s = s3_at(closed_port())
+    calls: dict[str, Callable[[], object]] = {
+        "get": lambda: s.get("k"),
+        "put": lambda: s.put("k", b"v", create_only=True),
+        "head": lambda: s.head("k"),
+        "list": lambda: s.list_keys(),
+    }
+    start = time.monotonic()
+    with pytest.raises(TransientStorageError) as info:
+        calls[op]()
+    assert time.monotonic() - start < 8, "retrying a dead endpoint took too long"
+    assert "127.0.0.1" in str(info.value)
+
+
+def read_request(conn: socket.socket) -> bytes:
+    """Read one whole HTTP request, so that closing the socket sends FIN, not RST."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = conn.recv(1 << 16)
+        if not part:
+            return data
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    headers = head.decode("latin-1").lower()
+    if "expect: 100-continue" in headers:
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if "transfer-encoding: chunked" in headers:
+        while not body.endswith(b"0\r\n\r\n"):
+            part = conn.recv(1 << 16)
+            if not part:
+                break
+            body += part
+    else:
+        length = 0
+        for line in headers.split("\r\n"):
+            if line.startswith("content-length:"):
+                length = int(line.split(":", 1)[1])
+        while len(body) < length:
+            part = conn.recv(1 << 16)
+            if not part:
+                break
+            body += part
+    return head + b"\r\n\r\n" + body
+
+
+class FaultyServer:
+    """A loopback HTTP server that answers every request the same (wrong) way and counts them."""
+
+    def __init__(self, respond: Callable[[socket.socket], None]) -> None:
+        self.respond = respond
+        self.requests = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    read_request(conn)
+                    self.requests += 1
+                    self.respond(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def xml_error(status: str, code: str) -> Callable[[socket.socket], None]:
+    body = (
+        "<?xml version='1.0' encoding='UTF-8'?>"
+        f"<Error><Code>{code}</Code><Message>m</Message></Error>"
+    )
+
+    def respond(conn: socket.socket) -> None:
+        conn.sendall(
+            f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n{body}".encode()
+        )
+
+    return respond
+
+
+def hang_up(conn: socket.socket) -> None:
+    pass  # close without a response
+
+
+def short_body(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nConnection: close\r\n\r\n0123456789")
+
+
+@pytest.mark.parametrize(
+    ("respond", "op", "error", "requests"),
+    [
+        (xml_error("503 Slow Down", "SlowDown"), "get", TransientStorageError, DEFAULT_ATTEMPTS),
+        (
+            xml_error("500 Internal Server Error", "InternalError"),
+            "put",
+            TransientStorageError,
+            DEFAULT_ATTEMPTS,
+        ),
+        (hang_up, "get", TransientStorageError, DEFAULT_ATTEMPTS),
+        (hang_up, "put", TransientStorageError, DEFAULT_ATTEMPTS),
+        (short_body, "get", TransientStorageError, DEFAULT_ATTEMPTS),
+        (xml_error("412 Precondition Failed", "PreconditionFailed"), "put", PreconditionFailed, 1),
+        (xml_error("404 Not Found", "NoSuchKey"), "get", ObjectNotFound, 1),
+        (xml_error("403 Forbidden", "AccessDenied"), "get", StorageError, 1),
+    ],
+    ids=[
+        "503-get",
+        "500-put",
+        "hangup-get",
+        "hangup-put",
+        "short-body",
+        "412-put",
+        "404-get",
+        "403-get",
+    ],
+)
+def test_s3_server_faults(
+    respond: Callable[[socket.socket], None], op: str, error: type[Exception], requests: int
+) -> None:
+    server = FaultyServer(respond)
+    try:
+        s = s3_at(server.port)
+        with pytest.raises(error) as info:
+            if op == "get":
+                s.get("k")
+            else:
+                s.put("k", b"v", create_only=True)
+        if error is StorageError:
+            assert not isinstance(
+                info.value, (TransientStorageError, ObjectNotFound, PreconditionFailed)
+            )
+        # Transient faults are retried by with_retries alone (botocore must not multiply them);
+        # answers and hard errors are not retried at all.
+        assert server.requests == requests
+    finally:
+        server.close()
+
+
+# -- local: nothing torn is ever visible -----------------------------------------------------------
+
+
+def _hammer(root: str, keys: list[str], value: int, size: int) -> None:
+    store = Storage.local(root)
+    data = bytes([value]) * (size + value)
+    for key in keys:
+        with contextlib.suppress(PreconditionFailed):
+            store.put(key, data, create_only=True)
+        store.put("plain", data)  # overwrites are atomic too
+
+
+def test_local_readers_never_see_a_partial_object(tmp_path: Path) -> None:
+    root = str(tmp_path / "repo")
+    size = 1 << 20
+    keys = [f"k/{i}" for i in range(16)]
+    procs = [FORK.Process(target=_hammer, args=(root, keys, v, size)) for v in range(1, 5)]
+    store = Storage.local(root)
+    first_seen: dict[str, bytes] = {}
+    reads = 0
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs) or reads == 0:
+            for key in [*keys, "plain"]:
+                try:
+                    data = store.get(key)
+                except ObjectNotFound:
+                    continue
+                reads += 1
+                assert data and data == bytes([data[0]]) * (size + data[0]), f"torn read of {key}"
+                if key != "plain":
+                    assert first_seen.setdefault(key, data) == data, f"{key} changed"
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert reads > 0
+    for key in keys:
+        data = store.get(key)
+        assert data == bytes([data[0]]) * (size + data[0])
+    assert keys_of(store.list()) == sorted([*keys, "plain"])
+
+
+def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+    data = b"\xab" * size
+    ready.set()
+    Storage.local(root).put(key, data, create_only=True)
+
+
+def test_local_killed_writer_leaves_nothing_or_everything(tmp_path: Path) -> None:
+    root = str(tmp_path / "repo")
+    size = 32 << 20
+    rng = random.Random(5)
+    for i in range(5):
+        ready = FORK.Event()
+        proc = FORK.Process(target=_write_big, args=(root, f"big/{i}", size, ready))
+        proc.start()
+        assert ready.wait(30)
+        time.sleep(rng.uniform(0, 0.03))
+        proc.kill()
+        proc.join(30)
+        store = Storage.local(root)
+        info = store.head(f"big/{i}")
+        if info is not None:  # the write finished before the kill: all of it
+            assert info.size == size
+            assert store.get(f"big/{i}") == b"\xab" * size
+        assert [k for k in store.list_keys() if not k.startswith("big/")] == []  # no temp files
+        assert ".tmp" not in store.list_dirs("")
+
+
+def test_local_temp_files_are_invisible(tmp_path: Path) -> None:
+    store = Storage.local(tmp_path)
+    (tmp_path / ".tmp").mkdir()
+    (tmp_path / ".tmp" / "leftover").write_bytes(b"partial")
+    store.put("real", b"x")
+    assert store.list_keys() == ["real"]
+    assert store.list_dirs("") == []
+
+
+def test_local_rejects_escaping_keys(tmp_path: Path) -> None:
+    store = Storage.local(tmp_path / "repo")
+    for key in ["../outside", "a/../../outside", "/abs", ""]:
+        with pytest.raises(StorageError):
+            store.put(key, b"x")
+    assert not (tmp_path / "outside").exists()
+
+
+def test_zarrlake_exports_storage() -> None:
+    assert zarrlake.Storage is Storage
