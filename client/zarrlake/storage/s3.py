@@ -8,6 +8,8 @@ is a :class:`PreconditionFailed`, never retried.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 from urllib.parse import urlencode
@@ -33,6 +35,52 @@ _TRANSIENT_CODES = {
     "503",
     "500",
 }
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(
+    endpoint_url: str | None,
+    region: str | None,
+    credentials: tuple[str | None, str | None, str | None],
+    pool: int,
+) -> Any:
+    """One botocore client per configuration and process.
+
+    Building a client costs ~0.1-0.2 s (endpoint and credential resolution); storages unpickled
+    in every Spark task, or opened per request, would pay it each time. Clients are thread-safe;
+    the process id in the key keeps a forked child from sharing its parent's connections.
+    """
+    key = (os.getpid(), endpoint_url, region, credentials, pool)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            session = boto3.session.Session(
+                aws_access_key_id=credentials[0],
+                aws_secret_access_key=credentials[1],
+                aws_session_token=credentials[2],
+                region_name=region,
+            )
+            client = session.client(
+                "s3",
+                endpoint_url=endpoint_url,
+                config=Config(
+                    max_pool_connections=pool,
+                    # One attempt: we retry ourselves ("max_attempts" would count retries, and
+                    # botocore's backoff on top of ours multiplies requests and waits).
+                    retries={"total_max_attempts": 1, "mode": "standard"},
+                    connect_timeout=10,
+                    read_timeout=60,
+                    s3={"addressing_style": "path"} if endpoint_url else None,
+                ),
+            )
+            _clients[key] = client
+        return client
 
 
 class S3Storage(Storage):
@@ -75,27 +123,8 @@ class S3Storage(Storage):
     def client(self) -> Any:
         client = self.__dict__.get("_client")
         if client is None:
-            import boto3
-            from botocore.config import Config
-
-            session = boto3.session.Session(
-                aws_access_key_id=self._credentials[0],
-                aws_secret_access_key=self._credentials[1],
-                aws_session_token=self._credentials[2],
-                region_name=self.region,
-            )
-            client = session.client(
-                "s3",
-                endpoint_url=self.endpoint_url,
-                config=Config(
-                    max_pool_connections=self.concurrency * 2,
-                    # One attempt: we retry ourselves ("max_attempts" would count retries, and
-                    # botocore's backoff on top of ours multiplies requests and waits).
-                    retries={"total_max_attempts": 1, "mode": "standard"},
-                    connect_timeout=10,
-                    read_timeout=60,
-                    s3={"addressing_style": "path"} if self.endpoint_url else None,
-                ),
+            client = _shared_client(
+                self.endpoint_url, self.region, self._credentials, self.concurrency * 2
             )
             self.__dict__["_client"] = client
         return client

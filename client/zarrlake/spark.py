@@ -1,0 +1,460 @@
+"""PySpark integration: many tasks write one commit; a version of an array read as a DataFrame.
+
+Writing (cooperative mode, see DESIGN.md)::
+
+    from zarrlake.spark import write_partitions, open_array
+
+    def create(store):                       # runs once, on the driver, before any task
+        zarr.create_array(store, name="grid/temp", shape=(8000, 360), chunks=(1000, 360),
+                          dtype="f4")
+
+    def writer(store, rows):                 # runs on the executors, once per partition
+        temp = open_array(store, "grid/temp")  # = zarr.open_array(store, path=..., mode="r+")
+        for row in rows:
+            temp[row.start : row.stop] = compute(row)
+
+    commit_id = write_partitions(df, repo, "main", writer=writer, setup=create,
+                                 message="fill grid/temp")
+
+:func:`write_partitions` opens a writable session on the branch, runs ``setup(store)`` on the
+driver if given, forks the session and ships the picklable :class:`~zarrlake.ForkedSession` to the
+executors with ``mapPartitions``. Every partition gets its own copy of the fork and calls
+``writer(fork.store, partition_iterator)``; chunk bytes are uploaded from the executors straight to
+the repository's storage, and only the small changesets (chunk references) travel back. The driver
+merges them into the session and makes exactly one commit (rebasing onto commits that landed on the
+branch meanwhile, like any commit). If a writer raises, or the job fails for any other reason,
+:class:`SparkWriteError` is raised and nothing is committed.
+
+Arrays and groups (their metadata) must exist before the tasks write chunks: create them in
+``setup``, or commit them beforehand. Executors may not change metadata concurrently. Each chunk
+should be written by at most one partition: align the partitions' blocks with the chunk grid.
+Two partitions writing different bytes to the same chunk make the merge fail with
+:class:`~zarrlake.ConflictError` (nothing is committed); partial writes to a shared chunk would
+otherwise lose each other's data. :class:`BlockWriter` is a ready-made picklable writer for
+partitions of ``(origin, block)`` pairs.
+
+The storage must be reachable from every executor: S3 (credentials given explicitly to
+``Storage.s3`` travel with the pickled storage; otherwise the executors' AWS environment is used)
+or a directory on a file system that all executors share. ``Storage.memory()`` cannot be written
+from Spark (each executor would write into its own copy).
+
+Reading::
+
+    df = read_array(spark, repo, "grid/temp", ref="main")                 # mode="element"
+    df = read_array(spark, repo, "grid/temp", ref="v1", mode="chunk")
+
+``ref`` (branch, tag or snapshot id) is resolved once, on the driver, so the DataFrame is pinned to
+one snapshot even if the branch moves later. There is one Spark task per chunk, or per group of
+consecutive chunks (``num_partitions``). Row order is unspecified. Two modes:
+
+- ``mode="element"``: one row per array element, columns ``dim_0`` .. ``dim_{n-1}`` (``long``,
+  the element's index) and ``value`` (bool -> boolean, int8/16/32/64 -> byte/short/int/long,
+  uint8/16/32 -> the next wider signed type, uint64 -> decimal(20,0), float16/32 -> float,
+  float64 -> double, strings -> string, fixed-width bytes -> binary). Unwritten chunks read as the
+  fill value.
+- ``mode="chunk"``: one row per chunk of the chunk grid, columns ``chunk`` (``array<int>``, the
+  chunk coordinates), ``shape`` (``array<int>``, the chunk's shape, clipped at the array's edge),
+  ``data`` (``binary``: the C-ordered, little-endian raw bytes) and ``dtype`` (``string``: the numpy
+  dtype string, e.g. ``"<f8"``). Rebuild a block with
+  ``np.frombuffer(row.data, np.dtype(row.dtype)).reshape(row.shape)``. Fixed-width dtypes only.
+
+pyspark is imported lazily: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import decimal
+import pickle
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from zarrlake.changeset import Changeset
+from zarrlake.errors import ZarrlakeError
+from zarrlake.repository import Repository
+from zarrlake.session import ForkedSession
+
+if TYPE_CHECKING:
+    import zarr
+    from pyspark import RDD
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "BlockWriter",
+    "SparkWriteError",
+    "open_array",
+    "read_array",
+    "write_partitions",
+]
+
+_V = TypeVar("_V")
+_READ_THREADS = 8
+Writer = Callable[[Any, Iterator[Any]], Any]
+
+_MARK = "[zarrlake-spark]"
+_MARK_RE = re.compile(re.escape(_MARK) + r" writer failed on partition (\d+): ([^\n]*)")
+_PY_EXC_RE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)): [^\n]*$", re.M)
+
+
+class SparkWriteError(ZarrlakeError):
+    """A :func:`write_partitions` job failed; nothing was committed.
+
+    ``partition`` is the index of the partition whose writer raised (None if the job failed some
+    other way); ``reason`` is the writer's exception as ``"Type: message"``, or Spark's error.
+    """
+
+    def __init__(self, message: str, *, partition: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.partition = partition
+        self.reason = reason
+
+
+# -- helpers for writers -------------------------------------------------------------------------
+
+
+def _norm_path(path: str) -> str:
+    if not isinstance(path, str):
+        raise TypeError(f"array path must be a string, not {type(path).__name__}")
+    return path.strip("/")
+
+
+def open_array(store: Any, path: str, *, mode: str = "r+") -> zarr.Array:
+    """Open the existing array at ``path`` (leading '/' optional) in a (forked) session's store.
+
+    The same as ``zarr.open_array(store, path=path, mode="r+")``; a module-level function, so
+    writers that call it pickle cleanly.
+    """
+    import zarr
+
+    return zarr.open_array(store, path=_norm_path(path), mode=mode)  # type: ignore[arg-type]
+
+
+@dataclass
+class BlockWriter:
+    """A picklable writer: each partition item is ``(origin, block)`` for the array at ``path``.
+
+    ``origin`` is either a sequence of start indices (the block goes to
+    ``array[o0 : o0 + block.shape[0], o1 : ...]``) or a tuple of slices. ``block`` is anything
+    ``numpy.asarray`` accepts. Items may also be Rows / mappings with fields ``origin`` and
+    ``block``.
+    """
+
+    path: str
+
+    def __call__(self, store: Any, items: Iterator[Any]) -> None:
+        arr = open_array(store, self.path)
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and not hasattr(item, "asDict"):
+                origin, block = item
+            else:
+                origin, block = item["origin"], item["block"]
+            data = np.asarray(block, dtype=arr.dtype)
+            if all(isinstance(o, slice) for o in origin):
+                sel = tuple(origin)
+            else:
+                sel = tuple(
+                    slice(int(o), int(o) + n) for o, n in zip(origin, data.shape, strict=True)
+                )
+            arr[sel] = data
+
+
+# -- per-worker-process reuse ---------------------------------------------------------------------
+
+# A Python worker runs many tasks one after another. Every task unpickles its own fork (or
+# repository), which would build a new storage client (for S3, a botocore client: ~0.2 s) and start
+# with empty caches. Tasks in one process therefore share one ObjectStore per storage location: its
+# client, connection pool and caches of immutable objects (snapshots, shards). Only the ObjectStore
+# is shared; every task still has its own fork and changeset.
+_SHARED_MAX = 8
+_shared: OrderedDict[bytes, Any] = OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def _shared_instance(key: bytes, value: _V) -> _V:
+    with _shared_lock:
+        if key in _shared:
+            _shared.move_to_end(key)
+            return _shared[key]  # type: ignore[no-any-return]
+        _shared[key] = value
+        while len(_shared) > _SHARED_MAX:
+            _shared.popitem(last=False)
+        return value
+
+
+def _reuse_objects(workspace: ForkedSession) -> ForkedSession:
+    from zarrlake.storage.memory import MemoryStorage
+
+    objects = workspace._objects
+    if not isinstance(objects.storage, MemoryStorage):  # a memory storage pickles its contents
+        key = b"objects:" + pickle.dumps(objects.storage, protocol=pickle.HIGHEST_PROTOCOL)
+        workspace._objects = _shared_instance(key, objects)
+    return workspace
+
+
+def _reuse_repository(repo: Repository) -> Repository:
+    from zarrlake.storage.memory import MemoryStorage
+
+    if isinstance(repo.storage, MemoryStorage):
+        return repo
+    key = b"repo:" + pickle.dumps(repo, protocol=pickle.HIGHEST_PROTOCOL)
+    return _shared_instance(key, repo)
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def _as_rdd(data: Any) -> RDD[Any]:
+    from pyspark import RDD
+
+    if isinstance(data, RDD):
+        return data
+    rdd = getattr(data, "rdd", None)  # a DataFrame: iterate its Rows
+    if rdd is not None and isinstance(rdd, RDD):
+        return rdd
+    raise TypeError(
+        f"write_partitions expects a pyspark RDD or DataFrame, not {type(data).__name__}"
+    )
+
+
+def _check_writable_storage(repo: Repository) -> None:
+    from zarrlake.storage.memory import MemoryStorage
+
+    if isinstance(repo.storage, MemoryStorage):
+        raise ValueError(
+            "write_partitions cannot write to Storage.memory(): executors would write into their "
+            "own copies of it; use a shared directory or an object store"
+        )
+
+
+def _partition_task(
+    fork_bytes: bytes, writer: Writer
+) -> Callable[[int, Iterator[Any]], Iterator[Changeset]]:
+    def run(index: int, items: Iterator[Any]) -> Iterator[Changeset]:
+        # A fresh copy of the fork for every task (and every task attempt): a retried or
+        # speculative attempt never sees another attempt's writes, and Spark keeps the result of
+        # exactly one attempt per partition.
+        fork: ForkedSession = _reuse_objects(pickle.loads(fork_bytes))
+        try:
+            result = writer(fork.store, items)
+            if isinstance(result, Iterator):
+                for _ in result:  # a generator-function writer does its work only when iterated
+                    pass
+        except Exception as e:
+            raise RuntimeError(
+                f"{_MARK} writer failed on partition {index}: {type(e).__name__}: {e}"
+            ) from e
+        yield fork.changeset()
+
+    return run
+
+
+def _job_error(exc: BaseException) -> SparkWriteError:
+    text = str(exc)
+    m = _MARK_RE.search(text)
+    if m:
+        part, reason = int(m.group(1)), m.group(2).strip()
+        return SparkWriteError(
+            f"write_partitions: writer failed on partition {part}: {reason} "
+            "(nothing was committed)",
+            partition=part,
+            reason=reason,
+        )
+    # Not the writer: name the first Python exception in the (Java-wrapped) traceback text.
+    reason = next(
+        (
+            x.group(0).strip()
+            for x in _PY_EXC_RE.finditer(text)
+            if not x.group(1).startswith(("org.", "java.", "scala.", "py4j.", "pyspark.errors"))
+        ),
+        next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__),
+    )[:500]
+    return SparkWriteError(
+        f"write_partitions: Spark job failed: {reason} (nothing was committed)", reason=reason
+    )
+
+
+def write_partitions(
+    rdd_or_df: Any,
+    repo: Repository,
+    branch: str = "main",
+    *,
+    writer: Writer,
+    message: str,
+    author: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    setup: Callable[[Any], Any] | None = None,
+    allow_empty: bool = False,
+) -> str:
+    """Run ``writer(store, partition_iterator)`` on each partition; publish all as one commit.
+
+    ``rdd_or_df`` is an RDD or a DataFrame (the writer then iterates Rows). ``setup(store)``, if
+    given, runs on the driver's session before the fork (create arrays there). The writer's
+    return value is ignored, except that a generator is exhausted. Returns the new commit id.
+
+    Raises :class:`SparkWriteError` if a writer raises or the job fails,
+    :class:`~zarrlake.ConflictError` if partitions wrote different data to the same chunk or the
+    commit conflicts with concurrent commits, and :class:`~zarrlake.NothingToCommit` if nothing
+    was written (unless ``allow_empty``). In every error case nothing is committed.
+    """
+    if not callable(writer):
+        raise TypeError("writer must be a callable writer(store, partition_iterator)")
+    if not isinstance(message, str):
+        raise TypeError("message must be a string")
+    rdd = _as_rdd(rdd_or_df)
+    _check_writable_storage(repo)
+
+    session = repo.writable_session(branch)
+    if setup is not None:
+        setup(session.store)
+    fork = session.fork()
+    fork_bytes = pickle.dumps(fork, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        changesets: list[Changeset] = rdd.mapPartitionsWithIndex(
+            _partition_task(fork_bytes, writer)
+        ).collect()
+    except Exception as e:
+        with contextlib.suppress(ZarrlakeError):
+            session.discard()
+        raise _job_error(e) from e
+    session.merge(*changesets)
+    return session.commit(message, author=author, metadata=metadata, allow_empty=allow_empty)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def _value_type(dtype: np.dtype[Any]) -> tuple[Any, Callable[[np.ndarray[Any, Any]], list[Any]]]:
+    """The Spark type of the ``value`` column and a block -> list-of-Python-values converter."""
+    from pyspark.sql import types as T
+
+    def plain(a: np.ndarray[Any, Any]) -> list[Any]:
+        return a.ravel().tolist()  # type: ignore[no-any-return]
+
+    kind, size = dtype.kind, dtype.itemsize
+    if kind == "b":
+        return T.BooleanType(), plain
+    if kind == "i":
+        return {1: T.ByteType(), 2: T.ShortType(), 4: T.IntegerType(), 8: T.LongType()}[size], plain
+    if kind == "u":
+        if size == 8:
+            return T.DecimalType(20, 0), lambda a: [decimal.Decimal(v) for v in a.ravel().tolist()]
+        return {1: T.ShortType(), 2: T.IntegerType(), 4: T.LongType()}[size], plain
+    if kind == "f":
+        return (T.DoubleType() if size == 8 else T.FloatType()), plain
+    if kind in "UT" or (kind == "O"):
+        return T.StringType(), lambda a: [None if v is None else str(v) for v in a.ravel().tolist()]
+    if kind == "S":
+        return T.BinaryType(), plain
+    raise TypeError(
+        f"dtype {dtype} is not supported by read_array(mode='element'); use mode='chunk'"
+    )
+
+
+def _chunk_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    if dtype.kind in "OTV" or dtype.hasobject or dtype.itemsize == 0:
+        raise TypeError(
+            f"dtype {dtype} has no fixed-width raw form; read it with read_array(mode='element')"
+        )
+    return dtype.newbyteorder("<")
+
+
+def _selection(
+    coords: Sequence[int], chunks: Sequence[int], shape: Sequence[int]
+) -> tuple[slice, ...]:
+    return tuple(
+        slice(c * n, min((c + 1) * n, s)) for c, n, s in zip(coords, chunks, shape, strict=True)
+    )
+
+
+def read_array(
+    spark: SparkSession,
+    repo: Repository,
+    path: str,
+    ref: str = "main",
+    *,
+    mode: str = "element",
+    num_partitions: int | None = None,
+) -> DataFrame:
+    """The array at ``path`` as of ``ref``, as a DataFrame (see the module docstring for the modes).
+
+    ``ref`` is resolved to a snapshot id now, on the driver. ``num_partitions`` is the number of
+    Spark tasks (each reads a group of consecutive chunks); by default one task per chunk, at most
+    four per core.
+    """
+    import zarr
+    from pyspark.sql import types as T
+
+    if mode not in ("element", "chunk"):
+        raise ValueError(f"mode must be 'element' or 'chunk', not {mode!r}")
+    apath = _norm_path(path)
+    snapshot_id = repo.resolve(ref)
+    arr = zarr.open_array(repo.readonly_session(snapshot_id).store, path=apath, mode="r")
+    shape = tuple(int(s) for s in arr.shape)
+    chunks = tuple(int(c) for c in arr.chunks)
+    dtype = np.dtype(arr.dtype)
+    ndim = len(shape)
+    counts = [-(-s // n) if n else 0 for s, n in zip(shape, chunks, strict=True)]
+    grid = [tuple(c) for c in np.ndindex(*counts)]
+
+    # Executors only read: ship the repository without its lock (which may hold connections).
+    reader_repo = Repository(repo.storage, repo._record)
+    sc = spark.sparkContext
+    if num_partitions is None:
+        num_partitions = min(len(grid), 4 * max(1, sc.defaultParallelism))
+    num_partitions = max(1, min(int(num_partitions), max(1, len(grid))))
+
+    if mode == "element":
+        vtype, convert = _value_type(dtype)
+        schema = T.StructType(
+            [T.StructField(f"dim_{i}", T.LongType(), False) for i in range(ndim)]
+            + [T.StructField("value", vtype, True)]
+        )
+    else:
+        raw = _chunk_dtype(dtype)
+        schema = T.StructType(
+            [
+                T.StructField("chunk", T.ArrayType(T.IntegerType(), False), False),
+                T.StructField("shape", T.ArrayType(T.IntegerType(), False), False),
+                T.StructField("data", T.BinaryType(), False),
+                T.StructField("dtype", T.StringType(), False),
+            ]
+        )
+
+    def read_chunks(coords: Iterable[tuple[int, ...]]) -> Iterator[tuple[Any, ...]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import zarr
+
+        coords = list(coords)
+        if not coords:
+            return
+        session = _reuse_repository(reader_repo).readonly_session(snapshot_id)
+        a = zarr.open_array(session.store, path=apath, mode="r")
+
+        def fetch(c: tuple[int, ...]) -> tuple[tuple[int, ...], np.ndarray[Any, Any]]:
+            return c, np.asarray(a[_selection(c, chunks, shape)])
+
+        # Object stores are latency-bound: fetch a window of chunks concurrently, emit in order.
+        with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(coords))) as pool:
+            for start in range(0, len(coords), 2 * _READ_THREADS):
+                for c, block in pool.map(fetch, coords[start : start + 2 * _READ_THREADS]):
+                    if mode == "chunk":
+                        data = np.asarray(block, dtype=raw, order="C")  # keeps 0-d arrays 0-d
+                        yield (list(c), list(data.shape), data.tobytes(), raw.str)
+                        continue
+                    values = convert(block)
+                    if ndim == 0:
+                        yield (values[0],)
+                        continue
+                    index = np.indices(block.shape).reshape(ndim, -1)
+                    cols = [(index[i] + c[i] * chunks[i]).tolist() for i in range(ndim)]
+                    yield from zip(*cols, values, strict=True)
+
+    rdd = sc.parallelize(grid, num_partitions).mapPartitions(read_chunks)
+    return spark.createDataFrame(rdd, schema, verifySchema=False)
