@@ -272,6 +272,7 @@ class Session(Workspace):
         self._merged: dict[str, Any] = {}
         self._committed: str | None = None
         self._init_workspace()
+        self._snapshot()  # fail now, not on first read, if the base snapshot is missing or corrupt
 
     def __repr__(self) -> str:
         mode = "read-only" if self._read_only else "writable"
@@ -372,20 +373,23 @@ class Session(Workspace):
             arrays = array_paths(snap_nodes) | array_paths(
                 {k: v for k, v in self._layers[0].nodes.items() if v is not None}
             )
+            # Check each changeset against earlier merges and the changesets before it in this
+            # call (forks merged together must not overwrite each other silently either).
+            seen = dict(self._merged)
             for cs in changesets:
                 for d in (cs.chunks, cs.nodes):
                     for k, v in d.items():
-                        if k in self._merged and self._merged[k] != v:
+                        if k in seen and seen[k] != v:
                             if is_meta_key(k):
                                 conflicts.append(Conflict("node", meta_key_node(k)))
                             else:
                                 path, coords = split_chunk_key(k, arrays)
                                 conflicts.append(Conflict("chunk", path, coords))
+                        seen[k] = v
             if conflicts:
                 raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
+            self._merged = seen
             for cs in changesets:
-                for d in (cs.chunks, cs.nodes):
-                    self._merged.update(d)
                 self._layers[0].fold(cs)
 
 

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from zarrlake.session import Workspace
 
 
+def _check_byte_range(byte_range: object) -> None:
+    if byte_range is not None and not isinstance(
+        byte_range, RangeByteRequest | OffsetByteRequest | SuffixByteRequest
+    ):
+        # Zarr's own stores word it this way, and Zarr's store test-suite matches on it.
+        raise TypeError(f"Unexpected byte_range, got {byte_range!r}")
+
+
 def _range(byte_range: ByteRequest | None, size: int) -> tuple[int, int] | None:
     if byte_range is None:
         return None
@@ -34,7 +42,17 @@ def _range(byte_range: ByteRequest | None, size: int) -> tuple[int, int] | None:
         return min(size, byte_range.offset), size
     if isinstance(byte_range, SuffixByteRequest):
         return max(0, size - byte_range.suffix), size
-    raise TypeError(f"unexpected byte range {byte_range!r}")
+    raise TypeError(f"Unexpected byte_range, got {byte_range!r}")
+
+
+def _payload(value: Buffer) -> bytes | memoryview:
+    """The bytes of ``value`` without copying them (``to_bytes`` always copies).
+
+    Safe because the session hashes and stores them before ``set`` returns; whatever it keeps
+    (inline chunks, metadata documents) it copies.
+    """
+    view = memoryview(value.as_buffer_like())
+    return view.cast("B") if view.c_contiguous else value.to_bytes()
 
 
 class ZarrlakeStore(Store):
@@ -85,9 +103,13 @@ class ZarrlakeStore(Store):
         self._read_only = state["read_only"]
         self._is_open = state["is_open"]
 
+    async def _io(self, fn: Any, *args: Any) -> Any:
+        return await self._session._objects.storage.run_async(fn, *args)
+
     # -- reads ---------------------------------------------------------------------------------
 
     def _get_blocking(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+        _check_byte_range(byte_range)
         value = self._session.resolve(key)
         if value is None:
             return None
@@ -138,7 +160,7 @@ class ZarrlakeStore(Store):
         return await self._session._objects.storage.run_async(self._session.exists, key)
 
     async def getsize(self, key: str) -> int:
-        value = self._session.resolve(key)
+        value = await self._io(self._session.resolve, key)
         if value is None:
             raise FileNotFoundError(key)
         return len(value) if isinstance(value, bytes) else ref_size(value)
@@ -150,13 +172,11 @@ class ZarrlakeStore(Store):
         await self._ensure_open()
         if not isinstance(value, Buffer):
             raise TypeError(f"ZarrlakeStore.set(): value must be a Buffer, not {type(value)}")
-        await self._session._objects.storage.run_async(
-            self._session.write, key, value.to_bytes()
-        )
+        await self._session._objects.storage.run_async(self._session.write, key, _payload(value))
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        self._session.write(key, value.to_bytes())
+        self._session.write(key, _payload(value))
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         self._check_writable()
@@ -173,7 +193,7 @@ class ZarrlakeStore(Store):
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
-        self._session.delete_prefix(prefix)
+        await self._io(self._session.delete_prefix, prefix)
 
     async def clear(self) -> None:
         self._check_writable()
@@ -181,19 +201,21 @@ class ZarrlakeStore(Store):
 
     # -- listing --------------------------------------------------------------------------------
 
+    # Listing reads manifest shards (I/O on S3): it runs on the backend's pool, not the event loop.
     async def list(self) -> AsyncIterator[str]:
-        for key in self._session.list_prefix(""):
+        for key in await self._io(lambda: list(self._session.list_prefix(""))):
             yield key
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        for key in self._session.list_prefix(prefix):
+        for key in await self._io(lambda: list(self._session.list_prefix(prefix))):
             yield key
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        for name in self._session.list_dir(prefix):
+        for name in await self._io(self._session.list_dir, prefix):
             yield name
 
     async def is_empty(self, prefix: str) -> bool:
-        for _ in self._session.list_prefix(prefix):
-            return False
-        return True
+        # A prefix names a directory: "fo" is empty even when "foo/bar" exists.
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return await self._io(lambda: next(self._session.list_prefix(prefix), None) is None)
