@@ -29,7 +29,16 @@ from zarrlake.errors import (
     UnsupportedFormat,
     ZarrlakeError,
 )
-from zarrlake.repository import Repository
+from zarrlake.maintenance import (
+    CompactReport,
+    ExpireReport,
+    GCReport,
+    GraceTooShort,
+    InvalidRetentionRules,
+    Keep,
+    RetentionRules,
+)
+from zarrlake.repository import History, Repository
 from zarrlake.session import ForkedSession, NothingToCommit, Session
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
@@ -50,6 +59,14 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
 __all__ = [
+    "CompactReport",
+    "ExpireReport",
+    "GCReport",
+    "GraceTooShort",
+    "History",
+    "InvalidRetentionRules",
+    "Keep",
+    "RetentionRules",
     "BranchExists",
     "Changeset",
     "CommitInfo",

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from zarrlake.errors import CorruptObject, InvalidName, MergeConflictError, ZarrlakeError
+from zarrlake.maintenance import GraceTooShort, InvalidRetentionRules
 from zarrlake.repository import Repository
 from zarrlake.storage.base import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff, node_path
@@ -201,7 +202,8 @@ def commit_json(info: CommitInfo) -> dict[str, Any]:
 
 def cmd_log(args: argparse.Namespace) -> None:
     repo = _open(args)
-    commits = list(repo.log(args.ref, limit=args.n))
+    history = repo.log(args.ref, limit=args.n)
+    commits = list(history)
     if args.json:
         _print_json([commit_json(c) for c in commits])
         return
@@ -215,6 +217,8 @@ def cmd_log(args: argparse.Namespace) -> None:
         for c in commits
     ]
     _print_table(["SNAPSHOT", "TIME", "AUTHOR", "MESSAGE"], rows)
+    for child, _ in history.truncated:
+        _say(f"(history before {child} was expired)")
 
 
 # -- branches and tags ---------------------------------------------------------------------------
@@ -477,6 +481,119 @@ def cmd_ls(args: argparse.Namespace) -> None:
     _print_table(headers, rows)
 
 
+# -- maintenance: expire, gc, compact -----------------------------------------------------------
+
+_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``7d``, ``12h``, ``1d12h``, ``30m``, ``90s``, ``2w`` or plain seconds -> timedelta."""
+    import re
+
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return dt.timedelta(seconds=float(t))
+    parts = re.findall(r"(\d+(?:\.\d+)?)([wdhms])", t)
+    if not parts or "".join(n + u for n, u in parts) != t:
+        raise UsageError(f"bad duration {text!r} (use e.g. 7d, 12h, 1d12h, 30m, 90s)")
+    return dt.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
+
+
+class _Progress:
+    """A rich progress display on stderr while a phase runs (silent without a terminal or rich)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._progress: Any = None
+        self._tasks: dict[str, Any] = {}
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+                self._progress = Progress(
+                    SpinnerColumn(),
+                    TextColumn("{task.description}"),
+                    TextColumn("{task.completed} objects"),
+                    TimeElapsedColumn(),
+                    transient=True,
+                    console=_rich_console(sys.stderr),
+                )
+            except ImportError:
+                self._progress = None
+
+    def __enter__(self) -> Callable[[str, int], None] | None:
+        if self._progress is None:
+            return None
+        self._progress.__enter__()
+        return self.advance
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def advance(self, phase: str, n: int) -> None:
+        task = self._tasks.get(phase)
+        if task is None:
+            task = self._tasks[phase] = self._progress.add_task(phase, total=None)
+        self._progress.advance(task, n)
+
+
+def _rich_console(stream: Any) -> Any:
+    from rich.console import Console
+
+    return Console(file=stream)
+
+
+def _report(args: argparse.Namespace, report: Any) -> None:
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        _say(report.summary())
+
+
+def cmd_expire(args: argparse.Namespace) -> None:
+    from zarrlake.maintenance import RetentionRules
+
+    rules = RetentionRules.from_file(args.rules)  # InvalidRetentionRules: one line, exit 2
+    repo = _open(args, locked=True)
+    _report(args, repo.expire(rules, dry_run=args.dry_run))
+
+
+def cmd_gc(args: argparse.Namespace) -> None:
+    grace = parse_duration(args.grace)
+    repo = _open(args, locked=True)
+    with _Progress(not args.json) as progress:
+        report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
+    if args.json:
+        _print_json(report.to_json())
+        return
+    _say(report.summary())
+    rows = [
+        [kind, str(c.deleted), _bytes(c.deleted_bytes), str(c.kept), _bytes(c.kept_bytes)]
+        for kind, c in report.by_kind.items()
+    ]
+    _print_table(["KIND", "DELETED", "BYTES", "KEPT", "BYTES"], rows)
+
+
+def _bytes(n: int) -> str:
+    from zarrlake.maintenance.gc import _human
+
+    return _human(n)
+
+
+def cmd_compact(args: argparse.Namespace) -> None:
+    keep = parse_duration(args.keep_journal)
+    repo = _open(args, locked=True)
+    with _Progress(not args.json) as progress:
+        report = repo.compact(
+            branch=args.branch,
+            pack_below_bytes=args.pack_below,
+            keep_journal=keep,
+            dry_run=args.dry_run,
+            progress=progress,
+        )
+    _report(args, report)
+
+
 # -- fsck, lock status ---------------------------------------------------------------------------
 
 
@@ -652,6 +769,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", default=MAIN, help="branch, tag or snapshot id (default: main)")
     _add_json(p)
 
+    p = command("expire", cmd_expire, "take snapshots outside the retention rules out of history")
+    p.add_argument("--rules", required=True, metavar="FILE", help="retention rules (JSON or YAML)")
+    p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    _add_json(p)
+    _add_lock(p)
+
+    p = command("gc", cmd_gc, "delete objects no retained snapshot needs")
+    p.add_argument("--grace", default="7d", help="only delete objects older than this (default 7d)")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument(
+        "--force", action="store_true", help="allow a grace shorter than the session lifetime"
+    )
+    _add_json(p)
+    _add_lock(p)
+
+    p = command("compact", cmd_compact, "pack small chunks, merge shards, prune the journal")
+    p.add_argument("--branch", default=MAIN, help="branch to compact (default: main)")
+    p.add_argument(
+        "--pack-below", type=_count, default=None, metavar="BYTES",
+        help="pack chunk objects smaller than this (default 256 KiB)",
+    )
+    p.add_argument(
+        "--keep-journal", default="7d", metavar="DURATION",
+        help="keep branch-journal entries (as_of) this far back (default 7d)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    _add_json(p)
+    _add_lock(p)
+
     p = command("fsck", cmd_fsck, "check that every reachable object exists and parses")
     p.add_argument("--skip-chunks", action="store_true", help="do not check chunk objects")
     _add_json(p)
@@ -700,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
         sys.stdout.flush()
-    except (UsageError, InvalidName) as e:
+    except (UsageError, InvalidName, InvalidRetentionRules, GraceTooShort) as e:
         return _fail(str(e), 2)
     except BrokenPipeError:
         # The reader went away (`zarrlake log URL | head`): stop quietly, as Python's docs advise.

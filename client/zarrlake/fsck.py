@@ -72,17 +72,19 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
     def problem(kind: str, key: str, detail: str) -> None:
         report.problems.append(Problem(kind, key, detail))
 
-    # Roots: every journal entry of every branch (as_of reads them), and every live tag.
+    # Roots: every branch head and live tag, and older journal entries (as_of reads them)
+    # unless expiry took their snapshot out of history. Parents stop at expired snapshots too.
+    expired = repo._expired_snapshots(refresh=True)
     roots: list[str] = []
     for name in repo._journal.names():
-        for key in storage.list_keys(branch_prefix(name)):
+        for i, key in enumerate(storage.list_keys(branch_prefix(name))):
             report.refs += 1
             try:
                 entry = repo._journal._read(key)
             except (CorruptObject, UnsupportedFormat) as e:
                 problem("corrupt", key, str(e))
                 continue
-            if entry.snapshot is not None:
+            if entry.snapshot is not None and (i == 0 or entry.snapshot not in expired):
                 roots.append(entry.snapshot)
     try:
         tags = repo._tags.all()
@@ -137,7 +139,7 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
                     chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]) + int(ref[3]))
                 elif ref[0] != INLINE:
                     problem("corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}")
-        stack.extend(p for p in snap.parents if p not in seen)
+        stack.extend(p for p in snap.parents if p not in seen and p not in expired)
 
     if check_chunks and chunk_refs:
         present: dict[str, int] = {}

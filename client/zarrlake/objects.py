@@ -65,6 +65,9 @@ class ObjectStore:
         self._snapshots: LRU[str, Snapshot] = LRU(512)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
+        # Shards this client wrote, still encoded: the next commit on the branch usually rewrites
+        # one of them, and should not have to fetch back what it just uploaded.
+        self._written_shards: LRU[str, bytes] = LRU(64)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage}
@@ -105,6 +108,9 @@ class ObjectStore:
                 raise CorruptObject(key, "content does not match its digest")
             return ManifestShard.decode(data, key)
 
+        written = self._written_shards.get(info.digest)
+        if written is not None and self._shards.get(info.digest) is None:
+            self._shards.put(info.digest, ManifestShard.decode(written, manifest_key(info.digest)))
         try:
             return self._cached(self._shards, manifest_key(info.digest), info.digest, parse, "manifest")
         except RefNotFound:
@@ -123,6 +129,8 @@ class ObjectStore:
         self._snapshots.put(snap.id, snap)
         if txlog is not None:
             self._txlogs.put(snap.id, txlog)
+        for digest, data in shards.items():
+            self._written_shards.put(digest, data)
 
     # -- chunks ------------------------------------------------------------------------------------
 
@@ -158,7 +166,7 @@ class ObjectStore:
             except ObjectNotFound:
                 raise CorruptObject(key, "chunk object is missing") from None
         if kind == PACKED:
-            _, pack_id, offset, length = ref
+            pack_id, offset, length = ref[1], ref[2], ref[3]
             start, end = (0, length) if byte_range is None else byte_range
             end = min(end, length)
             key = pack_key(pack_id)

@@ -127,13 +127,16 @@ class Tags:
     def create(self, name: str, snapshot_id: str) -> None:
         if self.storage.exists(tag_tombstone_key(name)):
             raise TagExists(f"tag {name!r} was deleted; tag names are never reused")
+        record = TagRecord(snapshot_id, dt.datetime.now(dt.UTC))
         try:
-            self.storage.put(
-                tag_key(name),
-                TagRecord(snapshot_id, dt.datetime.now(dt.UTC)).encode(),
-                create_only=True,
-            )
+            self.storage.put(tag_key(name), record.encode(), create_only=True)
         except PreconditionFailed:
+            # A retried write whose first response was lost finds its own record: not a clash.
+            try:
+                if TagRecord.decode(self.storage.get(tag_key(name)), tag_key(name)) == record:
+                    return
+            except ObjectNotFound:
+                pass
             raise TagExists(f"tag {name!r} already exists") from None
 
     def delete(self, name: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import heapq
+import logging
 import random
 import time
 import uuid
@@ -44,8 +45,11 @@ from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
 from zarrlake.format.manifest import prefix_matches
 from zarrlake.format.model import (
     REPO_KEY,
+    ExpiryRecord,
     JournalEntry,
+    ManifestShard,
     RepoRecord,
+    ShardInfo,
     Snapshot,
     TxLog,
     to_micros,
@@ -58,6 +62,7 @@ from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 from zarrlake.types import CommitInfo, Diff
 
 MAIN = "main"
+log = logging.getLogger("zarrlake")
 _MAX_COMMIT_ATTEMPTS = 200
 
 
@@ -67,6 +72,25 @@ def _now() -> dt.datetime:
 
 def _commit_info(s: Snapshot) -> CommitInfo:
     return CommitInfo(s.id, tuple(s.parents), s.message, s.author, s.time, dict(s.metadata))
+
+
+class History(Iterator[CommitInfo]):
+    """The iterator :meth:`Repository.log` returns. ``truncated`` lists ``(child, parent)`` pairs
+    where history ends because ``parent`` was expired (or is missing)."""
+
+    def __init__(self, repo: Repository, first: Snapshot, limit: int | None) -> None:
+        self.truncated: list[tuple[str, str]] = []
+        self._it = repo._walk(first, limit, self)
+
+    def _truncated_at(self, child: str, parent: str) -> None:
+        self.truncated.append((child, parent))
+        log.info("history ends at %s: its parent %s was expired", child, parent)
+
+    def __iter__(self) -> History:
+        return self
+
+    def __next__(self) -> CommitInfo:
+        return next(self._it)
 
 
 class Repository:
@@ -116,7 +140,12 @@ class Repository:
         try:
             storage.put(REPO_KEY, record.encode(), create_only=True)
         except PreconditionFailed:
-            raise RepositoryExists(f"a repository already exists at {storage.url}") from None
+            try:  # our own marker, behind a lost response, is not someone else's repository
+                mine = RepoRecord.decode(storage.get(REPO_KEY), REPO_KEY).id == record.id
+            except (ObjectNotFound, ZarrlakeError):
+                mine = False
+            if not mine:
+                raise RepositoryExists(f"a repository already exists at {storage.url}") from None
         repo = cls(storage, record, lock)
         repo._ensure_main()
         return repo
@@ -294,13 +323,29 @@ class Repository:
 
     # -- history -------------------------------------------------------------------------------------
 
-    def log(self, ref: str = MAIN, *, limit: int | None = None) -> Iterator[CommitInfo]:
-        """Commits reachable from ``ref``, newest first (merge parents included)."""
+    def log(self, ref: str = MAIN, *, limit: int | None = None) -> History:
+        """Commits reachable from ``ref``, newest first (merge parents included).
+
+        History ends cleanly where snapshots were expired: the returned iterator's
+        ``truncated`` lists the expired parents it stopped at (logged at INFO too).
+        """
         start = self.resolve(ref)
         first = self._objects.snapshot(start)
-        return self._walk(first, limit)
+        return History(self, first, limit)
 
-    def _walk(self, first: Snapshot, limit: int | None) -> Iterator[CommitInfo]:
+    def _expired_snapshots(self, *, refresh: bool = False) -> frozenset[str]:
+        """Ids of snapshots taken out of history by :meth:`expire` (records are immutable)."""
+        cache: dict[str, frozenset[str]] = self.__dict__.setdefault("_expiry_records", {})
+        if refresh or "_expired" not in self.__dict__:
+            keys = self.storage.list_keys("expired/")
+            missing = [k for k in keys if k not in cache]
+            for key, data in zip(missing, self.storage.map(self.storage.get, missing), strict=True):
+                cache[key] = frozenset(ExpiryRecord.decode(data, key).snapshots)
+            self._expired = frozenset().union(*(cache[k] for k in keys)) if keys else frozenset()
+        return self._expired
+
+    def _walk(self, first: Snapshot, limit: int | None, history: History) -> Iterator[CommitInfo]:
+        expired = self._expired_snapshots(refresh=True)
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
         produced = 0
@@ -318,10 +363,14 @@ class Repository:
                 if parent in seen:
                     continue
                 seen.add(parent)
+                if parent in expired:
+                    history._truncated_at(snap.id, parent)
+                    continue
                 try:
                     ps = self._objects.snapshot(parent)
                 except RefNotFound:
-                    continue  # history ends at an expired snapshot
+                    history._truncated_at(snap.id, parent)
+                    continue
                 heapq.heappush(heap, (-to_micros(ps.time), parent))
 
     def diff(self, from_ref: str, to_ref: str) -> Diff:
@@ -416,6 +465,60 @@ class Repository:
             extra_parents=(src_id,),
         )
 
+    # -- maintenance ----------------------------------------------------------------------------------
+
+    def expire(self, rules: Any, *, dry_run: bool = False) -> Any:
+        """Take snapshots outside ``rules`` (a :class:`RetentionRules`) out of history; returns an
+        :class:`ExpireReport`. Branch heads and tags are always kept; :meth:`gc` deletes later."""
+        from zarrlake.maintenance.expire import expire
+        from zarrlake.maintenance.retention import RetentionRules
+
+        if isinstance(rules, dict):
+            rules = RetentionRules.from_dict(rules)
+        if not isinstance(rules, RetentionRules):
+            raise TypeError("rules must be a zarrlake.RetentionRules (or its dict form)")
+        return expire(self, rules, dry_run=dry_run)
+
+    def gc(
+        self,
+        *,
+        grace: dt.timedelta = dt.timedelta(days=7),
+        dry_run: bool = False,
+        force: bool = False,
+        progress: Any = None,
+    ) -> Any:
+        """Delete objects no retained snapshot needs and older than ``grace``; a :class:`GCReport`.
+
+        A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
+        ``force``: a running session's uploads must outlive it.
+        """
+        from zarrlake.maintenance.gc import gc
+
+        return gc(self, grace=grace, dry_run=dry_run, force=force, progress=progress)
+
+    def compact(
+        self,
+        *,
+        branch: str = MAIN,
+        pack_below_bytes: int | None = None,
+        keep_journal: dt.timedelta = dt.timedelta(days=7),
+        dry_run: bool = False,
+        progress: Any = None,
+    ) -> Any:
+        """Pack small chunks, merge undersized shards and prune old journal entries of ``branch``
+        without changing what any snapshot reads; a :class:`CompactReport`."""
+        from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, compact
+
+        validate_name(branch)
+        return compact(
+            self,
+            branch=branch,
+            pack_below_bytes=DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes,
+            keep_journal=keep_journal,
+            dry_run=dry_run,
+            progress=progress,
+        )
+
     def fsck(self, *, check_chunks: bool = True) -> Any:
         """Check that everything reachable from the refs exists and parses (a :class:`FsckReport`)."""
         from zarrlake.fsck import fsck
@@ -470,10 +573,15 @@ class Repository:
         author: str | None,
         metadata: dict[str, Any],
         rebase: bool,
-        solver: Solver,
+        solver: Solver | str,
         extra_parents: tuple[str, ...] = (),
+        reshard: bool = False,
     ) -> str:
-        if solver is not None and not isinstance(solver, UseOurs | UseTheirs):
+        # solver "relocation" (internal, compaction): the changeset moves bytes without changing
+        # them, so any key the other side touched is simply dropped from it.
+        if solver is not None and solver != "relocation" and not isinstance(
+            solver, UseOurs | UseTheirs
+        ):
             raise TypeError("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
         with self._hold_lock(branch) as token:
             for attempt in range(_MAX_COMMIT_ATTEMPTS):
@@ -493,7 +601,14 @@ class Repository:
                     self._objects.check_chunks_exist(changeset.dedup_chunks)
                 parent = self._objects.snapshot(head)
                 snap, txlog, shards = self._build_snapshot(
-                    parent, changeset, message, author, metadata, extra_parents
+                    parent,
+                    changeset,
+                    message,
+                    author,
+                    metadata,
+                    extra_parents,
+                    relocation=solver == "relocation",
+                    reshard=reshard,
                 )
                 self._objects.put_snapshot(snap, txlog, shards)
                 entry = JournalEntry(head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token)
@@ -506,7 +621,7 @@ class Repository:
 
     def _changes_since(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
         """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
-        or — if ``base`` is not on it (the branch was reset) — from a diff of the two."""
+        or — if ``base`` is not on it (the branch was reset, or history expired) — from a diff."""
         logs: list[TxLog] = []
         chain = [head.id, *head.ancestry]
         if base.id in chain:
@@ -520,8 +635,9 @@ class Repository:
             cur = base
         else:
             cur = head
+        expired = self._expired_snapshots()
         while cur.id != base.id:
-            if not cur.parents or len(logs) > 10_000:
+            if not cur.parents or len(logs) > 10_000 or cur.parents[0] in expired:
                 return self._summary_from_diff(base, head)
             try:
                 logs.append(self._objects.txlog(cur.id))
@@ -540,13 +656,25 @@ class Repository:
         changed = {k: head.nodes.get(k) for k in node_keys}
         return ChangeSummary(node_keys, chunks, removed, resized_arrays(base.nodes, changed))
 
-    def _rebase(self, changeset: Changeset, head_id: str, solver: Solver) -> Changeset:
+    def _rebase(self, changeset: Changeset, head_id: str, solver: Solver | str) -> Changeset:
         base = self._objects.snapshot(changeset.base)
         head = self._objects.snapshot(head_id)
         theirs = self._changes_since(base, head)
         ours_nodes = {k: v for k, v in changeset.nodes.items() if v is not None}
         arrays = array_paths(base.nodes) | array_paths(head.nodes) | array_paths(ours_nodes)
-        conflicts, drop = rebase_conflicts(changeset, base.nodes, theirs, head.nodes, arrays, solver)
+        if solver == "relocation":
+            conflicts: list[Conflict] = []
+            drop = {
+                k
+                for k in changeset.chunks
+                if k in theirs.chunks
+                or theirs.deleted(k)
+                or split_chunk_key(k, arrays)[0] in theirs.resized
+            }
+        else:
+            conflicts, drop = rebase_conflicts(
+                changeset, base.nodes, theirs, head.nodes, arrays, solver  # type: ignore[arg-type]
+            )
         if conflicts:
             raise ConflictError(conflicts)
         rebased = changeset.copy()
@@ -563,6 +691,9 @@ class Repository:
         author: str | None,
         metadata: dict[str, Any],
         extra_parents: tuple[str, ...],
+        *,
+        relocation: bool = False,
+        reshard: bool = False,
     ) -> tuple[Snapshot, TxLog, dict[str, bytes]]:
         nodes = dict(parent.nodes)
         removed_nodes = []
@@ -575,14 +706,27 @@ class Repository:
                 nodes.pop(k, None)
             else:
                 nodes[k] = v
+        max_refs = self._config.shard_max_refs
         update = manifest.apply_changes(
-            parent.shards, cs.chunks, cs.deleted_prefixes, self._objects.shard, self._config.shard_max_refs
+            parent.shards, cs.chunks, cs.deleted_prefixes, self._objects.shard, max_refs
         )
+        if reshard:
+            pending = dict(update.new_shards)
+
+            def load(info: ShardInfo) -> ManifestShard:
+                data = pending.get(info.digest)
+                return ManifestShard.decode(data) if data is not None else self._objects.shard(info)
+
+            rebuilt = manifest.rebuild(update.index, load, max_refs)
+            kept = {s.digest for s in rebuilt.index}
+            rebuilt.new_shards.update({d: b for d, b in pending.items() if d in kept})
+            update = rebuilt
         txlog = TxLog(
             sorted(set(cs.nodes) | set(removed_nodes)),
-            sorted(cs.chunks),
+            [] if relocation else sorted(cs.chunks),
             sorted(cs.deleted_prefixes),
             sorted(resized_arrays(parent.nodes, cs.nodes)),
+            sorted(cs.chunks) if relocation else [],
         )
         snap = Snapshot(
             id=new_snapshot_id(),

@@ -29,6 +29,7 @@ class ObjectType(enum.IntEnum):
     BRANCH_ENTRY = 5
     TAG = 6
     TAG_TOMBSTONE = 7
+    EXPIRY = 8
 
 
 _local = threading.local()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from zarrlake.format.ids import content_hash
-from zarrlake.format.model import ChunkRef, ManifestShard, ShardInfo
+from zarrlake.format.model import ChunkRef, ManifestShard, ShardInfo, ref_identity
 
 Loader = Callable[[ShardInfo], ManifestShard]
 
@@ -265,5 +265,20 @@ def diff_entries(
             right.update(zip(shard.keys, shard.refs, strict=True))
     for key in sorted(left.keys() | right.keys()):
         ra, rb = left.get(key), right.get(key)
-        if ra != rb:
+        if ra != rb and ref_identity(ra) != ref_identity(rb):
             yield key, ra, rb
+
+
+def rebuild(index: list[ShardInfo], load: Loader, max_refs: int) -> ManifestUpdate:
+    """Re-cut a whole manifest into evenly filled shards (compaction's shard merge)."""
+    keys: list[str] = []
+    refs: list[ChunkRef] = []
+    for info in index:
+        shard = load(info)
+        keys.extend(shard.keys)
+        refs.extend(shard.refs)
+    out: list[ShardInfo] = []
+    new: dict[str, bytes] = {}
+    _emit(keys, refs, max_refs, out, new)
+    old = {s.digest for s in index}
+    return ManifestUpdate(out, {d: b for d, b in new.items() if d not in old})

@@ -65,6 +65,10 @@ def tag_key(name: str) -> str:
     return f"refs/tag.{_ref_name(name)}"
 
 
+def expiry_key(run_id: str) -> str:
+    return f"expired/{run_id}"
+
+
 def tag_tombstone_key(name: str) -> str:
     return f"refs/tagdel.{_ref_name(name)}"
 
@@ -73,10 +77,23 @@ def tag_tombstone_key(name: str) -> str:
 # A chunk reference is a small tuple, because manifests hold millions of them:
 #   (INLINE, data)                      the bytes themselves
 #   (OBJECT, sha256 digest bytes, size) a content-addressed object chunks/<hh>/<hex>
-#   (PACKED, pack id, offset, length)   a byte range of packs/<pack id>
+#   (PACKED, pack id, offset, length, sha256 digest bytes)
+#                                       a byte range of packs/<pack id>; the digest keeps the
+#                                       chunk's identity, so packing is not a change of data
 
 INLINE, OBJECT, PACKED = 0, 1, 2
 ChunkRef = tuple
+
+
+def ref_identity(ref: ChunkRef | None) -> object:
+    """What a ref means, not where it points: refs to the same bytes have equal identities."""
+    if ref is None:
+        return None
+    if ref[0] == OBJECT:
+        return ref[1]
+    if ref[0] == PACKED and len(ref) > 4:
+        return ref[4]
+    return ref
 
 
 def ref_size(ref: ChunkRef) -> int:
@@ -260,11 +277,19 @@ class TxLog:
     chunks: list[str]  # chunk keys set or deleted
     deleted_prefixes: list[str]  # whole subtrees removed (arrays or groups deleted)
     resized: list[str]  # array paths whose shape or chunk grid changed
+    # chunk keys whose bytes moved (compaction packed them) without changing: never a conflict
+    relocated: list[str] = field(default_factory=list)
 
     def encode(self) -> bytes:
         return encode(
             ObjectType.TXLOG,
-            {"n": self.nodes, "c": self.chunks, "d": self.deleted_prefixes, "r": self.resized},
+            {
+                "n": self.nodes,
+                "c": self.chunks,
+                "d": self.deleted_prefixes,
+                "r": self.resized,
+                "m": self.relocated,
+            },
         )
 
     @classmethod
@@ -275,6 +300,7 @@ class TxLog:
             _strs(_need(obj, "c", key), key, "c"),
             _strs(_need(obj, "d", key), key, "d"),
             _strs(obj.get("r") or [], key, "r"),
+            _strs(obj.get("m") or [], key, "m"),
         )
 
 
@@ -336,6 +362,27 @@ class TagRecord:
             _typed(_need(obj, "snapshot", key), str, key, "snapshot"),
             _time(_need(obj, "time", key), key, "time"),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryRecord:
+    """One expiry run: the snapshots it removed from history (GC deletes them later)."""
+
+    time: dt.datetime
+    snapshots: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return encode(
+            ObjectType.EXPIRY, {"time": to_micros(self.time), "snapshots": list(self.snapshots)}
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "<expiry>") -> ExpiryRecord:
+        obj = decode(data, ObjectType.EXPIRY, key)
+        snaps = _need(obj, "snapshots", key)
+        if not isinstance(snaps, list) or not all(isinstance(x, str) for x in snaps):
+            raise CorruptObject(key, "snapshots must be a list of ids")
+        return cls(_time(_need(obj, "time", key), key, "time"), tuple(snaps))
 
 
 @dataclass(frozen=True, slots=True)

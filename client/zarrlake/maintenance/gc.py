@@ -1,0 +1,290 @@
+"""Garbage collection: mark what retained history needs, sweep old objects nothing needs.
+
+Mark: from every branch head and tag, every journal entry younger than the grace period, and each
+branch's head as it was when the grace period began (a session opened then may still be running),
+walk parents (stopping at expired snapshots) and mark snapshots, txlogs, manifest shards, chunk
+objects and packs. Sweep: delete unmarked objects whose modification time is older than the grace
+period, re-checking that time just before each delete (a session that deduplicated against an old
+object rewrote it, so it looks young). With a lock service, the sweep's deletes and a commit's check
+of its deduplicated chunks exclude each other, which closes the last window.
+
+Memory stays bounded: chunk marks go into an exact set up to a limit and into a Bloom filter beyond
+it. A false positive only keeps a garbage object; it can never delete a live one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zarrlake.config import MAX_SESSION_TTL
+from zarrlake.errors import RefNotFound, ZarrlakeError
+from zarrlake.format.model import OBJECT, PACKED, branch_prefix
+from zarrlake.storage.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from zarrlake.repository import Repository
+
+GC_LOCK_BRANCH = "__gc__"  # the lock name the sweep and deduplicating commits share
+KINDS = ("snapshots", "txlogs", "manifests", "chunks", "packs")  # sweep order: roots first
+
+
+class GraceTooShort(ZarrlakeError, ValueError):
+    """A grace period shorter than the longest session lifetime (pass force=True to insist)."""
+
+
+class BloomFilter:
+    """Bits in a numpy array; k hash positions carved out of one SHA-256 of the item."""
+
+    def __init__(self, capacity: int, error_rate: float = 1e-4) -> None:
+        bits = int(-capacity * np.log(error_rate) / (np.log(2) ** 2)) + 64
+        self.size = bits
+        self.k = max(1, min(8, round(bits / capacity * np.log(2))))
+        self.bits = np.zeros((bits + 7) // 8, dtype=np.uint8)
+
+    def _positions(self, item: bytes) -> list[int]:
+        digest = hashlib.sha256(item).digest()
+        return [int.from_bytes(digest[4 * i : 4 * i + 4], "little") % self.size for i in range(self.k)]
+
+    def add(self, item: bytes) -> None:
+        for p in self._positions(item):
+            self.bits[p >> 3] |= 1 << (p & 7)
+
+    def __contains__(self, item: bytes) -> bool:
+        return all(self.bits[p >> 3] & (1 << (p & 7)) for p in self._positions(item))
+
+
+class ChunkMarks:
+    """Marked chunk digests: exact up to ``exact_limit``, then a Bloom filter (bounded memory)."""
+
+    def __init__(self, expected: int, exact_limit: int = 1_000_000) -> None:
+        self._exact: set[bytes] | None = set()
+        self._bloom: BloomFilter | None = None
+        self._limit = exact_limit
+        self._expected = max(expected, exact_limit)
+
+    def add(self, digest: bytes) -> None:
+        if self._exact is not None:
+            self._exact.add(digest)
+            if len(self._exact) > self._limit:
+                self._bloom = BloomFilter(self._expected * 2)
+                for d in self._exact:
+                    self._bloom.add(d)
+                self._exact = None
+        else:
+            assert self._bloom is not None
+            self._bloom.add(digest)
+
+    def __contains__(self, digest: bytes) -> bool:
+        if self._exact is not None:
+            return digest in self._exact
+        assert self._bloom is not None
+        return digest in self._bloom
+
+    @property
+    def exact(self) -> bool:
+        return self._exact is not None
+
+
+@dataclass
+class KindCount:
+    deleted: int = 0
+    deleted_bytes: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+
+
+@dataclass
+class GCReport:
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+    kept_objects: int = 0
+    dry_run: bool = False
+    kept_bytes: int = 0
+    by_kind: dict[str, KindCount] = field(default_factory=lambda: {k: KindCount() for k in KINDS})
+    marked_snapshots: int = 0
+    skipped_young: int = 0
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "deleted_objects": self.deleted_objects,
+            "deleted_bytes": self.deleted_bytes,
+            "kept_objects": self.kept_objects,
+            "kept_bytes": self.kept_bytes,
+            "dry_run": self.dry_run,
+            "marked_snapshots": self.marked_snapshots,
+            "skipped_young": self.skipped_young,
+            "by_kind": {k: vars(v) for k, v in self.by_kind.items()},
+            "duration_s": round(self.duration_s, 3),
+        }
+
+    def summary(self) -> str:
+        verb = "would delete" if self.dry_run else "deleted"
+        return (
+            f"{verb} {self.deleted_objects} object(s) ({_human(self.deleted_bytes)}), kept "
+            f"{self.kept_objects} ({_human(self.kept_bytes)}) in {self.duration_s:.2f}s"
+        )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _object_id(kind: str, key: str) -> str:
+    return key.rsplit("/", 1)[1]
+
+
+def gc_roots(repo: Repository, cutoff: dt.datetime, expired: set[str]) -> set[str]:
+    """Snapshots GC keeps whatever else happens: branch heads, tags, journal entries younger than
+    ``cutoff`` plus each branch's head as of ``cutoff`` (sessions opened since may still be
+    running), and older journal entries (for ``as_of``) unless their snapshot was expired."""
+    roots = set(repo.list_tags().values())
+    for name in repo._journal.names():
+        keys = repo.storage.list_keys(branch_prefix(name))
+        entries = repo.storage.map(repo._journal._read, keys)  # newest first
+        protected = True
+        for i, entry in enumerate(entries):
+            if entry.snapshot is not None and (i == 0 or protected or entry.snapshot not in expired):
+                roots.add(entry.snapshot)
+            if entry.time < cutoff:
+                protected = False  # this entry was the head at the cutoff; older ones are history
+    return roots
+
+
+def gc(
+    repo: Repository,
+    *,
+    grace: dt.timedelta = dt.timedelta(days=7),
+    dry_run: bool = False,
+    force: bool = False,
+    now: dt.datetime | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> GCReport:
+    """Collect garbage; see the module docstring. Raises :class:`GraceTooShort`."""
+    if grace < MAX_SESSION_TTL and not force:
+        raise GraceTooShort(
+            f"grace period {grace} is shorter than the longest session lifetime "
+            f"({MAX_SESSION_TTL}); a running session could lose its uploads (force it with force=True or --force)"
+        )
+    started = time.monotonic()
+    now = now or dt.datetime.now(dt.UTC)
+    cutoff = now - grace
+    report = GCReport(dry_run=dry_run)
+    expired = repo._expired_snapshots(refresh=True)
+    objects = repo._objects
+
+    # -- mark ------------------------------------------------------------------------------------
+    snapshots: set[str] = set()
+    shards: set[str] = set()
+    packs: set[str] = set()
+    stack = list(gc_roots(repo, cutoff, expired))
+    loaded = []
+    while stack:
+        sid = stack.pop()
+        if sid in snapshots:
+            continue
+        try:
+            snap = objects.snapshot(sid)
+        except RefNotFound:
+            continue
+        snapshots.add(sid)
+        loaded.append(snap)
+        stack.extend(p for p in snap.parents if p not in snapshots and p not in expired)
+    report.marked_snapshots = len(snapshots)
+    marks = ChunkMarks(sum(s.count for snap in loaded for s in snap.shards))
+    for snap in loaded:
+        for info in snap.shards:
+            if info.digest in shards:
+                continue
+            shards.add(info.digest)
+            for ref in objects.shard(info).refs:
+                if ref[0] == OBJECT:
+                    marks.add(ref[1])
+                elif ref[0] == PACKED:
+                    packs.add(ref[1])
+            if progress:
+                progress("mark", 1)
+    del loaded
+
+    def live(kind: str, key: str) -> bool:
+        oid = _object_id(kind, key)
+        if kind in ("snapshots", "txlogs"):
+            return oid in snapshots
+        if kind == "manifests":
+            return oid in shards
+        if kind == "packs":
+            return oid in packs
+        try:
+            return bytes.fromhex(oid) in marks
+        except ValueError:
+            return True  # not a name we write: leave it alone
+
+    # -- sweep -------------------------------------------------------------------------------------
+    for kind in KINDS:
+        counts = report.by_kind[kind]
+        batch: list[ObjectInfo] = []
+        for info in repo.storage.list(kind + "/"):
+            if live(kind, info.key) or info.modified > cutoff:
+                if not live(kind, info.key):
+                    report.skipped_young += 1
+                counts.kept += 1
+                counts.kept_bytes += info.size
+                continue
+            batch.append(info)
+            if len(batch) >= 1000:
+                _sweep(repo, batch, counts, cutoff, dry_run, progress)
+                batch = []
+        if batch:
+            _sweep(repo, batch, counts, cutoff, dry_run, progress)
+
+    for counts in report.by_kind.values():
+        report.deleted_objects += counts.deleted
+        report.deleted_bytes += counts.deleted_bytes
+        report.kept_objects += counts.kept
+        report.kept_bytes += counts.kept_bytes
+    report.duration_s = time.monotonic() - started
+    return report
+
+
+def _sweep(
+    repo: Repository,
+    batch: list[ObjectInfo],
+    counts: KindCount,
+    cutoff: dt.datetime,
+    dry_run: bool,
+    progress: Callable[[str, int], None] | None,
+) -> None:
+    if dry_run:
+        counts.deleted += len(batch)
+        counts.deleted_bytes += sum(i.size for i in batch)
+        return
+    with _gc_lock(repo):
+        # Re-check right before deleting: a session may have refreshed a deduplicated object.
+        fresh = repo.storage.map(lambda i: repo.storage.head(i.key), batch)
+        doomed = [i for i, f in zip(batch, fresh, strict=True) if f is not None and f.modified <= cutoff]
+        kept = [f for f in fresh if f is not None and f.modified > cutoff]
+        repo.storage.delete_many(i.key for i in doomed)
+    counts.deleted += len(doomed)
+    counts.deleted_bytes += sum(i.size for i in doomed)
+    counts.kept += len(kept)
+    counts.kept_bytes += sum(f.size for f in kept)
+    if progress:
+        progress("sweep", len(batch))
+
+
+def _gc_lock(repo: Repository) -> contextlib.AbstractContextManager[Any]:
+    if repo.lock is None:
+        return contextlib.nullcontext()
+    return repo.lock.hold(repo.id, GC_LOCK_BRANCH)
