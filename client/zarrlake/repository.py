@@ -559,6 +559,13 @@ class Repository:
 
     # -- the commit protocol --------------------------------------------------------------------------
 
+    def _dedup_guard(self, changeset: Changeset) -> contextlib.AbstractContextManager[Any]:
+        if self._lock is None or not changeset.dedup_chunks:
+            return contextlib.nullcontext()
+        from zarrlake.maintenance.gc import GC_LOCK_BRANCH
+
+        return self._lock.hold(self.id, GC_LOCK_BRANCH)
+
     def _hold_lock(self, branch: str) -> contextlib.AbstractContextManager[int | None]:
         if self._lock is None:
             return contextlib.nullcontext(None)
@@ -597,8 +604,6 @@ class Repository:
                         )
                     changeset = self._rebase(changeset, head, solver)
                     self.stats["rebases"] += 1
-                if changeset.dedup_chunks:
-                    self._objects.check_chunks_exist(changeset.dedup_chunks)
                 parent = self._objects.snapshot(head)
                 snap, txlog, shards = self._build_snapshot(
                     parent,
@@ -612,7 +617,14 @@ class Repository:
                 )
                 self._objects.put_snapshot(snap, txlog, shards)
                 entry = JournalEntry(head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token)
-                if self._journal.append(branch, entry):
+                # Chunks we deduplicated against may be old garbage GC is about to sweep: check
+                # they still exist, and (with a lock service) keep GC's deletes out until the
+                # journal entry that makes them reachable is written.
+                with self._dedup_guard(changeset):
+                    if changeset.dedup_chunks:
+                        self._objects.check_chunks_exist(changeset.dedup_chunks)
+                    published = self._journal.append(branch, entry)
+                if published:
                     return snap.id
                 self.stats["append_retries"] += 1
                 # Another commit took this sequence number: back off a little, then rebase on it.

@@ -270,16 +270,24 @@ def _sweep(
         counts.deleted += len(batch)
         counts.deleted_bytes += sum(i.size for i in batch)
         return
-    with _gc_lock(repo):
-        # Re-check right before deleting: a session may have refreshed a deduplicated object.
-        fresh = repo.storage.map(lambda i: repo.storage.head(i.key), batch)
-        doomed = [i for i, f in zip(batch, fresh, strict=True) if f is not None and f.modified <= cutoff]
-        kept = [f for f in fresh if f is not None and f.modified > cutoff]
-        repo.storage.delete_many(i.key for i in doomed)
-    counts.deleted += len(doomed)
-    counts.deleted_bytes += sum(i.size for i in doomed)
-    counts.kept += len(kept)
-    counts.kept_bytes += sum(f.size for f in kept)
+    # Re-check right before deleting: a session may have refreshed a deduplicated object. With a
+    # lock, commits that deduplicated wait while we hold it, so the whole batch is checked at once.
+    # Without one, check and delete a few objects at a time: the time between an object's check
+    # and its delete is the window in which a refresh goes unseen, so keep it to one round trip.
+    step = len(batch) if repo.lock is not None else max(1, repo.storage.concurrency)
+    for start in range(0, len(batch), step):
+        part = batch[start : start + step]
+        with _gc_lock(repo):
+            fresh = repo.storage.map(lambda i: repo.storage.head(i.key), part)
+            doomed = [
+                i for i, f in zip(part, fresh, strict=True) if f is not None and f.modified <= cutoff
+            ]
+            kept = [f for f in fresh if f is not None and f.modified > cutoff]
+            repo.storage.delete_many(i.key for i in doomed)
+        counts.deleted += len(doomed)
+        counts.deleted_bytes += sum(i.size for i in doomed)
+        counts.kept += len(kept)
+        counts.kept_bytes += sum(f.size for f in kept)
     if progress:
         progress("sweep", len(batch))
 
