@@ -18,7 +18,7 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-$(VENV)/.bench-installed: pyproject.toml $(VENV)/.dev-installed
+$(VENV)/.bench-installed: pyproject.toml | $(VENV)/.dev-installed
 	$(BIN)/pip install -q -e ".[bench]"
 	touch $@
 
@@ -40,11 +40,15 @@ test: $(VENV)/.dev-installed redis-server-available
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run
-bench: $(VENV)/.bench-installed
+bench: $(VENV)/.bench-installed redis-server-available
 	$(BIN)/python bench/run.py --markdown bench/results/latest.md
+	$(BIN)/python bench/contention.py --markdown bench/results/contention.md
+	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
 
-bench-quick: $(VENV)/.bench-installed
+bench-quick: $(VENV)/.bench-installed redis-server-available
 	$(BIN)/python bench/run.py --quick
+	$(BIN)/python bench/contention.py --quick
+	$(BIN)/python bench/maintenance.py --quick
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check client tests bench examples

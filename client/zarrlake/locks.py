@@ -10,8 +10,10 @@ backwards or overwrite a commit. Every journal entry records the holder's fencin
 increases monotonically per repository, so a log shows who held the lock when.
 
 - :class:`RedisLock` — a lease in Redis, renewed while held, released by compare-and-delete,
-  waiters served in arrival order (a ticket queue) and polling with bounded, position-scaled,
-  jittered backoff instead of spinning.
+  waiters served in arrival order (a ticket queue). Waiters block (``BLPOP``) on a wake-up list
+  of their own; a release pushes to the first live waiter's list, so the lock changes hands in one
+  round trip, without polling. Waiters still look again at least once a second (and the next in
+  line when the lease would run out), which keeps their place alive and notices dead holders.
 - :class:`LocalLock` — ``flock(2)`` on files in a directory, for processes on one machine.
 """
 
@@ -35,7 +37,9 @@ from zarrlake.errors import LockTimeout, LockUnavailable
 
 log = logging.getLogger("zarrlake.locks")
 
-# KEYS: lock, queue, beats, fence   ARGV: holder, ticket, lease_ms, beat_ms
+_MAX_BLOCK_S = 1.0  # a waiter looks again at least this often (must stay below socket_timeout)
+
+# KEYS: lock, queue, beats, fence, own wake list   ARGV: holder, ticket, lease_ms, beat_ms
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -65,15 +69,31 @@ local token = redis.call('INCR', KEYS[4])
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', tonumber(ARGV[3]))
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[5])
 return {1, token, 0}
 """
 
-# KEYS: lock   ARGV: expected value
+# KEYS: lock, queue, beats   ARGV: expected value, wake-list prefix
+# Compare-and-delete, then hand over: push to the wake-up list of the first waiter whose heartbeat
+# is alive. (That list's name is built here; it shares the repository's {hash tag}, so the script
+# stays on one cluster slot.) A wake-up nobody consumes expires; a missed one costs a waiter at
+# most its next look.
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
 end
-return 0
+redis.call('DEL', KEYS[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, w in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  if tonumber(redis.call('HGET', KEYS[3], w) or '0') >= now then
+    local wake = ARGV[2] .. w
+    redis.call('RPUSH', wake, '1')
+    redis.call('PEXPIRE', wake, 10000)
+    break
+  end
+end
+return 1
 """
 
 # KEYS: lock   ARGV: expected value, lease_ms
@@ -84,10 +104,11 @@ end
 return 0
 """
 
-# KEYS: queue, beats   ARGV: holder
+# KEYS: queue, beats, own wake list   ARGV: holder
 _LEAVE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3])
 return 1
 """
 
@@ -106,9 +127,12 @@ class LockHolder:
 class Lease:
     """A held Redis lock: renewed in the background until released."""
 
-    def __init__(self, lock: RedisLock, key: str, value: str, token: int) -> None:
+    def __init__(
+        self, lock: RedisLock, key: str, value: str, token: int, handoff: tuple[str, str, str]
+    ) -> None:
         self._lock = lock
         self.key = key
+        self._handoff = handoff  # (queue key, beats key, wake-list prefix)
         self.value = value
         self.token = token
         self.lost = False
@@ -127,14 +151,19 @@ class Lease:
                 continue
             if not ok:
                 self.lost = True
-                log.warning("lost lock %s (lease expired); commit stays safe via the journal", self.key)
+                log.warning(
+                    "lost lock %s (lease expired); commit stays safe via the journal", self.key
+                )
                 return
 
     def release(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         try:
-            self._lock._script(_RELEASE)(keys=[self.key], args=[self.value])
+            queue, beats, wake_prefix = self._handoff
+            self._lock._script(_RELEASE)(
+                keys=[self.key, queue, beats], args=[self.value, wake_prefix]
+            )
         except Exception as e:
             log.warning("could not release lock %s (it will expire): %s", self.key, e)
 
@@ -147,6 +176,8 @@ class RedisLock:
     before :class:`LockTimeout`. ``on_unavailable``: if Redis cannot be reached, ``"optimistic"``
     commits without the lock (safe, only less orderly), ``"fail"`` raises :class:`LockUnavailable`.
     Keys live under ``zarrlake:{<repository id>}:`` so many repositories can share one Redis.
+    Needs Redis 6 or newer (waiters block with sub-second ``BLPOP`` timeouts). The fencing counter
+    lives in Redis: run it with persistence if tokens must keep rising across a Redis restart.
     """
 
     def __init__(
@@ -201,7 +232,7 @@ class RedisLock:
             script = self._scripts[source] = self.client.register_script(source)
         return script
 
-    def _keys(self, repo_id: str, branch: str) -> tuple[str, str, str, str, str]:
+    def _keys(self, repo_id: str, branch: str) -> tuple[str, str, str, str, str, str]:
         base = f"{self.namespace}:{{{repo_id}}}"
         b = quote(branch, safe="")
         return (
@@ -210,14 +241,19 @@ class RedisLock:
             f"{base}:beats:{b}",
             f"{base}:fence",
             f"{base}:tickets",
+            f"{base}:wake:{b}:",  # + holder: each waiter's wake-up list
         )
 
     def acquire(self, repo_id: str, branch: str) -> Lease | None:
         """Wait for the lock; a :class:`Lease`, or None when Redis is down and we go optimistic."""
         import redis
 
-        lock_key, queue_key, beats_key, fence_key, tickets_key = self._keys(repo_id, branch)
+        lock_key, queue_key, beats_key, fence_key, tickets_key, wake_prefix = self._keys(
+            repo_id, branch
+        )
         holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        wake_key = wake_prefix + holder
+        handoff = (queue_key, beats_key, wake_prefix)
         lease_ms = int(self.lease_s * 1000)
         beat_ms = 5000
         deadline = time.monotonic() + self.wait_s
@@ -226,23 +262,26 @@ class RedisLock:
             acquire = self._script(_ACQUIRE)
             while True:
                 got, value, ttl = acquire(
-                    keys=[lock_key, queue_key, beats_key, fence_key],
+                    keys=[lock_key, queue_key, beats_key, fence_key, wake_key],
                     args=[holder, ticket, lease_ms, beat_ms],
                 )
                 if got:
-                    return Lease(self, lock_key, f"{holder}:{value}", int(value))
+                    return Lease(self, lock_key, f"{holder}:{value}", int(value), handoff)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     with contextlib.suppress(redis.RedisError):
-                        self._script(_LEAVE)(keys=[queue_key, beats_key], args=[holder])
+                        self._script(_LEAVE)(keys=[queue_key, beats_key, wake_key], args=[holder])
                     raise LockTimeout(
                         f"could not lock branch {branch!r} of repository {repo_id} within "
                         f"{self.wait_s:g}s ({value} waiter(s) ahead)"
                     )
-                # Bounded backoff scaled by our place in line: the next in line polls often,
-                # the back of the queue rarely, so waiting costs the server little.
-                delay = min(0.25, 0.003 * (int(value) + 1)) * random.uniform(0.5, 1.5)
-                time.sleep(min(delay, remaining))
+                # Block until a release hands the lock to us. Look again after at most a second
+                # (a heartbeat keeps our place; beat_ms is far longer) and, next in line, when
+                # the holder's lease would run out (it may have died).
+                block = min(remaining, _MAX_BLOCK_S)
+                if int(value) == 0:
+                    block = min(block, max(int(ttl), 0) / 1000 + 0.005)
+                self.client.blpop([wake_key], timeout=max(block, 0.01))
         except (redis.ConnectionError, redis.TimeoutError) as e:
             if self.on_unavailable == "fail":
                 raise LockUnavailable(f"lock service {self!r} unreachable: {e}") from None
@@ -326,7 +365,8 @@ class LocalLock:
 
 
 def lock_from_url(url: str, **options: Any) -> RedisLock | LocalLock:
-    """``redis://…``/``rediss://…`` -> :class:`RedisLock`; ``file:///dir`` or a path -> :class:`LocalLock`."""
+    """``redis://…``/``rediss://…`` -> :class:`RedisLock`; ``file:///dir`` or a path ->
+    :class:`LocalLock`."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
         return RedisLock(url, **options)
