@@ -45,6 +45,7 @@ from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
 from zarrlake.format.manifest import prefix_matches
 from zarrlake.format.model import (
     REPO_KEY,
+    AncestorRecord,
     ExpiryRecord,
     JournalEntry,
     ManifestShard,
@@ -68,6 +69,20 @@ _MAX_COMMIT_ATTEMPTS = 200
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def _history_for(parent: Snapshot) -> list[AncestorRecord]:
+    """The commit records a child of ``parent`` carries: the parent's, then its own history."""
+    records = [
+        AncestorRecord(parent.parents, parent.time, parent.author, parent.message, parent.metadata),
+        *parent.history[: Snapshot.ANCESTRY - 1],
+    ]
+    budget = Snapshot.HISTORY_BYTES
+    for i, r in enumerate(records):
+        budget -= 64 + len(r.message) + len(r.author or "") + len(repr(r.metadata))
+        if budget < 0:
+            return records[:i]
+    return records
 
 
 def _commit_info(s: Snapshot) -> CommitInfo:
@@ -346,32 +361,45 @@ class Repository:
 
     def _walk(self, first: Snapshot, limit: int | None, history: History) -> Iterator[CommitInfo]:
         expired = self._expired_snapshots(refresh=True)
+        # Each snapshot carries the commit records of its recent first-parent ancestors, so a
+        # page of history costs one fetch, not one dependent round trip per commit.
+        known: dict[str, CommitInfo] = {}
+
+        def learn(snap: Snapshot) -> None:
+            known[snap.id] = _commit_info(snap)
+            for aid, rec in zip(snap.ancestry, snap.history, strict=False):
+                if aid not in known:
+                    known[aid] = CommitInfo(
+                        aid, rec.parents, rec.message, rec.author, rec.time, dict(rec.metadata)
+                    )
+
+        def info(sid: str) -> CommitInfo:
+            if sid not in known:
+                learn(self._objects.snapshot(sid))  # RefNotFound if it is gone
+            return known[sid]
+
+        learn(first)
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
         produced = 0
         while heap and (limit is None or produced < limit):
             _, sid = heapq.heappop(heap)
-            snap = self._objects.snapshot(sid)
-            yield _commit_info(snap)
+            commit = info(sid)
+            yield commit
             produced += 1
-            # History is a chain of dependent fetches; the ancestry list lets us fetch ahead.
-            want = snap.ancestry if limit is None else snap.ancestry[: max(0, limit - produced)]
-            if snap.parents and not self._objects.is_cached(snap.parents[0]) and len(want) > 1:
-                with contextlib.suppress(RefNotFound):
-                    self._objects.snapshots([a for a in want if not self._objects.is_cached(a)])
-            for parent in snap.parents:
+            for parent in commit.parents:
                 if parent in seen:
                     continue
                 seen.add(parent)
                 if parent in expired:
-                    history._truncated_at(snap.id, parent)
+                    history._truncated_at(sid, parent)
                     continue
                 try:
-                    ps = self._objects.snapshot(parent)
+                    parent_time = info(parent).time
                 except RefNotFound:
-                    history._truncated_at(snap.id, parent)
+                    history._truncated_at(sid, parent)
                     continue
-                heapq.heappush(heap, (-to_micros(ps.time), parent))
+                heapq.heappush(heap, (-to_micros(parent_time), parent))
 
     def diff(self, from_ref: str, to_ref: str) -> Diff:
         """Nodes added/removed/changed and chunks changed going from ``from_ref`` to ``to_ref``."""
@@ -750,6 +778,7 @@ class Repository:
             nodes=nodes,
             shards=update.index,
             ancestry=[parent.id, *parent.ancestry[: Snapshot.ANCESTRY - 1]],
+            history=_history_for(parent),
         )
         try:
             snap.encode()

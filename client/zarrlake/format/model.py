@@ -203,6 +203,37 @@ class ManifestShard:
 # -- snapshots -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class AncestorRecord:
+    """An ancestor's commit record, as a descendant snapshot carries it (id in ``ancestry``)."""
+
+    parents: tuple[str, ...]
+    time: dt.datetime
+    author: str | None
+    message: str
+    metadata: dict[str, Any]
+
+
+def _history(items: Any, ancestry: list[str], key: str) -> list[AncestorRecord]:
+    if not isinstance(items, list) or len(items) > len(ancestry):
+        raise CorruptObject(key, "history does not match ancestry")
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 5:
+            raise CorruptObject(key, f"bad history record {item!r}")
+        parents, when, author, message, metadata = item
+        out.append(
+            AncestorRecord(
+                tuple(_strs(parents, key, "history")),
+                _time(when, key, "history"),
+                _opt(author, str, key, "history"),
+                _typed(message, str, key, "history"),
+                _typed(metadata, dict, key, "history"),
+            )
+        )
+    return out
+
+
 @dataclass(slots=True)
 class Snapshot:
     """A commit: who, when, why, its parents, the Zarr metadata documents and the shard index."""
@@ -217,8 +248,12 @@ class Snapshot:
     shards: list[ShardInfo]
     # Up to ANCESTRY first-parent ancestors, newest first: lets log() fetch history in parallel.
     ancestry: list[str] = field(default_factory=list)
+    # The commit records of the first len(history) of those ancestors (see AncestorRecord): log()
+    # lists a page of history from one snapshot instead of fetching every commit in turn.
+    history: list[AncestorRecord] = field(default_factory=list)
 
     ANCESTRY = 64
+    HISTORY_BYTES = 32 * 1024  # records are dropped from the end beyond this (long messages)
 
     def encode(self) -> bytes:
         return encode(
@@ -233,6 +268,10 @@ class Snapshot:
                 "nodes": self.nodes,
                 "shards": [[s.first, s.last, s.digest, s.count] for s in self.shards],
                 "ancestry": self.ancestry,
+                "history": [
+                    [list(h.parents), to_micros(h.time), h.author, h.message, h.metadata]
+                    for h in self.history
+                ],
             },
         )
 
@@ -258,7 +297,8 @@ class Snapshot:
             metadata=_typed(obj.get("metadata") or {}, dict, key, "metadata"),
             nodes=nodes,
             shards=shards,
-            ancestry=_strs(obj.get("ancestry") or [], key, "ancestry"),
+            ancestry=(ancestry := _strs(obj.get("ancestry") or [], key, "ancestry")),
+            history=_history(obj.get("history") or [], ancestry, key),
         )
 
     @property
