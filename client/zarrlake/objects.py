@@ -53,6 +53,10 @@ class LRU(Generic[K, V]):
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
 
+    def discard(self, key: K) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
 
 class ObjectStore:
     """Typed access to a repository's objects. Picklable (caches are not carried along)."""
@@ -115,6 +119,11 @@ class ObjectStore:
             return self._cached(self._shards, manifest_key(info.digest), info.digest, parse, "manifest")
         except RefNotFound:
             raise CorruptObject(manifest_key(info.digest), "missing manifest shard") from None
+
+    def forget(self, snapshot_id: str) -> None:
+        """Drop a snapshot and its txlog from the caches (garbage collection deleted them)."""
+        self._snapshots.discard(snapshot_id)
+        self._txlogs.discard(snapshot_id)
 
     def txlog(self, snapshot_id: str) -> TxLog:
         return self._cached(self._txlogs, txlog_key(snapshot_id), snapshot_id, TxLog.decode, "txlog")

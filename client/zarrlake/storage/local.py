@@ -11,7 +11,7 @@ import datetime as dt
 import errno
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,6 +28,16 @@ _TMP = ".tmp"
 
 def _holds_file(path: Path) -> bool:
     return any(files for _, _, files in os.walk(path))
+
+
+def _publish(op: Callable[[Path, Path], None], tmp: Path, path: Path) -> None:
+    """``op(tmp, path)`` (link or rename), creating ``path``'s directory only when it is missing:
+    most writes land in an existing directory, and a mkdir per object is a syscall each time."""
+    try:
+        op(tmp, path)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        op(tmp, path)
 
 
 class LocalStorage(Storage):
@@ -72,7 +82,6 @@ class LocalStorage(Storage):
             os.fsync(fd) if self.fsync else None
         finally:
             os.close(fd)
-        path.parent.mkdir(parents=True, exist_ok=True)
         return tmp
 
     #: fsync every object before publishing it (durability across power loss, at a cost).
@@ -84,7 +93,7 @@ class LocalStorage(Storage):
         try:
             if create_only:
                 try:
-                    os.link(tmp, path)
+                    _publish(os.link, tmp, path)
                 except FileExistsError:
                     raise PreconditionFailed(key) from None
                 except OSError as e:  # file systems without hard links
@@ -92,7 +101,7 @@ class LocalStorage(Storage):
                         raise
                     self._create_exclusive(path, key, data)
             else:
-                os.replace(tmp, path)
+                _publish(os.replace, tmp, path)
                 tmp = None
         finally:
             if tmp is not None:
@@ -102,6 +111,7 @@ class LocalStorage(Storage):
                     pass
 
     def _create_exclusive(self, path: Path, key: str, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
