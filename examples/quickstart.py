@@ -73,7 +73,10 @@ def main(path: str = "demo-repo") -> None:
 
     # 5. Tag the release and look at history.
     repo.create_tag("v1", "main")
-    say("History of main", "\n".join(f"{c.id[:10]}  {c.time:%H:%M:%S}  {c.message}" for c in repo.log("main")))
+    say(
+        "History of main",
+        "\n".join(f"{c.id[:10]}  {c.time:%H:%M:%S}  {c.message}" for c in repo.log("main")),
+    )
 
     # 6. Time travel: the first commit is still there, unchanged.
     old = xr.open_zarr(repo.readonly_session(first).store, consolidated=False)

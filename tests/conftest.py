@@ -82,7 +82,9 @@ def moto_s3() -> Iterator[MotoS3]:
     proc, endpoint = start_moto()
     try:
         bucket = "zarrlake-tests"
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket=bucket
+        )
         yield MotoS3(endpoint, bucket, proc)
     finally:
         proc.terminate()
@@ -149,11 +151,16 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [
                 redis_server_binary(),
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

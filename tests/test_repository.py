@@ -140,7 +140,12 @@ def test_read_your_writes_and_isolation(repo: zarrlake.Repository) -> None:
     with pytest.raises(zarrlake.ReadOnlyError):
         zarr.open_array(s.store, path="a")[0, 0] = 1
     info = next(repo.log())
-    assert (info.id, info.message, info.author, info.metadata) == (c, "write a", "me", {"k": [1, 2]})
+    assert (info.id, info.message, info.author, info.metadata) == (
+        c,
+        "write a",
+        "me",
+        {"k": [1, 2]},
+    )
     assert info.time.tzinfo is not None
     np.testing.assert_array_equal(read(repo, "main"), np.full((8, 8), 3.0))
 
@@ -201,7 +206,9 @@ def test_transaction(repo: zarrlake.Repository) -> None:
         zarr.open_array(store, path="t")[:] = 9
         raise RuntimeError("boom")
     assert repo.lookup_branch("main") == head
-    np.testing.assert_array_equal(zarr.open_array(repo.readonly_session().store, path="t", mode="r")[:], 7)
+    np.testing.assert_array_equal(
+        zarr.open_array(repo.readonly_session().store, path="t", mode="r")[:], 7
+    )
 
 
 # -- concurrency: rebase and conflicts -------------------------------------------------------------
@@ -318,11 +325,13 @@ def test_lost_journal_response_is_not_a_conflict(repo: zarrlake.Repository) -> N
     # The same writer retries after a lost response: it recognizes its own entry.
     assert journal.append("main", entry)
     # Someone else racing for the same sequence number loses.
-    assert not journal.append("main", JournalEntry(head.seq + 1, head.snapshot, None, head.time, "w2"))
+    assert not journal.append(
+        "main", JournalEntry(head.seq + 1, head.snapshot, None, head.time, "w2")
+    )
     assert repo.storage.exists(branch_entry_key("main", head.seq + 1))
 
 
-# -- fork / merge of changesets ----------------------------------------------------------------------
+# -- fork / merge of changesets --------------------------------------------------------------------
 
 
 def test_fork_and_merge(repo: zarrlake.Repository) -> None:
@@ -352,7 +361,7 @@ def test_forks_disagreeing_conflict(repo: zarrlake.Repository) -> None:
         s.merge(f1.changeset(), f2.changeset())
 
 
-# -- history, diff, merge, time travel ---------------------------------------------------------------
+# -- history, diff, merge, time travel -------------------------------------------------------------
 
 
 def test_log_limit_and_diff(repo: zarrlake.Repository) -> None:
@@ -424,7 +433,7 @@ def test_time_travel(repo: zarrlake.Repository) -> None:
         repo.readonly_session("main", as_of=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
 
 
-# -- O(change) --------------------------------------------------------------------------------------
+# -- O(change) -------------------------------------------------------------------------------------
 
 
 def test_one_chunk_commit_rewrites_one_shard(storage: zarrlake.Storage) -> None:
@@ -446,7 +455,7 @@ def test_one_chunk_commit_rewrites_one_shard(storage: zarrlake.Storage) -> None:
     assert read(repo, "main", "big")[2500] == -1 and read(repo, "main", "big")[2499] == 2499
 
 
-# -- corruption -------------------------------------------------------------------------------------
+# -- corruption ------------------------------------------------------------------------------------
 
 
 def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:

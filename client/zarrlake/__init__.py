@@ -1,10 +1,10 @@
 """zarrlake: versioned, transactional Zarr repositories on object storage.
 
-    >>> import zarrlake, zarr
-    >>> repo = zarrlake.Repository.create(zarrlake.Storage.memory())
-    >>> session = repo.writable_session("main")
-    >>> root = zarr.open_group(session.store, mode="w")
-    >>> session.commit("create root group")  # doctest: +SKIP
+>>> import zarrlake, zarr
+>>> repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+>>> session = repo.writable_session("main")
+>>> root = zarr.open_group(session.store, mode="w")
+>>> session.commit("create root group")  # doctest: +SKIP
 """
 
 from zarrlake.changeset import Changeset
@@ -58,26 +58,26 @@ def __getattr__(name: str) -> object:
         return getattr(locks, name)
     raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
+
 __all__ = [
-    "CompactReport",
-    "ExpireReport",
-    "GCReport",
-    "GraceTooShort",
-    "History",
-    "InvalidRetentionRules",
-    "Keep",
-    "RetentionRules",
     "BranchExists",
     "Changeset",
     "CommitInfo",
+    "CompactReport",
     "Conflict",
     "ConflictError",
     "CorruptObject",
     "Diff",
+    "ExpireReport",
     "ForkedSession",
+    "GCReport",
+    "GraceTooShort",
+    "History",
     "InvalidName",
-    "LockTimeout",
+    "InvalidRetentionRules",
+    "Keep",
     "LocalLock",
+    "LockTimeout",
     "LockUnavailable",
     "MergeConflictError",
     "NothingToCommit",
@@ -88,6 +88,7 @@ __all__ = [
     "RepositoryConfig",
     "RepositoryExists",
     "RepositoryNotFound",
+    "RetentionRules",
     "RetryableError",
     "Session",
     "SessionExpired",

@@ -630,8 +630,13 @@ def cmd_lock_status(args: argparse.Namespace) -> None:
     if args.json:
         _print_json(
             [
-                {"branch": h.branch, "holder": h.holder, "token": h.token, "ttl_ms": h.ttl_ms,
-                 "waiters": h.waiters}
+                {
+                    "branch": h.branch,
+                    "holder": h.holder,
+                    "token": h.token,
+                    "ttl_ms": h.ttl_ms,
+                    "waiters": h.waiters,
+                }
                 for h in holders
             ]
         )
@@ -641,7 +646,10 @@ def cmd_lock_status(args: argparse.Namespace) -> None:
         return
     _print_table(
         ["BRANCH", "HOLDER", "TOKEN", "TTL", "WAITERS"],
-        [[h.branch, h.holder, str(h.token), f"{h.ttl_ms / 1000:.1f}s", str(h.waiters)] for h in holders],
+        [
+            [h.branch, h.holder, str(h.token), f"{h.ttl_ms / 1000:.1f}s", str(h.waiters)]
+            for h in holders
+        ],
     )
 
 
@@ -787,11 +795,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compact", cmd_compact, "pack small chunks, merge shards, prune the journal")
     p.add_argument("--branch", default=MAIN, help="branch to compact (default: main)")
     p.add_argument(
-        "--pack-below", type=_count, default=None, metavar="BYTES",
+        "--pack-below",
+        type=_count,
+        default=None,
+        metavar="BYTES",
         help="pack chunk objects smaller than this (default 256 KiB)",
     )
     p.add_argument(
-        "--keep-journal", default="7d", metavar="DURATION",
+        "--keep-journal",
+        default="7d",
+        metavar="DURATION",
         help="keep branch-journal entries (as_of) this far back (default 7d)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")

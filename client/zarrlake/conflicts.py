@@ -228,7 +228,11 @@ def three_way(
             settle(Conflict("resized", path, coords))
     for key, new in sorted(dst_nodes.items()):
         path = meta_key_node(key)
-        if key not in src_nodes and new is not None and under(path, src_removed):
-            if settle(Conflict("deleted-ours", path)):
-                out_nodes[key] = None
+        if (
+            key not in src_nodes
+            and new is not None
+            and under(path, src_removed)
+            and settle(Conflict("deleted-ours", path))
+        ):
+            out_nodes[key] = None
     return MergePlan(out_chunks, out_nodes, conflicts)

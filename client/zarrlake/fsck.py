@@ -57,14 +57,12 @@ class FsckReport:
                 "shards": self.shards,
                 "chunks": self.chunks,
             },
-            "problems": [
-                {"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems
-            ],
+            "problems": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems],
         }
 
 
 def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
-    """Check the repository; see the module docstring. ``check_chunks=False`` skips chunk objects."""
+    """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks."""
     report = FsckReport()
     storage = repo.storage
     objects = repo._objects
@@ -106,7 +104,9 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
         try:
             snap = objects.snapshot(sid)
         except RefNotFound:
-            problem("missing", snapshot_key(sid), "snapshot referenced by a ref or a child is absent")
+            problem(
+                "missing", snapshot_key(sid), "snapshot referenced by a ref or a child is absent"
+            )
             continue
         except (CorruptObject, UnsupportedFormat) as e:
             problem("corrupt", snapshot_key(sid), str(e))
@@ -128,8 +128,12 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
             except (CorruptObject, UnsupportedFormat) as e:
                 problem("corrupt", e.key if isinstance(e, CorruptObject) else info.digest, str(e))
                 continue
-            if len(shard.keys) != info.count or (shard.keys and (shard.keys[0], shard.keys[-1]) != (info.first, info.last)):
-                problem("corrupt", f"manifests/{info.digest}", "shard does not match its index entry")
+            if len(shard.keys) != info.count or (
+                shard.keys and (shard.keys[0], shard.keys[-1]) != (info.first, info.last)
+            ):
+                problem(
+                    "corrupt", f"manifests/{info.digest}", "shard does not match its index entry"
+                )
             for ref in shard.refs:
                 if ref[0] == OBJECT:
                     key = chunk_key(ref[1].hex())
@@ -138,7 +142,9 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
                     key = pack_key(ref[1])
                     chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]) + int(ref[3]))
                 elif ref[0] != INLINE:
-                    problem("corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}")
+                    problem(
+                        "corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}"
+                    )
         stack.extend(p for p in snap.parents if p not in seen and p not in expired)
 
     if check_chunks and chunk_refs:

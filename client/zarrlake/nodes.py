@@ -47,7 +47,11 @@ def array_paths(nodes: Mapping[str, bytes]) -> set[str]:
 
 
 def node_paths(meta_keys: Iterable[str]) -> set[str]:
-    return {meta_key_node(k) for k in meta_keys if k.rpartition("/")[2] in ("zarr.json", ".zarray", ".zgroup")}
+    return {
+        meta_key_node(k)
+        for k in meta_keys
+        if k.rpartition("/")[2] in ("zarr.json", ".zarray", ".zgroup")
+    }
 
 
 def _coords(suffix: str) -> tuple[Any, ...]:

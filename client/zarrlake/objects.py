@@ -82,7 +82,9 @@ class ObjectStore:
 
     # -- immutable metadata ---------------------------------------------------------------------
 
-    def _cached(self, cache: LRU[str, V], key: str, ident: str, parse: Callable[[bytes, str], V], kind: str) -> V:
+    def _cached(
+        self, cache: LRU[str, V], key: str, ident: str, parse: Callable[[bytes, str], V], kind: str
+    ) -> V:
         value = cache.get(ident)
         if value is None:
             try:
@@ -94,7 +96,9 @@ class ObjectStore:
         return value
 
     def snapshot(self, snapshot_id: str) -> Snapshot:
-        snap = self._cached(self._snapshots, snapshot_key(snapshot_id), snapshot_id, Snapshot.decode, "snapshot")
+        snap = self._cached(
+            self._snapshots, snapshot_key(snapshot_id), snapshot_id, Snapshot.decode, "snapshot"
+        )
         if snap.id != snapshot_id:
             raise CorruptObject(snapshot_key(snapshot_id), f"holds snapshot {snap.id}")
         return snap
@@ -116,7 +120,9 @@ class ObjectStore:
         if written is not None and self._shards.get(info.digest) is None:
             self._shards.put(info.digest, ManifestShard.decode(written, manifest_key(info.digest)))
         try:
-            return self._cached(self._shards, manifest_key(info.digest), info.digest, parse, "manifest")
+            return self._cached(
+                self._shards, manifest_key(info.digest), info.digest, parse, "manifest"
+            )
         except RefNotFound:
             raise CorruptObject(manifest_key(info.digest), "missing manifest shard") from None
 
@@ -126,7 +132,9 @@ class ObjectStore:
         self._txlogs.discard(snapshot_id)
 
     def txlog(self, snapshot_id: str) -> TxLog:
-        return self._cached(self._txlogs, txlog_key(snapshot_id), snapshot_id, TxLog.decode, "txlog")
+        return self._cached(
+            self._txlogs, txlog_key(snapshot_id), snapshot_id, TxLog.decode, "txlog"
+        )
 
     def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> None:
         """Write a commit's objects; the snapshot goes last so it never points at missing pieces."""
@@ -190,7 +198,15 @@ class ObjectStore:
     def check_chunks_exist(self, digests: Iterable[bytes]) -> None:
         """Raise :class:`RetryableError` if a deduplicated chunk vanished (collected by GC)."""
         digests = list(digests)
-        missing = [d for d, ok in zip(digests, self.storage.map(lambda d: self.storage.exists(chunk_key(d.hex())), digests), strict=True) if not ok]
+        missing = [
+            d
+            for d, ok in zip(
+                digests,
+                self.storage.map(lambda d: self.storage.exists(chunk_key(d.hex())), digests),
+                strict=True,
+            )
+            if not ok
+        ]
         if missing:
             raise RetryableError(
                 f"{len(missing)} deduplicated chunk(s) were garbage-collected during the session "

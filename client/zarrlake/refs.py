@@ -153,7 +153,8 @@ class Tags:
     def all(self) -> dict[str, str]:
         live: dict[str, str] = {}
         deleted = {
-            ref_name_from_key(k[len("refs/tagdel.") :]) for k in self.storage.list_keys("refs/tagdel.")
+            ref_name_from_key(k[len("refs/tagdel.") :])
+            for k in self.storage.list_keys("refs/tagdel.")
         }
         keys = [k for k in self.storage.list_keys("refs/tag.")]
         names = [ref_name_from_key(k[len("refs/tag.") :]) for k in keys]

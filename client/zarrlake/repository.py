@@ -109,7 +109,7 @@ class History(Iterator[CommitInfo]):
 
 
 class Repository:
-    """A versioned Zarr repository in one storage location. Open it with :meth:`open`/:meth:`create`."""
+    """A versioned Zarr repository in one storage location (see :meth:`open`, :meth:`create`)."""
 
     def __init__(self, storage: Storage, record: RepoRecord, lock: Any = None) -> None:
         if isinstance(lock, str):
@@ -147,7 +147,10 @@ class Repository:
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: Any = None,
     ) -> Repository:
-        """Initialize a repository with an empty ``main`` branch. Raises :class:`RepositoryExists`."""
+        """Initialize a repository with an empty ``main`` branch.
+
+        Raises :class:`RepositoryExists`.
+        """
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()
@@ -217,19 +220,24 @@ class Repository:
     def lock(self) -> Any:
         return self._lock
 
-    # -- branches ------------------------------------------------------------------------------------
+    # -- branches ----------------------------------------------------------------------------------
 
     def list_branches(self) -> dict[str, str]:
         names = self._journal.names()
         heads = self.storage.map(self._journal.head, names)
-        return {n: e.snapshot for n, e in sorted(zip(names, heads, strict=True)) if e and e.snapshot}
+        return {
+            n: e.snapshot for n, e in sorted(zip(names, heads, strict=True)) if e and e.snapshot
+        }
 
     def lookup_branch(self, name: str) -> str:
         validate_name(name)
         return self._journal.current(name).snapshot  # type: ignore[return-value]
 
     def create_branch(self, name: str, from_ref: str = MAIN) -> str:
-        """Create ``name`` at ``from_ref`` (branch, tag or snapshot id). Raises :class:`BranchExists`."""
+        """Create ``name`` at ``from_ref`` (branch, tag or snapshot id).
+
+        Raises :class:`BranchExists`, :class:`InvalidName`, :class:`RefNotFound`.
+        """
         validate_name(name)
         target = self.resolve(from_ref)
         head = self._journal.head(name)
@@ -254,7 +262,9 @@ class Repository:
                         [Conflict("branch-moved", name)],
                         f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
                     )
-                entry = JournalEntry(cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token)
+                entry = JournalEntry(
+                    cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token
+                )
                 if self._journal.append(name, entry):
                     return target
 
@@ -265,11 +275,13 @@ class Repository:
         with self._hold_lock(name) as token:
             while True:
                 cur = self._journal.current(name)
-                entry = JournalEntry(cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token)
+                entry = JournalEntry(
+                    cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token
+                )
                 if self._journal.append(name, entry):
                     return
 
-    # -- tags ----------------------------------------------------------------------------------------
+    # -- tags --------------------------------------------------------------------------------------
 
     def list_tags(self) -> dict[str, str]:
         return dict(sorted(self._tags.all().items()))
@@ -289,7 +301,7 @@ class Repository:
         validate_name(name, "tag")
         self._tags.delete(name)
 
-    # -- refs ----------------------------------------------------------------------------------------
+    # -- refs --------------------------------------------------------------------------------------
 
     def resolve(self, ref: str) -> str:
         """Branch, tag or snapshot id -> snapshot id. Raises :class:`RefNotFound`."""
@@ -336,7 +348,7 @@ class Repository:
                 return info.id
         raise RefNotFound(f"{ref}@{when.isoformat()}", "version")
 
-    # -- history -------------------------------------------------------------------------------------
+    # -- history -----------------------------------------------------------------------------------
 
     def log(self, ref: str = MAIN, *, limit: int | None = None) -> History:
         """Commits reachable from ``ref``, newest first (merge parents included).
@@ -459,7 +471,9 @@ class Repository:
         :class:`MergeConflictError`; ``"source-wins"``/``"dest-wins"`` settle them all.
         """
         if strategy not in (None, "source-wins", "dest-wins"):
-            raise ValueError(f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'")
+            raise ValueError(
+                f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
+            )
         validate_name(into)
         src_id = self.resolve(source)
         dest_id = self._journal.current(into).snapshot
@@ -475,10 +489,16 @@ class Repository:
             else Snapshot("", (), _now(), None, "", {}, {}, [])
         )
         load = self._objects.shard
-        src_changes = {k: (x, y) for k, x, y in manifest.diff_entries(base.shards, src.shards, load)}
-        dest_changes = {k: (x, y) for k, x, y in manifest.diff_entries(base.shards, dest.shards, load)}
+        src_changes = {
+            k: (x, y) for k, x, y in manifest.diff_entries(base.shards, src.shards, load)
+        }
+        dest_changes = {
+            k: (x, y) for k, x, y in manifest.diff_entries(base.shards, dest.shards, load)
+        }
         arrays = array_paths(base.nodes) | array_paths(src.nodes) | array_paths(dest.nodes)
-        plan = three_way(base.nodes, src.nodes, dest.nodes, src_changes, dest_changes, arrays, strategy)
+        plan = three_way(
+            base.nodes, src.nodes, dest.nodes, src_changes, dest_changes, arrays, strategy
+        )
         if plan.conflicts:
             raise MergeConflictError(plan.conflicts)
         changeset = Changeset(uuid.uuid4().hex, dest_id, chunks=plan.chunks, nodes=plan.nodes)
@@ -493,7 +513,7 @@ class Repository:
             extra_parents=(src_id,),
         )
 
-    # -- maintenance ----------------------------------------------------------------------------------
+    # -- maintenance -------------------------------------------------------------------------------
 
     def expire(self, rules: Any, *, dry_run: bool = False) -> Any:
         """Take snapshots outside ``rules`` (a :class:`RetentionRules`) out of history; returns an
@@ -548,21 +568,21 @@ class Repository:
         )
 
     def fsck(self, *, check_chunks: bool = True) -> Any:
-        """Check that everything reachable from the refs exists and parses (a :class:`FsckReport`)."""
+        """Check that everything reachable from the refs exists and parses; a ``FsckReport``."""
         from zarrlake.fsck import fsck
 
         return fsck(self, check_chunks=check_chunks)
 
-    # -- sessions ------------------------------------------------------------------------------------
+    # -- sessions ----------------------------------------------------------------------------------
 
     def readonly_session(self, ref: str = MAIN, *, as_of: dt.datetime | None = None) -> Session:
-        """A read-only view of ``ref`` (branch, tag, snapshot id), optionally as it was at ``as_of``."""
+        """A read-only view of ``ref`` (branch, tag, snapshot id), or of it as of ``as_of``."""
         sid = self._as_of(ref, as_of) if as_of is not None else self.resolve(ref)
         branch = ref if as_of is None and self._is_branch(ref) else None
         return Session(self, sid, branch=branch, read_only=True)
 
     def writable_session(self, branch: str = MAIN, *, ttl: dt.timedelta | None = None) -> Session:
-        """A transaction on ``branch``, expiring after ``ttl`` (default from config, at most 7 days)."""
+        """A transaction on ``branch``, expiring after ``ttl`` (default: config; at most 7 days)."""
         validate_name(branch)
         if ttl is not None and not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
             raise ValueError("session ttl must be positive and at most 7 days")
@@ -585,7 +605,7 @@ class Repository:
         if session.has_changes:
             session.commit(message, author=author)
 
-    # -- the commit protocol --------------------------------------------------------------------------
+    # -- the commit protocol -----------------------------------------------------------------------
 
     def _dedup_guard(self, changeset: Changeset) -> contextlib.AbstractContextManager[Any]:
         if self._lock is None or not changeset.dedup_chunks:
@@ -614,8 +634,10 @@ class Repository:
     ) -> str:
         # solver "relocation" (internal, compaction): the changeset moves bytes without changing
         # them, so any key the other side touched is simply dropped from it.
-        if solver is not None and solver != "relocation" and not isinstance(
-            solver, UseOurs | UseTheirs
+        if (
+            solver is not None
+            and solver != "relocation"
+            and not isinstance(solver, UseOurs | UseTheirs)
         ):
             raise TypeError("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
         with self._hold_lock(branch) as token:
@@ -644,7 +666,9 @@ class Repository:
                     reshard=reshard,
                 )
                 self._objects.put_snapshot(snap, txlog, shards)
-                entry = JournalEntry(head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token)
+                entry = JournalEntry(
+                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token
+                )
                 # Chunks we deduplicated against may be old garbage GC is about to sweep: check
                 # they still exist, and (with a lock service) keep GC's deletes out until the
                 # journal entry that makes them reachable is written.
@@ -690,8 +714,12 @@ class Repository:
         return summary
 
     def _summary_from_diff(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
-        chunks = {k for k, _, _ in manifest.diff_entries(base.shards, head.shards, self._objects.shard)}
-        node_keys = {k for k in set(base.nodes) | set(head.nodes) if base.nodes.get(k) != head.nodes.get(k)}
+        chunks = {
+            k for k, _, _ in manifest.diff_entries(base.shards, head.shards, self._objects.shard)
+        }
+        node_keys = {
+            k for k in set(base.nodes) | set(head.nodes) if base.nodes.get(k) != head.nodes.get(k)
+        }
         removed = {meta_key_node(k).lstrip("/") for k in node_keys if k not in head.nodes}
         changed = {k: head.nodes.get(k) for k in node_keys}
         return ChangeSummary(node_keys, chunks, removed, resized_arrays(base.nodes, changed))
@@ -713,7 +741,12 @@ class Repository:
             }
         else:
             conflicts, drop = rebase_conflicts(
-                changeset, base.nodes, theirs, head.nodes, arrays, solver  # type: ignore[arg-type]
+                changeset,
+                base.nodes,
+                theirs,
+                head.nodes,
+                arrays,
+                solver,  # type: ignore[arg-type]
             )
         if conflicts:
             raise ConflictError(conflicts)

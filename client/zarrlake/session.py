@@ -2,8 +2,9 @@
 
 A :class:`Session` is a transaction on one branch (or a read-only view of a version). Chunk bytes
 are uploaded as they are written (content-addressed, so identical concurrent writes are harmless);
-a commit writes only shards, a txlog, a snapshot and one journal entry. :meth:`Session.fork` hands a
-picklable writer to another process; its :class:`Changeset` comes back through :meth:`Session.merge`.
+a commit writes only shards, a txlog, a snapshot and one journal entry. :meth:`Session.fork` hands
+a picklable writer to another process; its :class:`Changeset` comes back through
+:meth:`Session.merge`.
 """
 
 from __future__ import annotations
@@ -160,7 +161,11 @@ class Workspace:
         p = p + "/" if p else ""
         deletions = any(
             layer.deleted_prefixes
-            or any(v is None and k.startswith(p) for d in (layer.nodes, layer.chunks) for k, v in d.items())
+            or any(
+                v is None and k.startswith(p)
+                for d in (layer.nodes, layer.chunks)
+                for k, v in d.items()
+            )
             for layer in self._layers
         )
         if deletions:
@@ -226,10 +231,12 @@ class Workspace:
         chunks: dict[str, set[tuple[Any, ...]]] = {}
         changed_keys = set(cs.chunks)
         for p in cs.deleted_prefixes:
-            changed_keys.update(k for k, _ in manifest.iter_subtree(snap.shards, p, self._objects.shard))
+            changed_keys.update(
+                k for k, _ in manifest.iter_subtree(snap.shards, p, self._objects.shard)
+            )
         for key in changed_keys:
             old = manifest.lookup(snap.shards, key, self._objects.shard)
-            decided, new = self._layer_value(key, False)
+            _, new = self._layer_value(key, False)
             if old != new:
                 path, coords = split_chunk_key(key, arrays)
                 chunks.setdefault(path, set()).add(coords)
@@ -267,7 +274,9 @@ class Session(Workspace):
         self._branch = branch
         self._read_only = read_only
         self._session_id = uuid.uuid4().hex
-        self._expires_at = None if read_only else dt.datetime.now(dt.UTC) + (ttl or self._config.session_ttl)
+        self._expires_at = (
+            None if read_only else dt.datetime.now(dt.UTC) + (ttl or self._config.session_ttl)
+        )
         self._layers = [Changeset(self._session_id, base)]
         self._merged: dict[str, Any] = {}
         self._committed: str | None = None
@@ -434,4 +443,3 @@ class ForkedSession(Workspace):
 
     def __repr__(self) -> str:
         return f"<ForkedSession of {self._session_id} base={self._base_id}>"
-

@@ -152,9 +152,7 @@ class ZarrlakeStore(Store):
     ) -> list[Buffer | None]:
         import asyncio
 
-        return list(
-            await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges))
-        )
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
         return await self._session._objects.storage.run_async(self._session.exists, key)

@@ -14,7 +14,7 @@ def node_path(path: str) -> str:
 
 
 class PathSet(frozenset[str]):
-    """A set of node paths that also answers membership for paths written without the leading '/'."""
+    """A set of node paths; membership also accepts paths written without the leading '/'."""
 
     def __contains__(self, item: object) -> bool:
         return isinstance(item, str) and frozenset.__contains__(self, node_path(item))
@@ -58,7 +58,9 @@ class Diff:
     changed_chunks: PathDict = field(default_factory=PathDict)
 
     def __bool__(self) -> bool:
-        return bool(self.added_nodes or self.removed_nodes or self.changed_nodes or self.changed_chunks)
+        return bool(
+            self.added_nodes or self.removed_nodes or self.changed_nodes or self.changed_chunks
+        )
 
     @classmethod
     def build(

@@ -40,7 +40,9 @@ def new_snapshot_id(now_ms: int | None = None) -> str:
 
 
 def is_snapshot_id(text: str) -> bool:
-    return len(text) == SNAPSHOT_ID_LEN and all(c in _DECODE for c in text) and text[0] in "01234567"
+    return (
+        len(text) == SNAPSHOT_ID_LEN and all(c in _DECODE for c in text) and text[0] in "01234567"
+    )
 
 
 def snapshot_id_millis(snapshot_id: str) -> int:

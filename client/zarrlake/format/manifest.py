@@ -66,7 +66,9 @@ def shards_in_subtree(index: list[ShardInfo], prefix: str) -> list[ShardInfo]:
     return [s for s in index if s.last >= lo and s.first <= hi]
 
 
-def iter_subtree(index: list[ShardInfo], prefix: str, load: Loader) -> Iterator[tuple[str, ChunkRef]]:
+def iter_subtree(
+    index: list[ShardInfo], prefix: str, load: Loader
+) -> Iterator[tuple[str, ChunkRef]]:
     """Every (key, ref) inside the subtree ``prefix``, in key order."""
     for info in shards_in_subtree(index, prefix):
         shard = load(info)
@@ -75,7 +77,9 @@ def iter_subtree(index: list[ShardInfo], prefix: str, load: Loader) -> Iterator[
                 yield k, r
 
 
-def iter_prefix(index: list[ShardInfo], prefix: str, load: Loader) -> Iterator[tuple[str, ChunkRef]]:
+def iter_prefix(
+    index: list[ShardInfo], prefix: str, load: Loader
+) -> Iterator[tuple[str, ChunkRef]]:
     """Every (key, ref) whose key starts with the plain string ``prefix``, in key order."""
     hi = prefix + _TOP
     for info in index:
@@ -139,7 +143,11 @@ def build_shard(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes
 
 
 def _emit(
-    keys: list[str], refs: list[ChunkRef], max_refs: int, out: list[ShardInfo], new: dict[str, bytes]
+    keys: list[str],
+    refs: list[ChunkRef],
+    max_refs: int,
+    out: list[ShardInfo],
+    new: dict[str, bytes],
 ) -> None:
     if not keys:
         return

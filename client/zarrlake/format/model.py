@@ -344,7 +344,7 @@ class TxLog:
         )
 
 
-# -- refs -------------------------------------------------------------------------------------------
+# -- refs ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,7 +435,8 @@ class RepoRecord:
 
     def encode(self) -> bytes:
         return encode(
-            ObjectType.REPO, {"id": self.id, "created": to_micros(self.created), "config": self.config}
+            ObjectType.REPO,
+            {"id": self.id, "created": to_micros(self.created), "config": self.config},
         )
 
     @classmethod

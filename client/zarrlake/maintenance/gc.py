@@ -236,7 +236,7 @@ def gc(
         counts = report.by_kind[kind]
         batch: list[ObjectInfo] = []
         for info in repo.storage.list(kind + "/"):
-            if live(kind, info.key) or info.modified > cutoff:
+            if live(kind, info.key) or info.modified > cutoff or kind == "chunks":
                 if not live(kind, info.key):
                     report.skipped_young += 1
                 counts.kept += 1
@@ -284,6 +284,9 @@ def _sweep(
             ]
             kept = [f for f in fresh if f is not None and f.modified > cutoff]
             repo.storage.delete_many(i.key for i in doomed)
+        for i in doomed:  # this client must not go on serving what it just deleted from cache
+            if i.key.startswith(("snapshots/", "txlogs/")):
+                repo._objects.forget(_object_id("", i.key))
         counts.deleted += len(doomed)
         counts.deleted_bytes += sum(i.size for i in doomed)
         counts.kept += len(kept)

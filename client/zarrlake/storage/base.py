@@ -1,9 +1,9 @@
 """The object-store protocol every backend implements.
 
 A backend is a flat key/value namespace of immutable-ish blobs. The engine needs only a handful of
-operations, and one of them is special: ``put(..., create_only=True)`` must be atomic ("exactly one of
-two racing writers wins"), because the branch journal is built on it. Nothing here knows about the
-repository format.
+operations, and one of them is special: ``put(..., create_only=True)`` must be atomic ("exactly one
+of two racing writers wins"), because the branch journal is built on it. Nothing here knows about
+the repository format.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Storage:
 
     @staticmethod
     def from_url(url: str) -> Storage:
-        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=...``."""
+        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=…``."""
         from zarrlake.storage.urls import storage_from_url
 
         return storage_from_url(url)
@@ -143,7 +143,7 @@ class Storage:
         raise NotImplementedError
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
-        """Return the object's bytes, or ``[start, end)`` of them. Raises :class:`ObjectNotFound`."""
+        """The object's bytes, or ``[start, end)`` of them. Raises :class:`ObjectNotFound`."""
         raise NotImplementedError
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
@@ -195,7 +195,9 @@ class Storage:
     def _executor(self) -> ThreadPoolExecutor:
         pool = getattr(self, "_pool", None)
         if pool is None:
-            pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="zarrlake-io")
+            pool = ThreadPoolExecutor(
+                max_workers=self.concurrency, thread_name_prefix="zarrlake-io"
+            )
             self._pool = pool
         return pool
 

@@ -138,7 +138,7 @@ class LocalStorage(Storage):
         for dirpath, dirnames, filenames in os.walk(start):
             rel_dir = os.path.relpath(dirpath, self.root)
             rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-            if rel_dir == "" :
+            if rel_dir == "":
                 dirnames[:] = [d for d in dirnames if d != _TMP]
             # prune directories that cannot match
             dirnames[:] = [

@@ -177,7 +177,11 @@ class S3Storage(Storage):
                 status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
                 if code in ("NoSuchKey", "404", "NotFound"):
                     raise ObjectNotFound(key) from None
-                if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status in (
+                if code in (
+                    "PreconditionFailed",
+                    "412",
+                    "ConditionalRequestConflict",
+                ) or status in (
                     412,
                     409,
                 ):
@@ -191,11 +195,13 @@ class S3Storage(Storage):
                 # A connection dropped mid-request, a read timeout, a truncated body.
                 raise TransientStorageError(f"S3 connection failed for {key}: {e}") from e
             except (NoCredentialsError, PartialCredentialsError) as e:
-                raise StorageError(f"no usable AWS credentials for s3://{self.bucket}: {e}") from None
+                raise StorageError(
+                    f"no usable AWS credentials for s3://{self.bucket}: {e}"
+                ) from None
 
         return with_retries(once)
 
-    # -- the hot path: GET/PUT/HEAD as signed requests on a shared connection pool ------------------
+    # -- the hot path: GET/PUT/HEAD as signed requests on a shared connection pool -----------------
     # A boto3 call spends ~1.7 ms of CPU per request building, hooking and parsing around the HTTP
     # exchange; chunk I/O is almost all GET/PUT/HEAD. These go straight to urllib3, signed with
     # botocore's own SigV4 signer (same credentials chain, refreshed as botocore refreshes them).
@@ -217,7 +223,13 @@ class S3Storage(Storage):
     def _signing_region(self) -> str:
         return self.region or self.client.meta.region_name or "us-east-1"
 
-    def _send(self, method: str, key: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> Any:
+    def _send(
+        self,
+        method: str,
+        key: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         import urllib3
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
@@ -234,8 +246,13 @@ class S3Storage(Storage):
             S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
             try:
                 r = pool.request(
-                    method, url, body=body, headers=dict(request.headers.items()),
-                    preload_content=True, retries=False, redirect=False,
+                    method,
+                    url,
+                    body=body,
+                    headers=dict(request.headers.items()),
+                    preload_content=True,
+                    retries=False,
+                    redirect=False,
                 )
             except urllib3.exceptions.HTTPError as e:
                 raise TransientStorageError(f"S3 unreachable for {key}: {e}") from e
