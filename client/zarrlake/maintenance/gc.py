@@ -51,7 +51,9 @@ class BloomFilter:
 
     def _positions(self, item: bytes) -> list[int]:
         digest = hashlib.sha256(item).digest()
-        return [int.from_bytes(digest[4 * i : 4 * i + 4], "little") % self.size for i in range(self.k)]
+        return [
+            int.from_bytes(digest[4 * i : 4 * i + 4], "little") % self.size for i in range(self.k)
+        ]
 
     def add(self, item: bytes) -> None:
         for p in self._positions(item):
@@ -156,7 +158,9 @@ def gc_roots(repo: Repository, cutoff: dt.datetime, expired: set[str]) -> set[st
         entries = repo.storage.map(repo._journal._read, keys)  # newest first
         protected = True
         for i, entry in enumerate(entries):
-            if entry.snapshot is not None and (i == 0 or protected or entry.snapshot not in expired):
+            if entry.snapshot is not None and (
+                i == 0 or protected or entry.snapshot not in expired
+            ):
                 roots.add(entry.snapshot)
             if entry.time < cutoff:
                 protected = False  # this entry was the head at the cutoff; older ones are history
@@ -176,7 +180,8 @@ def gc(
     if grace < MAX_SESSION_TTL and not force:
         raise GraceTooShort(
             f"grace period {grace} is shorter than the longest session lifetime "
-            f"({MAX_SESSION_TTL}); a running session could lose its uploads (force it with force=True or --force)"
+            f"({MAX_SESSION_TTL}); a running session could lose its uploads "
+            "(force it with force=True or --force)"
         )
     started = time.monotonic()
     now = now or dt.datetime.now(dt.UTC)
@@ -236,7 +241,7 @@ def gc(
         counts = report.by_kind[kind]
         batch: list[ObjectInfo] = []
         for info in repo.storage.list(kind + "/"):
-            if live(kind, info.key) or info.modified > cutoff or kind == "chunks":
+            if live(kind, info.key) or info.modified > cutoff:
                 if not live(kind, info.key):
                     report.skipped_young += 1
                 counts.kept += 1
@@ -280,7 +285,9 @@ def _sweep(
         with _gc_lock(repo):
             fresh = repo.storage.map(lambda i: repo.storage.head(i.key), part)
             doomed = [
-                i for i, f in zip(part, fresh, strict=True) if f is not None and f.modified <= cutoff
+                i
+                for i, f in zip(part, fresh, strict=True)
+                if f is not None and f.modified <= cutoff
             ]
             kept = [f for f in fresh if f is not None and f.modified > cutoff]
             repo.storage.delete_many(i.key for i in doomed)
