@@ -21,6 +21,7 @@ from zarrlake.format.model import (
     snapshot_key,
     txlog_key,
 )
+from zarrlake.objects import ObjectStore
 
 if TYPE_CHECKING:
     from zarrlake.repository import Repository
@@ -65,7 +66,8 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
     """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks."""
     report = FsckReport()
     storage = repo.storage
-    objects = repo._objects
+    # A fresh object store: the repository's caches may still hold objects that are gone.
+    objects = ObjectStore(storage)
 
     def problem(kind: str, key: str, detail: str) -> None:
         report.problems.append(Problem(kind, key, detail))
