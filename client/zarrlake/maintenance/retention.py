@@ -107,16 +107,17 @@ class RetentionRules:
     def from_dict(cls, doc: Any) -> RetentionRules:
         """Parse the JSON/YAML shape above; :class:`InvalidRetentionRules` says what is wrong."""
         if not isinstance(doc, Mapping):
-            raise InvalidRetentionRules("retention rules must be a mapping with 'default'/'branches'")
+            raise InvalidRetentionRules("retention rules must be a mapping of 'default'/'branches'")
         unknown = set(doc) - {"default", "branches"}
         if unknown:
             raise InvalidRetentionRules(f"unknown field(s) {sorted(unknown)}")
         default = Keep.from_dict(doc.get("default") or {}, "default")
         branches_doc = doc.get("branches") or {}
         if not isinstance(branches_doc, Mapping):
-            raise InvalidRetentionRules("branches: expected a mapping of branch name or glob to rule")
+            raise InvalidRetentionRules("branches: expected a mapping of branch name/glob to rule")
         branches = {
-            str(name): Keep.from_dict(rule, f"branches.{name}") for name, rule in branches_doc.items()
+            str(name): Keep.from_dict(rule, f"branches.{name}")
+            for name, rule in branches_doc.items()
         }
         return cls(default, branches)
 
