@@ -477,3 +477,26 @@ def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:
     storage.put("repo", b"ZLAK\x09\x01garbage")
     with pytest.raises(zarrlake.UnsupportedFormat):
         zarrlake.Repository.open(storage)
+
+
+def test_async_twins(storage: zarrlake.Storage) -> None:
+    import asyncio
+
+    async def story() -> None:
+        repo = await zarrlake.Repository.create_async(storage)
+        assert await zarrlake.Repository.exists_async(storage)
+        s = await repo.writable_session_async("main")
+        write_array(s, fill=4.0)
+        assert "/a" in (await s.status_async()).added_nodes
+        c = await s.commit_async("async")
+        assert await repo.lookup_branch_async("main") == c
+        assert await repo.create_branch_async("dev") == c
+        assert [i.message for i in await repo.log_async(limit=1)] == ["async"]
+        assert not await repo.diff_async("main", "dev")
+        with pytest.raises(zarrlake.RefNotFound):
+            await repo.resolve_async("nope")
+
+    asyncio.run(story())
+    np.testing.assert_array_equal(
+        read(zarrlake.Repository.open(storage), "dev"), np.full((8, 8), 4.0)
+    )

@@ -39,9 +39,11 @@ from zarrlake.maintenance import (
     RetentionRules,
 )
 from zarrlake.repository import History, Repository
-from zarrlake.session import ForkedSession, NothingToCommit, Session
+from zarrlake.session import ForkedSession, NothingToCommit, Session, _install_async_twins
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
+
+_install_async_twins()
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,7 @@ configured, only keeps writers from stampeding.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import heapq
@@ -592,10 +593,12 @@ class Repository:
 
     @contextlib.contextmanager
     def transaction(
-        self, branch: str = MAIN, *, message: str, author: str | None = None
+        self, branch: str = MAIN, message: str | None = None, author: str | None = None
     ) -> Iterator[Any]:
         """``with repo.transaction("main", message="...") as store:`` — commits on success,
         discards on error. Nothing is committed if nothing was written."""
+        if not isinstance(message, str):
+            raise TypeError("transaction() needs a commit message: message='...'")
         session = self.writable_session(branch)
         try:
             yield session.store
@@ -818,3 +821,51 @@ class Repository:
         except (TypeError, ValueError) as e:
             raise ValueError(f"commit metadata is not serializable: {e}") from None
         return snap, txlog, update.new_shards
+
+
+def async_twin(fn: Any) -> Any:
+    """``<name>_async`` of a blocking method: the same call on a worker thread, for code running
+    inside an event loop (Zarr's async machinery, notebooks with a running loop)."""
+
+    async def twin(*args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    twin.__name__ = f"{fn.__name__}_async"
+    twin.__qualname__ = f"{getattr(fn, '__qualname__', fn.__name__)}_async"
+    twin.__doc__ = f"Async twin of ``{fn.__name__}``: runs it on a worker thread."
+    return twin
+
+
+for _name in ("create", "open", "open_or_create", "exists"):
+    setattr(Repository, f"{_name}_async", staticmethod(async_twin(getattr(Repository, _name))))
+for _name in (
+    "list_branches",
+    "lookup_branch",
+    "create_branch",
+    "reset_branch",
+    "delete_branch",
+    "list_tags",
+    "lookup_tag",
+    "create_tag",
+    "delete_tag",
+    "resolve",
+    "diff",
+    "merge",
+    "readonly_session",
+    "writable_session",
+    "expire",
+    "gc",
+    "compact",
+    "fsck",
+):
+    setattr(Repository, f"{_name}_async", async_twin(Repository.__dict__[_name]))
+
+
+async def _log_async(
+    self: Repository, ref: str = MAIN, *, limit: int | None = None
+) -> list[CommitInfo]:
+    """Async twin of ``log``: the commits as a list."""
+    return await asyncio.to_thread(lambda: list(self.log(ref, limit=limit)))
+
+
+Repository.log_async = _log_async  # type: ignore[attr-defined]

@@ -443,3 +443,11 @@ class ForkedSession(Workspace):
 
     def __repr__(self) -> str:
         return f"<ForkedSession of {self._session_id} base={self._base_id}>"
+
+
+def _install_async_twins() -> None:
+    from zarrlake.repository import async_twin
+
+    for name in ("commit", "discard", "merge"):
+        setattr(Session, f"{name}_async", async_twin(Session.__dict__[name]))
+    Workspace.status_async = async_twin(Workspace.__dict__["status"])  # type: ignore[attr-defined]
