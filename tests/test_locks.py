@@ -992,3 +992,38 @@ def test_cli_fsck_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["fsck", str(tmp_path / "nothing-here")]) == 1
     assert main(["lock", "status", str(path)]) == 2  # no --lock: bad input
     assert main(["lock", "status", str(path), "--lock", str(tmp_path / "locks")]) == 2
+
+
+def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
+    own_redis: Any, tmp_path: Path
+) -> None:
+    """Redis without persistence forgets the fence counter on restart; the journal remembers the
+    tokens it recorded, and the first commit after the loss raises the counter past them."""
+    import redis as redis_py
+
+    lock = zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
+
+    def commit(i: int) -> int | None:
+        session = repo.writable_session()
+        session.write(f"arr/c/{i}", bytes([i]) * 8)
+        session.commit(f"commit {i}")
+        return repo._journal.current("main").token
+
+    before = [commit(i) for i in range(3)]
+    assert before == sorted(before) and len(set(before)) == 3
+    redis_py.Redis.from_url(own_redis.url).flushall()  # the counter is gone
+    stale = commit(3)
+    assert stale is not None and stale <= before[-1]  # handed out again by the forgetful server
+    after = [commit(i) for i in range(4, 6)]
+    assert all(t is not None and t > before[-1] for t in after)
+    assert after == sorted(after)
+
+
+def test_local_lock_floor(tmp_path: Path) -> None:
+    lock = zarrlake.LocalLock(tmp_path / "locks")
+    with lock.hold("repo", "main") as first:
+        pass
+    lock.raise_floor("repo", 100)
+    with lock.hold("repo", "main") as token:
+        assert token > 100 > first

@@ -113,6 +113,17 @@ return 1
 """
 
 
+# KEYS: fence   ARGV: floor
+_RAISE_FLOOR = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class LockHolder:
     """What ``zarrlake lock status`` shows for one held branch lock."""
@@ -298,6 +309,20 @@ class RedisLock:
             if lease is not None:
                 lease.release()
 
+    def raise_floor(self, repo_id: str, floor: int) -> bool:
+        """Make every later token exceed ``floor`` (a token the journal already recorded).
+
+        Redis without persistence forgets its counter on restart; the journal does not, so a
+        commit that finds a higher token on the branch head calls this. True if it moved."""
+        import redis
+
+        try:
+            fence_key = self._keys(repo_id, "")[3]
+            return bool(self._script(_RAISE_FLOOR)(keys=[fence_key], args=[int(floor)]))
+        except redis.RedisError as e:
+            log.warning("could not raise the fencing-token floor: %s", e)
+            return False
+
     def status(self, repo_id: str) -> list[LockHolder]:
         """Current holders of this repository's branch locks."""
         from urllib.parse import unquote
@@ -325,16 +350,23 @@ class LocalLock:
     def __repr__(self) -> str:
         return f"LocalLock({str(self.path)!r})"
 
-    def _next_token(self, repo_dir: Path) -> int:
+    def _next_token(self, repo_dir: Path, floor: int = 0) -> int:
         fd = os.open(repo_dir / "fence", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 32, 0).strip()
-            token = int(raw or b"0") + 1
+            token = max(int(raw or b"0"), floor) + 1
             os.pwrite(fd, str(token).encode().ljust(20), 0)
             return token
         finally:
             os.close(fd)
+
+    def raise_floor(self, repo_id: str, floor: int) -> bool:
+        """Make every later token exceed ``floor`` (e.g. after the lock directory was wiped)."""
+        repo_dir = self.path / quote(repo_id, safe="")
+        repo_dir.mkdir(parents=True, exist_ok=True)
+        before = self._next_token(repo_dir, int(floor))
+        return before == int(floor) + 1
 
     @contextlib.contextmanager
     def hold(self, repo_id: str, branch: str) -> Iterator[int]:

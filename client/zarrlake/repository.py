@@ -648,6 +648,13 @@ class Repository:
                 head_entry = self._journal.current(branch)
                 head = head_entry.snapshot
                 assert head is not None
+                if token is not None and head_entry.token is not None and token <= head_entry.token:
+                    # The lock service handed out a token the journal already holds: it lost its
+                    # counter (a Redis restart without persistence). Safety is the journal's; keep
+                    # later tokens monotonic by raising the service's floor past the journal's.
+                    raise_floor = getattr(self._lock, "raise_floor", None)
+                    if raise_floor is not None:
+                        raise_floor(self.id, head_entry.token)
                 if head != changeset.base:
                     if not rebase:
                         raise ConflictError(
