@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zarrlake.testing import start_moto, start_redis, stop
+
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -48,78 +49,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 ARRAY = "a"
 CHUNK_BYTES = 1024  # above the default inline threshold: every chunk is its own object
 TARGET_SPEEDUP = 2.0
-
-
-# -- servers --------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        sys.exit(
-            "redis-server not found (apt-get install redis-server, or make redis-server-available)"
-        )
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_port(port, proc)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    exe = Path(sys.executable).with_name("moto_server")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_port(port, proc)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 # -- the writers --------------------------------------------------------------------------------

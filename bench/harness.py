@@ -8,14 +8,14 @@ clients, not servers.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
+
+from zarrlake.testing import start_moto, stop
 
 T = TypeVar("T")
 
@@ -43,12 +43,6 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:
     return time.perf_counter() - t0, result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class S3Server:
     """A running ``moto_server`` with one bucket."""
@@ -62,21 +56,8 @@ class S3Server:
         for k, v in CREDENTIALS.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
-        exe = Path(sys.executable).with_name("moto_server")
-        port = _free_port()
-        cmd = [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(port)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(f"moto_server did not start on port {port}") from None
-                time.sleep(0.1)
-        server = cls(proc, f"http://127.0.0.1:{port}")
+        proc, endpoint = start_moto()
+        server = cls(proc, endpoint)
         server.client().create_bucket(Bucket=server.bucket)
         return server
 
@@ -99,9 +80,4 @@ class S3Server:
         return n
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        stop(self.process)

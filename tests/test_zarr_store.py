@@ -26,19 +26,10 @@ from zarr.core.sync import sync
 from zarr.testing.store import StoreTests
 
 import zarrlake
+from conftest import make_storage
 from zarrlake import Repository, RepositoryConfig, ZarrlakeStore
 
 T = TypeVar("T")
-
-
-def _make_storage(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> zarrlake.Storage:
-    if kind == "memory":
-        return zarrlake.Storage.memory()
-    if kind == "local":
-        return zarrlake.Storage.local(tmp_path / "repo")
-    if kind == "s3":
-        return request.getfixturevalue("moto_s3").storage()
-    raise ValueError(kind)
 
 
 def _on_zarr_loop(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
@@ -74,7 +65,7 @@ class _ZarrlakeStoreTests(StoreTests[ZarrlakeStore, Buffer]):
 
     @pytest.fixture
     def store_kwargs(self, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
-        repo = Repository.create(_make_storage(self.storage_kind, tmp_path, request))
+        repo = Repository.create(make_storage(self.storage_kind, tmp_path, request))
         return {"session": repo.writable_session("main")}
 
     @pytest.fixture
