@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench bench-quick lint crds clean redis-server-available
+.PHONY: demo test bench bench-quick lint crds e2e e2e-kind clean redis-server-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,19 @@ bench-quick: $(VENV)/.bench-installed redis-server-available
 	$(BIN)/python bench/maintenance.py --quick
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check client tests bench examples
+	$(BIN)/ruff check client operator tests bench examples e2e
+
+## crds: regenerate the CustomResourceDefinitions from operator/zarrlake_operator/models.py
+crds: $(VENV)/.dev-installed
+	$(BIN)/python -m zarrlake_operator.crds crds charts/zarrlake-operator/crds
+
+## e2e: the operator scenario against an emulated Kubernetes API (no cluster or Docker needed)
+e2e: $(VENV)/.dev-installed redis-server-available
+	$(BIN)/python e2e/run.py
+
+## e2e-kind: the same scenario on a real kind cluster (needs Docker, kind, kubectl, helm)
+e2e-kind:
+	e2e/kind.sh
 
 clean:
 	rm -rf $(VENV) demo-repo .pytest_cache .hypothesis

@@ -158,9 +158,17 @@ def _storage(url: str) -> Storage:
 
 
 def _lock(url: str | None) -> Any:
-    """The branch lock named by ``--lock``; the locks module is imported only when asked for."""
+    """The branch lock named by ``--lock`` (or ``$ZARRLAKE_LOCK``); the locks module is imported
+    only when asked for. A Redis password comes from ``$ZARRLAKE_LOCK_PASSWORD`` when the URL has
+    none, so that it never has to appear in a command line (Kubernetes jobs pass it that way)."""
+    url = url or os.environ.get("ZARRLAKE_LOCK") or None
     if url is None:
         return None
+    password = os.environ.get("ZARRLAKE_LOCK_PASSWORD")
+    if password and url.startswith(("redis://", "rediss://")) and "@" not in url:
+        from zarrlake.k8s import with_password
+
+        url = with_password(url, password)
     try:
         locks = importlib.import_module("zarrlake.locks")
     except ImportError as e:
@@ -172,7 +180,20 @@ def _lock(url: str | None) -> Any:
     try:
         return lock_from_url(url)
     except ValueError as e:
-        raise UsageError(f"bad --lock URL {url!r}: {e}") from None
+        safe = _redact(url)  # the message may quote the URL too
+        raise UsageError(f"bad --lock URL {safe!r}: {str(e).replace(url, safe)}") from None
+
+
+def _redact(url: str) -> str:
+    """A URL with any password replaced by ``***`` (for error messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _open(args: argparse.Namespace, *, locked: bool = False) -> Repository:
@@ -544,28 +565,69 @@ def _rich_console(stream: Any) -> Any:
 
 
 def _report(args: argparse.Namespace, report: Any) -> None:
+    _write_report_file(report.to_json())
     if args.json:
         _print_json(report.to_json())
     else:
         _say(report.summary())
 
 
-def cmd_expire(args: argparse.Namespace) -> None:
-    from zarrlake.maintenance import RetentionRules
+def _write_report_file(doc: Any) -> None:
+    """Also write the JSON report where ``$ZARRLAKE_REPORT_FILE`` says: Kubernetes jobs point it at
+    ``/dev/termination-log``, which is how the operator learns each run's result."""
+    path = os.environ.get("ZARRLAKE_REPORT_FILE")
+    if not path:
+        return
 
-    rules = RetentionRules.from_file(args.rules)  # InvalidRetentionRules: one line, exit 2
+    def counts_only(d: Any) -> Any:  # lists (e.g. every expired snapshot id) can be long
+        if isinstance(d, dict):
+            return {k: counts_only(v) for k, v in d.items() if not isinstance(v, list)}
+        return d
+
+    # The kubelet keeps at most 4 KiB of a termination message; counts fit.
+    text = json.dumps(counts_only(doc), separators=(",", ":"), default=_json_default)
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:  # stderr: stdout may be a --json document
+        sys.stderr.write(f"{PROG}: warning: cannot write report to {path}: {e.strerror}\n")
+
+
+def _rules(text: str) -> Any:
+    """``--rules``: a JSON/YAML file, or the rules inline as a JSON object."""
+    from zarrlake.maintenance import InvalidRetentionRules, RetentionRules
+
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise InvalidRetentionRules(f"inline --rules is not valid JSON: {e}") from None
+        return RetentionRules.from_dict(doc)
+    return RetentionRules.from_file(text)
+
+
+def cmd_expire(args: argparse.Namespace) -> None:
+    rules = _rules(args.rules)  # InvalidRetentionRules: one line, exit 2
     repo = _open(args, locked=True)
     _report(args, repo.expire(rules, dry_run=args.dry_run))
 
 
 def cmd_gc(args: argparse.Namespace) -> None:
     grace = parse_duration(args.grace)
+    rules = _rules(args.rules) if args.rules else None
     repo = _open(args, locked=True)
+    expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
     with _Progress(not args.json) as progress:
         report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
+    doc = report.to_json()
+    if expired is not None:
+        doc = {**doc, "expire": expired.to_json()}
+    _write_report_file(doc)
     if args.json:
-        _print_json(report.to_json())
+        _print_json(doc)
         return
+    if expired is not None:
+        _say(expired.summary())
     _say(report.summary())
     rows = [
         [kind, str(c.deleted), _bytes(c.deleted_bytes), str(c.kept), _bytes(c.kept_bytes)]
@@ -778,12 +840,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(p)
 
     p = command("expire", cmd_expire, "take snapshots outside the retention rules out of history")
-    p.add_argument("--rules", required=True, metavar="FILE", help="retention rules (JSON or YAML)")
+    p.add_argument(
+        "--rules", required=True, metavar="RULES", help="retention rules: JSON/YAML file or JSON"
+    )
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
     _add_json(p)
     _add_lock(p)
 
     p = command("gc", cmd_gc, "delete objects no retained snapshot needs")
+    p.add_argument(
+        "--rules", default=None, metavar="RULES", help="expire by these rules first (file or JSON)"
+    )
     p.add_argument("--grace", default="7d", help="only delete objects older than this (default 7d)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument(

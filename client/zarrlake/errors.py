@@ -110,3 +110,7 @@ class UnsupportedFormat(ZarrlakeError):
 
 class RetryableError(ZarrlakeError):
     """The operation can be retried as a whole (e.g. a deduplicated chunk vanished under GC)."""
+
+
+class KubernetesError(ZarrlakeError):
+    """A ``Repository`` resource, or a Secret it names, is missing, not ready or malformed."""

@@ -196,6 +196,23 @@ class Repository:
             except RepositoryExists:
                 return cls.open(storage, lock=lock)
 
+    @classmethod
+    def from_kubernetes(
+        cls, name: str, namespace: str | None = None, *, lock_url: str | None = None
+    ) -> Repository:
+        """Open the repository of the ``Repository`` resource ``name`` (``zarrlake.io``).
+
+        Inside a pod it uses the service account; elsewhere the kubeconfig. ``namespace`` defaults
+        to the pod's (or the kubeconfig context's). Storage location comes from the resource's
+        spec, credentials and the lock password from the Secrets it names, the lock endpoint from
+        its status. ``lock_url`` overrides the lock endpoint's address (e.g. a port-forward when
+        running outside the cluster). Raises :class:`zarrlake.k8s.KubernetesError` when the
+        resource is missing or not Ready, or a Secret is missing.
+        """
+        from zarrlake.k8s import from_kubernetes
+
+        return from_kubernetes(name, namespace, lock_url=lock_url)
+
     @staticmethod
     def exists(storage: Storage) -> bool:
         return storage.exists(REPO_KEY)

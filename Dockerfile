@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+#
+# One image for the zarrlake operator and the maintenance jobs it schedules:
+#   operator:  python -m zarrlake_operator run --all-namespaces
+#   jobs:      zarrlake gc ... / zarrlake compact ...
+# No special entrypoint; the chart and the operator's CronJobs give the command.
+#
+#   docker build -t ghcr.io/zarrlake/zarrlake:0.1.0 .
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# -- build: wheels of zarrlake and of everything it needs -------------------------------------------
+FROM ${PYTHON_IMAGE} AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY client/ client/
+COPY operator/ operator/
+
+# The project wheel plus wheels of all its [s3,operator] dependencies, so the final stage installs
+# offline from /wheels and carries no build tooling.
+RUN pip wheel --wheel-dir /wheels ".[s3,operator]"
+
+# -- runtime ----------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="zarrlake" \
+      org.opencontainers.image.description="zarrlake operator and maintenance jobs" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# Nothing writes bytecode at run time (the chart mounts the root file system read-only; pip
+# compiles the installed modules ahead of time); logs go out unbuffered.
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+RUN groupadd --system --gid 10001 zarrlake \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/zarrlake --create-home \
+        --shell /usr/sbin/nologin zarrlake
+
+# The wheels are bind-mounted from the build stage, so they never become a layer of this image.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels "zarrlake[s3,operator]" \
+ && python -c "import zarrlake, zarrlake_operator" \
+ && zarrlake --help > /dev/null
+
+WORKDIR /home/zarrlake
+# Numeric, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
+USER 10001:10001
+
+EXPOSE 8080 9090
+CMD ["zarrlake", "--help"]

@@ -1,0 +1,158 @@
+{{/*
+Chart name, possibly overridden; at most 63 characters (a DNS label).
+*/}}
+{{- define "zarrlake-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name of the release's objects. A release whose name already contains the chart name is not
+repeated ("zarrlake-operator", not "zarrlake-operator-zarrlake-operator").
+*/}}
+{{- define "zarrlake-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+"name-version" for the helm.sh/chart label.
+*/}}
+{{- define "zarrlake-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels that select the operator pods; they never change over the life of a release.
+*/}}
+{{- define "zarrlake-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "zarrlake-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The recommended labels, on every object of the release.
+*/}}
+{{- define "zarrlake-operator.labels" -}}
+helm.sh/chart: {{ include "zarrlake-operator.chart" . }}
+{{ include "zarrlake-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: zarrlake
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+The ServiceAccount the operator runs as.
+*/}}
+{{- define "zarrlake-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "zarrlake-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator image reference; the tag defaults to the chart's appVersion.
+*/}}
+{{- define "zarrlake-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The maintenance job image: jobImage, or else the operator image.
+*/}}
+{{- define "zarrlake-operator.jobImage" -}}
+{{- default (include "zarrlake-operator.image" .) .Values.jobImage }}
+{{- end }}
+
+{{/*
+The Kopf peering the replicas elect their active member in. The operator joins the peering of this
+name, so it is fixed, not derived from the release name.
+*/}}
+{{- define "zarrlake-operator.peeringName" -}}
+zarrlake-operator
+{{- end }}
+
+{{/*
+True (non-empty) when the operator watches every namespace.
+*/}}
+{{- define "zarrlake-operator.clusterWide" -}}
+{{- if not .Values.watchNamespaces }}true{{- end }}
+{{- end }}
+
+{{/*
+RBAC rules for what the operator does inside each namespace it serves. Kept to the verbs the
+operator uses; no wildcards.
+*/}}
+{{- define "zarrlake-operator.namespacedRules" -}}
+# The zarrlake resources: read, and patch (Kopf's finalizers and progress annotations).
+- apiGroups: ["zarrlake.io"]
+  resources: ["repositories", "branches", "tags", "retentionpolicies"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["zarrlake.io"]
+  resources:
+    - "repositories/status"
+    - "branches/status"
+    - "tags/status"
+    - "retentionpolicies/status"
+  verbs: ["patch", "update"]
+# Children are created with owner references that block the owner's deletion; clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin (e.g. OpenShift) require this for that.
+- apiGroups: ["zarrlake.io"]
+  resources:
+    - "repositories/finalizers"
+    - "branches/finalizers"
+    - "tags/finalizers"
+    - "retentionpolicies/finalizers"
+  verbs: ["update"]
+# Lock-service passwords; S3 credentials are read from the Secrets the resources name.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The managed Redis lock service of each Repository.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# The retention / GC / compaction schedules of each RetentionPolicy, and their runs.
+- apiGroups: ["batch"]
+  resources: ["cronjobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch"]
+# Job pods' termination messages carry the maintenance results.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
+
+{{/*
+RBAC rules for what Kopf reads cluster-wide in either mode: CRDs (to discover the resources it
+serves) and namespaces (to resolve the namespaces it serves).
+*/}}
+{{- define "zarrlake-operator.clusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["get", "list", "watch"]
+{{- end }}

@@ -1,0 +1,240 @@
+"""Opening a repository described by a ``Repository`` resource (``zarrlake.io/v1alpha1``).
+
+One implementation serves both sides: the operator (which has the resource body and reads Secrets
+through its own API client) and :meth:`zarrlake.Repository.from_kubernetes` (which runs inside a
+job or notebook pod and fetches both with the ``kubernetes`` client). Credentials come from the
+Secrets the resource names and go straight into the storage and lock objects — never into URLs
+that get logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+
+from zarrlake.errors import KubernetesError
+
+GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+SecretReader = Callable[[str], Mapping[str, str] | None]
+"""Secret name -> decoded data, or None when the Secret does not exist."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Everything needed to open one repository, with the secrets resolved.
+
+    ``storage_url`` and ``lock_url`` carry no secrets and are safe to log.
+    """
+
+    bucket: str
+    prefix: str
+    endpoint_url: str | None
+    region: str | None
+    access_key_id: str | None
+    secret_access_key: str | None
+    session_token: str | None
+    lock_url: str | None
+    lock_password: str | None
+    on_unavailable: str = "optimistic"
+
+    @property
+    def storage_url(self) -> str:
+        pairs = (("endpoint_url", self.endpoint_url), ("region", self.region))
+        query = {k: v for k, v in pairs if v}
+        base = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        return base + ("?" + urlencode(query) if query else "")
+
+    def storage(self) -> Any:
+        from zarrlake.storage.s3 import S3Storage
+
+        return S3Storage(
+            self.bucket,
+            self.prefix,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key_id=self.access_key_id,
+            secret_access_key=self.secret_access_key,
+            session_token=self.session_token,
+            allow_http=bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
+        )
+
+    def lock(self, lock_url: str | None = None) -> Any:
+        """The RedisLock, or None for ``lockService.mode: none``.
+
+        ``lock_url`` replaces the host part (for example a ``kubectl port-forward`` address when
+        running outside the cluster); the password still comes from the Secret.
+        """
+        url = lock_url or self.lock_url
+        if url is None:
+            return None
+        from zarrlake.locks import RedisLock
+
+        return RedisLock(with_password(url, self.lock_password), on_unavailable=self.on_unavailable)
+
+
+def with_password(url: str, password: str | None) -> str:
+    """``redis://host:port/0`` + password -> ``redis://:password@host:port/0`` (quoted)."""
+    if not password:
+        return url
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f":{quote(password, safe='')}@{host}"))
+
+
+def connection_from_resource(
+    resource: Mapping[str, Any], read_secret: SecretReader, *, require_ready: bool = True
+) -> Connection:
+    """Resolve a Repository resource (its body as a dict) into a :class:`Connection`.
+
+    Raises :class:`KubernetesError` when the resource is not Ready (unless ``require_ready`` is
+    False, as for the operator itself), or a Secret or key it names is missing.
+    """
+    name = resource.get("metadata", {}).get("name", "?")
+    spec = resource.get("spec") or {}
+    status = resource.get("status") or {}
+    if require_ready:
+        ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+        if not ready or ready[0].get("status") != "True":
+            why = ready[0].get("message") if ready else "no status yet"
+            raise KubernetesError(f"Repository {name!r} is not ready: {why}")
+    storage = spec.get("storage") or {}
+    if not storage.get("bucket"):
+        raise KubernetesError(f"Repository {name!r} has no spec.storage.bucket")
+
+    def secret_value(secret: str, key: str, *, required: bool = True) -> str | None:
+        data = read_secret(secret)
+        if data is None:
+            raise KubernetesError(f"Secret {secret!r} (named by Repository {name!r}) not found")
+        if key not in data:
+            if not required:
+                return None
+            raise KubernetesError(f"Secret {secret!r} has no key {key!r}")
+        return data[key]
+
+    access = secret = token = None
+    creds = storage.get("credentialsSecret")
+    if creds:
+        access = secret_value(creds["name"], creds.get("accessKeyIDKey", "AWS_ACCESS_KEY_ID"))
+        secret = secret_value(
+            creds["name"], creds.get("secretAccessKeyKey", "AWS_SECRET_ACCESS_KEY")
+        )
+        if creds.get("sessionTokenKey"):
+            token = secret_value(creds["name"], creds["sessionTokenKey"], required=False)
+
+    lock_spec = spec.get("lockService") or {}
+    mode = lock_spec.get("mode", "managed")
+    lock_url = lock_password = None
+    if mode == "external":
+        lock_url = lock_spec.get("url")
+        ref = lock_spec.get("passwordSecret")
+        if ref:
+            lock_password = secret_value(ref["name"], ref["key"])
+    elif mode == "managed":
+        lock_url = status.get("lockEndpoint")
+        if status.get("lockSecret"):
+            lock_password = secret_value(status["lockSecret"], "password")
+        if lock_url is None and require_ready:
+            raise KubernetesError(f"Repository {name!r} has no lock endpoint in its status")
+    return Connection(
+        bucket=storage["bucket"],
+        prefix=(storage.get("prefix") or "").strip("/"),
+        endpoint_url=storage.get("endpointURL"),
+        region=storage.get("region"),
+        access_key_id=access,
+        secret_access_key=secret,
+        session_token=token,
+        lock_url=lock_url,
+        lock_password=lock_password,
+        on_unavailable=lock_spec.get("onUnavailable", "optimistic"),
+    )
+
+
+def current_namespace() -> str:
+    """The pod's namespace inside a cluster, else the kubeconfig context's, else ``default``."""
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    except OSError:
+        pass
+    try:
+        from kubernetes import config
+
+        _, context = config.list_kube_config_contexts()
+        return (context or {}).get("context", {}).get("namespace") or "default"
+    except Exception:
+        return "default"
+
+
+def _api_client() -> Any:
+    """An ``ApiClient`` with its own configuration (the process-wide default is left alone):
+    the service account inside a pod, else ``$KUBECONFIG`` / ``~/.kube/config``."""
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise KubernetesError(
+            "from_kubernetes needs the kubernetes client: pip install 'zarrlake[kubernetes]'"
+        ) from None
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        try:
+            # $KUBECONFIG as it is now (the client reads it once, at import).
+            path = os.environ.get("KUBECONFIG") or None
+            config.load_kube_config(config_file=path, client_configuration=configuration)
+        except Exception as e:
+            raise KubernetesError(f"no in-cluster config and no usable kubeconfig: {e}") from None
+    return client.ApiClient(configuration)
+
+
+def secret_reader(core_api: Any, namespace: str) -> SecretReader:
+    """A :data:`SecretReader` over ``CoreV1Api`` for one namespace, caching each Secret."""
+    from kubernetes.client.exceptions import ApiException
+
+    cache: dict[str, Mapping[str, str] | None] = {}
+
+    def read(name: str) -> Mapping[str, str] | None:
+        if name not in cache:
+            try:
+                obj = core_api.read_namespaced_secret(name, namespace)
+            except ApiException as e:
+                if e.status == 404:
+                    cache[name] = None
+                    return None
+                raise KubernetesError(f"cannot read Secret {name!r}: {e.reason}") from None
+            cache[name] = {
+                k: base64.b64decode(v).decode() for k, v in (obj.data or {}).items()
+            } | dict(obj.string_data or {})
+        return cache[name]
+
+    return read
+
+
+def from_kubernetes(name: str, namespace: str | None = None, *, lock_url: str | None = None) -> Any:
+    """Open the repository of the Repository resource ``name``; see
+    :meth:`zarrlake.Repository.from_kubernetes`."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    from zarrlake.repository import Repository
+
+    api = _api_client()
+    namespace = namespace or current_namespace()
+    try:
+        obj = client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name
+        )
+    except ApiException as e:
+        if e.status == 404:
+            raise KubernetesError(f"Repository {namespace}/{name} not found") from None
+        raise KubernetesError(f"cannot read Repository {namespace}/{name}: {e.reason}") from None
+    except OSError as e:
+        raise KubernetesError(f"Kubernetes API unreachable: {e}") from None
+    conn = connection_from_resource(obj, secret_reader(client.CoreV1Api(api), namespace))
+    return Repository.open(conn.storage(), lock=conn.lock(lock_url))

@@ -1,0 +1,549 @@
+"""What should exist: pure functions from a spec and observed state to objects and status.
+
+Nothing here talks to Kubernetes or S3, so unit tests call these directly. The handlers feed them
+what they observed and apply what comes back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from zarrlake_operator.models import (
+    API_VERSION,
+    Condition,
+    RepositorySpec,
+    RetentionPolicySpec,
+)
+
+MANAGED_BY = "zarrlake-operator"
+REDIS_PORT = 6379
+JOB_IMAGE = "ghcr.io/zarrlake/zarrlake:0.1.0"
+DNS_NAME_MAX = 63
+CRONJOB_NAME_MAX = 52  # the CronJob controller appends 11 characters for its Jobs
+POLICY_LABEL = "zarrlake.io/retention-policy"
+JOB_KIND_LABEL = "zarrlake.io/job"
+REPOSITORY_LABEL = "zarrlake.io/repository"
+
+
+def now_iso(now: dt.datetime | None = None) -> str:
+    return (now or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def child_name(owner: str, suffix: str, limit: int = DNS_NAME_MAX) -> str:
+    """``zl-<owner>-<suffix>``, shortened with a stable hash when it would exceed ``limit``.
+
+    Always a DNS label (a Service name may not contain dots, a resource name may): dots become
+    hyphens, and the hash is added then too, so ``a.b`` and ``a-b`` stay distinct."""
+    safe = owner.replace(".", "-")
+    name = f"zl-{safe}-{suffix}"
+    if safe == owner and len(name) <= limit:
+        return name
+    digest = hashlib.sha256(owner.encode()).hexdigest()[:8]
+    keep = limit - len(suffix) - len(digest) - 5
+    return f"zl-{safe[:keep].rstrip('-')}-{digest}-{suffix}"
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An owner reference to a resource: its children are deleted with it (Kubernetes GC)."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(instance: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "zarrlake",
+        "app.kubernetes.io/instance": instance,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+# -- conditions --
+
+
+def set_condition(
+    conditions: Sequence[Mapping[str, Any]],
+    type_: str,
+    status: bool | str,
+    reason: str,
+    message: str = "",
+    *,
+    generation: int | None = None,
+    now: dt.datetime | None = None,
+) -> list[dict[str, Any]]:
+    """Conditions with ``type_`` set; ``lastTransitionTime`` moves only when the status changes."""
+    text = status if isinstance(status, str) else ("True" if status else "False")
+    out: list[dict[str, Any]] = []
+    found = False
+    for cond in conditions:
+        if cond.get("type") != type_:
+            out.append(dict(cond))
+            continue
+        found = True
+        changed = cond.get("status") != text
+        out.append(
+            Condition(
+                type=type_,
+                status=text,
+                reason=reason,
+                message=message,
+                last_transition_time=now_iso(now) if changed else cond.get("lastTransitionTime"),
+                observed_generation=generation,
+            ).dump()
+        )
+    if not found:
+        out.append(
+            Condition(
+                type=type_,
+                status=text,
+                reason=reason,
+                message=message,
+                last_transition_time=now_iso(now),
+                observed_generation=generation,
+            ).dump()
+        )
+    return out
+
+
+def condition(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
+    c = condition(conditions, type_)
+    return c is not None and c.get("status") == "True"
+
+
+REPOSITORY_CONDITIONS = ("BucketReady", "LockServiceReady", "Initialized")
+
+
+def repository_phase(conditions: Sequence[Mapping[str, Any]]) -> tuple[str, bool, str, str]:
+    """(phase, ready, reason, message) from the three component conditions."""
+    missing = [t for t in REPOSITORY_CONDITIONS if not is_true(conditions, t)]
+    if not missing:
+        return "Ready", True, "Ready", "bucket, lock service and repository are ready"
+    first = condition(conditions, missing[0])
+    failed = any(
+        (c := condition(conditions, t)) is not None and c.get("reason", "").startswith("Invalid")
+        for t in missing
+    )
+    reason = first.get("reason", "Pending") if first else "Pending"
+    message = first.get("message", "") if first else f"waiting for {missing[0]}"
+    return ("Failed" if failed else "Provisioning"), False, reason, message
+
+
+# -- drift --
+
+
+def drifted(desired: Any, actual: Any) -> bool:
+    """True when ``actual`` differs from ``desired`` in any field ``desired`` sets.
+
+    Fields only the server sets (defaults, status, uids) do not count: desired must be a subset.
+    """
+    if isinstance(desired, Mapping):
+        if not isinstance(actual, Mapping):
+            return True
+        return any(drifted(v, actual.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(actual, list) or len(actual) != len(desired):
+            return True
+        return any(drifted(d, a) for d, a in zip(desired, actual, strict=True))
+    if isinstance(desired, bool | int | float) and isinstance(actual, str):
+        return str(desired).lower() != actual.lower()
+    return desired != actual
+
+
+# -- the managed lock service --
+
+
+def lock_service_names(repository: str) -> str:
+    """One name for the managed Redis Deployment, Service and password Secret."""
+    return child_name(repository, "lock")
+
+
+def lock_endpoint(repository: str, namespace: str) -> str:
+    return f"redis://{lock_service_names(repository)}.{namespace}.svc:{REDIS_PORT}/0"
+
+
+DEFAULT_REDIS_RESOURCES = {
+    "requests": {"cpu": "50m", "memory": "64Mi"},
+    "limits": {"memory": "256Mi"},
+}
+
+
+def lock_secret(body: Mapping[str, Any], password: str) -> dict[str, Any]:
+    """The password Secret; created once, never rewritten (rotating it would lock clients out)."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": lock_service_names(name),
+            "namespace": body["metadata"]["namespace"],
+            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "type": "Opaque",
+        "stringData": {"password": password},
+    }
+
+
+def lock_deployment(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
+    """A single-replica Redis, non-root, read-only root, password from the Secret, probed."""
+    name = body["metadata"]["name"]
+    obj_name = lock_service_names(name)
+    selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "lock-service"}
+    lock = spec.lock_service
+    resources = lock.resources.to_k8s() if lock.resources else DEFAULT_REDIS_RESOURCES
+    password_env = {
+        "name": "REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": obj_name, "key": "password"}},
+    }
+    # redis-cli reads REDISCLI_AUTH, so the probes need no password on their command line.
+    cli_env = {
+        "name": "REDISCLI_AUTH",
+        "valueFrom": {"secretKeyRef": {"name": obj_name, "key": "password"}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": obj_name,
+            "namespace": body["metadata"]["namespace"],
+            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "replicas": 1,
+            # Never two Redis at once: a second one would hand out a second set of leases.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels(name, "lock-service") | selector},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 999,
+                        "runAsGroup": 999,
+                        "fsGroup": 999,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [
+                        {
+                            "name": "redis",
+                            "image": lock.image,
+                            "args": [
+                                "--requirepass",
+                                "$(REDIS_PASSWORD)",
+                                "--port",
+                                str(REDIS_PORT),
+                                "--appendonly",
+                                "yes",
+                                "--dir",
+                                "/data",
+                            ],
+                            "env": [password_env, cli_env],
+                            "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+                            "resources": resources,
+                            "readinessProbe": {
+                                "exec": {"command": ["redis-cli", "ping"]},
+                                "periodSeconds": 5,
+                                "timeoutSeconds": 2,
+                            },
+                            "livenessProbe": {
+                                "tcpSocket": {"port": "redis"},
+                                "initialDelaySeconds": 5,
+                                "periodSeconds": 10,
+                            },
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        }
+                    ],
+                    "volumes": [{"name": "data", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def lock_service(body: Mapping[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": lock_service_names(name),
+            "namespace": body["metadata"]["namespace"],
+            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "selector": {
+                "app.kubernetes.io/instance": name,
+                "app.kubernetes.io/component": "lock-service",
+            },
+            "ports": [
+                {"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def deployment_available(deployment: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """Whether a Deployment serves, and why not, from its status."""
+    if deployment is None:
+        return False, "the lock service Deployment does not exist yet"
+    status = deployment.get("status") or {}
+    if (status.get("availableReplicas") or 0) >= 1:
+        return True, "the lock service is available"
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Available" and cond.get("status") == "False":
+            return False, cond.get("message") or "the lock service is not available"
+    return False, "waiting for the lock service pod to become ready"
+
+
+# -- maintenance CronJobs --
+
+
+def job_env(repository: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Environment of a maintenance job: credentials by Secret reference only, never by value."""
+    spec = repository.get("spec") or {}
+    status = repository.get("status") or {}
+    env: list[dict[str, Any]] = [
+        {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
+    ]
+    creds = (spec.get("storage") or {}).get("credentialsSecret")
+    if creds:
+        keys = [
+            ("AWS_ACCESS_KEY_ID", creds.get("accessKeyIDKey", "AWS_ACCESS_KEY_ID"), False),
+            (
+                "AWS_SECRET_ACCESS_KEY",
+                creds.get("secretAccessKeyKey", "AWS_SECRET_ACCESS_KEY"),
+                False,
+            ),
+        ]
+        if creds.get("sessionTokenKey"):
+            keys.append(("AWS_SESSION_TOKEN", creds["sessionTokenKey"], True))
+        for var, key, optional in keys:
+            ref: dict[str, Any] = {"name": creds["name"], "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
+    region = (spec.get("storage") or {}).get("region")
+    if region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": region})
+    lock = spec.get("lockService") or {}
+    mode = lock.get("mode", "managed")
+    if mode == "managed" and status.get("lockEndpoint"):
+        env.append({"name": "ZARRLAKE_LOCK", "value": status["lockEndpoint"]})
+        env.append(
+            {
+                "name": "ZARRLAKE_LOCK_PASSWORD",
+                "valueFrom": {
+                    "secretKeyRef": {"name": status.get("lockSecret"), "key": "password"}
+                },
+            }
+        )
+    elif mode == "external" and lock.get("url"):
+        env.append({"name": "ZARRLAKE_LOCK", "value": lock["url"]})
+        if lock.get("passwordSecret"):
+            env.append(
+                {
+                    "name": "ZARRLAKE_LOCK_PASSWORD",
+                    "valueFrom": {"secretKeyRef": dict(lock["passwordSecret"])},
+                }
+            )
+    return env
+
+
+def _cron_job(
+    policy: Mapping[str, Any],
+    kind: str,
+    schedule: Any,
+    command: list[str],
+    repository: Mapping[str, Any],
+    spec: RetentionPolicySpec,
+    image: str,
+) -> dict[str, Any]:
+    name = policy["metadata"]["name"]
+    job_labels = labels(name, f"retention-{kind}") | {
+        POLICY_LABEL: name,
+        JOB_KIND_LABEL: kind,
+        REPOSITORY_LABEL: spec.repository,
+    }
+    container: dict[str, Any] = {
+        "name": kind,
+        "image": image,
+        "command": command,
+        "env": job_env(repository),
+        # The JSON report goes to the termination log; on a crash the log tail is shown instead.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if schedule.resources:
+        container["resources"] = schedule.resources.to_k8s()
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": {
+            "name": child_name(name, kind, CRONJOB_NAME_MAX),
+            "namespace": policy["metadata"]["namespace"],
+            "labels": job_labels,
+            "ownerReferences": [owner_reference(policy)],
+        },
+        "spec": {
+            "schedule": schedule.schedule,
+            "suspend": schedule.suspend,
+            "concurrencyPolicy": "Forbid",
+            "startingDeadlineSeconds": 3600,
+            "successfulJobsHistoryLimit": spec.successful_jobs_history_limit,
+            "failedJobsHistoryLimit": spec.failed_jobs_history_limit,
+            "jobTemplate": {
+                "metadata": {"labels": job_labels},
+                "spec": {
+                    "backoffLimit": 1,
+                    "activeDeadlineSeconds": schedule.active_deadline_seconds,
+                    "ttlSecondsAfterFinished": 7 * 86400,
+                    "template": {
+                        "metadata": {"labels": job_labels},
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "automountServiceAccountToken": False,
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "runAsUser": 10001,
+                                "seccompProfile": {"type": "RuntimeDefault"},
+                            },
+                            "containers": [container],
+                            "volumes": [{"name": "tmp", "emptyDir": {}}],
+                        },
+                    },
+                },
+            },
+        },
+    }
+
+
+def retention_cron_jobs(
+    policy: Mapping[str, Any],
+    spec: RetentionPolicySpec,
+    repository: Mapping[str, Any],
+    default_image: str = JOB_IMAGE,
+) -> dict[str, dict[str, Any]]:
+    """The CronJobs a RetentionPolicy asks for, by kind (``gc``, ``compact``).
+
+    The storage URL carries no secrets, so it may appear in the arguments; everything secret
+    reaches the job as Secret-referenced environment variables.
+    """
+    url = (repository.get("status") or {}).get("url")
+    if not url:
+        raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
+    image = spec.image or default_image
+    rules = json.dumps(spec.rules.to_engine(), separators=(",", ":"), sort_keys=True)
+    gc_cmd = ["zarrlake", "gc", url, "--rules", rules, "--grace", spec.gc.grace, "--json"]
+    if spec.gc.force:
+        gc_cmd.append("--force")
+    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, repository, spec, image)}
+    if spec.compaction is not None:
+        c = spec.compaction
+        cmd = ["zarrlake", "compact", url, "--branch", c.branch, "--json"]
+        jobs["compact"] = _cron_job(policy, "compact", c, cmd, repository, spec, image)
+    return jobs
+
+
+def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A finished Job (and its pods) as a ``JobRun`` status entry; None while it still runs."""
+    status = job.get("status") or {}
+    finished = {
+        c.get("type"): c
+        for c in status.get("conditions") or []
+        if c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+    }
+    if not finished:
+        return None
+    result = "Succeeded" if "Complete" in finished else "Failed"
+    cond = finished.get("Complete") or finished["Failed"]
+    run: dict[str, Any] = {
+        "job": job["metadata"]["name"],
+        "time": status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
+        "result": result,
+    }
+    report = None
+    message = None
+    for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            text = (term.get("message") or "").strip()
+            if not text:
+                continue
+            try:
+                report = json.loads(text)
+            except ValueError:
+                report = None
+            if isinstance(report, dict):
+                message = None
+            else:  # a crash: the log tail's last line (and no older pod's report)
+                report = None
+                message = text.splitlines()[-1][:500]
+    if report is not None:
+        expire = report.get("expire") or {}
+        fields = {
+            "snapshotsExpired": expire.get("expired_snapshots"),
+            "objectsDeleted": report.get("deleted_objects"),
+            "bytesFreed": report.get("deleted_bytes"),
+            "chunksPacked": report.get("packed_chunks"),
+        }
+        run.update({k: v for k, v in fields.items() if v is not None})
+    if message is None and result == "Failed":
+        message = cond.get("message") or cond.get("reason") or "the job failed"
+    if message:
+        run["message"] = message
+    return run
+
+
+# -- branch and tag claims --
+
+
+def claim_winner(
+    claims: Iterable[Mapping[str, Any]], *, include_deleting: bool = False
+) -> str | None:
+    """Of several resources claiming one branch or tag, the oldest wins (then the name).
+
+    Resources being deleted do not win, except when asking who owned the ref until now
+    (``include_deleting``): the owner's deletion deletes the ref, a loser's leaves it.
+    """
+    live = [c for c in claims if include_deleting or not c["metadata"].get("deletionTimestamp")]
+    if not live:
+        return None
+    oldest = min(
+        live,
+        key=lambda c: (c["metadata"].get("creationTimestamp") or "", c["metadata"]["name"]),
+    )
+    return oldest["metadata"]["name"]
+
+
+def ref_name(body: Mapping[str, Any]) -> str:
+    """The branch or tag a Branch/Tag resource manages: ``spec.name`` or the resource's name."""
+    return (body.get("spec") or {}).get("name") or body["metadata"]["name"]

@@ -1,0 +1,347 @@
+"""The parts of a cluster an emulated API server lacks, played by local processes.
+
+An API server alone stores objects; in a real cluster, controllers and kubelets act on them. The
+operator tests and the e2e scenario run against the emulator (:mod:`zarrlake_operator.kubeapi`),
+so :class:`LocalCluster` plays exactly three roles, with real programs:
+
+- the Deployment controller + kubelet for the managed lock service: when a lock Deployment
+  appears it starts a real ``redis-server`` with the password from the Deployment's Secret and
+  marks the Deployment available;
+- cluster DNS / kube-proxy: ``<service>.<namespace>.svc`` resolves to that ``redis-server``
+  (:meth:`LocalCluster.resolve`);
+- the Job controller + kubelet: a Job (from a CronJob, or ``kubectl create job --from``) runs its
+  container's command as a local process with the container's environment (values and Secret
+  references resolved), then gets a Pod with the container's termination message and a
+  Complete/Failed condition, as a kubelet would report them.
+
+Nothing here is used by the operator itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from zarrlake.testing import start_redis, stop
+from zarrlake_operator import kube
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class LocalCluster:
+    """Plays the lock-service Deployments, the service network and Jobs of one emulated API."""
+
+    def __init__(self, workdir: str | os.PathLike[str], namespaces: list[str]) -> None:
+        self.workdir = Path(workdir)
+        self.namespaces = namespaces
+        self.redis: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int]] = {}
+        self.dns: dict[str, int] = {}
+        self.jobs_done: set[str] = set()
+        self.job_log: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()
+
+    # -- network --
+
+    def resolve(self, url: str) -> str:
+        """A ``redis://<svc>.<ns>.svc:port/..`` URL rewritten to the local process serving it."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = self.dns.get(host)
+        if port is None:
+            return url
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{port}"))
+
+    # -- the loop --
+
+    def start(self, interval: float = 0.3) -> LocalCluster:
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.step()
+                except Exception as e:  # keep playing; the scenario's checks will notice
+                    print(f"[cluster] {type(e).__name__}: {e}", file=sys.stderr)
+
+        self._thread = threading.Thread(target=loop, name="local-cluster", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for proc, _ in self.redis.values():
+            stop(proc)
+        self.redis.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def step(self) -> None:
+        with self._mutex:
+            for ns in self.namespaces:
+                self._lock_services(ns)
+                self._jobs(ns)
+
+    # -- Deployments of the lock service --
+
+    def _lock_services(self, ns: str) -> None:
+        deployments = kube.list_("Deployment", ns, "app.kubernetes.io/component=lock-service")
+        alive = set()
+        for dep in deployments:
+            key = (ns, dep["metadata"]["name"])
+            alive.add(key)
+            if key not in self.redis:
+                self._start_redis(ns, dep)
+            if not (dep.get("status") or {}).get("availableReplicas"):
+                self._set_status(
+                    "Deployment",
+                    ns,
+                    dep["metadata"]["name"],
+                    {
+                        "replicas": 1,
+                        "readyReplicas": 1,
+                        "availableReplicas": 1,
+                        "observedGeneration": dep["metadata"].get("generation", 1),
+                        "conditions": [
+                            {
+                                "type": "Available",
+                                "status": "True",
+                                "reason": "MinimumReplicasAvailable",
+                                "lastTransitionTime": _now(),
+                            }
+                        ],
+                    },
+                )
+        for key in [k for k in self.redis if k[0] == ns and k not in alive]:
+            proc, port = self.redis.pop(key)
+            stop(proc)
+            self.dns = {h: p for h, p in self.dns.items() if p != port}
+
+    def _start_redis(self, ns: str, dep: Mapping[str, Any]) -> None:
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        env = self._environment(ns, container)
+        password = env.get("REDIS_PASSWORD")
+        extra = ["--requirepass", password] if password else []
+        workdir = self.workdir / f"redis-{ns}-{dep['metadata']['name']}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        proc, url = start_redis(workdir, None, *extra)
+        port = int(urlsplit(url).port or 0)
+        self.redis[(ns, dep["metadata"]["name"])] = (proc, port)
+        selector = dep["spec"]["template"]["metadata"].get("labels") or {}
+        for svc in kube.list_("Service", ns):
+            wanted = (svc.get("spec") or {}).get("selector") or {}
+            if wanted and all(selector.get(k) == v for k, v in wanted.items()):
+                self.dns[f"{svc['metadata']['name']}.{ns}.svc"] = port
+                self.dns[f"{svc['metadata']['name']}.{ns}.svc.cluster.local"] = port
+
+    # -- Jobs --
+
+    def _jobs(self, ns: str) -> None:
+        for job in kube.list_("Job", ns):
+            uid = job["metadata"]["uid"]
+            finished = any(
+                c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+                for c in (job.get("status") or {}).get("conditions") or []
+            )
+            if uid in self.jobs_done or finished:
+                continue
+            self.jobs_done.add(uid)
+            self._run_job(ns, job)
+
+    def _run_job(self, ns: str, job: Mapping[str, Any]) -> None:
+        name = job["metadata"]["name"]
+        pod_spec = job["spec"]["template"]["spec"]
+        container = pod_spec["containers"][0]
+        env = self._environment(ns, container)
+        fd, report = tempfile.mkstemp(prefix="termination-log-", dir=self.workdir)
+        os.close(fd)
+        if "ZARRLAKE_REPORT_FILE" in env:
+            env["ZARRLAKE_REPORT_FILE"] = report
+        if "ZARRLAKE_LOCK" in env:
+            env["ZARRLAKE_LOCK"] = self.resolve(env["ZARRLAKE_LOCK"])
+        command = [_expand(arg, env) for arg in container.get("command", [])]
+        command += [_expand(arg, env) for arg in container.get("args", [])]
+        exe = shutil.which(command[0], path=str(Path(sys.executable).parent)) if command else None
+        if exe:
+            command[0] = exe
+        deadline = job["spec"].get("activeDeadlineSeconds") or 3600
+        started = _now()
+        proc_env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.workdir), **env}
+        try:
+            done = subprocess.run(
+                command, env=proc_env, capture_output=True, text=True, timeout=deadline
+            )
+            code, logs = done.returncode, done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            code, logs = 1, f"{type(e).__name__}: {e}"
+        message = Path(report).read_text()
+        if (
+            not message
+            and code != 0
+            and container.get("terminationMessagePolicy") == ("FallbackToLogsOnError")
+        ):
+            message = "\n".join(logs.strip().splitlines()[-80:])[-2048:]
+        self.job_log.append({"job": name, "command": command, "exit": code, "logs": logs})
+        pod_name = f"{name}-{job['metadata']['uid'][:5]}"
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "namespace": ns,
+                "labels": {
+                    **(job["spec"]["template"].get("metadata", {}).get("labels") or {}),
+                    "job-name": name,
+                    "controller-uid": job["metadata"]["uid"],
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": name,
+                        "uid": job["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": pod_spec,
+        }
+        kube.create(pod)
+        finished = _now()
+        self._set_status(
+            "Pod",
+            ns,
+            pod_name,
+            {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "startTime": started,
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "image": container.get("image", ""),
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": code,
+                                "reason": "Completed" if code == 0 else "Error",
+                                "message": message,
+                                "startedAt": started,
+                                "finishedAt": finished,
+                            }
+                        },
+                    }
+                ],
+            },
+        )
+        condition = {
+            "type": "Complete" if code == 0 else "Failed",
+            "status": "True",
+            "lastTransitionTime": finished,
+        }
+        if code != 0:
+            condition |= {"reason": "BackoffLimitExceeded", "message": "Job has failed"}
+        self._set_status(
+            "Job",
+            ns,
+            name,
+            {
+                "startTime": started,
+                "completionTime": finished if code == 0 else None,
+                "succeeded": 1 if code == 0 else 0,
+                "failed": 0 if code == 0 else 1,
+                "conditions": [condition],
+            },
+        )
+
+    # -- helpers --
+
+    def _environment(self, ns: str, container: Mapping[str, Any]) -> dict[str, str]:
+        """A container's environment as the kubelet would build it (Secret references read)."""
+        env: dict[str, str] = {}
+        readers = kube.secrets(ns)
+        for var in container.get("env") or []:
+            if "value" in var:
+                env[var["name"]] = _expand(str(var["value"]), env)
+                continue
+            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                data = readers(ref["name"]) or {}
+                if ref["key"] in data:
+                    env[var["name"]] = data[ref["key"]]
+                elif not ref.get("optional"):
+                    raise RuntimeError(f"Secret {ref['name']!r} key {ref['key']!r} missing")
+        return env
+
+    def _set_status(self, kind: str, ns: str, name: str, status: Mapping[str, Any]) -> None:
+        try:
+            kube.patch_status(kind, ns, name, status)
+        except kube.KubeError:
+            kube.merge_patch(kind, ns, name, {"status": dict(status)})
+
+
+def _expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in commands and env values."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def start_operator(
+    kubeconfig: str | os.PathLike[str],
+    *,
+    log_path: str | os.PathLike[str],
+    resync_seconds: float = 2,
+    peering: str | None = None,
+    priority: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """The real operator as a child process (``python -m zarrlake_operator run -A``).
+
+    Returns (process, liveness port, metrics port) once ``/healthz`` answers.
+    """
+    from zarrlake.testing import free_port, wait_for_port
+
+    liveness, metrics_port = free_port(), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "zarrlake_operator",
+        "run",
+        "--all-namespaces",
+        "--liveness-port",
+        str(liveness),
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    cmd += ["--peering", peering] if peering else ["--standalone"]
+    if priority is not None:
+        cmd += ["--priority", str(priority)]
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "ZARRLAKE_RESYNC_SECONDS": str(resync_seconds),
+        **(extra_env or {}),
+    }
+    log = open(log_path, "ab")  # noqa: SIM115  (the child owns it)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    wait_for_port(liveness, 60, proc)
+    return proc, liveness, metrics_port

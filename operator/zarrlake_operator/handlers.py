@@ -1,0 +1,153 @@
+"""Kopf handlers: thin. Each one hands the resource body to :mod:`zarrlake_operator.reconcile`.
+
+Change handlers (create, update, resume) run a reconciliation and retry it with backoff until it
+succeeds; a timer runs it again every ``ZARRLAKE_RESYNC_SECONDS`` to report branch heads and
+correct drift (a lock Deployment edited by hand, a branch deleted behind the operator's back).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from zarrlake_operator import desired, metrics, reconcile
+from zarrlake_operator.models import GROUP, VERSION
+
+RESYNC_SECONDS = float(os.environ.get("ZARRLAKE_RESYNC_SECONDS", "60"))
+JOB_IMAGE = os.environ.get("ZARRLAKE_JOB_IMAGE", desired.JOB_IMAGE)
+FINALIZER = f"{GROUP}/finalizer"
+
+log = logging.getLogger("zarrlake_operator")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    # Progress and the last-handled spec live in annotations: our CRD status schemas are strict.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Events are ours to post (kopf.info/warn in reconcile), not a copy of every log line.
+    settings.posting.loggers = False
+    settings.execution.max_workers = int(os.environ.get("ZARRLAKE_OPERATOR_WORKERS", "8"))
+    settings.networking.request_timeout = 60
+    settings.watching.server_timeout = 300
+    metrics.serve(int(os.environ.get("ZARRLAKE_METRICS_PORT", "9090")))
+
+
+def _resync(fn: Any, body: Any, **kwargs: Any) -> None:
+    """A timer tick: the change handlers own retries, so a tick only reports and moves on."""
+    try:
+        fn(body, **kwargs)
+    except kopf.TemporaryError as e:
+        log.info("resync of %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], e)
+    except kopf.PermanentError:
+        pass  # the condition says what is wrong
+
+
+# -- Repository --
+
+REPOSITORIES = (GROUP, VERSION, "repositories")
+
+
+@kopf.on.resume(*REPOSITORIES)
+@kopf.on.create(*REPOSITORIES)
+@kopf.on.update(*REPOSITORIES, field="spec")
+@metrics.instrumented("Repository")
+def repository_changed(body: kopf.Body, **_: Any) -> None:
+    reconcile.repository(body)
+
+
+@kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@metrics.instrumented("Repository")
+def repository_resync(body: kopf.Body, **_: Any) -> None:
+    _resync(reconcile.repository, body)
+
+
+@kopf.on.delete(*REPOSITORIES)
+@metrics.instrumented("Repository")
+def repository_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    outcome = reconcile.delete_repository(body)
+    logger.info(outcome)
+    kopf.info(dict(body), reason="Reclaimed", message=outcome)
+
+
+# -- Branch --
+
+BRANCHES = (GROUP, VERSION, "branches")
+
+
+@kopf.on.resume(*BRANCHES)
+@kopf.on.create(*BRANCHES)
+@kopf.on.update(*BRANCHES, field="spec")
+@metrics.instrumented("Branch")
+def branch_changed(body: kopf.Body, **_: Any) -> None:
+    reconcile.branch(body)
+
+
+@kopf.timer(*BRANCHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@metrics.instrumented("Branch")
+def branch_resync(body: kopf.Body, **_: Any) -> None:
+    _resync(reconcile.branch, body)
+
+
+@kopf.on.delete(*BRANCHES)
+@metrics.instrumented("Branch")
+def branch_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    logger.info(reconcile.delete_branch(body))
+
+
+# -- Tag --
+
+TAGS = (GROUP, VERSION, "tags")
+
+
+@kopf.on.resume(*TAGS)
+@kopf.on.create(*TAGS)
+@kopf.on.update(*TAGS, field="spec")
+@metrics.instrumented("Tag")
+def tag_changed(body: kopf.Body, **_: Any) -> None:
+    reconcile.tag(body)
+
+
+@kopf.timer(*TAGS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@metrics.instrumented("Tag")
+def tag_resync(body: kopf.Body, **_: Any) -> None:
+    _resync(reconcile.tag, body)
+
+
+@kopf.on.delete(*TAGS)
+@metrics.instrumented("Tag")
+def tag_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    logger.info(reconcile.delete_tag(body))
+
+
+# -- RetentionPolicy and its jobs --
+
+POLICIES = (GROUP, VERSION, "retentionpolicies")
+
+
+@kopf.on.resume(*POLICIES)
+@kopf.on.create(*POLICIES)
+@kopf.on.update(*POLICIES, field="spec")
+@metrics.instrumented("RetentionPolicy")
+def policy_changed(body: kopf.Body, **_: Any) -> None:
+    reconcile.retention_policy(body, JOB_IMAGE)
+
+
+@kopf.timer(*POLICIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@metrics.instrumented("RetentionPolicy")
+def policy_resync(body: kopf.Body, **_: Any) -> None:
+    _resync(reconcile.retention_policy, body, job_image=JOB_IMAGE)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
+@metrics.instrumented("Job")
+def job_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    outcome = reconcile.job_finished(body)
+    if outcome:
+        logger.info(outcome)

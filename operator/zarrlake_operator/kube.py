@@ -1,0 +1,202 @@
+"""Kubernetes I/O at the edge: get, list, apply, delete and status patches, as plain dicts.
+
+Every object kind the operator touches is one row of :data:`KINDS`; the generic REST calls go
+through the ``kubernetes`` client's ``ApiClient`` (authentication, TLS, retries), and bodies stay
+dicts so the pure functions in :mod:`zarrlake_operator.desired` can build and compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from zarrlake.k8s import SecretReader, secret_reader
+from zarrlake_operator.desired import drifted
+from zarrlake_operator.models import GROUP, VERSION
+
+KINDS: dict[str, str] = {
+    "Namespace": "/api/v1/namespaces",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+    "CronJob": "/apis/batch/v1/namespaces/{ns}/cronjobs",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
+    "Repository": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/repositories",
+    "Branch": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/branches",
+    "Tag": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/tags",
+    "RetentionPolicy": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/retentionpolicies",
+}
+
+_lock = threading.Lock()
+_client: Any = None
+
+
+class KubeError(Exception):
+    """An API call failed; ``status`` is the HTTP status (0 when the server was unreachable)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def api_client() -> Any:
+    """One ``ApiClient``: in-cluster credentials, else the kubeconfig."""
+    global _client
+    with _lock:
+        if _client is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            _client = client.ApiClient()
+        return _client
+
+
+def use_kubeconfig(path: str) -> None:
+    """Talk to the cluster of this kubeconfig from now on (tests, the e2e scenario)."""
+    global _client
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(path), client_configuration=configuration)
+    with _lock:
+        _client = client.ApiClient(configuration)
+
+
+def _call(
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    query: list[tuple[str, str]] | None = None,
+    content_type: str = "application/json",
+) -> Any:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    client = api_client()
+    try:
+        resp = client.call_api(
+            path,
+            method,
+            query_params=query or [],
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _return_http_data_only=True,
+            _request_timeout=30,
+        )
+    except ApiException as e:
+        reason = e.reason
+        try:
+            reason = json.loads(e.body).get("message") or reason
+        except (TypeError, ValueError, AttributeError):
+            pass
+        raise KubeError(f"{method} {path}: {e.status} {reason}", e.status) from None
+    except (HTTPError, OSError) as e:
+        raise KubeError(f"{method} {path}: API server unreachable: {e}") from None
+    data = resp.data
+    return json.loads(data) if data else None
+
+
+def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    path = KINDS[kind].format(ns=namespace)  # cluster-scoped kinds have no {ns}
+    if name:
+        path += f"/{name}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object, or None when it does not exist."""
+    try:
+        return _call("GET", _path(kind, namespace, name))
+    except KubeError as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    query = [("labelSelector", label_selector)] if label_selector else None
+    return list((_call("GET", _path(kind, namespace), query=query) or {}).get("items") or [])
+
+
+def create(obj: Mapping[str, Any]) -> dict[str, Any]:
+    namespace = obj["metadata"].get("namespace", "")
+    return _call("POST", _path(obj["kind"], namespace), body=dict(obj))
+
+
+def merge_patch(kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+    return _call(
+        "PATCH",
+        _path(kind, namespace, name),
+        body=dict(patch),
+        content_type="application/merge-patch+json",
+    )
+
+
+def patch_status(kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    """Merge-patch the status subresource (a missing object is not an error: it is going away)."""
+    try:
+        _call(
+            "PATCH",
+            _path(kind, namespace, name, "status"),
+            body={"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )
+    except KubeError as e:
+        if e.status != 404:
+            raise
+
+
+def delete(kind: str, namespace: str, name: str) -> bool:
+    """Delete (background propagation); False when it was already gone."""
+    try:
+        _call(
+            "DELETE",
+            _path(kind, namespace, name),
+            body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+        )
+        return True
+    except KubeError as e:
+        if e.status == 404:
+            return False
+        raise
+
+
+def apply(desired: Mapping[str, Any], *, create_only: bool = False) -> tuple[dict[str, Any], str]:
+    """Make ``desired`` exist: create it, or merge-patch the fields that drifted.
+
+    Returns the object and what happened: ``created``, ``updated`` or ``unchanged``.
+    ``create_only`` objects (password Secrets) are never rewritten once they exist.
+    """
+    kind, meta = desired["kind"], desired["metadata"]
+    actual = get(kind, meta["namespace"], meta["name"])
+    if actual is None:
+        try:
+            return create(desired), "created"
+        except KubeError as e:
+            if e.status != 409:  # created concurrently: fall through and compare
+                raise
+            actual = get(kind, meta["namespace"], meta["name"]) or {}
+    if create_only:
+        return actual, "unchanged"
+    compared = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")}
+    if not drifted(compared, actual):
+        return actual, "unchanged"
+    return merge_patch(kind, meta["namespace"], meta["name"], compared), "updated"
+
+
+def secrets(namespace: str) -> SecretReader:
+    """A per-call Secret reader for one namespace (decoded values; never logged)."""
+    from kubernetes import client
+
+    return secret_reader(client.CoreV1Api(api_client()), namespace)

@@ -1,0 +1,609 @@
+"""One reconciliation per kind: observe, ask :mod:`desired` what should be, apply, report status.
+
+Every function here is idempotent and safe to run at any time (create, update, resume, the
+periodic resync, or twice in a row). Transient trouble raises ``kopf.TemporaryError`` (Kopf retries
+with backoff); a spec we cannot act on raises ``kopf.PermanentError`` after writing a condition
+that says what to fix. Credentials are read from Secrets and handed to the storage and lock
+objects; they never reach a log line, an event or a status field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets as pysecrets
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from pydantic import BaseModel, ValidationError
+
+from zarrlake import (
+    BranchExists,
+    InvalidName,
+    InvalidRetentionRules,
+    KubernetesError,
+    RefNotFound,
+    Repository,
+    RepositoryConfig,
+    RetentionRules,
+    StorageError,
+    TagExists,
+    ZarrlakeError,
+)
+from zarrlake.k8s import Connection, connection_from_resource
+from zarrlake_operator import buckets, desired, kube
+from zarrlake_operator.models import (
+    BranchSpec,
+    RepositorySpec,
+    RetentionPolicySpec,
+    TagSpec,
+)
+
+MAIN = "main"
+MIN_GRACE = dt.timedelta(days=7)
+
+
+# -- shared --
+
+
+def _meta(body: Mapping[str, Any]) -> tuple[str, str, int | None]:
+    m = body["metadata"]
+    return m["namespace"], m["name"], m.get("generation")
+
+
+def _status(body: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(body.get("status") or {})
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"spec.{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(model: type[BaseModel], body: Mapping[str, Any]) -> Any:
+    """The spec as a model, or a readable ``kopf.PermanentError`` (after writing the condition)."""
+    try:
+        return model.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        message = _validation_message(e)
+        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
+        raise kopf.PermanentError(f"invalid spec: {message}") from None
+
+
+def _report(
+    body: Mapping[str, Any],
+    *,
+    ready: bool,
+    reason: str,
+    message: str,
+    phase: str | None = None,
+    extra_conditions: tuple[tuple[str, bool, str, str], ...] = (),
+    fields: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write Ready (and other conditions), phase, fields and observedGeneration to the status."""
+    ns, name, gen = _meta(body)
+    status = _status(body)
+    conds = status.get("conditions") or []
+    for type_, ok, why, text in extra_conditions:
+        conds = desired.set_condition(conds, type_, ok, why, text, generation=gen)
+    conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
+    new = {
+        "conditions": conds,
+        "phase": phase or ("Ready" if ready else "Pending"),
+        "observedGeneration": gen,
+        **(fields or {}),
+    }
+    kube.patch_status(body["kind"], ns, name, new)
+    return new
+
+
+def _event(body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+    (kopf.warn if warning else kopf.info)(dict(body), reason=reason, message=message)
+
+
+def _connection(body: Mapping[str, Any], *, require_ready: bool) -> Connection:
+    ns = body["metadata"]["namespace"]
+    return connection_from_resource(body, kube.secrets(ns), require_ready=require_ready)
+
+
+def _ready_repository(body: Mapping[str, Any], repository: str) -> tuple[dict, Repository]:
+    """The Repository resource a Branch/Tag/RetentionPolicy names, opened; retries until Ready.
+
+    The operator opens it without the lock service: branch and tag changes are single
+    create-only journal writes, safe without a lock, and the operator need not reach Redis.
+    """
+    ns = body["metadata"]["namespace"]
+    repo_body = kube.get("Repository", ns, repository)
+    if repo_body is None:
+        _report(
+            body,
+            ready=False,
+            reason="RepositoryNotFound",
+            message=f"Repository {repository!r} does not exist in namespace {ns!r}",
+        )
+        raise kopf.TemporaryError(f"Repository {repository!r} not found", delay=15)
+    try:
+        conn = _connection(repo_body, require_ready=True)
+        return repo_body, Repository.open(conn.storage())
+    except (KubernetesError, ZarrlakeError, StorageError) as e:
+        _report(body, ready=False, reason="RepositoryNotReady", message=str(e))
+        raise kopf.TemporaryError(f"Repository {repository!r} not ready: {e}", delay=10) from None
+
+
+def _claim(
+    body: Mapping[str, Any], kind: str, repository: str, *, deleting: bool = False
+) -> str | None:
+    """The name of the resource that owns this branch/tag when it is not ``body`` (a conflict)."""
+    ns = body["metadata"]["namespace"]
+    mine = desired.ref_name(body)
+    claims = [
+        other
+        for other in kube.list_(kind, ns)
+        if (other.get("spec") or {}).get("repository") == repository
+        and desired.ref_name(other) == mine
+    ]
+    winner = desired.claim_winner(claims, include_deleting=deleting)
+    return None if winner in (None, body["metadata"]["name"]) else winner
+
+
+# -- Repository --
+
+
+def engine_config(spec: RepositorySpec) -> RepositoryConfig:
+    from zarrlake.cli import parse_duration
+
+    c = spec.config
+    values: dict[str, Any] = {}
+    if c.inline_threshold_bytes is not None:
+        values["inline_threshold_bytes"] = c.inline_threshold_bytes
+    if c.shard_max_refs is not None:
+        values["shard_max_refs"] = c.shard_max_refs
+    if c.session_ttl is not None:
+        values["session_ttl"] = parse_duration(c.session_ttl)
+    return RepositoryConfig(**values)
+
+
+def repository(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Bucket, lock service and repository for one Repository resource; returns the new status."""
+    ns, name, gen = _meta(body)
+    spec: RepositorySpec = parse_spec(RepositorySpec, body)
+    try:
+        config = engine_config(spec)
+    except Exception as e:
+        message = f"spec.config: {e}"
+        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
+        raise kopf.PermanentError(f"spec.config: {e}") from None
+    status = _status(body)
+    conds: list[dict[str, Any]] = status.get("conditions") or []
+
+    def cond(type_: str, ok: bool, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = desired.set_condition(conds, type_, ok, reason, message, generation=gen)
+
+    fields: dict[str, Any] = {}
+    retry: kopf.TemporaryError | None = None
+
+    # Storage: credentials, then the bucket.
+    conn: Connection | None = None
+    try:
+        conn = _connection(body, require_ready=False)
+    except KubernetesError as e:
+        cond("BucketReady", False, "CredentialsNotFound", str(e))
+        retry = kopf.TemporaryError(str(e), delay=20)
+    if conn is not None:
+        try:
+            state = buckets.ensure_bucket(conn, provision=spec.storage.provision)
+            detail = "created by the operator" if state.created else "exists"
+            cond("BucketReady", True, "BucketReady", f"bucket {conn.bucket!r} {detail}")
+            if state.created:
+                _event(body, "BucketCreated", f"created bucket {conn.bucket!r}")
+        except buckets.BucketMissing as e:
+            cond("BucketReady", False, "BucketNotFound", str(e))
+            retry = kopf.TemporaryError(str(e), delay=30)
+        except buckets.BucketUnreachable as e:
+            cond("BucketReady", False, "StorageUnreachable", str(e))
+            retry = kopf.TemporaryError(str(e), delay=15)
+
+    # The lock service.
+    lock_ok, lock_reason, lock_msg, lock_fields = _lock_service(body, spec)
+    cond("LockServiceReady", lock_ok, lock_reason, lock_msg)
+    fields.update(lock_fields)
+    if not lock_ok and retry is None:
+        retry = kopf.TemporaryError(lock_msg, delay=5)
+
+    # The repository itself.
+    if conn is not None and desired.is_true(conds, "BucketReady"):
+        try:
+            repo = Repository.open_or_create(conn.storage(), config=config)
+            created = status.get("repositoryID") is None
+            fields |= {
+                "repositoryID": repo.id,
+                "url": conn.storage_url,
+                "branches": len(repo.list_branches()),
+                "tags": len(repo.list_tags()),
+            }
+            cond("Initialized", True, "Initialized", f"repository {repo.id} at {conn.storage_url}")
+            if created:
+                _event(body, "Initialized", f"repository {repo.id} at {conn.storage_url}")
+        except (ZarrlakeError, StorageError) as e:
+            cond("Initialized", False, "StorageError", str(e))
+            retry = retry or kopf.TemporaryError(str(e), delay=15)
+    elif not desired.condition(conds, "Initialized"):
+        cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
+
+    phase, ready, reason, message = desired.repository_phase(conds)
+    conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
+    new = {"phase": phase, "conditions": conds, "observedGeneration": gen, **fields}
+    kube.patch_status("Repository", ns, name, new)
+    if retry is not None:
+        raise retry
+    return new
+
+
+def _lock_service(
+    body: Mapping[str, Any], spec: RepositorySpec
+) -> tuple[bool, str, str, dict[str, Any]]:
+    """(ready, reason, message, status fields) for the repository's lock service."""
+    ns, name, _ = _meta(body)
+    mode = spec.lock_service.mode
+    if mode != "managed":
+        _remove_managed_lock(ns, name)
+    if mode == "none":
+        return (
+            True,
+            "NotRequired",
+            "optimistic commits (no lock service)",
+            {
+                "lockEndpoint": None,
+                "lockSecret": None,
+            },
+        )
+    if mode == "external":
+        lock = spec.lock_service
+        if not lock.url:
+            return False, "InvalidSpec", "lockService.url is required in external mode", {}
+        try:
+            conn = _connection(body, require_ready=False)
+            client = conn.lock()
+            client.client.ping()
+        except KubernetesError as e:
+            return False, "CredentialsNotFound", str(e), {"lockEndpoint": lock.url}
+        except Exception as e:
+            return (
+                False,
+                "Unreachable",
+                f"cannot reach {lock.url}: {type(e).__name__}",
+                {"lockEndpoint": lock.url},
+            )
+        return (
+            True,
+            "Reachable",
+            f"external lock service at {lock.url}",
+            {
+                "lockEndpoint": lock.url,
+                "lockSecret": lock.password_secret.name if lock.password_secret else None,
+            },
+        )
+    # managed
+    password = pysecrets.token_urlsafe(32)
+    secret, action = kube.apply(desired.lock_secret(body, password), create_only=True)
+    _, svc_action = kube.apply(desired.lock_service(body))
+    deployment, dep_action = kube.apply(desired.lock_deployment(body, spec))
+    for what, act in (("Secret", action), ("Service", svc_action), ("Deployment", dep_action)):
+        if act != "unchanged":
+            _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")
+    ok, message = desired.deployment_available(deployment)
+    return (
+        ok,
+        ("Available" if ok else "Unavailable"),
+        message,
+        {
+            "lockEndpoint": desired.lock_endpoint(name, ns),
+            "lockSecret": secret["metadata"]["name"],
+        },
+    )
+
+
+def _remove_managed_lock(namespace: str, repository: str) -> None:
+    obj = desired.lock_service_names(repository)
+    for kind in ("Deployment", "Service", "Secret"):
+        existing = kube.get(kind, namespace, obj)
+        labels = (existing or {}).get("metadata", {}).get("labels") or {}
+        if existing and labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY:
+            kube.delete(kind, namespace, obj)
+
+
+def delete_repository(body: Mapping[str, Any]) -> str:
+    """Honour the reclaim policy; returns what was done. Owned objects go by owner references."""
+    policy = (body.get("spec") or {}).get("reclaimPolicy", "Retain")
+    if policy != "Delete":
+        return "Retain: the repository's data stays in the bucket"
+    try:
+        conn = _connection(body, require_ready=False)
+    except KubernetesError as e:
+        # Without credentials we cannot delete; keep the finalizer and say why.
+        raise kopf.TemporaryError(f"cannot delete data: {e}", delay=30) from None
+    try:
+        n = buckets.delete_prefix(conn)
+    except buckets.BucketUnreachable as e:
+        raise kopf.TemporaryError(str(e), delay=15) from None
+    return f"Delete: removed {n} object(s) from {conn.storage_url}"
+
+
+# -- Branch --
+
+
+def branch(body: Mapping[str, Any]) -> dict[str, Any]:
+    spec: BranchSpec = parse_spec(BranchSpec, body)
+    name = desired.ref_name(body)
+    status = _status(body)
+    if name == MAIN:
+        return _report(
+            body,
+            ready=False,
+            reason="Refused",
+            message="'main' is created with the repository and cannot be deleted, so it cannot "
+            "be managed by a Branch resource; the branch is left untouched",
+            phase="Refused",
+            fields={"branch": name},
+        )
+    _, repo = _ready_repository(body, spec.repository)
+    winner = _claim(body, "Branch", spec.repository)
+    if winner:
+        return _report(
+            body,
+            ready=False,
+            reason="Conflict",
+            message=f"branch {name!r} is already managed by the older Branch {winner!r}",
+            phase="Conflict",
+            extra_conditions=(("Conflict", True, "Conflict", f"claimed by Branch {winner!r}"),),
+        )
+    extra: dict[str, Any] = {}
+    try:
+        head = repo.lookup_branch(name)
+    except RefNotFound:
+        head = _create_branch(body, repo, name, spec, status, extra)
+    except InvalidName as e:
+        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
+    info = next(iter(repo.log(head, limit=1)), None)
+    fields = {
+        "branch": name,
+        "head": head,
+        "lastCommitTime": info.time.strftime("%Y-%m-%dT%H:%M:%SZ") if info else None,
+        "lastCommitMessage": (info.message or "")[:200] if info else None,
+        "lastCommitAuthor": info.author if info else None,
+        **extra,
+    }
+    return _report(
+        body,
+        ready=True,
+        reason="Ready",
+        message=f"branch {name!r} at {head}",
+        phase="Ready",
+        extra_conditions=(("Conflict", False, "NoConflict", ""),),
+        fields=fields,
+    )
+
+
+def _create_branch(
+    body: Mapping[str, Any],
+    repo: Repository,
+    name: str,
+    spec: BranchSpec,
+    status: Mapping[str, Any],
+    extra: dict[str, Any],
+) -> str:
+    """Create the branch: from ``spec.from`` the first time, or at its last known head when it
+    vanished behind the operator's back (so no commit is lost to the recreation)."""
+    last_head = status.get("head") if status.get("branch") == name else None
+    start = last_head or spec.from_
+    try:
+        try:
+            head = repo.create_branch(name, start)
+        except RefNotFound:
+            if last_head is None:
+                raise
+            head = repo.create_branch(name, spec.from_)  # the old head was collected
+    except BranchExists:
+        return repo.lookup_branch(name)  # created concurrently: adopt
+    except RefNotFound:
+        message = f"spec.from {spec.from_!r} is not a branch, tag or snapshot of the repository"
+        _report(body, ready=False, reason="FromNotFound", message=message)
+        raise kopf.TemporaryError(message, delay=30) from None
+    except InvalidName as e:
+        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
+    if last_head:
+        extra["recreated"] = int(status.get("recreated") or 0) + 1
+        _event(
+            body,
+            "BranchRecreated",
+            f"branch {name!r} had been deleted outside Kubernetes; recreated at {head}",
+            warning=True,
+        )
+    else:
+        _event(body, "BranchCreated", f"created branch {name!r} from {spec.from_!r} at {head}")
+    return head
+
+
+def delete_branch(body: Mapping[str, Any]) -> str:
+    spec_doc = body.get("spec") or {}
+    name = desired.ref_name(body)
+    if name == MAIN:
+        return "main is never deleted"
+    repository = spec_doc.get("repository")
+    if not repository or kube.get("Repository", body["metadata"]["namespace"], repository) is None:
+        return "the Repository is gone; nothing to delete"
+    if _claim(body, "Branch", repository, deleting=True):
+        return "another Branch resource manages this branch; left in place"
+    _, repo = _ready_repository(body, repository)
+    try:
+        repo.delete_branch(name)
+    except RefNotFound:
+        return f"branch {name!r} was already gone"
+    return f"deleted branch {name!r}"
+
+
+# -- Tag --
+
+
+def tag(body: Mapping[str, Any]) -> dict[str, Any]:
+    spec: TagSpec = parse_spec(TagSpec, body)
+    name = desired.ref_name(body)
+    status = _status(body)
+    _, repo = _ready_repository(body, spec.repository)
+    winner = _claim(body, "Tag", spec.repository)
+    if winner:
+        return _report(
+            body,
+            ready=False,
+            reason="Conflict",
+            message=f"tag {name!r} is already managed by the older Tag {winner!r}",
+            phase="Conflict",
+            extra_conditions=(("Conflict", True, "Conflict", f"claimed by Tag {winner!r}"),),
+        )
+    tags = repo.list_tags()
+    recorded = status.get("snapshot")
+    if recorded:
+        if tags.get(name) != recorded:
+            return _report(
+                body,
+                ready=False,
+                reason="TagDeleted",
+                message=f"tag {name!r} was deleted outside Kubernetes; tag names are never "
+                "reused, so it cannot be recreated",
+                phase="Failed",
+            )
+        snapshot = recorded
+    elif name in tags:
+        snapshot = tags[name]  # adopt a tag made before the resource
+    else:
+        try:
+            snapshot = repo.resolve(spec.ref)
+            repo.create_tag(name, snapshot)
+        except RefNotFound:
+            message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
+            _report(body, ready=False, reason="RefNotFound", message=message)
+            raise kopf.TemporaryError(message, delay=30) from None
+        except (TagExists, InvalidName) as e:
+            _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+            raise kopf.PermanentError(str(e)) from None
+        _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+    return _report(
+        body,
+        ready=True,
+        reason="Ready",
+        message=f"tag {name!r} -> {snapshot}",
+        phase="Ready",
+        extra_conditions=(("Conflict", False, "NoConflict", ""),),
+        fields={"tag": name, "snapshot": snapshot},
+    )
+
+
+def delete_tag(body: Mapping[str, Any]) -> str:
+    spec_doc = body.get("spec") or {}
+    name = desired.ref_name(body)
+    repository = spec_doc.get("repository")
+    if not repository or kube.get("Repository", body["metadata"]["namespace"], repository) is None:
+        return "the Repository is gone; nothing to delete"
+    if _claim(body, "Tag", repository, deleting=True):
+        return "another Tag resource manages this tag; left in place"
+    if not (body.get("status") or {}).get("snapshot"):
+        return "the tag was never created"
+    _, repo = _ready_repository(body, repository)
+    try:
+        repo.delete_tag(name)
+    except RefNotFound:
+        return f"tag {name!r} was already gone"
+    return f"deleted tag {name!r}"
+
+
+# -- RetentionPolicy --
+
+
+def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
+    from zarrlake.cli import UsageError, parse_duration
+
+    ns, name, _ = _meta(body)
+    spec: RetentionPolicySpec = parse_spec(RetentionPolicySpec, body)
+    try:
+        RetentionRules.from_dict(spec.rules.to_engine())
+        grace = parse_duration(spec.gc.grace)
+    except (InvalidRetentionRules, UsageError) as e:
+        _report(body, ready=False, reason="InvalidSpec", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
+    if grace < MIN_GRACE and not spec.gc.force:
+        message = (
+            f"spec.gc.grace {spec.gc.grace} is below 7d: a writer session could still need "
+            "objects that young (set spec.gc.force: true if none can)"
+        )
+        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
+        raise kopf.PermanentError(message)
+    repo_body, _ = _ready_repository(body, spec.repository)
+    jobs = desired.retention_cron_jobs(body, spec, repo_body, job_image)
+    for obj in jobs.values():
+        _, action = kube.apply(obj)
+        if action != "unchanged":
+            cron_job = obj["metadata"]["name"]
+            _event(body, f"CronJob{action.capitalize()}", f"{action} CronJob {cron_job}")
+    if "compact" not in jobs:
+        stale = desired.child_name(name, "compact", desired.CRONJOB_NAME_MAX)
+        if kube.delete("CronJob", ns, stale):
+            _event(body, "CronJobDeleted", f"deleted CronJob {stale}")
+    schedules = f"gc {spec.gc.schedule}" + (
+        f", compaction {spec.compaction.schedule}" if spec.compaction else ""
+    )
+    return _report(
+        body,
+        ready=True,
+        reason="Scheduled",
+        message=schedules + (" (gc suspended)" if spec.gc.suspend else ""),
+        phase="Ready",
+        fields={
+            "gcCronJob": jobs["gc"]["metadata"]["name"],
+            "compactionCronJob": jobs["compact"]["metadata"]["name"] if "compact" in jobs else None,
+        },
+    )
+
+
+def job_finished(job: Mapping[str, Any]) -> str | None:
+    """Record a finished maintenance Job in its RetentionPolicy's status; returns what it did."""
+    meta = job["metadata"]
+    job_labels = meta.get("labels") or {}
+    policy_name = job_labels.get(desired.POLICY_LABEL)
+    kind = job_labels.get(desired.JOB_KIND_LABEL)
+    if not policy_name or kind not in ("gc", "compact"):
+        return None
+    ns = meta["namespace"]
+    pods = kube.list_("Pod", ns, f"job-name={meta['name']}")
+    run = desired.job_run(job, pods)
+    if run is None:
+        return None
+    policy = kube.get("RetentionPolicy", ns, policy_name)
+    if policy is None:
+        return None
+    field = "lastGC" if kind == "gc" else "lastCompaction"
+    previous = (policy.get("status") or {}).get(field) or {}
+    if previous.get("job") == run["job"] and previous.get("result") == run["result"]:
+        return None  # already recorded
+    if previous.get("time") and previous["time"] > run["time"]:
+        return None  # an older job finishing late does not replace a newer result
+    kube.patch_status("RetentionPolicy", ns, policy_name, {field: run})
+    what = "GC" if kind == "gc" else "Compaction"
+    ok = run["result"] == "Succeeded"
+    summary = ", ".join(
+        f"{k}={run[k]}"
+        for k in ("snapshotsExpired", "objectsDeleted", "bytesFreed", "chunksPacked")
+        if k in run
+    )
+    _event(
+        policy,
+        f"{what}{run['result']}",
+        f"job {run['job']}: {summary or run.get('message', '')}",
+        warning=not ok,
+    )
+    return f"{field} <- {run['job']} {run['result']}"

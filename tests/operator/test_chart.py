@@ -1,0 +1,774 @@
+"""The Helm chart, the CRDs and the example resources, checked offline: no cluster, no mocks.
+
+- The chart is rendered and linted by Helm's own engine (``helm-python-sdk``) with several sets of
+  values, and every rendered object is validated: built-in kinds against the Kubernetes OpenAPI
+  schemas that ``kubernetes-validate`` bundles (strict: unknown fields are errors), Kopf peering
+  objects against the chart's peering CRDs.
+- RBAC is compared with the exact permission table the operator needs, so that any extra (or
+  missing) verb fails; the Deployment's arguments are parsed by the operator's own CLI parser.
+- ``values.schema.json`` is shown to refuse typos and wrong types by rendering with bad values.
+- The CRDs must be valid, structural and identical to a fresh generation from the models.
+- Every custom resource in ``examples/**/*.yaml`` must satisfy its CRD's OpenAPI schema and parse
+  through the operator's Pydantic model.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from zarrlake_operator import crds as crd_gen
+from zarrlake_operator.__main__ import build_parser
+from zarrlake_operator.models import GROUP, KINDS
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "zarrlake-operator"
+CRD_DIRS = {"crds": ROOT / "crds", "chart-crds": CHART / "crds"}
+EXAMPLES = ROOT / "examples"
+
+RELEASE = "zl"
+NAMESPACE = "zarrlake-system"
+# The chart's minimum (Chart.yaml kubeVersion) and the newest version kubernetes-validate knows.
+KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+PEERING = "zarrlake-operator"
+KOPF_CRD_FILES = {"kopf.dev_kopfpeerings.yaml", "kopf.dev_clusterkopfpeerings.yaml"}
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"watchNamespaces": ["a", "b"]},
+    "replicas": {"replicaCount": 2},
+    "servicemonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    # Every optional block switched on, so that each reaches the validators at least once.
+    "everything": {
+        "image": {
+            "repository": "registry.example/zarrlake",
+            "tag": "1.2.3",
+            "pullPolicy": "Always",
+        },
+        "imagePullSecrets": [{"name": "registry"}],
+        "jobImage": "registry.example/zarrlake-jobs:1.2.3",
+        "replicaCount": 3,
+        "watchNamespaces": ["data"],
+        "logLevel": "DEBUG",
+        "extraEnv": [
+            {"name": "AWS_REGION", "value": "eu-west-1"},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        ],
+        "serviceAccount": {"create": False, "name": "existing-sa"},
+        "podAnnotations": {"example.com/note": "x"},
+        "podLabels": {"team": "data"},
+        "priorityClassName": "system-cluster-critical",
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops"}],
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {
+                                "matchLabels": {"app.kubernetes.io/name": "zarrlake-operator"}
+                            },
+                        },
+                    }
+                ]
+            }
+        },
+        "metrics": {"port": 8443, "service": {"type": "NodePort", "annotations": {"a": "b"}}},
+        "serviceMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "10s"},
+    },
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's objects for these values, as ``helm template`` would print them."""
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = of_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["operator"]
+    return pod["containers"][0]
+
+
+def group_of(api_version: str) -> str:
+    return api_version.rpartition("/")[0]
+
+
+def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def chart_crds() -> dict[tuple[str, str], dict[str, Any]]:
+    """(group, kind) -> CRD, for every CRD the chart installs."""
+    found = {}
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in load_yaml_docs(path):
+            found[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = crd
+    return found
+
+
+# -- OpenAPI (Kubernetes flavour) -> JSON Schema ---------------------------------------------------
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "definitions")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf")
+_SCHEMA_ONE = ("items", "additionalProperties", "not")
+
+
+def json_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """A CRD's OpenAPI v3 schema as a draft-7 JSON Schema with the API server's semantics.
+
+    - ``x-kubernetes-int-or-string``: an integer or a string.
+    - Objects with ``properties`` refuse unknown fields unless ``x-kubernetes-preserve-unknown-
+      fields`` is set, as the API server's strict field validation (kubectl's default) does.
+    - ``nullable`` admits null; OpenAPI 3.0's boolean ``exclusiveMinimum/Maximum`` become draft-7's
+      numeric ones.
+    - Every other ``x-kubernetes-*`` key (CEL rules, list and map types) is dropped: those constrain
+      updates or merges, not the shape of one document.
+
+    Only schema positions are rewritten; ``default``, ``enum`` and ``example`` values are copied as
+    they are.
+    """
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-") or key in ("nullable", "example", "externalDocs"):
+            continue
+        if key in _SCHEMA_MAPS:
+            out[key] = {name: json_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS:
+            out[key] = [json_schema(sub) for sub in value]
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            out[key] = json_schema(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(bound), bool) and out.pop(bound) and limit in out:
+            out[bound] = out.pop(limit)
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if node.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    preserve = node.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and "additionalProperties" not in out and not preserve:
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validator(crd: dict[str, Any], version: str) -> jsonschema.Draft7Validator:
+    (entry,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = json_schema(entry["schema"]["openAPIV3Schema"])
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(
+        schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER
+    )
+
+
+def custom_resource_errors(obj: dict[str, Any], crd: dict[str, Any]) -> list[str]:
+    """Why the API server would refuse this custom resource (empty: it would accept it)."""
+    version = obj["apiVersion"].rpartition("/")[2]
+    served = {v["name"] for v in crd["spec"]["versions"] if v["served"]}
+    if version not in served:
+        return [f"version {version} is not served (served: {sorted(served)})"]
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in crd_validator(crd, version).iter_errors(obj)
+    ]
+    metadata = obj.get("metadata") or {}
+    name = metadata.get("name", "")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) or len(name) > 253:
+        errors.append(f"metadata.name {name!r} is not a DNS subdomain")
+    if crd["spec"]["scope"] == "Cluster" and "namespace" in metadata:
+        errors.append("a cluster-scoped object has metadata.namespace")
+    return errors
+
+
+def validate_builtin(obj: dict[str, Any]) -> None:
+    for version in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            where = ".".join(map(str, e.path)) or "<root>"
+            pytest.fail(
+                f"{obj['kind']}/{obj['metadata']['name']} on Kubernetes {version}: {where}: "
+                f"{e.message}"
+            )
+
+
+# -- rendering, linting, validating ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_helm_lint_is_clean(values):
+    report = helm.lint(
+        CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSIONS[0]}"
+    )
+    assert report["total_charts_linted"] == 1
+    assert report["errors"] == []
+    # Severity 1 is informational ("icon is recommended"); warnings and errors are not tolerated.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_every_rendered_object_validates(chart, values):
+    objects = render(chart, values)
+    crds = chart_crds()
+    assert objects
+    for obj in objects:
+        group = group_of(obj["apiVersion"])
+        if (group, obj["kind"]) in crds:
+            errors = custom_resource_errors(obj, crds[(group, obj["kind"])])
+            assert errors == [], f"{obj['kind']}/{obj['metadata']['name']}: {errors}"
+        elif group == "monitoring.coreos.com":
+            # No schema for prometheus-operator's CRDs here; the ServiceMonitor test checks it.
+            assert obj["kind"] == "ServiceMonitor"
+        else:
+            validate_builtin(obj)
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_recommended_labels_everywhere(chart, values):
+    for obj in render(chart, values):
+        labels = obj["metadata"]["labels"]
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        assert labels["app.kubernetes.io/name"] == "zarrlake-operator", where
+        assert labels["app.kubernetes.io/instance"] == RELEASE, where
+        assert labels["app.kubernetes.io/version"] == "0.1.0", where
+        assert labels["app.kubernetes.io/managed-by"] == "Helm", where
+        assert labels["app.kubernetes.io/part-of"] == "zarrlake", where
+        assert labels["helm.sh/chart"] == "zarrlake-operator-0.1.0", where
+
+
+def test_chart_metadata_and_crds_seen_by_helm(chart):
+    meta = chart.metadata
+    assert (meta["apiVersion"], meta["name"], meta["version"], meta["appVersion"]) == (
+        "v2",
+        "zarrlake-operator",
+        "0.1.0",
+        "0.1.0",
+    )
+    assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0"  # what the objects are validated for
+    names = {c["name"] for c in chart.crds}
+    expected = {f"{KINDS[k]['plural']}.{GROUP}" for k in KINDS}
+    expected |= {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+    assert {yaml.safe_load(c["data"])["metadata"]["name"] for c in chart.crds} == expected, names
+
+
+# -- RBAC ------------------------------------------------------------------------------------------
+
+ZARRLAKE_KINDS = [KINDS[k]["plural"] for k in KINDS]
+ALL_WRITE = {"get", "list", "watch", "create", "patch", "update", "delete"}
+READ = {"get", "list", "watch"}
+SECRET_VERBS = {"get", "list", "watch", "create", "patch", "delete"}  # never update
+
+NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
+    **{("zarrlake.io", r): READ | {"patch", "update"} for r in ZARRLAKE_KINDS},
+    **{("zarrlake.io", f"{r}/status"): {"patch", "update"} for r in ZARRLAKE_KINDS},
+    **{("zarrlake.io", f"{r}/finalizers"): {"update"} for r in ZARRLAKE_KINDS},
+    ("", "secrets"): SECRET_VERBS,
+    ("", "services"): ALL_WRITE,
+    ("apps", "deployments"): ALL_WRITE,
+    ("batch", "cronjobs"): ALL_WRITE,
+    ("batch", "jobs"): READ,
+    ("", "pods"): READ,
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+CLUSTER_PERMISSIONS: dict[tuple[str, str], set[str]] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): READ,
+    ("", "namespaces"): READ,
+}
+PEERING_VERBS = READ | {"patch"}
+
+
+def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs that a Role or ClusterRole grants; refuses wildcards."""
+    table: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule  # no nonResourceURLs etc.
+        for field in ("apiGroups", "resources", "verbs"):
+            assert rule[field], f"empty {field} in {rule}"
+            assert not any("*" in item for item in rule[field]), f"wildcard {field} in {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                table[(group, resource)] |= set(rule["verbs"])
+    return dict(table)
+
+
+def test_rbac_cluster_wide(chart):
+    objects = render(chart)
+    assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
+    role = one(objects, "ClusterRole")
+    expected = NAMESPACED_PERMISSIONS | CLUSTER_PERMISSIONS
+    expected[("kopf.dev", "clusterkopfpeerings")] = PEERING_VERBS
+    assert granted(role) == expected
+    assert granted(role)[("", "secrets")] == SECRET_VERBS
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    sa = one(objects, "ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+
+
+def test_rbac_namespaced(chart):
+    objects = render(chart, SCENARIOS["namespaced"])
+    sa_name = one(objects, "ServiceAccount")["metadata"]["name"]
+    subject = [{"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}]
+
+    # Cluster-wide: only what Kopf reads there, and no ClusterKopfPeering.
+    cluster_role = one(objects, "ClusterRole")
+    assert granted(cluster_role) == CLUSTER_PERMISSIONS
+    cluster_binding = one(objects, "ClusterRoleBinding")
+    assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert cluster_binding["subjects"] == subject
+
+    roles = {r["metadata"]["namespace"]: r for r in of_kind(objects, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in of_kind(objects, "RoleBinding")}
+    assert set(roles) == set(bindings) == {"a", "b"}
+    for namespace, role in roles.items():
+        expected = dict(NAMESPACED_PERMISSIONS)
+        expected[("kopf.dev", "kopfpeerings")] = PEERING_VERBS
+        assert granted(role) == expected, namespace
+        assert granted(role)[("", "secrets")] == SECRET_VERBS
+        assert bindings[namespace]["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert bindings[namespace]["subjects"] == subject
+
+
+def test_rbac_binds_an_existing_service_account(chart):
+    objects = render(chart, SCENARIOS["everything"])
+    assert of_kind(objects, "ServiceAccount") == []
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing-sa"
+    for binding in of_kind(objects, "ClusterRoleBinding") + of_kind(objects, "RoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "existing-sa", "namespace": NAMESPACE}
+        ]
+
+
+def test_service_account_annotations_for_irsa(chart):
+    irsa = {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/zarrlake-operator"}
+    objects = render(chart, {"serviceAccount": {"annotations": irsa}})
+    sa = one(objects, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == irsa
+    assert sa["automountServiceAccountToken"] is True
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+
+
+# -- the Deployment --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_operator_runs_unprivileged(chart, values):
+    objects = render(chart, values)
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pod_sc = pod["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True
+    assert pod_sc["runAsUser"] == 10001
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container(objects)["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "privileged" not in sc or sc["privileged"] is False
+    # The read-only root needs a writable /tmp.
+    mounts = {m["mountPath"]: m["name"] for m in container(objects)["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_probes_ports_and_env(chart, values):
+    objects = render(chart, values)
+    c = container(objects)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
+        assert (get["path"], port) == ("/healthz", 8080), probe
+
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    image = c["image"]
+    job_image = values.get("jobImage") or image
+    assert env["ZARRLAKE_JOB_IMAGE"]["value"] == job_image
+    assert env["ZARRLAKE_LOG_LEVEL"]["value"] == values.get("logLevel", "INFO")
+    for extra in values.get("extraEnv", []):
+        assert env[extra["name"]] == extra
+
+    assert c["command"] == ["python", "-m", "zarrlake_operator"]
+    namespaces = values.get("watchNamespaces")
+    if namespaces:
+        scope = [a for ns in namespaces for a in ("--namespace", ns)]
+    else:
+        scope = ["--all-namespaces"]
+    common = ["--peering", PEERING, "--liveness-port", "8080", "--metrics-port", "9090"]
+    verbose = ["--verbose"] if values.get("logLevel") == "DEBUG" else []
+    assert c["args"] == ["run", *scope, *common, *verbose]
+
+
+@pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_operator_cli_accepts_the_arguments(chart, values):
+    c = container(render(chart, values))
+    assert c["command"][-1] == "zarrlake_operator"
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "run"
+    assert args.all_namespaces is not bool(values.get("watchNamespaces"))
+    assert args.namespace == values.get("watchNamespaces", [])
+    assert (args.peering, args.standalone) == (PEERING, False)
+    assert (args.liveness_port, args.metrics_port) == (8080, 9090)
+    assert args.verbose is (values.get("logLevel") == "DEBUG")
+
+
+def test_image_defaults_to_app_version(chart):
+    objects = render(chart)
+    assert container(objects)["image"] == "ghcr.io/zarrlake/zarrlake:0.1.0"
+    objects = render(chart, SCENARIOS["everything"])
+    assert container(objects)["image"] == "registry.example/zarrlake:1.2.3"
+    assert container(objects)["imagePullPolicy"] == "Always"
+
+
+@pytest.mark.parametrize(("values", "replicas"), [({}, 1), ({"replicaCount": 2}, 2)])
+def test_replicas(chart, values, replicas):
+    objects = render(chart, values)
+    assert one(objects, "Deployment")["spec"]["replicas"] == replicas
+
+
+def test_selector_matches_pod_labels(chart):
+    for values in SCENARIOS.values():
+        objects = render(chart, values)
+        deployment = one(objects, "Deployment")
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pod_labels.items()
+        assert set(selector) == {"app.kubernetes.io/name", "app.kubernetes.io/instance"}
+
+
+# -- peering, metrics ------------------------------------------------------------------------------
+
+
+def test_peering_cluster_wide(chart):
+    objects = render(chart)
+    peering = one(objects, "ClusterKopfPeering")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert peering["metadata"]["name"] == PEERING
+    assert "namespace" not in peering["metadata"]
+    assert of_kind(objects, "KopfPeering") == []
+
+
+def test_peering_per_watched_namespace(chart):
+    objects = render(chart, SCENARIOS["namespaced"])
+    assert of_kind(objects, "ClusterKopfPeering") == []
+    peerings = of_kind(objects, "KopfPeering")
+    assert sorted((p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings) == [
+        ("a", PEERING),
+        ("b", PEERING),
+    ]
+
+
+def test_metrics_service(chart):
+    objects = render(chart)
+    service = one(objects, "Service")
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert of_kind(objects, "ServiceMonitor") == []
+    assert of_kind(render(chart, {"metrics": {"enabled": False}}), "Service") == []
+
+
+def test_service_monitor(chart):
+    objects = render(chart, SCENARIOS["servicemonitor"])
+    monitor = one(objects, "ServiceMonitor")
+    service = one(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "30s"
+
+
+def test_service_monitor_needs_the_metrics_service(chart):
+    bad = {"metrics": {"enabled": False}, "serviceMonitor": {"enabled": True}}
+    with pytest.raises(helm.HelmRenderError, match=r"needs metrics\.enabled"):
+        render(chart, bad)
+
+
+# -- values.schema.json ----------------------------------------------------------------------------
+
+BAD_VALUES = {
+    "typo-top-level": ({"replicaCont": 2}, "replicaCont"),
+    "wrong-type": ({"replicaCount": "two"}, "replicaCount"),
+    "typo-nested": ({"image": {"tga": "1.0"}}, "tga"),
+    "namespaces-not-a-list": ({"watchNamespaces": "a"}, "watchNamespaces"),
+    "bad-namespace-name": ({"watchNamespaces": ["Not_A_Namespace"]}, "watchNamespaces"),
+    "unknown-log-level": ({"logLevel": "verbose"}, "logLevel"),
+    "negative-replicas": ({"replicaCount": -1}, "replicaCount"),
+}
+
+
+@pytest.mark.parametrize(("values", "key"), BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_schema_refuses_bad_values(chart, values, key):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(key)):
+        render(chart, values)
+    report = helm.lint(CHART, values, namespace=NAMESPACE)
+    assert any(key in error for error in report["errors"]), report
+
+
+def test_schema_accepts_the_defaults(chart):
+    chart.validate_schema(chart.values)
+    for values in SCENARIOS.values():
+        chart.validate_schema(chart.merge_values(values))
+
+
+# -- CRDs ------------------------------------------------------------------------------------------
+
+# OpenAPI keywords the API server refuses in CRD schemas.
+_FORBIDDEN = {
+    "$ref",
+    "$schema",
+    "$defs",
+    "definitions",
+    "dependencies",
+    "additionalItems",
+    "patternProperties",
+    "id",
+    "const",
+    "examples",
+}
+
+
+def structural_problems(node: dict[str, Any], path: str = "") -> list[str]:
+    """What would make the API server call this schema non-structural or invalid."""
+    problems = []
+    int_or_string = node.get("x-kubernetes-int-or-string") is True
+    preserve = node.get("x-kubernetes-preserve-unknown-fields") is True
+    if "x-kubernetes-preserve-unknown-fields" in node and not preserve:
+        problems.append(f"{path}: x-kubernetes-preserve-unknown-fields must be true if set")
+    for key in sorted(_FORBIDDEN & set(node)):
+        problems.append(f"{path}: {key} is not allowed")
+    if "type" not in node and not (int_or_string or preserve):
+        problems.append(f"{path or '<root>'}: no type")
+    if int_or_string and "type" in node:
+        problems.append(f"{path}: int-or-string must not set a type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: properties and additionalProperties together")
+    if node.get("uniqueItems") is True:
+        problems.append(f"{path}: uniqueItems is not allowed")
+    if node.get("type") == "array" and "items" not in node:
+        problems.append(f"{path}: array without items")
+    for name, sub in node.get("properties", {}).items():
+        problems += structural_problems(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += structural_problems(node[key], f"{path}.{key}")
+    for key in ("allOf", "anyOf", "oneOf"):
+        for i, sub in enumerate(node.get(key, [])):
+            if "type" in sub or "default" in sub:
+                problems.append(f"{path}.{key}[{i}]: type/default inside a junctor")
+    return problems
+
+
+def column_resolves(schema: dict[str, Any], json_path: str) -> bool:
+    """Whether a printer column's simple JSONPath leads somewhere in the schema."""
+    node = schema
+    for step in re.sub(r"\[[^\]]*\]", ".[]", json_path).strip(".").split("."):
+        if node.get("x-kubernetes-preserve-unknown-fields") or (
+            node.get("type") == "object" and "properties" not in node
+        ):
+            return True  # open object (e.g. metadata): anything may be there
+        if step == "[]":
+            if node.get("type") != "array":
+                return False
+            node = node["items"]
+        elif step in node.get("properties", {}):
+            node = node["properties"][step]
+        else:
+            return False
+    return True
+
+
+def all_crd_files() -> list[Path]:
+    return [p for d in CRD_DIRS.values() for p in sorted(d.glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", all_crd_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_crd_is_valid_and_structural(path):
+    (crd,) = load_yaml_docs(path)
+    assert (crd["apiVersion"], crd["kind"]) == (
+        "apiextensions.k8s.io/v1",
+        "CustomResourceDefinition",
+    )
+    validate_builtin(crd)  # strict: unknown keys anywhere in the schema are errors
+    spec = crd["spec"]
+    names = spec["names"]
+    assert crd["metadata"]["name"] == f"{names['plural']}.{spec['group']}"
+    assert path.name == f"{spec['group']}_{names['plural']}.yaml"
+    assert names["singular"] == names["kind"].lower()
+    assert names["listKind"] == f"{names['kind']}List"
+    assert spec["scope"] in ("Namespaced", "Cluster")
+    assert [v["storage"] for v in spec["versions"]].count(True) == 1
+    for version in spec["versions"]:
+        schema = version["schema"]["openAPIV3Schema"]
+        assert schema["type"] == "object"
+        assert structural_problems(schema) == []
+        crd_validator(crd, version["name"])  # converts to a well-formed JSON Schema
+        for column in version.get("additionalPrinterColumns", []):
+            assert column_resolves(schema, column["jsonPath"]), column
+
+
+def test_chart_ships_exactly_our_crds_and_kopfs():
+    ours = set(crd_gen.filenames())
+    assert {p.name for p in CRD_DIRS["crds"].glob("*.yaml")} == ours
+    assert {p.name for p in CRD_DIRS["chart-crds"].glob("*.yaml")} == ours | KOPF_CRD_FILES
+    scopes = {crd["spec"]["names"]["kind"]: crd["spec"]["scope"] for crd in chart_crds().values()}
+    assert scopes["KopfPeering"] == "Namespaced"
+    assert scopes["ClusterKopfPeering"] == "Cluster"
+
+
+@pytest.mark.parametrize("directory", CRD_DIRS.values(), ids=CRD_DIRS.keys())
+def test_crds_match_the_models(directory):
+    fresh = crd_gen.filenames()
+    on_disk = {p.name: p.read_text() for p in directory.glob(f"{GROUP}_*.yaml")}
+    missing = sorted(set(fresh) - set(on_disk))
+    stale = sorted(set(on_disk) - set(fresh))
+    changed = sorted(n for n in set(fresh) & set(on_disk) if fresh[n] != on_disk[n])
+    assert not (missing or stale or changed), (
+        f"{directory.relative_to(ROOT)}/ is out of date with zarrlake_operator/models.py "
+        f"(missing: {missing}, stale: {stale}, changed: {changed}); run `make crds`"
+    )
+
+
+# -- the schema conversion itself, so that the example checks cannot pass vacuously ----------------
+
+
+def _repository(**storage: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/v1alpha1",
+        "kind": "Repository",
+        "metadata": {"name": "demo", "namespace": "data"},
+        "spec": {"storage": {"bucket": "my-bucket", **storage}},
+    }
+
+
+def test_custom_resource_validation_catches_mistakes():
+    crd = chart_crds()[(GROUP, "Repository")]
+    assert custom_resource_errors(_repository(), crd) == []
+    assert custom_resource_errors(_repository(prefix="a/b", region="eu-west-1"), crd) == []
+    assert custom_resource_errors(_repository(bucket="Not_A_Bucket"), crd)
+    assert custom_resource_errors(_repository(bukcet="typo"), crd)  # unknown field
+    assert custom_resource_errors(_repository(provision="yes"), crd)  # wrong type
+    lock = _repository()
+    lock["spec"]["lockService"] = {"mode": "managed", "resources": {"limits": {"cpu": "500m"}}}
+    assert custom_resource_errors(lock, crd) == []
+    lock["spec"]["lockService"]["resources"]["limits"]["memory"] = 1073741824  # int-or-string
+    assert custom_resource_errors(lock, crd) == []
+    lock["spec"]["lockService"]["resources"]["limits"]["memory"] = ["1Gi"]
+    assert custom_resource_errors(lock, crd)
+    lock["spec"]["lockService"] = {"mode": "sometimes"}
+    assert custom_resource_errors(lock, crd)
+    no_spec = _repository()
+    del no_spec["spec"]
+    assert custom_resource_errors(no_spec, crd)
+    wrong_version = _repository()
+    wrong_version["apiVersion"] = f"{GROUP}/v9"
+    assert custom_resource_errors(wrong_version, crd)
+
+
+# -- examples/**/*.yaml ----------------------------------------------------------------------------
+
+# examples/*.yaml and any subdirectory of examples/ (e.g. examples/kubernetes/).
+EXAMPLE_FILES = sorted([*EXAMPLES.rglob("*.yaml"), *EXAMPLES.rglob("*.yml")])
+
+
+@pytest.mark.parametrize(
+    "path",
+    EXAMPLE_FILES or [None],
+    ids=[str(p.relative_to(EXAMPLES)) for p in EXAMPLE_FILES] or ["none"],
+)
+def test_example_resources_are_valid(path):
+    assert path is not None, (
+        f"no example resources in {EXAMPLES.relative_to(ROOT)}/**/*.yaml: "
+        "add Repository/Branch/Tag/RetentionPolicy examples"
+    )
+    docs = load_yaml_docs(path)
+    assert docs, f"{path.name} is empty"
+    crds = chart_crds()
+    for doc in docs:
+        assert {"apiVersion", "kind", "metadata"} <= set(doc), f"{path.name}: {doc}"
+        where = f"{path.name}: {doc['kind']}/{doc['metadata'].get('name')}"
+        group = group_of(doc["apiVersion"])
+        if (group, doc["kind"]) in crds:
+            errors = custom_resource_errors(doc, crds[(group, doc["kind"])])
+            assert errors == [], f"{where}: {errors}"
+            if group == GROUP:
+                # The operator parses every resource through its model: that must succeed too.
+                KINDS[doc["kind"]]["model"].model_validate(doc)
+        else:
+            try:
+                validate_builtin(doc)
+            except kubernetes_validate.SchemaNotFoundError:
+                pytest.fail(f"{where}: neither a built-in kind nor one of the chart's CRDs")
+
+
+def test_examples_include_zarrlake_resources():
+    kinds = {
+        doc["kind"]
+        for path in EXAMPLE_FILES
+        for doc in load_yaml_docs(path)
+        if group_of(doc.get("apiVersion", "")) == GROUP
+    }
+    assert kinds, f"no zarrlake.io resources in {EXAMPLES.relative_to(ROOT)}/**/*.yaml"

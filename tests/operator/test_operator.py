@@ -1,0 +1,439 @@
+"""The operator process end to end: Kubernetes API over HTTP (emulated), S3 over HTTP (moto),
+real redis-server for managed lock services, maintenance jobs run as real CLI processes."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+import zarr
+from k8s_env import CREDENTIALS, Env, condition, wait_for
+
+from zarrlake_operator import desired, kube
+
+
+def s3(env: Env) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=env.s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def keys(env: Env, bucket: str, prefix: str) -> list[str]:
+    out = s3(env).list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return [o["Key"] for o in out.get("Contents", [])]
+
+
+def commit(repo: Any, branch: str, value: float, message: str) -> str:
+    session = repo.writable_session(branch)
+    arr = zarr.open_array(
+        session.store, path="a", mode="a", shape=(8, 8), chunks=(4, 4), dtype="float32"
+    )
+    arr[:] = value
+    return session.commit(message, author="tests")
+
+
+# -- Repository --
+
+
+def test_repository_provisions_bucket_lock_service_and_repository(k8s: Env) -> None:
+    k8s.secret()
+    bucket = k8s.repository(lock="managed")
+    obj = k8s.wait_condition("Repository", "repo")
+    status = obj["status"]
+    assert status["phase"] == "Ready"
+    assert status["observedGeneration"] == obj["metadata"]["generation"]
+    for type_ in ("BucketReady", "LockServiceReady", "Initialized"):
+        assert condition(obj, type_)["status"] == "True", type_
+    query = urllib.parse.urlencode({"endpoint_url": k8s.s3_endpoint, "region": "us-east-1"})
+    assert status["url"] == f"s3://{bucket}/repos/repo?{query}"
+    assert status["lockEndpoint"] == f"redis://zl-repo-lock.{k8s.namespace}.svc:6379/0"
+    assert status["branches"] == 1 and status["tags"] == 0
+
+    # The bucket is locked down as the spec promises.
+    client = s3(k8s)
+    block = client.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert all(block.values())
+    enc = client.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]
+    assert enc["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert rules[0]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 1
+
+    # The managed lock service: Secret, Service and Deployment, owned by the Repository.
+    uid = obj["metadata"]["uid"]
+    for kind in ("Secret", "Service", "Deployment"):
+        child = k8s.get(kind, "zl-repo-lock")
+        assert child is not None, kind
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+    password = k8s.get("Secret", "zl-repo-lock")
+    assert password is not None
+
+    # The repository opens through the public discovery API, with the lock service.
+    repo = k8s.open_repository()
+    assert repo.id == status["repositoryID"]
+    assert type(repo.lock).__name__ == "RedisLock"
+    head = commit(repo, "main", 1.0, "first")
+    assert repo.lookup_branch("main") == head
+
+
+def test_missing_bucket_without_provision_waits_then_recovers(k8s: Env) -> None:
+    k8s.secret()
+    bucket = k8s.repository(provision=False)
+    obj = k8s.wait_condition("Repository", "repo", "BucketReady", "False")
+    assert condition(obj, "BucketReady")["reason"] == "BucketNotFound"
+    assert "provision: true" in condition(obj, "BucketReady")["message"]
+    assert obj["status"]["phase"] == "Provisioning"
+    s3(k8s).create_bucket(Bucket=bucket)
+    k8s.wait_condition("Repository", "repo")
+
+
+def test_missing_credentials_secret_is_reported_then_picked_up(k8s: Env) -> None:
+    k8s.repository(secret="late-secret")
+    obj = k8s.wait_condition("Repository", "repo", "BucketReady", "False")
+    assert condition(obj, "BucketReady")["reason"] == "CredentialsNotFound"
+    assert "late-secret" in condition(obj, "BucketReady")["message"]
+    k8s.secret("late-secret")
+    k8s.wait_condition("Repository", "repo")
+
+
+def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
+    k8s.secret()
+    k8s.custom(
+        "Repository",
+        "bad",
+        {"storage": {"bucket": "Not_A_Bucket!"}, "lockService": {"mode": "sometimes"}},
+    )
+    obj = wait_for(
+        "InvalidSpec",
+        lambda: (
+            (o := k8s.get("Repository", "bad"))
+            and condition(o, "Ready").get("reason") == "InvalidSpec"
+            and o
+        ),
+    )
+    message = condition(obj, "Ready")["message"]
+    assert "spec.storage.bucket" in message and "spec.lockService.mode" in message
+    assert obj["status"]["phase"] == "Failed"
+
+
+def test_lock_service_drift_is_corrected_and_mode_change_removes_it(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository(lock="managed")
+    k8s.wait_condition("Repository", "repo")
+    dep = k8s.get("Deployment", "zl-repo-lock")
+    assert dep is not None
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = "redis:hand-edited"
+    k8s.patch("Deployment", "zl-repo-lock", {"spec": dep["spec"]})
+    wait_for(
+        "the Deployment's image restored",
+        lambda: (
+            (d := k8s.get("Deployment", "zl-repo-lock"))
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7.2-alpine"
+        ),
+    )
+    k8s.patch("Repository", "repo", {"spec": {"lockService": {"mode": "none"}}})
+    wait_for("lock objects removed", lambda: k8s.get("Deployment", "zl-repo-lock") is None)
+    assert k8s.get("Service", "zl-repo-lock") is None
+    obj = wait_for(
+        "LockServiceReady NotRequired",
+        lambda: (
+            (o := k8s.get("Repository", "repo"))
+            and condition(o, "LockServiceReady").get("reason") == "NotRequired"
+            and o
+        ),
+    )
+    assert condition(obj, "Ready")["status"] == "True"
+    assert obj["status"].get("lockEndpoint") is None
+
+
+@pytest.mark.parametrize("policy", ["Retain", "Delete"])
+def test_deletion_honours_the_reclaim_policy(k8s: Env, policy: str) -> None:
+    k8s.secret()
+    bucket = k8s.repository(lock="managed", reclaim=policy)
+    k8s.wait_condition("Repository", "repo")
+    commit(k8s.open_repository(), "main", 2.0, "data")
+    # Another repository's objects in the same bucket must survive either way.
+    s3(k8s).put_object(Bucket=bucket, Key="repos/other/keep.txt", Body=b"x")
+    assert keys(k8s, bucket, "repos/repo/")
+    k8s.delete("Repository", "repo")
+    wait_for("the Repository is gone", lambda: k8s.get("Repository", "repo") is None)
+    wait_for("owned lock objects collected", lambda: k8s.get("Deployment", "zl-repo-lock") is None)
+    remaining = keys(k8s, bucket, "repos/repo/")
+    if policy == "Retain":
+        assert remaining
+    else:
+        assert remaining == []
+    assert keys(k8s, bucket, "repos/other/") == ["repos/other/keep.txt"]
+
+
+# -- Branch --
+
+
+def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    base = commit(repo, "main", 1.0, "base")
+    k8s.custom("Branch", "dev", {"repository": "repo", "from": "main"})
+    obj = k8s.wait_condition("Branch", "dev")
+    assert obj["status"]["head"] == base and obj["status"]["branch"] == "dev"
+    assert obj["status"]["lastCommitMessage"] == "base"
+    assert repo.lookup_branch("dev") == base
+
+    # Status follows commits made outside Kubernetes.
+    head = commit(repo, "dev", 2.0, "on dev")
+    wait_for("status.head follows", lambda: k8s.get("Branch", "dev")["status"]["head"] == head)
+
+    # Deleted behind the operator's back: recreated at its last head, and reported.
+    repo.delete_branch("dev")
+    wait_for("branch recreated", lambda: repo.list_branches().get("dev") == head)
+    obj = wait_for(
+        "recreated count", lambda: (o := k8s.get("Branch", "dev"))["status"].get("recreated") and o
+    )
+    assert obj["status"]["recreated"] == 1
+    reasons = {e.get("reason") for e in k8s.events()}
+    assert "BranchRecreated" in reasons and "BranchCreated" in reasons
+
+    k8s.delete("Branch", "dev")
+    wait_for("branch deleted", lambda: "dev" not in repo.list_branches())
+    wait_for("resource gone", lambda: k8s.get("Branch", "dev") is None)
+
+
+def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("Branch", "first", {"repository": "repo", "name": "shared"})
+    k8s.wait_condition("Branch", "first")
+    k8s.custom("Branch", "second", {"repository": "repo", "name": "shared"})
+    obj = k8s.wait_condition("Branch", "second", "Conflict", "True")
+    assert "first" in condition(obj, "Ready")["message"]
+    assert obj["status"]["phase"] == "Conflict"
+    repo = k8s.open_repository()
+    # Deleting the loser leaves the branch alone.
+    k8s.delete("Branch", "second")
+    wait_for("loser gone", lambda: k8s.get("Branch", "second") is None)
+    assert "shared" in repo.list_branches()
+
+
+def test_main_and_bad_from_are_refused_with_conditions(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("Branch", "main", {"repository": "repo"})
+    obj = wait_for(
+        "main refused",
+        lambda: (
+            (o := k8s.get("Branch", "main"))
+            and condition(o, "Ready").get("reason") == "Refused"
+            and o
+        ),
+    )
+    assert "cannot be deleted" in condition(obj, "Ready")["message"]
+    k8s.delete("Branch", "main")
+    wait_for("resource gone", lambda: k8s.get("Branch", "main") is None)
+    repo = k8s.open_repository()
+    assert "main" in repo.list_branches()
+
+    k8s.custom("Branch", "orphan", {"repository": "repo", "from": "no-such-ref"})
+    obj = wait_for(
+        "FromNotFound",
+        lambda: (
+            (o := k8s.get("Branch", "orphan"))
+            and condition(o, "Ready").get("reason") == "FromNotFound"
+            and o
+        ),
+    )
+    assert "no-such-ref" in condition(obj, "Ready")["message"]
+
+    k8s.custom("Branch", "lost", {"repository": "nope"})
+    wait_for(
+        "RepositoryNotFound",
+        lambda: condition(k8s.get("Branch", "lost"), "Ready").get("reason") == "RepositoryNotFound",
+    )
+
+
+# -- Tag --
+
+
+def test_tag_resolves_once_and_deletes(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    first = commit(repo, "main", 1.0, "one")
+    k8s.custom("Tag", "v1", {"repository": "repo", "ref": "main"})
+    obj = k8s.wait_condition("Tag", "v1")
+    assert obj["status"]["snapshot"] == first
+    assert repo.lookup_tag("v1") == first
+    # main moves on; the tag does not.
+    commit(repo, "main", 2.0, "two")
+    k8s.wait_condition("Repository", "repo")
+    wait_for("repository counts", lambda: k8s.get("Repository", "repo")["status"]["tags"] == 1)
+    assert k8s.get("Tag", "v1")["status"]["snapshot"] == first
+    assert repo.lookup_tag("v1") == first
+
+    k8s.custom("Tag", "v1-again", {"repository": "repo", "name": "v1", "ref": "main"})
+    k8s.wait_condition("Tag", "v1-again", "Conflict", "True")
+
+    k8s.delete("Tag", "v1")
+    wait_for("tag deleted", lambda: "v1" not in repo.list_tags())
+
+
+# -- RetentionPolicy and jobs --
+
+
+def test_retention_policy_cron_jobs_and_a_gc_run(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository(lock="managed")
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    for v in (1.0, 2.0, 3.0):
+        commit(repo, "main", v, f"fill {v}")
+    k8s.custom(
+        "RetentionPolicy",
+        "keep",
+        {
+            "repository": "repo",
+            "rules": {"default": {"last": 1}},
+            "gc": {"schedule": "0 3 * * *", "grace": "0s", "force": True},
+            "compaction": {"schedule": "@weekly"},
+        },
+    )
+    obj = k8s.wait_condition("RetentionPolicy", "keep")
+    gc_name, compact_name = obj["status"]["gcCronJob"], obj["status"]["compactionCronJob"]
+    cron = k8s.get("CronJob", gc_name)
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    assert cron["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    assert k8s.get("CronJob", compact_name)["spec"]["schedule"] == "@weekly"
+
+    # Spec changes reach the CronJobs; dropping compaction removes its CronJob.
+    k8s.patch(
+        "RetentionPolicy", "keep", {"spec": {"gc": {"schedule": "30 2 * * *"}, "compaction": None}}
+    )
+    wait_for(
+        "schedule updated", lambda: k8s.get("CronJob", gc_name)["spec"]["schedule"] == "30 2 * * *"
+    )
+    wait_for("compaction CronJob removed", lambda: k8s.get("CronJob", compact_name) is None)
+
+    # Run the GC job (what `kubectl create job --from=cronjob/...` does).
+    template = k8s.get("CronJob", gc_name)["spec"]["jobTemplate"]
+    k8s.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "gc-manual", "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
+    )
+    obj = wait_for(
+        "lastGC",
+        lambda: (o := k8s.get("RetentionPolicy", "keep"))["status"].get("lastGC") and o,
+        60,
+    )
+    last = obj["status"]["lastGC"]
+    assert last["result"] == "Succeeded", (last, k8s.cluster.job_log[-1])
+    assert last["job"] == "gc-manual"
+    assert last["snapshotsExpired"] == 3  # the initial commit and two fills
+    assert last["objectsDeleted"] > 0 and last["bytesFreed"] > 0
+    assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 3.0)
+    assert repo.fsck().ok
+    assert "GCSucceeded" in {e.get("reason") for e in k8s.events()}
+
+
+def test_failed_job_is_reported(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    obj = k8s.wait_condition("RetentionPolicy", "p")
+    template = k8s.get("CronJob", obj["status"]["gcCronJob"])["spec"]["jobTemplate"]
+    # The storage goes away under the job: it must fail and say why.
+    container = template["spec"]["template"]["spec"]["containers"][0]
+    container["command"][2] = "s3://no-such-bucket-zl/x?endpoint_url=" + k8s.s3_endpoint
+    k8s.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "gc-broken", "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
+    )
+    obj = wait_for(
+        "lastGC", lambda: (o := k8s.get("RetentionPolicy", "p"))["status"].get("lastGC") and o, 60
+    )
+    last = obj["status"]["lastGC"]
+    assert last["result"] == "Failed"
+    assert "zarrlake" in last["message"] or "no-such-bucket" in last["message"]
+
+
+def test_bad_retention_specs_are_refused(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom(
+        "RetentionPolicy",
+        "short",
+        {"repository": "repo", "gc": {"schedule": "@daily", "grace": "1d"}},
+    )
+    k8s.custom(
+        "RetentionPolicy",
+        "cron",
+        {"repository": "repo", "gc": {"schedule": "every tuesday"}},
+    )
+    for name, needle in (("short", "below 7d"), ("cron", "schedule")):
+        obj = wait_for(
+            f"{name} refused",
+            lambda n=name: (
+                (o := k8s.get("RetentionPolicy", n))
+                and condition(o, "Ready").get("reason") == "InvalidSpec"
+                and o
+            ),
+        )
+        assert needle in condition(obj, "Ready")["message"]
+        assert obj["status"]["phase"] == "Failed"
+        assert not kube.list_("CronJob", k8s.namespace, f"{desired.POLICY_LABEL}={name}")
+
+
+# -- cross-cutting --
+
+
+def test_credentials_never_leave_their_secrets(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository(lock="managed")
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    k8s.wait_condition("RetentionPolicy", "p")
+    lock_password = kube.secrets(k8s.namespace)("zl-repo-lock")["password"]
+    secrets = [*CREDENTIALS.values(), lock_password]
+    visible = []
+    for kind in ("Repository", "RetentionPolicy", "CronJob", "Deployment", "Service"):
+        visible += kube.list_(kind, k8s.namespace)
+    visible += k8s.events()
+    text = json.dumps(visible) + k8s.operator_log.read_text(errors="replace")
+    for value in secrets:
+        assert value not in text
+
+
+def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{k8s.metrics_port}/metrics").read().decode()
+    ok = [
+        line
+        for line in body.splitlines()
+        if line.startswith('zarrlake_operator_reconciles_total{kind="Repository",outcome="ok"}')
+    ]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    assert "zarrlake_operator_reconcile_duration_seconds_bucket" in body
