@@ -12,7 +12,8 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
 :class:`KubeEmulator` keeps its own object store and adds:
 
 * ``metadata.resourceVersion`` (a cluster-wide counter), ``uid``, ``creationTimestamp`` and
-  ``generation`` (+1 when anything outside ``metadata``/``status`` changes);
+  ``generation`` (+1 when anything outside ``metadata`` changes; ``status`` does not count
+  where it is a subresource);
 * create (201, 409 AlreadyExists), get, list (``<Kind>List``), ``labelSelector`` (equality and
   set-based) and ``fieldSelector`` (any dotted field, ``=``/``==``/``!=``);
 * watch streams with ``resourceVersion`` replay, ``timeoutSeconds``, ``sendInitialEvents`` and
@@ -82,15 +83,18 @@ VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update
 STATUS_VERBS = ["get", "patch", "update"]
 CRD_KEY = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACE_KEY = ("", "namespaces")
-# Kinds whose DELETE answers a Status rather than the deleted object (as kube-apiserver does).
+# Kinds whose immediate DELETE answers a ``Status`` (kube-apiserver returns the deleted object
+# only for kinds whose storage asks for it: pods, services, namespaces, CRDs, custom resources...).
 STATUS_ON_DELETE = {
     ("", "secrets"),
     ("", "configmaps"),
-    ("", "services"),
     ("", "events"),
-    ("", "serviceaccounts"),
     ("events.k8s.io", "events"),
     ("coordination.k8s.io", "leases"),
+    ("rbac.authorization.k8s.io", "roles"),
+    ("rbac.authorization.k8s.io", "rolebindings"),
+    ("rbac.authorization.k8s.io", "clusterroles"),
+    ("rbac.authorization.k8s.io", "clusterrolebindings"),
 }
 
 
@@ -114,6 +118,7 @@ class Resource:
     status: bool = False  # has the status subresource
     scale: JSON | None = None  # the scale subresource: specReplicasPath, statusReplicasPath
     columns: dict[str, list[JSON]] = field(default_factory=dict)  # printer columns per version
+    schema: JSON | None = None  # the CRD's openAPIV3Schema (of the preferred version)
     list_kind: str = ""
     crd: str | None = None  # the name of the CRD that defines it
 
@@ -213,6 +218,12 @@ BUILTIN_GROUP_ORDER = [
 BUILTIN_COLUMNS: dict[tuple[str, str], list[JSON]] = {
     NAMESPACE_KEY: [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}],
     ("", "pods"): [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}],
+    ("", "events"): [
+        {"name": "Type", "type": "string", "jsonPath": ".type"},
+        {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+        {"name": "Object", "type": "string", "jsonPath": ".involvedObject.name"},
+        {"name": "Message", "type": "string", "jsonPath": ".message"},
+    ],
     ("apps", "deployments"): [
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
@@ -622,6 +633,52 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
     if isinstance(patch.get("$retainKeys"), list):
         result = {k: v for k, v in result.items() if k in patch["$retainKeys"]}
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# Structural schemas: pruning and defaulting of custom resources
+# --------------------------------------------------------------------------------------------
+
+_OBJECT_META_KEYS = ("apiVersion", "kind", "metadata")
+
+
+def apply_schema(value: Any, schema: Any, *, root: bool = False) -> Any:
+    """Prune unknown fields and fill in defaults, as kube-apiserver does for custom resources.
+
+    Unknown fields of an object are dropped unless its schema has
+    ``x-kubernetes-preserve-unknown-fields: true`` (maps use ``additionalProperties``); ``null``
+    for a non-nullable field is dropped; a missing field with a ``default`` gets it (and the
+    default is pruned and defaulted in turn). No validation: types, ``required``, ``enum``,
+    patterns and CEL rules (``x-kubernetes-validations``) are not checked.
+    """
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, list):
+        items = schema.get("items")
+        return [apply_schema(v, items) for v in value] if isinstance(items, dict) else value
+    if not isinstance(value, dict) or schema.get("x-kubernetes-int-or-string"):
+        return value
+    props = schema.get("properties") or {}
+    extra = schema.get("additionalProperties")
+    keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields") is True or extra is True
+    embedded = root or schema.get("x-kubernetes-embedded-resource") is True
+    out: JSON = {}
+    for key, item in value.items():
+        sub = props.get(key)
+        if embedded and key in _OBJECT_META_KEYS:
+            out[key] = item
+        elif isinstance(sub, dict):
+            if item is None and not sub.get("nullable"):
+                continue
+            out[key] = apply_schema(item, sub)
+        elif isinstance(extra, dict):
+            out[key] = apply_schema(item, extra)
+        elif keep_unknown:
+            out[key] = item
+    for key, sub in props.items():
+        if key not in out and isinstance(sub, dict) and "default" in sub:
+            out[key] = apply_schema(copy.deepcopy(sub["default"]), sub)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1128,12 +1185,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         watch = raw.query.get("watch", "").lower() in ("true", "1")
         action: kmock.action | None = None
         if parsed is not None and plural is not None:
+            listing = kmock.action.FETCH if name else kmock.action.LIST
             action = {
-                "GET": kmock.action.WATCH
-                if watch
-                else kmock.action.FETCH
-                if name
-                else kmock.action.LIST,
+                "GET": kmock.action.WATCH if watch else listing,
                 "POST": kmock.action.CREATE,
                 "PUT": kmock.action.UPDATE,
                 "PATCH": kmock.action.UPDATE,
@@ -1167,10 +1221,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         )
 
     def __iter__(self) -> Iterator[kmock.Request]:
-        # KMock routes a request by testing ``request in reaction_view``, which walks the whole
-        # request history through the view's filters until it meets that request. The request
-        # being routed is always the newest, so the history runs newest first: routing is O(1)
-        # instead of O(history). (Views like ``emulator["get"]`` list the newest request first.)
+        # KMock routes a request by testing ``request in reaction_view``, which walks the request
+        # history through the view's filters until it meets that request. The request being
+        # routed is always the newest, so the history runs newest first: a matching reaction is
+        # found in O(1); a non-matching one still walks it all (hence the short history and the
+        # route priorities). Views like ``emulator["get"]`` list the newest request first.
         yield from reversed(self._requests)
 
     def _remember(self, request: kmock.Request) -> None:
@@ -1708,6 +1763,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta["generation"] = 1
         if res.status:
             obj.pop("status", None)
+        if res.schema is not None:
+            obj = apply_schema(obj, res.schema, root=True)
+            meta = obj["metadata"]
         self._defaults(res, obj)
         _normalize_meta(meta)
         if dry_run:
@@ -1884,6 +1942,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     "metadata.finalizers",
                     "Forbidden: no new finalizers can be added if the object is being deleted",
                 )
+        if res.schema is not None:
+            new = apply_schema(new, res.schema, root=True)
+            meta = new["metadata"]
         if res.key == NAMESPACE_KEY:
             self._defaults(res, new)
         self._normalize(res, new)
@@ -2101,6 +2162,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 None,
             ),
             columns={v["name"]: list(v.get("additionalPrinterColumns") or []) for v in served},
+            schema=next(
+                (
+                    v["schema"]["openAPIV3Schema"]
+                    for v in sorted(served, key=lambda v: _version_priority(v["name"]))
+                    if isinstance((v.get("schema") or {}).get("openAPIV3Schema"), dict)
+                ),
+                None,
+            ),
             list_kind=names.get("listKind") or "",
             crd=_meta(crd)["name"],
         )
@@ -2169,13 +2238,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                         first.append(seen)
         if not expired:
             self._watches.add(watch)  # in the same step as the snapshot: nothing is lost
-        bookmark = initial_events and params.get("allowWatchBookmarks", "").lower() == "true"
+        wants_bookmark = params.get("allowWatchBookmarks", "").lower() == "true"
+        bookmark = str(self._rv) if initial_events and wants_bookmark else None
         stream = self._stream_watch(
             watch, res, version, first, expired, bookmark, timeout, table, include
         )
         return kmock.Response(
             status=200,
-            headers={"Content-Type": "application/json", "Cache-Control": "no-cache"},
+            headers={"Content-Type": "application/json"},
             payload=stream,
         )
 
@@ -2186,7 +2256,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         version: str,
         first: list[tuple[str, JSON]],
         expired: bool,
-        bookmark: bool,
+        bookmark: str | None,  # the snapshot's resourceVersion, for the initial-events bookmark
         timeout: float | None,
         table: bool,
         include: str,
@@ -2210,14 +2280,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return
             for kind, obj in first:
                 yield render(kind, obj)
-            if bookmark:
+            if bookmark is not None:
                 yield {
                     "type": "BOOKMARK",
                     "object": {
                         "kind": res.kind,
                         "apiVersion": res.api_version(version),
                         "metadata": {
-                            "resourceVersion": str(self._rv),
+                            "resourceVersion": bookmark,
                             "annotations": {"k8s.io/initial-events-end": "true"},
                         },
                     },
@@ -2322,12 +2392,13 @@ class KubeAPI:
         )
         cmd = [sys.executable, "-m", "zarrlake_operator.kubeapi", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no *_proxy
         try:
             deadline = time.monotonic() + 30
             wait_for_port(self.port, 30, self.proc)
             while True:
                 try:
-                    with urllib.request.urlopen(f"{self.url}/version", timeout=2) as rsp:
+                    with direct.open(f"{self.url}/version", timeout=2) as rsp:
                         if rsp.status == 200:
                             break
                 except (urllib.error.URLError, OSError):
