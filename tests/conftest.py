@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import zarrlake
+from backends import STORAGE_KINDS, make_storage
 from zarrlake.testing import free_port, start_moto, start_redis, stop
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -60,19 +61,6 @@ def moto_s3() -> Iterator[MotoS3]:
         yield MotoS3(endpoint, bucket, proc)
     finally:
         stop(proc)
-
-
-STORAGE_KINDS = ["memory", "local", "s3"]
-
-
-def make_storage(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> zarrlake.Storage:
-    if kind == "memory":
-        return zarrlake.Storage.memory()
-    if kind == "local":
-        return zarrlake.Storage.local(tmp_path / "repo")
-    if kind == "s3":
-        return request.getfixturevalue("moto_s3").storage()
-    raise ValueError(kind)
 
 
 @pytest.fixture(params=STORAGE_KINDS)

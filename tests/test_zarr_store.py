@@ -26,7 +26,7 @@ from zarr.core.sync import sync
 from zarr.testing.store import StoreTests
 
 import zarrlake
-from conftest import make_storage
+from backends import make_storage
 from zarrlake import Repository, RepositoryConfig, ZarrlakeStore
 
 T = TypeVar("T")

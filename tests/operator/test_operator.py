@@ -437,3 +437,60 @@ def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
     ]
     assert ok and float(ok[0].split()[-1]) >= 1
     assert "zarrlake_operator_reconcile_duration_seconds_bucket" in body
+
+
+def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: Any) -> None:
+    from zarrlake.testing import start_redis, stop
+
+    proc, url = start_redis(tmp_path, None, "--requirepass", "ext-pa$$word")
+    try:
+        k8s.secret()
+        k8s.secret("redis-auth", {"password": "ext-pa$$word"})
+        k8s.repository(
+            lockService={
+                "mode": "external",
+                "url": url,
+                "passwordSecret": {"name": "redis-auth", "key": "password"},
+                "onUnavailable": "fail",
+            }
+        )
+        obj = k8s.wait_condition("Repository", "repo")
+        assert condition(obj, "LockServiceReady")["reason"] == "Reachable"
+        assert obj["status"]["lockEndpoint"] == url
+        repo = k8s.open_repository()
+        commit(repo, "main", 5.0, "through the external lock")
+        assert k8s.get("Deployment", "zl-repo-lock") is None  # nothing managed
+
+        # A wrong password is reported, not ignored.
+        k8s.patch("Secret", "redis-auth", {"stringData": {"password": "wrong"}})
+        k8s.patch("Repository", "repo", {"spec": {"lockService": {"url": url + "?x=1"}}})
+        obj = k8s.wait_condition("Repository", "repo", "LockServiceReady", "False")
+        assert condition(obj, "LockServiceReady")["reason"] == "Unreachable"
+        assert "wrong" not in json.dumps(obj)
+    finally:
+        stop(proc)
+
+
+def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    first = commit(repo, "main", 1.0, "one")
+    k8s.custom("Branch", "other", {"repository": "repo"})
+    k8s.wait_condition("Branch", "other")
+    second = commit(repo, "other", 2.0, "two")
+    k8s.custom("Tag", "t", {"repository": "repo", "ref": "main"})
+    assert k8s.wait_condition("Tag", "t")["status"]["snapshot"] == first
+    # The CRD's CEL rule refuses this on a real API server; the emulator lets it through, and
+    # the operator still never re-points a tag.
+    k8s.patch("Tag", "t", {"spec": {"ref": "other"}})
+    wait_for(
+        "the update handled",
+        lambda: (
+            (o := k8s.get("Tag", "t"))["status"].get("observedGeneration")
+            == o["metadata"]["generation"]
+        ),
+    )
+    assert k8s.get("Tag", "t")["status"]["snapshot"] == first
+    assert repo.lookup_tag("t") == first != second
