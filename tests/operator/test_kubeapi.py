@@ -12,9 +12,7 @@ import contextlib
 import http.client
 import json
 import os
-import shutil
 import subprocess
-import sys
 import textwrap
 import time
 import urllib.error
@@ -26,11 +24,8 @@ from typing import Any
 
 import pytest
 
-OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
-if str(OPERATOR_DIR) not in sys.path:
-    sys.path.insert(0, str(OPERATOR_DIR))
-
-from zarrlake_operator.kubeapi import (  # noqa: E402
+from zarrlake_operator.emulated import kubectl_binary
+from zarrlake_operator.kubeapi import (
     REQUEST_LOG_LIMIT,
     KubeAPI,
     KubeEmulator,
@@ -39,7 +34,6 @@ from zarrlake_operator.kubeapi import (  # noqa: E402
 )
 
 GROUP = "kubeapi.zarrlake.test"
-KUBECTL = shutil.which("kubectl")
 
 
 # --------------------------------------------------------------------------------------------
@@ -775,7 +769,7 @@ def kubectl(kubeconfig: Path, *args: str, check: bool = True, stdin: str | None 
         "KUBECACHEDIR": str(kubeconfig.parent / "kcache"),
     }
     result = subprocess.run(
-        [KUBECTL or "kubectl", *args],
+        [kubectl_binary(), *args],
         env=env,
         input=stdin,
         capture_output=True,
@@ -787,7 +781,6 @@ def kubectl(kubeconfig: Path, *args: str, check: bool = True, stdin: str | None 
     return result.stdout + result.stderr
 
 
-@pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 def test_kubectl(kubeconfig: Path, tmp_path: Path) -> None:
     manifests = tmp_path / "manifests"
     manifests.mkdir()
