@@ -122,27 +122,40 @@ def _lock_down(s3: Any, bucket: str) -> None:
     )
 
 
-def delete_prefix(conn: Connection) -> int:
-    """Delete every object under the repository's prefix (``reclaimPolicy: Delete``).
+def delete_repository_objects(conn: Connection) -> int:
+    """Delete the repository's objects (``reclaimPolicy: Delete``); returns how many.
 
-    Only the prefix: a bucket may hold other repositories. Returns the number of objects deleted.
+    Only the keys zarrlake's layout uses under the prefix are deleted, so other data sharing the
+    bucket (or even the prefix) survives. The ``repo`` marker goes first: from then on the
+    repository no longer opens, so nobody reads it half-deleted.
     Raises :class:`BucketUnreachable`.
     """
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from zarrlake.format.model import LAYOUT_PREFIXES, REPO_KEY
+
     s3 = s3_client(conn)
-    prefix = conn.prefix.strip("/") + "/" if conn.prefix.strip("/") else ""
+    base = conn.prefix.strip("/") + "/" if conn.prefix.strip("/") else ""
     deleted = 0
     try:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=conn.bucket, Prefix=prefix):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                s3.delete_objects(Bucket=conn.bucket, Delete={"Objects": keys, "Quiet": True})
-                deleted += len(keys)
+        try:
+            s3.head_object(Bucket=conn.bucket, Key=base + REPO_KEY)
+            s3.delete_object(Bucket=conn.bucket, Key=base + REPO_KEY)
+            deleted += 1
+        except ClientError as e:
+            if _code(e) == "NoSuchBucket":
+                return 0
+            if _code(e) not in ("404", "NoSuchKey", "NotFound"):
+                raise
+        paginator = s3.get_paginator("list_objects_v2")
+        for prefix in LAYOUT_PREFIXES:
+            for page in paginator.paginate(Bucket=conn.bucket, Prefix=base + prefix):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    s3.delete_objects(Bucket=conn.bucket, Delete={"Objects": keys, "Quiet": True})
+                    deleted += len(keys)
     except ClientError as e:
-        if _code(e) in ("NoSuchBucket", "404"):
-            return deleted
-        raise BucketUnreachable(f"cannot empty s3://{conn.bucket}/{prefix}: {e}") from None
+        raise BucketUnreachable(f"cannot delete s3://{conn.bucket}/{base}: {_code(e)}") from None
     except BotoCoreError as e:
         raise BucketUnreachable(f"S3 unreachable for bucket {conn.bucket!r}: {e}") from None
     return deleted

@@ -327,7 +327,7 @@ def delete_repository(body: Mapping[str, Any]) -> str:
         # Without credentials we cannot delete; keep the finalizer and say why.
         raise kopf.TemporaryError(f"cannot delete data: {e}", delay=30) from None
     try:
-        n = buckets.delete_prefix(conn)
+        n = buckets.delete_repository_objects(conn)
     except buckets.BucketUnreachable as e:
         raise kopf.TemporaryError(str(e), delay=15) from None
     return f"Delete: removed {n} object(s) from {conn.storage_url}"

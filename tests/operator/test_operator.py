@@ -161,17 +161,19 @@ def test_deletion_honours_the_reclaim_policy(k8s: Env, policy: str) -> None:
     bucket = k8s.repository(lock="managed", reclaim=policy)
     k8s.wait_condition("Repository", "repo")
     commit(k8s.open_repository(), "main", 2.0, "data")
-    # Another repository's objects in the same bucket must survive either way.
+    # Another repository's objects in the same bucket, and foreign objects under this
+    # repository's own prefix, must survive either way.
     s3(k8s).put_object(Bucket=bucket, Key="repos/other/keep.txt", Body=b"x")
+    s3(k8s).put_object(Bucket=bucket, Key="repos/repo/README.txt", Body=b"x")
     assert keys(k8s, bucket, "repos/repo/")
     k8s.delete("Repository", "repo")
     wait_for("the Repository is gone", lambda: k8s.get("Repository", "repo") is None)
     wait_for("owned lock objects collected", lambda: k8s.get("Deployment", "zl-repo-lock") is None)
     remaining = keys(k8s, bucket, "repos/repo/")
     if policy == "Retain":
-        assert remaining
+        assert len(remaining) > 5 and "repos/repo/repo" in remaining
     else:
-        assert remaining == []
+        assert remaining == ["repos/repo/README.txt"]
     assert keys(k8s, bucket, "repos/other/") == ["repos/other/keep.txt"]
 
 

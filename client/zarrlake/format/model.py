@@ -16,6 +16,9 @@ from zarrlake.format.codec import ObjectType, decode, encode
 # -- object keys ---------------------------------------------------------------------------------
 
 REPO_KEY = "repo"
+# Every key a repository writes is REPO_KEY or starts with one of these (deleting a repository
+# removes exactly these, never other objects that share its bucket or prefix).
+LAYOUT_PREFIXES = ("refs/", "snapshots/", "txlogs/", "manifests/", "chunks/", "packs/", "expired/")
 SEQ_MAX = (1 << 64) - 1
 
 
