@@ -199,8 +199,25 @@ def lock_secret(body: Mapping[str, Any], password: str) -> dict[str, Any]:
     }
 
 
-def lock_deployment(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
-    """A single-replica Redis, non-root, read-only root, password from the Secret, probed."""
+SECRET_HASH_ANNOTATION = "zarrlake.io/password-hash"
+
+
+def password_hash(secret: Mapping[str, Any]) -> str:
+    """A short digest of the lock Secret's password (as stored, base64 or plain)."""
+    value = (secret.get("data") or {}).get("password") or (secret.get("stringData") or {}).get(
+        "password", ""
+    )
+    return hashlib.sha256(str(value).encode()).hexdigest()[:16]
+
+
+def lock_deployment(
+    body: Mapping[str, Any], spec: RepositorySpec, password_digest: str = ""
+) -> dict[str, Any]:
+    """A single-replica Redis, non-root, read-only root, password from the Secret, probed.
+
+    ``password_digest`` goes into the pod template: when the Secret is replaced (deleted by
+    hand and recreated), the template changes and Redis restarts with the new password.
+    """
     name = body["metadata"]["name"]
     obj_name = lock_service_names(name)
     selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "lock-service"}
@@ -230,7 +247,10 @@ def lock_deployment(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, 
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels(name, "lock-service") | selector},
+                "metadata": {
+                    "labels": labels(name, "lock-service") | selector,
+                    "annotations": {SECRET_HASH_ANNOTATION: password_digest},
+                },
                 "spec": {
                     "automountServiceAccountToken": False,
                     "securityContext": {

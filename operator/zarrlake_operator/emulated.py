@@ -20,6 +20,7 @@ Nothing here is used by the operator itself.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -47,6 +48,7 @@ class LocalCluster:
         self.workdir = Path(workdir)
         self.namespaces = namespaces
         self.redis: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int]] = {}
+        self._templates: dict[tuple[str, str], str] = {}  # the pod template each one runs
         self.dns: dict[str, int] = {}
         self.jobs_done: set[str] = set()
         self.job_log: list[dict[str, Any]] = []
@@ -109,8 +111,14 @@ class LocalCluster:
         for dep in deployments:
             key = (ns, dep["metadata"]["name"])
             alive.add(key)
+            template = json.dumps(dep["spec"]["template"], sort_keys=True)
+            if key in self.redis and self._templates.get(key) != template:
+                # A new pod template is a rollout (Recreate): the old pod goes, a new one comes.
+                old_proc, _ = self.redis.pop(key)
+                stop(old_proc)
             if key not in self.redis:
                 self._start_redis(ns, dep)
+                self._templates[key] = template
             if not (dep.get("status") or {}).get("availableReplicas"):
                 self._set_status(
                     "Deployment",

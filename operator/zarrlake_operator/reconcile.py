@@ -291,7 +291,8 @@ def _lock_service(
     password = pysecrets.token_urlsafe(32)
     secret, action = kube.apply(desired.lock_secret(body, password), create_only=True)
     _, svc_action = kube.apply(desired.lock_service(body))
-    deployment, dep_action = kube.apply(desired.lock_deployment(body, spec))
+    digest = desired.password_hash(secret)
+    deployment, dep_action = kube.apply(desired.lock_deployment(body, spec, digest))
     for what, act in (("Secret", action), ("Service", svc_action), ("Deployment", dep_action)):
         if act != "unchanged":
             _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")

@@ -496,3 +496,35 @@ def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
     )
     assert k8s.get("Tag", "t")["status"]["snapshot"] == first
     assert repo.lookup_tag("t") == first != second
+
+
+def test_a_deleted_lock_secret_gets_a_new_password_and_redis_follows(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository(lock="managed")
+    k8s.wait_condition("Repository", "repo")
+    old = kube.secrets(k8s.namespace)("zl-repo-lock")["password"]
+    template = k8s.get("Deployment", "zl-repo-lock")["spec"]["template"]
+    k8s.delete("Secret", "zl-repo-lock")
+
+    def new_password() -> str | None:
+        secret = kube.get("Secret", k8s.namespace, "zl-repo-lock")
+        value = kube.secrets(k8s.namespace)("zl-repo-lock") if secret else None
+        return value["password"] if value and value["password"] != old else None
+
+    wait_for("a new password", new_password)
+    # The pod template changed with it (a rollout), so Redis runs with the new password...
+    wait_for(
+        "the Deployment's template follows the Secret",
+        lambda: k8s.get("Deployment", "zl-repo-lock")["spec"]["template"] != template,
+    )
+
+    # ...and clients that read the Secret now can use the lock.
+    def authenticates() -> bool:
+        try:
+            # Lock fallback would hide a wrong password from a commit: ask Redis directly.
+            return bool(k8s.open_repository().lock.client.ping())
+        except Exception:
+            return False
+
+    wait_for("Redis accepts the new password", authenticates)
+    commit(k8s.open_repository(), "main", 7.0, "after the password changed")
