@@ -89,12 +89,17 @@ def with_password(url: str, password: str | None) -> str:
 
 
 def connection_from_resource(
-    resource: Mapping[str, Any], read_secret: SecretReader, *, require_ready: bool = True
+    resource: Mapping[str, Any],
+    read_secret: SecretReader,
+    *,
+    require_ready: bool = True,
+    with_lock: bool = True,
 ) -> Connection:
     """Resolve a Repository resource (its body as a dict) into a :class:`Connection`.
 
     Raises :class:`KubernetesError` when the resource is not Ready (unless ``require_ready`` is
-    False, as for the operator itself), or a Secret or key it names is missing.
+    False, as for the operator itself), or a Secret or key it names is missing. ``with_lock``
+    False skips the lock service (and its Secret) entirely.
     """
     name = resource.get("metadata", {}).get("name", "?")
     spec = resource.get("spec") or {}
@@ -129,7 +134,7 @@ def connection_from_resource(
             token = secret_value(creds["name"], creds["sessionTokenKey"], required=False)
 
     lock_spec = spec.get("lockService") or {}
-    mode = lock_spec.get("mode", "managed")
+    mode = lock_spec.get("mode", "managed") if with_lock else "none"
     lock_url = lock_password = None
     if mode == "external":
         lock_url = lock_spec.get("url")

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Even at DEBUG, libraries that log HTTP bodies or headers stay quiet: the kubernetes client
+    # logs response bodies (Secrets included) and botocore logs signed request headers.
+    for name in ("kubernetes", "botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(name).setLevel(logging.INFO)
     if args.metrics_port is not None:
         os.environ["ZARRLAKE_METRICS_PORT"] = str(args.metrics_port)
 

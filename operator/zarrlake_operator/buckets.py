@@ -48,8 +48,9 @@ def _code(e: Exception) -> str:
 def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
     """Make sure the bucket exists; create and lock it down when ``provision`` is set.
 
-    Provisioning is idempotent: public access blocked, default encryption (SSE-S3), and a
-    lifecycle rule that aborts multipart uploads left incomplete for a day.
+    A bucket the operator creates gets public access blocked, default encryption (SSE-S3), and a
+    lifecycle rule that aborts multipart uploads left incomplete for a day; an existing bucket's
+    settings are left as its owner made them.
     Raises :class:`BucketMissing` or :class:`BucketUnreachable`.
     """
     from botocore.exceptions import BotoCoreError, ClientError
@@ -79,7 +80,8 @@ def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
             except ClientError as e:
                 if _code(e) not in ("BucketAlreadyOwnedByYou",):
                     raise
-        if provision:
+        if created:
+            # Only a bucket we made: an existing one's lifecycle and encryption are its owner's.
             _lock_down(s3, conn.bucket)
         return BucketState(existed=existed, created=created)
     except ClientError as e:
@@ -122,39 +124,64 @@ def _lock_down(s3: Any, bucket: str) -> None:
     )
 
 
-def delete_repository_objects(conn: Connection) -> int:
+class NotOurRepository(Exception):
+    """The location holds a different repository (or none): nothing is deleted."""
+
+
+def delete_repository_objects(conn: Connection, repository_id: str | None) -> int:
     """Delete the repository's objects (``reclaimPolicy: Delete``); returns how many.
 
-    Only the keys zarrlake's layout uses under the prefix are deleted, so other data sharing the
-    bucket (or even the prefix) survives. The ``repo`` marker goes first: from then on the
-    repository no longer opens, so nobody reads it half-deleted.
-    Raises :class:`BucketUnreachable`.
+    Only keys of zarrlake's exact layout under the prefix are deleted, so other data sharing the
+    bucket or prefix survives, even a second repository nested under a layout prefix. The
+    ``repo`` marker is checked first (it must carry ``repository_id``, the id the resource
+    reported: a resource never deletes a repository it did not see) and deleted first, so
+    nobody opens the repository half-deleted. Raises :class:`BucketUnreachable` or
+    :class:`NotOurRepository`.
     """
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from zarrlake.format.model import LAYOUT_PREFIXES, REPO_KEY
+    from zarrlake.format.model import LAYOUT_KEY, LAYOUT_PREFIXES, REPO_KEY, RepoRecord
 
     s3 = s3_client(conn)
     base = conn.prefix.strip("/") + "/" if conn.prefix.strip("/") else ""
     deleted = 0
     try:
         try:
-            s3.head_object(Bucket=conn.bucket, Key=base + REPO_KEY)
+            marker = s3.get_object(Bucket=conn.bucket, Key=base + REPO_KEY)["Body"].read()
+        except ClientError as e:
+            if _code(e) in ("NoSuchBucket", "NoSuchKey", "404"):
+                marker = None
+            else:
+                raise
+        if marker is not None:
+            found = RepoRecord.decode(marker, REPO_KEY).id
+            if repository_id is not None and found != repository_id:
+                raise NotOurRepository(
+                    f"s3://{conn.bucket}/{base} holds repository {found}, not {repository_id}"
+                )
             s3.delete_object(Bucket=conn.bucket, Key=base + REPO_KEY)
             deleted += 1
-        except ClientError as e:
-            if _code(e) == "NoSuchBucket":
-                return 0
-            if _code(e) not in ("404", "NoSuchKey", "NotFound"):
-                raise
         paginator = s3.get_paginator("list_objects_v2")
         for prefix in LAYOUT_PREFIXES:
             for page in paginator.paginate(Bucket=conn.bucket, Prefix=base + prefix):
-                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                if keys:
-                    s3.delete_objects(Bucket=conn.bucket, Delete={"Objects": keys, "Quiet": True})
-                    deleted += len(keys)
+                keys = [
+                    {"Key": o["Key"]}
+                    for o in page.get("Contents", [])
+                    if LAYOUT_KEY.match(o["Key"][len(base) :])
+                ]
+                if not keys:
+                    continue
+                out = s3.delete_objects(Bucket=conn.bucket, Delete={"Objects": keys, "Quiet": True})
+                if out.get("Errors"):
+                    first = out["Errors"][0]
+                    raise BucketUnreachable(
+                        f"S3 refused to delete {len(out['Errors'])} object(s), e.g. "
+                        f"{first.get('Key')}: {first.get('Code')}"
+                    )
+                deleted += len(keys)
     except ClientError as e:
+        if _code(e) == "NoSuchBucket":
+            return deleted
         raise BucketUnreachable(f"cannot delete s3://{conn.bucket}/{base}: {_code(e)}") from None
     except BotoCoreError as e:
         raise BucketUnreachable(f"S3 unreachable for bucket {conn.bucket!r}: {e}") from None

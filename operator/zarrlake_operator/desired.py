@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any
 
 from zarrlake_operator.models import (
@@ -146,6 +148,25 @@ def repository_phase(conditions: Sequence[Mapping[str, Any]]) -> tuple[str, bool
 # -- drift --
 
 
+_QUANTITY = re.compile(
+    r"^([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+)
+_SUFFIX = {
+    None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9, "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}  # fmt: skip
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes resource quantity (``500m``, ``1Gi``, ``2``) as a number, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    m = _QUANTITY.match(str(value).strip())
+    return Decimal(m[1]) * _SUFFIX[m[2]] if m else None
+
+
 def drifted(desired: Any, actual: Any) -> bool:
     """True when ``actual`` differs from ``desired`` in any field ``desired`` sets.
 
@@ -159,8 +180,11 @@ def drifted(desired: Any, actual: Any) -> bool:
         if not isinstance(actual, list) or len(actual) != len(desired):
             return True
         return any(drifted(d, a) for d, a in zip(desired, actual, strict=True))
-    if isinstance(desired, bool | int | float) and isinstance(actual, str):
+    if isinstance(desired, bool) and isinstance(actual, str):
         return str(desired).lower() != actual.lower()
+    if desired != actual and (q := quantity(desired)) is not None:
+        # The API server rewrites quantities canonically ("0.5" -> "500m", 1073741824 -> "1Gi").
+        return q != quantity(actual)
     return desired != actual
 
 
@@ -264,15 +288,14 @@ def lock_deployment(
                         {
                             "name": "redis",
                             "image": lock.image,
+                            # The password reaches redis-server as configuration on stdin
+                            # (printf is a shell builtin): never in any process's arguments.
+                            "command": ["sh", "-c"],
                             "args": [
-                                "--requirepass",
-                                "$(REDIS_PASSWORD)",
-                                "--port",
-                                str(REDIS_PORT),
-                                "--appendonly",
-                                "yes",
-                                "--dir",
-                                "/data",
+                                # Quoted for Redis' config syntax (backslash, double quote).
+                                "printf 'requirepass \"%s\"\\n' \"$(printf %s \"$REDIS_PASSWORD\""
+                                " | sed 's/[\\\\\"]/\\\\&/g')\" | exec redis-server"
+                                f" - --port {REDIS_PORT} --appendonly yes --dir /data"
                             ],
                             "env": [password_env, cli_env],
                             "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
@@ -450,7 +473,7 @@ def _cron_job(
                         "metadata": {"labels": job_labels},
                         "spec": {
                             "restartPolicy": "Never",
-                            "automountServiceAccountToken": False,
+                            **_job_identity(spec),
                             "securityContext": {
                                 "runAsNonRoot": True,
                                 "runAsUser": 10001,
@@ -464,6 +487,19 @@ def _cron_job(
             },
         },
     }
+
+
+def _job_identity(spec: RetentionPolicySpec) -> dict[str, Any]:
+    """Who the job pods run as: a named ServiceAccount (for ambient cloud identity such as IRSA
+    or workload identity) gets its token; without one, no token is mounted at all."""
+    out: dict[str, Any] = {}
+    if spec.service_account_name:
+        out["serviceAccountName"] = spec.service_account_name
+    else:
+        out["automountServiceAccountToken"] = False
+    if spec.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return out
 
 
 def retention_cron_jobs(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import kopf
@@ -39,10 +40,28 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     metrics.serve(int(os.environ.get("ZARRLAKE_METRICS_PORT", "9090")))
 
 
-def _resync(fn: Any, body: Any, **kwargs: Any) -> None:
-    """A timer tick: the change handlers own retries, so a tick only reports and moves on."""
+_object_locks: dict[str, threading.Lock] = {}
+_object_locks_guard = threading.Lock()
+
+
+def serialized(body: Any) -> threading.Lock:
+    """One lock per object: Kopf runs timers beside change handlers, and two reconciliations of
+    one object at once would race on its status and on what they create."""
+    uid = body["metadata"]["uid"]
+    with _object_locks_guard:
+        return _object_locks.setdefault(uid, threading.Lock())
+
+
+def forget(body: Any) -> None:
+    with _object_locks_guard:
+        _object_locks.pop(body["metadata"]["uid"], None)
+
+
+def _resync(kind: str, fn: Any, body: Any, **kwargs: Any) -> None:
+    """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
     try:
-        fn(body, **kwargs)
+        with serialized(body):
+            metrics.instrumented(kind)(fn)(body, **kwargs)
     except kopf.TemporaryError as e:
         log.info("resync of %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], e)
     except kopf.PermanentError:
@@ -59,19 +78,21 @@ REPOSITORIES = (GROUP, VERSION, "repositories")
 @kopf.on.update(*REPOSITORIES, field="spec")
 @metrics.instrumented("Repository")
 def repository_changed(body: kopf.Body, **_: Any) -> None:
-    reconcile.repository(body)
+    with serialized(body):
+        reconcile.repository(body)
 
 
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-@metrics.instrumented("Repository")
 def repository_resync(body: kopf.Body, **_: Any) -> None:
-    _resync(reconcile.repository, body)
+    _resync("Repository", reconcile.repository, body)
 
 
 @kopf.on.delete(*REPOSITORIES)
 @metrics.instrumented("Repository")
 def repository_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    outcome = reconcile.delete_repository(body)
+    with serialized(body):
+        outcome = reconcile.delete_repository(body)
+    forget(body)
     logger.info(outcome)
     kopf.info(dict(body), reason="Reclaimed", message=outcome)
 
@@ -86,19 +107,21 @@ BRANCHES = (GROUP, VERSION, "branches")
 @kopf.on.update(*BRANCHES, field="spec")
 @metrics.instrumented("Branch")
 def branch_changed(body: kopf.Body, **_: Any) -> None:
-    reconcile.branch(body)
+    with serialized(body):
+        reconcile.branch(body)
 
 
 @kopf.timer(*BRANCHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-@metrics.instrumented("Branch")
 def branch_resync(body: kopf.Body, **_: Any) -> None:
-    _resync(reconcile.branch, body)
+    _resync("Branch", reconcile.branch, body)
 
 
 @kopf.on.delete(*BRANCHES)
 @metrics.instrumented("Branch")
 def branch_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    logger.info(reconcile.delete_branch(body))
+    with serialized(body):
+        logger.info(reconcile.delete_branch(body))
+    forget(body)
 
 
 # -- Tag --
@@ -111,19 +134,21 @@ TAGS = (GROUP, VERSION, "tags")
 @kopf.on.update(*TAGS, field="spec")
 @metrics.instrumented("Tag")
 def tag_changed(body: kopf.Body, **_: Any) -> None:
-    reconcile.tag(body)
+    with serialized(body):
+        reconcile.tag(body)
 
 
 @kopf.timer(*TAGS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-@metrics.instrumented("Tag")
 def tag_resync(body: kopf.Body, **_: Any) -> None:
-    _resync(reconcile.tag, body)
+    _resync("Tag", reconcile.tag, body)
 
 
 @kopf.on.delete(*TAGS)
 @metrics.instrumented("Tag")
 def tag_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    logger.info(reconcile.delete_tag(body))
+    with serialized(body):
+        logger.info(reconcile.delete_tag(body))
+    forget(body)
 
 
 # -- RetentionPolicy and its jobs --
@@ -136,13 +161,13 @@ POLICIES = (GROUP, VERSION, "retentionpolicies")
 @kopf.on.update(*POLICIES, field="spec")
 @metrics.instrumented("RetentionPolicy")
 def policy_changed(body: kopf.Body, **_: Any) -> None:
-    reconcile.retention_policy(body, JOB_IMAGE)
+    with serialized(body):
+        reconcile.retention_policy(body, JOB_IMAGE)
 
 
 @kopf.timer(*POLICIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-@metrics.instrumented("RetentionPolicy")
 def policy_resync(body: kopf.Body, **_: Any) -> None:
-    _resync(reconcile.retention_policy, body, job_image=JOB_IMAGE)
+    _resync("RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={desired.POLICY_LABEL: kopf.PRESENT})

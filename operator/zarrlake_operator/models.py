@@ -223,7 +223,19 @@ class RepositoryRef(_Model):
     )
 
 
+NAME_FIXED = {
+    "x-kubernetes-validations": [
+        {
+            "rule": "has(self.name) == has(oldSelf.name)",
+            "message": "name is immutable (it cannot be added or removed either)",
+        }
+    ]
+}
+
+
 class BranchSpec(RepositoryRef):
+    model_config = ConfigDict(json_schema_extra=NAME_FIXED)
+
     name: str | None = Field(
         None,
         pattern=REF_NAME,
@@ -258,6 +270,8 @@ class Branch(_Model):
 
 
 class TagSpec(RepositoryRef):
+    model_config = ConfigDict(json_schema_extra=NAME_FIXED)
+
     name: str | None = Field(
         None,
         pattern=REF_NAME,
@@ -345,6 +359,18 @@ class RetentionPolicySpec(RepositoryRef):
     )
     compaction: CompactionSchedule | None = None
     image: str | None = Field(None, description="Job image (default: the operator's job image).")
+    service_account_name: str | None = Field(
+        None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the job pods (e.g. for IRSA when the Repository has no "
+        "credentialsSecret); without one no API token is mounted.",
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        description="Secrets for pulling the job image from a private registry.",
+    )
     successful_jobs_history_limit: int = Field(3, alias="successfulJobsHistoryLimit", ge=0)
     failed_jobs_history_limit: int = Field(3, alias="failedJobsHistoryLimit", ge=0)
 

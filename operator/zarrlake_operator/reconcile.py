@@ -178,6 +178,18 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
         raise kopf.PermanentError(f"spec.config: {e}") from None
     status = _status(body)
     conds: list[dict[str, Any]] = status.get("conditions") or []
+    owner = _location_owner(body)
+    if owner is not None:
+        # Two resources for one location would each run a lock service (so writers would not
+        # be serialized) and each could delete the other's data: only the older one acts.
+        return _report(
+            body,
+            ready=False,
+            reason="Conflict",
+            message=f"the Repository {owner!r} (older) already manages this bucket and prefix",
+            phase="Conflict",
+            extra_conditions=(("Conflict", True, "Conflict", f"location owned by {owner!r}"),),
+        )
 
     def cond(type_: str, ok: bool, reason: str, message: str) -> None:
         nonlocal conds
@@ -211,7 +223,7 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
     lock_ok, lock_reason, lock_msg, lock_fields = _lock_service(body, spec)
     cond("LockServiceReady", lock_ok, lock_reason, lock_msg)
     fields.update(lock_fields)
-    if not lock_ok and retry is None:
+    if not lock_ok and retry is None and lock_reason != "InvalidSpec":
         retry = kopf.TemporaryError(lock_msg, delay=5)
 
     # The repository itself.
@@ -234,6 +246,7 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
     elif not desired.condition(conds, "Initialized"):
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 
+    cond("Conflict", False, "NoConflict", "")
     phase, ready, reason, message = desired.repository_phase(conds)
     conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
     new = {"phase": phase, "conditions": conds, "observedGeneration": gen, **fields}
@@ -241,6 +254,21 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
     if retry is not None:
         raise retry
     return new
+
+
+def _location(body: Mapping[str, Any]) -> tuple[str, str, str]:
+    storage = (body.get("spec") or {}).get("storage") or {}
+    endpoint = (storage.get("endpointURL") or "").rstrip("/")
+    return endpoint, storage.get("bucket") or "", (storage.get("prefix") or "").strip("/")
+
+
+def _location_owner(body: Mapping[str, Any]) -> str | None:
+    """The older Repository resource in this namespace with the same location, if any."""
+    ns, name, _ = _meta(body)
+    here = _location(body)
+    same = [o for o in kube.list_("Repository", ns) if _location(o) == here]
+    winner = desired.claim_winner(same)
+    return None if winner in (None, name) else winner
 
 
 def _lock_service(
@@ -318,20 +346,41 @@ def _remove_managed_lock(namespace: str, repository: str) -> None:
 
 
 def delete_repository(body: Mapping[str, Any]) -> str:
-    """Honour the reclaim policy; returns what was done. Owned objects go by owner references."""
+    """Honour the reclaim policy; returns what was done. Owned objects go by owner references.
+
+    When the data cannot be deleted for good (the credentials Secret is gone, or the location
+    holds another repository), the data is retained, a Warning event says so, and the resource
+    is released: a finalizer that can never complete would only block the namespace.
+    """
     policy = (body.get("spec") or {}).get("reclaimPolicy", "Retain")
     if policy != "Delete":
         return "Retain: the repository's data stays in the bucket"
+    status = _status(body)
+    if condition(status.get("conditions") or [], "Conflict").get("status") == "True":
+        return "Delete skipped: another Repository resource owns this location; data retained"
+    ns = body["metadata"]["namespace"]
     try:
-        conn = _connection(body, require_ready=False)
+        # Deleting needs storage credentials only: not the lock service, which may be gone.
+        conn = connection_from_resource(
+            body, kube.secrets(ns), require_ready=False, with_lock=False
+        )
     except KubernetesError as e:
-        # Without credentials we cannot delete; keep the finalizer and say why.
-        raise kopf.TemporaryError(f"cannot delete data: {e}", delay=30) from None
+        message = f"reclaimPolicy Delete could not run, data retained: {e}"
+        _event(body, "ReclaimFailed", message, warning=True)
+        raise kopf.PermanentError(message) from None
     try:
-        n = buckets.delete_repository_objects(conn)
+        n = buckets.delete_repository_objects(conn, status.get("repositoryID"))
+    except buckets.NotOurRepository as e:
+        message = f"reclaimPolicy Delete refused, data retained: {e}"
+        _event(body, "ReclaimFailed", message, warning=True)
+        raise kopf.PermanentError(message) from None
     except buckets.BucketUnreachable as e:
         raise kopf.TemporaryError(str(e), delay=15) from None
-    return f"Delete: removed {n} object(s) from {conn.storage_url}"
+    return f"Delete: removed {n} object(s) of repository {status.get('repositoryID')}"
+
+
+def condition(conditions: Any, type_: str) -> Mapping[str, Any]:
+    return desired.condition(conditions, type_) or {}
 
 
 # -- Branch --
@@ -490,10 +539,15 @@ def tag(body: Mapping[str, Any]) -> dict[str, Any]:
             message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
             _report(body, ready=False, reason="RefNotFound", message=message)
             raise kopf.TemporaryError(message, delay=30) from None
-        except (TagExists, InvalidName) as e:
+        except TagExists as e:
+            if repo.list_tags().get(name) != snapshot:  # made concurrently to the same: adopt
+                _report(body, ready=False, reason="TagNameUsed", message=str(e), phase="Failed")
+                raise kopf.PermanentError(str(e)) from None
+        except InvalidName as e:
             _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
             raise kopf.PermanentError(str(e)) from None
-        _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+        else:
+            _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
     return _report(
         body,
         ready=True,
@@ -544,6 +598,8 @@ def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
         )
         _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
         raise kopf.PermanentError(message)
+    if kube.get("Repository", ns, spec.repository) is None:
+        _suspend_cron_jobs(body)
     repo_body, _ = _ready_repository(body, spec.repository)
     jobs = desired.retention_cron_jobs(body, spec, repo_body, job_image)
     for obj in jobs.values():
@@ -569,6 +625,20 @@ def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
             "compactionCronJob": jobs["compact"]["metadata"]["name"] if "compact" in jobs else None,
         },
     )
+
+
+def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:
+    """The Repository is gone: its jobs could only fail, so they pause until it is back."""
+    ns, name, _ = _meta(policy)
+    for cron in kube.list_("CronJob", ns, f"{desired.POLICY_LABEL}={name}"):
+        if not (cron.get("spec") or {}).get("suspend"):
+            kube.merge_patch("CronJob", ns, cron["metadata"]["name"], {"spec": {"suspend": True}})
+            _event(
+                policy,
+                "CronJobSuspended",
+                f"suspended CronJob {cron['metadata']['name']}: Repository not found",
+                warning=True,
+            )
 
 
 def job_finished(job: Mapping[str, Any]) -> str | None:

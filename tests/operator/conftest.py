@@ -50,7 +50,10 @@ def operator_cluster(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> 
                 body=yaml.safe_load(path.read_text()),
             )
         log = work / "operator.log"
-        proc, _, metrics_port = start_operator(kubeconfig, log_path=log, resync_seconds=1)
+        # At DEBUG, so that the credentials test also covers the most verbose logging.
+        proc, _, metrics_port = start_operator(
+            kubeconfig, log_path=log, resync_seconds=1, extra_env={"ZARRLAKE_LOG_LEVEL": "DEBUG"}
+        )
         cluster = LocalCluster(work, []).start(interval=0.2)
         yield Shared(api, kubeconfig, moto_s3.endpoint, cluster, log, metrics_port)
     finally:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -463,11 +465,43 @@ def test_lock_deployment_is_locked_down_and_takes_the_password_by_reference() ->
             "name": secret["metadata"]["name"],
             "key": "password",
         }
-    assert "--requirepass" in c["args"]
-    assert arg_after(c["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    # The password is configuration on stdin, never an argument (not even a $(VAR) expansion).
+    script = " ".join(c["command"] + c["args"])
+    assert "$(REDIS_PASSWORD)" not in script and "requirepass" in script
     # The data directory is writable although the root file system is not.
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert arg_after(c["args"], "--dir") in mounts
+    assert "--dir /data" in script and "/data" in mounts
+
+
+def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None:
+    """Run the container's own shell command with a real redis-server (port and paths local),
+    with a password Redis' config syntax would choke on unquoted."""
+    PASSWORD = 'p@ss "w0rd\\ $HOME'
+    import redis
+
+    from zarrlake.testing import free_port, redis_server_binary, stop, wait_for_port
+
+    body = repository_body()
+    c = desired.lock_deployment(body, RepositorySpec.model_validate(body["spec"]))["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    port = free_port()
+    script = (
+        c["args"][0]
+        .replace("redis-server", redis_server_binary())
+        .replace(f"--port {desired.REDIS_PORT}", f"--port {port} --bind 127.0.0.1 --save ''")
+        .replace("--dir /data", f"--dir {tmp_path}")
+    )
+    proc = subprocess.Popen(
+        [*c["command"], script], env={"PATH": os.environ["PATH"], "REDIS_PASSWORD": PASSWORD}
+    )
+    try:
+        wait_for_port(port, 15, proc)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong").ping()
+        assert redis.Redis(port=port, password=PASSWORD).ping()
+    finally:
+        stop(proc)
 
 
 def test_lock_selector_matches_the_pod_labels_and_the_service() -> None:
@@ -993,7 +1027,7 @@ def test_cron_job_commands_run_and_their_reports_map_to_job_runs(
 
 def example_resources() -> list[dict[str, Any]]:
     docs = []
-    for path in sorted(EXAMPLES.glob("*.yaml")):
+    for path in sorted(p for p in EXAMPLES.glob("*.yaml") if p.name != "kustomization.yaml"):
         docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
     return docs
 
@@ -1291,3 +1325,22 @@ def test_crd_keeps_patterns_enums_defaults_and_quantities() -> None:
     assert node_at(policy, "spec", "rules", "default", "last")["type"] == "integer"
     assert node_at(policy, "spec", "gc")["required"] == ["schedule"]
     assert "compaction" not in policy["properties"]["spec"].get("required", [])
+
+
+@pytest.mark.parametrize(
+    ("desired_value", "actual_value", "drift"),
+    [
+        ("0.5", "500m", False),
+        (1073741824, "1Gi", False),
+        ("1G", "1000M", False),
+        ("1", 1, False),
+        ("250m", "500m", True),
+        ("1Gi", "1G", True),
+        ("redis:7", "redis:8", True),
+    ],
+)
+def test_drift_compares_quantities_by_value(desired_value: Any, actual_value: Any, drift: bool):
+    """The API server rewrites quantities canonically; that is not drift (no patch loop)."""
+    spec = {"resources": {"requests": {"cpu": desired_value}}}
+    seen = {"resources": {"requests": {"cpu": actual_value}}, "extra": "server-side"}
+    assert desired.drifted(spec, seen) is drift

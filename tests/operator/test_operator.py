@@ -3,6 +3,7 @@ real redis-server for managed lock services, maintenance jobs run as real CLI pr
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.parse
 import urllib.request
@@ -422,9 +423,12 @@ def test_credentials_never_leave_their_secrets(k8s: Env) -> None:
     for kind in ("Repository", "RetentionPolicy", "CronJob", "Deployment", "Service"):
         visible += kube.list_(kind, k8s.namespace)
     visible += k8s.events()
-    text = json.dumps(visible) + k8s.operator_log.read_text(errors="replace")
+    log = k8s.operator_log.read_text(errors="replace")
+    assert " DEBUG " in log  # the operator logs at its most verbose in these tests
+    text = json.dumps(visible) + log
     for value in secrets:
-        assert value not in text
+        for form in (value, base64.b64encode(value.encode()).decode()):
+            assert form not in text
 
 
 def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
@@ -528,3 +532,68 @@ def test_a_deleted_lock_secret_gets_a_new_password_and_redis_follows(k8s: Env) -
 
     wait_for("Redis accepts the new password", authenticates)
     commit(k8s.open_repository(), "main", 7.0, "after the password changed")
+
+
+def test_two_repositories_on_one_location_the_older_acts(k8s: Env) -> None:
+    k8s.secret()
+    bucket = k8s.repository("first", reclaim="Delete")
+    first = k8s.wait_condition("Repository", "first")
+    k8s.create(
+        {
+            "apiVersion": "zarrlake.io/v1alpha1",
+            "kind": "Repository",
+            "metadata": {"name": "second"},
+            "spec": {**first["spec"], "reclaimPolicy": "Delete"},
+        }
+    )
+    obj = k8s.wait_condition("Repository", "second", "Conflict", "True")
+    assert "'first'" in condition(obj, "Ready")["message"]
+    assert obj["status"]["phase"] == "Conflict"
+    # Deleting the loser must not delete the winner's data.
+    k8s.delete("Repository", "second")
+    wait_for("second gone", lambda: k8s.get("Repository", "second") is None)
+    assert "repos/first/repo" in keys(k8s, bucket, "repos/first/")
+    k8s.wait_condition("Repository", "first")
+
+
+def test_delete_refuses_a_location_that_holds_another_repository(k8s: Env) -> None:
+    import zarrlake
+
+    k8s.secret()
+    bucket = k8s.repository(reclaim="Delete")
+    k8s.wait_condition("Repository", "repo")
+    # Someone replaces the repository at that location with another one behind our back.
+    for key in keys(k8s, bucket, "repos/repo/"):
+        s3(k8s).delete_object(Bucket=bucket, Key=key)
+    storage = zarrlake.Storage.s3(
+        bucket,
+        "repos/repo",
+        endpoint_url=k8s.s3_endpoint,
+        region="us-east-1",
+        access_key_id="testing",
+        secret_access_key="testing",
+        allow_http=True,
+    )
+    other = zarrlake.Repository.create(storage)
+    k8s.delete("Repository", "repo")
+    wait_for("the resource is released", lambda: k8s.get("Repository", "repo") is None)
+    assert zarrlake.Repository.open(storage).id == other.id  # untouched
+    warnings = [e for e in k8s.events() if e.get("reason") == "ReclaimFailed"]
+    assert warnings and other.id in warnings[0]["message"]
+
+
+def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> None:
+    k8s.secret()
+    bucket = k8s.repository(lock="managed", reclaim="Delete")
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    cron = k8s.wait_condition("RetentionPolicy", "p")["status"]["gcCronJob"]
+    # As in a namespace deletion: the lock Secret can vanish before the Repository is handled.
+    k8s.delete("Secret", "zl-repo-lock")
+    k8s.delete("Repository", "repo")
+    wait_for("the Repository is gone", lambda: k8s.get("Repository", "repo") is None)
+    assert keys(k8s, bucket, "repos/repo/") == []
+    # Its RetentionPolicy's jobs could only fail now: they are suspended, and it says why.
+    wait_for("CronJob suspended", lambda: k8s.get("CronJob", cron)["spec"]["suspend"] is True)
+    obj = k8s.wait_condition("RetentionPolicy", "p", "Ready", "False")
+    assert condition(obj, "Ready")["reason"] == "RepositoryNotFound"

@@ -94,17 +94,17 @@ RBAC rules for what the operator does inside each namespace it serves. Kept to t
 operator uses; no wildcards.
 */}}
 {{- define "zarrlake-operator.namespacedRules" -}}
-# The zarrlake resources: read, and patch (Kopf's finalizers and progress annotations).
+# The zarrlake resources: watch, and patch (Kopf's finalizers and progress annotations).
 - apiGroups: ["zarrlake.io"]
   resources: ["repositories", "branches", "tags", "retentionpolicies"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["zarrlake.io"]
   resources:
     - "repositories/status"
     - "branches/status"
     - "tags/status"
     - "retentionpolicies/status"
-  verbs: ["patch", "update"]
+  verbs: ["patch"]
 # Children are created with owner references that block the owner's deletion; clusters with the
 # OwnerReferencesPermissionEnforcement admission plugin (e.g. OpenShift) require this for that.
 - apiGroups: ["zarrlake.io"]
@@ -114,34 +114,35 @@ operator uses; no wildcards.
     - "tags/finalizers"
     - "retentionpolicies/finalizers"
   verbs: ["update"]
-# Lock-service passwords; S3 credentials are read from the Secrets the resources name.
+# S3 credentials and lock passwords are read by name; lock-password Secrets are created once
+# (never rewritten) and deleted when a repository stops using a managed lock service. No list:
+# the operator never needs to see Secrets it was not pointed at.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The managed Redis lock service of each Repository.
+  verbs: ["get", "create", "delete"]
+# The managed Redis lock service of each Repository (read, create, correct drift, remove).
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
-# The retention / GC / compaction schedules of each RetentionPolicy, and their runs.
+  verbs: ["get", "create", "patch", "delete"]
+# The retention / GC / compaction schedules of each RetentionPolicy (listed by label to suspend
+# them when their Repository is gone), and their runs (watched for results).
 - apiGroups: ["batch"]
   resources: ["cronjobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch"]
-# Job pods' termination messages carry the maintenance results.
+# Job pods' termination messages carry the maintenance results (listed by job-name).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list"]
+# Kopf posts core v1 Events.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}
 
 {{/*

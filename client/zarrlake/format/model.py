@@ -6,6 +6,7 @@ Everything here is pure: encoding and decoding between dataclasses and bytes. No
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
@@ -16,9 +17,17 @@ from zarrlake.format.codec import ObjectType, decode, encode
 # -- object keys ---------------------------------------------------------------------------------
 
 REPO_KEY = "repo"
-# Every key a repository writes is REPO_KEY or starts with one of these (deleting a repository
-# removes exactly these, never other objects that share its bucket or prefix).
+# Every key a repository writes is REPO_KEY or starts with one of these, and has the exact shape
+# LAYOUT_KEY describes: deleting a repository removes exactly such keys, never other objects that
+# share its bucket or prefix (not even a second repository nested under a layout prefix).
 LAYOUT_PREFIXES = ("refs/", "snapshots/", "txlogs/", "manifests/", "chunks/", "packs/", "expired/")
+_ID = "[0-9A-HJKMNP-TV-Z]{26}"
+_HEX = "[0-9a-f]{64}"
+LAYOUT_KEY = re.compile(
+    rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}"
+    rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
+    r"|refs/branch\.[^/]+/[0-9a-f]{16}|refs/tag\.[^/]+|refs/tagdel\.[^/]+)$"
+)
 SEQ_MAX = (1 << 64) - 1
 
 
