@@ -597,3 +597,35 @@ def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> 
     wait_for("CronJob suspended", lambda: k8s.get("CronJob", cron)["spec"]["suspend"] is True)
     obj = k8s.wait_condition("RetentionPolicy", "p", "Ready", "False")
     assert condition(obj, "Ready")["reason"] == "RepositoryNotFound"
+
+
+def test_cron_job_drift_is_corrected_and_policy_deletion_removes_them(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    cron = k8s.wait_condition("RetentionPolicy", "p")["status"]["gcCronJob"]
+    k8s.patch("CronJob", cron, {"spec": {"schedule": "* * * * *", "concurrencyPolicy": "Allow"}})
+    wait_for(
+        "the CronJob restored",
+        lambda: (
+            (c := k8s.get("CronJob", cron))["spec"]["schedule"] == "@daily"
+            and c["spec"]["concurrencyPolicy"] == "Forbid"
+        ),
+    )
+    k8s.delete("RetentionPolicy", "p")
+    wait_for("CronJob collected with its owner", lambda: k8s.get("CronJob", cron) is None)
+
+
+def test_a_tag_deleted_outside_kubernetes_is_reported(k8s: Env) -> None:
+    k8s.secret()
+    k8s.repository()
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    commit(repo, "main", 1.0, "one")
+    k8s.custom("Tag", "v1", {"repository": "repo", "ref": "main"})
+    k8s.wait_condition("Tag", "v1")
+    repo.delete_tag("v1")
+    obj = k8s.wait_condition("Tag", "v1", "Ready", "False")
+    assert condition(obj, "Ready")["reason"] == "TagDeleted"
+    assert "never reused" in condition(obj, "Ready")["message"]
