@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,8 @@ import pytest
 
 import zarrlake
 from backends import STORAGE_KINDS, make_storage
+from cli_helpers import Result
+from zarrlake.cli import main as cli_main
 from zarrlake.testing import free_port, start_moto, start_redis, stop
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -118,3 +120,16 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
+    """Run ``zarrlake ARGS...`` in-process and capture what it printed."""
+
+    def run(*argv: str) -> Result:
+        capsys.readouterr()
+        code = cli_main(list(argv))
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run

@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,42 +16,9 @@ import pytest
 import zarr
 
 import zarrlake
-from zarrlake.cli import main
+from cli_helpers import Result, assert_one_line_error
 
 ZARRLAKE_SCRIPT = Path(sys.executable).with_name("zarrlake")
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
-    """Run ``zarrlake ARGS...`` in-process and capture what it printed."""
-
-    def run(*argv: str) -> Result:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
-
-
-def assert_one_line_error(r: Result, code: int) -> str:
-    """The contract for failures: status ``code``, nothing on stdout, exactly one stderr line."""
-    assert r.code == code, (r.code, r.err)
-    assert r.out == ""
-    assert r.err.endswith("\n") and r.err.count("\n") == 1, r.err
-    assert r.err.startswith("zarrlake: error: ")
-    assert "Traceback" not in r.err
-    return r.err[len("zarrlake: error: ") :].rstrip("\n")
 
 
 def open_repo(url: str) -> zarrlake.Repository:

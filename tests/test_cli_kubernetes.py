@@ -27,7 +27,7 @@ import redis
 import zarr
 
 import zarrlake
-from zarrlake.cli import main
+from cli_helpers import Result, assert_one_line_error
 from zarrlake.k8s import Connection, connection_from_resource, with_password
 from zarrlake.testing import start_redis, stop
 
@@ -37,39 +37,10 @@ PASSWORD = "p@ss:w/rd %#?&=+x"
 ENV_VARS = ("ZARRLAKE_LOCK", "ZARRLAKE_LOCK_PASSWORD", "ZARRLAKE_REPORT_FILE")
 
 
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
-    def run(*argv: str) -> Result:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
-
-
-def assert_one_line_error(r: Result, code: int) -> str:
-    assert r.code == code, (r.code, r.out, r.err)
-    assert r.out == ""
-    assert r.err.startswith("zarrlake: error: ") and r.err.count("\n") == 1, r.err
-    assert "Traceback" not in r.err
-    return r.err[len("zarrlake: error: ") :].rstrip("\n")
 
 
 def commit_random(repo: zarrlake.Repository, i: int) -> str:

@@ -206,18 +206,23 @@ DEFAULT_REDIS_RESOURCES = {
 }
 
 
+def _lock_metadata(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Name, labels and owner of each lock-service object (Secret, Deployment, Service)."""
+    name = body["metadata"]["name"]
+    return {
+        "name": lock_service_names(name),
+        "namespace": body["metadata"]["namespace"],
+        "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
+        "ownerReferences": [owner_reference(body)],
+    }
+
+
 def lock_secret(body: Mapping[str, Any], password: str) -> dict[str, Any]:
     """The password Secret; created once, never rewritten (rotating it would lock clients out)."""
-    name = body["metadata"]["name"]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {
-            "name": lock_service_names(name),
-            "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
-            "ownerReferences": [owner_reference(body)],
-        },
+        "metadata": _lock_metadata(body),
         "type": "Opaque",
         "stringData": {"password": password},
     }
@@ -259,12 +264,7 @@ def lock_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": obj_name,
-            "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
-            "ownerReferences": [owner_reference(body)],
-        },
+        "metadata": _lock_metadata(body),
         "spec": {
             "replicas": 1,
             # Never two Redis at once: a second one would hand out a second set of leases.
@@ -293,7 +293,7 @@ def lock_deployment(
                             "command": ["sh", "-c"],
                             "args": [
                                 # Quoted for Redis' config syntax (backslash, double quote).
-                                "printf 'requirepass \"%s\"\\n' \"$(printf %s \"$REDIS_PASSWORD\""
+                                'printf \'requirepass "%s"\\n\' "$(printf %s "$REDIS_PASSWORD"'
                                 " | sed 's/[\\\\\"]/\\\\&/g')\" | exec redis-server"
                                 f" - --port {REDIS_PORT} --appendonly yes --dir /data"
                             ],
@@ -330,12 +330,7 @@ def lock_service(body: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": lock_service_names(name),
-            "namespace": body["metadata"]["namespace"],
-            "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
-            "ownerReferences": [owner_reference(body)],
-        },
+        "metadata": _lock_metadata(body),
         "spec": {
             "selector": {
                 "app.kubernetes.io/instance": name,

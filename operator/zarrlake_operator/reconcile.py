@@ -149,6 +149,17 @@ def _claim(
     return None if winner in (None, body["metadata"]["name"]) else winner
 
 
+def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -> dict[str, Any]:
+    return _report(
+        body,
+        ready=False,
+        reason="Conflict",
+        message=f"{kind.lower()} {ref!r} is already managed by the older {kind} {winner!r}",
+        phase="Conflict",
+        extra_conditions=(("Conflict", True, "Conflict", f"claimed by {kind} {winner!r}"),),
+    )
+
+
 # -- Repository --
 
 
@@ -403,14 +414,7 @@ def branch(body: Mapping[str, Any]) -> dict[str, Any]:
     _, repo = _ready_repository(body, spec.repository)
     winner = _claim(body, "Branch", spec.repository)
     if winner:
-        return _report(
-            body,
-            ready=False,
-            reason="Conflict",
-            message=f"branch {name!r} is already managed by the older Branch {winner!r}",
-            phase="Conflict",
-            extra_conditions=(("Conflict", True, "Conflict", f"claimed by Branch {winner!r}"),),
-        )
+        return _report_claimed(body, "Branch", name, winner)
     extra: dict[str, Any] = {}
     try:
         head = repo.lookup_branch(name)
@@ -508,14 +512,7 @@ def tag(body: Mapping[str, Any]) -> dict[str, Any]:
     _, repo = _ready_repository(body, spec.repository)
     winner = _claim(body, "Tag", spec.repository)
     if winner:
-        return _report(
-            body,
-            ready=False,
-            reason="Conflict",
-            message=f"tag {name!r} is already managed by the older Tag {winner!r}",
-            phase="Conflict",
-            extra_conditions=(("Conflict", True, "Conflict", f"claimed by Tag {winner!r}"),),
-        )
+        return _report_claimed(body, "Tag", name, winner)
     tags = repo.list_tags()
     recorded = status.get("snapshot")
     if recorded:
