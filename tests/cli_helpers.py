@@ -7,6 +7,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import zarr
+
+import zarrlake
+
+CHUNK = 128  # float64 elements: 1 KiB chunks, above the inline threshold
+
 
 @dataclass
 class Result:
@@ -26,3 +33,17 @@ def assert_one_line_error(r: Result, code: int) -> str:
     assert r.err.startswith("zarrlake: error: ")
     assert "Traceback" not in r.err
     return r.err[len("zarrlake: error: ") :].rstrip("\n")
+
+
+def commit_random(repo: zarrlake.Repository, i: int) -> str:
+    """Commit ``i`` on main: array ``a`` (4 chunks) created at 0, then rewritten with new
+    random data, so each commit leaves garbage behind once older snapshots expire."""
+    session = repo.writable_session("main")
+    if i == 0:
+        arr = zarr.create_array(
+            session.store, name="a", shape=(4 * CHUNK,), chunks=(CHUNK,), dtype="f8"
+        )
+    else:
+        arr = zarr.open_array(session.store, path="a", mode="r+")
+    arr[:] = np.random.default_rng(i).random(4 * CHUNK)
+    return session.commit(f"commit {i}")

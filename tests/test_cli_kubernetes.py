@@ -27,11 +27,10 @@ import redis
 import zarr
 
 import zarrlake
-from cli_helpers import Result, assert_one_line_error
+from cli_helpers import CHUNK, Result, assert_one_line_error, commit_random
 from zarrlake.k8s import Connection, connection_from_resource, with_password
 from zarrlake.testing import start_redis, stop
 
-CHUNK = 128  # float64 elements: 1 KiB chunks, above the inline threshold
 # Characters that must be quoted in a URL's userinfo, and a space.
 PASSWORD = "p@ss:w/rd %#?&=+x"
 ENV_VARS = ("ZARRLAKE_LOCK", "ZARRLAKE_LOCK_PASSWORD", "ZARRLAKE_REPORT_FILE")
@@ -41,18 +40,6 @@ ENV_VARS = ("ZARRLAKE_LOCK", "ZARRLAKE_LOCK_PASSWORD", "ZARRLAKE_REPORT_FILE")
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-def commit_random(repo: zarrlake.Repository, i: int) -> str:
-    session = repo.writable_session("main")
-    if i == 0:
-        arr = zarr.create_array(
-            session.store, name="a", shape=(4 * CHUNK,), chunks=(CHUNK,), dtype="f8"
-        )
-    else:
-        arr = zarr.open_array(session.store, path="a", mode="r+")
-    arr[:] = np.random.default_rng(i).random(4 * CHUNK)
-    return session.commit(f"commit {i}")
 
 
 @pytest.fixture

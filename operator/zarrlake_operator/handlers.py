@@ -170,6 +170,11 @@ def policy_resync(body: kopf.Body, **_: Any) -> None:
     _resync("RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE)
 
 
+@kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; CronJobs go by owner
+def policy_deleted(body: kopf.Body, **_: Any) -> None:
+    forget(body)
+
+
 @kopf.on.event("batch", "v1", "jobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
 @metrics.instrumented("Job")
 def job_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:

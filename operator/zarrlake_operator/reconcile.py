@@ -484,17 +484,25 @@ def _create_branch(
     return head
 
 
+def _owned_ref_repository(body: Mapping[str, Any], kind: str) -> tuple[Repository | None, str]:
+    """For deleting a Branch/Tag resource: the repository to delete the ref from, or None and
+    why the ref stays (the Repository is gone, or another resource owns the ref)."""
+    name = desired.ref_name(body)
+    repository = (body.get("spec") or {}).get("repository")
+    if not repository or kube.get("Repository", body["metadata"]["namespace"], repository) is None:
+        return None, "the Repository is gone; nothing to delete"
+    if _claim(body, kind, repository, deleting=True):
+        return None, f"another {kind} resource manages {name!r}; left in place"
+    return _ready_repository(body, repository)[1], ""
+
+
 def delete_branch(body: Mapping[str, Any]) -> str:
-    spec_doc = body.get("spec") or {}
     name = desired.ref_name(body)
     if name == MAIN:
         return "main is never deleted"
-    repository = spec_doc.get("repository")
-    if not repository or kube.get("Repository", body["metadata"]["namespace"], repository) is None:
-        return "the Repository is gone; nothing to delete"
-    if _claim(body, "Branch", repository, deleting=True):
-        return "another Branch resource manages this branch; left in place"
-    _, repo = _ready_repository(body, repository)
+    repo, why = _owned_ref_repository(body, "Branch")
+    if repo is None:
+        return why
     try:
         repo.delete_branch(name)
     except RefNotFound:
@@ -557,16 +565,12 @@ def tag(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def delete_tag(body: Mapping[str, Any]) -> str:
-    spec_doc = body.get("spec") or {}
     name = desired.ref_name(body)
-    repository = spec_doc.get("repository")
-    if not repository or kube.get("Repository", body["metadata"]["namespace"], repository) is None:
-        return "the Repository is gone; nothing to delete"
-    if _claim(body, "Tag", repository, deleting=True):
-        return "another Tag resource manages this tag; left in place"
     if not (body.get("status") or {}).get("snapshot"):
         return "the tag was never created"
-    _, repo = _ready_repository(body, repository)
+    repo, why = _owned_ref_repository(body, "Tag")
+    if repo is None:
+        return why
     try:
         repo.delete_tag(name)
     except RefNotFound:

@@ -111,6 +111,13 @@ class Env:
         )
         return bucket
 
+    def ready_repository(self, name: str = "repo", **kwargs: Any) -> dict[str, Any]:
+        """The credentials Secret and a Repository, waited for until Ready; returns it."""
+        if self.get("Secret", "s3-creds") is None:
+            self.secret()
+        self.repository(name, **kwargs)
+        return self.wait_condition("Repository", name)
+
     def custom(self, kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self.create(
             {

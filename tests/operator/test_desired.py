@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import numpy as np
 import pydantic
 import pytest
 import yaml
-import zarr
 
 import zarrlake
+from cli_helpers import commit_random
 from zarrlake.cli import main as cli_main
 from zarrlake.maintenance import RetentionRules
 from zarrlake_operator import crds, desired
@@ -943,25 +942,13 @@ def test_job_run_json_that_is_not_a_report_is_a_message() -> None:
         assert run["message"] == tail
 
 
-CHUNK = 128  # float64 elements: 1 KiB per chunk, above the inline threshold
-
-
 @pytest.fixture
 def local_repo(tmp_path: Path) -> tuple[str, int]:
     """A repository in a directory with a few commits on main; returns (URL, snapshot count)."""
     path = tmp_path / "repo"
     repo = zarrlake.Repository.create(zarrlake.Storage.local(path))
-    rng = np.random.default_rng(0)
     for i in range(4):
-        session = repo.writable_session("main")
-        if i == 0:
-            arr = zarr.create_array(
-                session.store, name="a", shape=(4 * CHUNK,), chunks=(CHUNK,), dtype="f8"
-            )
-        else:
-            arr = zarr.open_array(session.store, path="a", mode="r+")
-        arr[:] = rng.random(4 * CHUNK)
-        session.commit(f"commit {i}")
+        commit_random(repo, i)
     return str(path), len(list(repo.log("main")))
 
 

@@ -126,9 +126,7 @@ def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
 
 
 def test_lock_service_drift_is_corrected_and_mode_change_removes_it(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository(lock="managed")
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository(lock="managed")
     dep = k8s.get("Deployment", "zl-repo-lock")
     assert dep is not None
     container = dep["spec"]["template"]["spec"]["containers"][0]
@@ -182,9 +180,7 @@ def test_deletion_honours_the_reclaim_policy(k8s: Env, policy: str) -> None:
 
 
 def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     repo = k8s.open_repository()
     base = commit(repo, "main", 1.0, "base")
     k8s.custom("Branch", "dev", {"repository": "repo", "from": "main"})
@@ -213,9 +209,7 @@ def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
 
 
 def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     k8s.custom("Branch", "first", {"repository": "repo", "name": "shared"})
     k8s.wait_condition("Branch", "first")
     k8s.custom("Branch", "second", {"repository": "repo", "name": "shared"})
@@ -230,9 +224,7 @@ def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
 
 
 def test_main_and_bad_from_are_refused_with_conditions(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     k8s.custom("Branch", "main", {"repository": "repo"})
     obj = wait_for(
         "main refused",
@@ -270,9 +262,7 @@ def test_main_and_bad_from_are_refused_with_conditions(k8s: Env) -> None:
 
 
 def test_tag_resolves_once_and_deletes(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     repo = k8s.open_repository()
     first = commit(repo, "main", 1.0, "one")
     k8s.custom("Tag", "v1", {"repository": "repo", "ref": "main"})
@@ -297,9 +287,7 @@ def test_tag_resolves_once_and_deletes(k8s: Env) -> None:
 
 
 def test_retention_policy_cron_jobs_and_a_gc_run(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository(lock="managed")
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository(lock="managed")
     repo = k8s.open_repository()
     for v in (1.0, 2.0, 3.0):
         commit(repo, "main", v, f"fill {v}")
@@ -355,9 +343,7 @@ def test_retention_policy_cron_jobs_and_a_gc_run(k8s: Env) -> None:
 
 
 def test_failed_job_is_reported(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
     obj = k8s.wait_condition("RetentionPolicy", "p")
     template = k8s.get("CronJob", obj["status"]["gcCronJob"])["spec"]["jobTemplate"]
@@ -381,9 +367,7 @@ def test_failed_job_is_reported(k8s: Env) -> None:
 
 
 def test_bad_retention_specs_are_refused(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     k8s.custom(
         "RetentionPolicy",
         "short",
@@ -412,9 +396,7 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
 
 
 def test_credentials_never_leave_their_secrets(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository(lock="managed")
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository(lock="managed")
     k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
     k8s.wait_condition("RetentionPolicy", "p")
     lock_password = kube.secrets(k8s.namespace)("zl-repo-lock")["password"]
@@ -432,9 +414,7 @@ def test_credentials_never_leave_their_secrets(k8s: Env) -> None:
 
 
 def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     body = urllib.request.urlopen(f"http://127.0.0.1:{k8s.metrics_port}/metrics").read().decode()
     ok = [
         line
@@ -478,9 +458,7 @@ def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: 
 
 
 def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     repo = k8s.open_repository()
     first = commit(repo, "main", 1.0, "one")
     k8s.custom("Branch", "other", {"repository": "repo"})
@@ -503,9 +481,7 @@ def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
 
 
 def test_a_deleted_lock_secret_gets_a_new_password_and_redis_follows(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository(lock="managed")
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository(lock="managed")
     old = kube.secrets(k8s.namespace)("zl-repo-lock")["password"]
     template = k8s.get("Deployment", "zl-repo-lock")["spec"]["template"]
     k8s.delete("Secret", "zl-repo-lock")
@@ -600,9 +576,7 @@ def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> 
 
 
 def test_cron_job_drift_is_corrected_and_policy_deletion_removes_them(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
     cron = k8s.wait_condition("RetentionPolicy", "p")["status"]["gcCronJob"]
     k8s.patch("CronJob", cron, {"spec": {"schedule": "* * * * *", "concurrencyPolicy": "Allow"}})
@@ -618,9 +592,7 @@ def test_cron_job_drift_is_corrected_and_policy_deletion_removes_them(k8s: Env) 
 
 
 def test_a_tag_deleted_outside_kubernetes_is_reported(k8s: Env) -> None:
-    k8s.secret()
-    k8s.repository()
-    k8s.wait_condition("Repository", "repo")
+    k8s.ready_repository()
     repo = k8s.open_repository()
     commit(repo, "main", 1.0, "one")
     k8s.custom("Tag", "v1", {"repository": "repo", "ref": "main"})
