@@ -720,3 +720,31 @@ def test_connection_opens_a_real_repository_on_s3(moto_s3: Any, cli: Callable[..
         resource(spec, {"conditions": [READY]}), read
     ).storage())  # fmt: skip
     assert again.id == repo.id
+
+
+def test_from_kubernetes_with_no_api_server_is_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zarrlake.testing import free_port
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    with pytest.raises(zarrlake.KubernetesError, match="unreachable"):
+        zarrlake.Repository.from_kubernetes("climate", "default")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(zarrlake.KubernetesError, match="kubeconfig"):
+        zarrlake.Repository.from_kubernetes("climate", "default")

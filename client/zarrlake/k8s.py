@@ -10,6 +10,7 @@ that get logged.
 from __future__ import annotations
 
 import base64
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -201,21 +202,29 @@ def _api_client() -> Any:
 def secret_reader(core_api: Any, namespace: str) -> SecretReader:
     """A :data:`SecretReader` over ``CoreV1Api`` for one namespace, caching each Secret."""
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
     cache: dict[str, Mapping[str, str] | None] = {}
 
     def read(name: str) -> Mapping[str, str] | None:
         if name not in cache:
             try:
-                obj = core_api.read_namespaced_secret(name, namespace)
+                # Unparsed: with a parsed response the client logs the body (the Secret's
+                # values) at DEBUG, in whatever process calls us.
+                resp = core_api.read_namespaced_secret(name, namespace, _preload_content=False)
+                doc = json.loads(resp.data)
             except ApiException as e:
                 if e.status == 404:
                     cache[name] = None
                     return None
                 raise KubernetesError(f"cannot read Secret {name!r}: {e.reason}") from None
-            cache[name] = {
-                k: base64.b64decode(v).decode() for k, v in (obj.data or {}).items()
-            } | dict(obj.string_data or {})
+            except (HTTPError, OSError, ValueError) as e:
+                raise KubernetesError(f"cannot read Secret {name!r}: {type(e).__name__}") from None
+            try:
+                data = {k: base64.b64decode(v).decode() for k, v in (doc.get("data") or {}).items()}
+            except (ValueError, UnicodeDecodeError):
+                raise KubernetesError(f"Secret {name!r} holds a value that is not text") from None
+            cache[name] = data | dict(doc.get("stringData") or {})
         return cache[name]
 
     return read
@@ -226,6 +235,7 @@ def from_kubernetes(name: str, namespace: str | None = None, *, lock_url: str | 
     :meth:`zarrlake.Repository.from_kubernetes`."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
     from zarrlake.repository import Repository
 
@@ -239,7 +249,7 @@ def from_kubernetes(name: str, namespace: str | None = None, *, lock_url: str | 
         if e.status == 404:
             raise KubernetesError(f"Repository {namespace}/{name} not found") from None
         raise KubernetesError(f"cannot read Repository {namespace}/{name}: {e.reason}") from None
-    except OSError as e:
-        raise KubernetesError(f"Kubernetes API unreachable: {e}") from None
+    except (HTTPError, OSError) as e:
+        raise KubernetesError(f"Kubernetes API unreachable: {type(e).__name__}: {e}") from None
     conn = connection_from_resource(obj, secret_reader(client.CoreV1Api(api), namespace))
     return Repository.open(conn.storage(), lock=conn.lock(lock_url))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -601,3 +602,23 @@ def test_a_tag_deleted_outside_kubernetes_is_reported(k8s: Env) -> None:
     obj = k8s.wait_condition("Tag", "v1", "Ready", "False")
     assert condition(obj, "Ready")["reason"] == "TagDeleted"
     assert "never reused" in condition(obj, "Ready")["message"]
+
+
+def test_from_kubernetes_logs_no_secret_even_at_debug(
+    k8s: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    import zarrlake
+
+    k8s.ready_repository(lock="managed")
+    with caplog.at_level(logging.DEBUG):
+        repo = k8s.open_repository()
+    assert repo.lock is not None
+    password = kube.secrets(k8s.namespace)("zl-repo-lock")["password"]
+    # The secret key and the password never; the access key *id* does appear in botocore's own
+    # DEBUG lines (the signed Authorization header), as with any boto3 client.
+    assert "kubernetes.client.rest" in caplog.text  # the client did log at DEBUG
+    for value in (CREDENTIALS["AWS_SECRET_ACCESS_KEY"], password):
+        for form in (value, base64.b64encode(value.encode()).decode()):
+            assert form not in caplog.text
+    with pytest.raises(zarrlake.KubernetesError, match="not found"):
+        zarrlake.Repository.from_kubernetes("no-such-repository", k8s.namespace)
