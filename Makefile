@@ -15,8 +15,9 @@ $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[examples]"
 	touch $@
 
-$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev]"
+# The test kit (testkit/) is its own distribution: only the dev setup installs it, never a wheel or image.
+$(VENV)/.dev-installed: pyproject.toml testkit/pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[dev]" -e ./testkit
 	touch $@
 
 $(VENV)/.bench-installed: pyproject.toml | $(VENV)/.dev-installed
@@ -58,7 +59,7 @@ bench-quick: $(VENV)/.bench-installed redis-server-available
 	$(BIN)/python bench/maintenance.py --quick
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check client operator tests bench examples e2e
+	$(BIN)/ruff check client operator testkit tests bench examples e2e
 
 ## crds: regenerate the CustomResourceDefinitions from operator/zarrlake_operator/models.py
 crds: $(VENV)/.dev-installed

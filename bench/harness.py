@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from zarrlake.testing import start_moto, stop
+from zarrlake_testkit.servers import start_moto, stop
 
 T = TypeVar("T")
 

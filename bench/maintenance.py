@@ -46,7 +46,7 @@ import numpy as np
 import zarr
 
 import zarrlake
-from zarrlake.testing import start_moto, stop
+from zarrlake_testkit.servers import start_moto, stop
 
 CHUNK = 128  # float64 elements: 1 KiB chunks, above zarrlake's 512-byte inline threshold
 ZERO = dt.timedelta(0)

@@ -2,8 +2,8 @@
 """The operator scenario, end to end, on this machine: ``make e2e``.
 
 No cluster and no Docker: a Kubernetes API emulator (KMock-based,
-:mod:`zarrlake_operator.kubeapi`) serves the API over HTTP, moto_server serves S3, and
-:class:`zarrlake_operator.emulated.LocalCluster` plays the controllers the emulator lacks (a real
+:mod:`zarrlake_testkit.kubeapi`) serves the API over HTTP, moto_server serves S3, and
+:class:`zarrlake_testkit.emulated.LocalCluster` plays the controllers the emulator lacks (a real
 redis-server for the lock Deployment, Jobs run as local processes). Everything else is the real
 thing: kubectl, the operator process, PySpark ``local[2]``, and the zarrlake client through
 ``Repository.from_kubernetes``.
@@ -47,7 +47,7 @@ class Scenario:
     def __init__(self, workdir: Path, kubeconfig: Path) -> None:
         self.workdir = workdir
         self.kubeconfig = kubeconfig
-        from zarrlake_operator.emulated import kubectl_binary
+        from zarrlake_testkit.emulated import kubectl_binary
 
         self.kubectl_bin = kubectl_binary()
 
@@ -176,10 +176,10 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
 
-    from zarrlake.testing import start_moto, stop
+    from zarrlake_testkit.servers import start_moto, stop
     from zarrlake_operator import kube
-    from zarrlake_operator.emulated import LocalCluster, start_operator
-    from zarrlake_operator.kubeapi import KubeAPI
+    from zarrlake_testkit.emulated import LocalCluster, start_operator
+    from zarrlake_testkit.kubeapi import KubeAPI
 
     workdir = Path(tempfile.mkdtemp(prefix="zarrlake-e2e-"))
     procs: list[Any] = []

@@ -21,7 +21,7 @@ import zarrlake
 from backends import STORAGE_KINDS, make_storage
 from cli_helpers import Result
 from zarrlake.cli import main as cli_main
-from zarrlake.testing import free_port, start_moto, start_redis, stop
+from zarrlake_testkit.servers import start_moto, start_redis, stop
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -80,10 +80,14 @@ def repo(storage: zarrlake.Storage) -> zarrlake.Repository:
 
 @dataclass
 class RedisServer:
-    """A real redis-server on a loopback port, started and stopped by process id."""
+    """A real redis-server on a loopback port, started and stopped by process id.
 
-    port: int
+    The first start picks a free port (another on a lost race); restarts keep it, as a restarted
+    server keeps its address.
+    """
+
     workdir: Path
+    port: int = 0
     proc: subprocess.Popen | None = None
 
     @property
@@ -91,10 +95,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        try:
-            self.proc, _ = start_redis(self.workdir, self.port)
-        except FileNotFoundError as e:
-            pytest.skip(str(e))
+        self.proc, url = start_redis(self.workdir, self.port or None)
+        self.port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
 
     def stop(self) -> None:
         stop(self.proc)
@@ -103,7 +105,7 @@ class RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
     try:
         yield server
@@ -114,7 +116,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server a test may stop and restart."""
-    server = RedisServer(free_port(), tmp_path)
+    server = RedisServer(tmp_path)
     server.start()
     try:
         yield server

@@ -29,7 +29,7 @@ import zarr
 import zarrlake
 from cli_helpers import CHUNK, Result, assert_one_line_error, commit_random
 from zarrlake.k8s import Connection, connection_from_resource, with_password
-from zarrlake.testing import start_redis, stop
+from zarrlake_testkit.servers import start_redis, stop
 
 # Characters that must be quoted in a URL's userinfo, and a space.
 PASSWORD = "p@ss:w/rd %#?&=+x"
@@ -725,7 +725,7 @@ def test_connection_opens_a_real_repository_on_s3(moto_s3: Any, cli: Callable[..
 def test_from_kubernetes_with_no_api_server_is_a_typed_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zarrlake.testing import free_port
+    from zarrlake_testkit.servers import free_port
 
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(

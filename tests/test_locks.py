@@ -38,7 +38,7 @@ import pytest
 import zarrlake
 from lock_workers import ARRAY, CRASH_BRANCHES, array_doc, chunk_key, chunk_value
 from zarrlake.format.model import JournalEntry
-from zarrlake.testing import free_port, redis_command, stop, wait_for_port
+from zarrlake_testkit.servers import free_port, redis_command, stop, wait_for_port
 
 WORKERS = Path(__file__).resolve().with_name("lock_workers.py")
 ZARRLAKE_HOME = Path(zarrlake.__file__).resolve().parent.parent  # workers import the same code

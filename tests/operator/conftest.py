@@ -16,10 +16,10 @@ import pytest
 import yaml
 from k8s_env import ROOT, Env
 
-from zarrlake.testing import stop
+from zarrlake_testkit.servers import stop
 from zarrlake_operator import kube
-from zarrlake_operator.emulated import LocalCluster, start_operator
-from zarrlake_operator.kubeapi import KubeAPI
+from zarrlake_testkit.emulated import LocalCluster, start_operator
+from zarrlake_testkit.kubeapi import KubeAPI
 
 
 @dataclass
@@ -82,4 +82,7 @@ def k8s(operator_cluster: Shared) -> Iterator[Env]:
     try:
         yield env
     finally:
-        env.cluster.namespaces.remove(env.namespace)
+        # The namespace goes with the test: otherwise the operator keeps resyncing every earlier
+        # test's resources (each a round trip to S3), and the load grows with every test run.
+        env.cluster.forget_namespace(env.namespace)
+        kube.delete("Namespace", "", env.namespace)

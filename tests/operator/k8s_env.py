@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from zarrlake_operator import kube
-from zarrlake_operator.emulated import LocalCluster
-from zarrlake_operator.kubeapi import KubeAPI
+from zarrlake_testkit.emulated import LocalCluster
+from zarrlake_testkit.kubeapi import KubeAPI
 
 ROOT = Path(__file__).resolve().parents[2]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIAZLTESTKEY0000001", "AWS_SECRET_ACCESS_KEY": "s3cr3t-zl-t"}

@@ -784,7 +784,7 @@ def test_examples_include_zarrlake_resources():
 def test_kind_overlay_renders_the_examples_for_the_cluster(tmp_path: Path) -> None:
     """e2e/kind.sh applies this overlay with `kubectl apply -k`; it must build (kustomize
     refuses files outside its root, so the examples are a base of their own)."""
-    from zarrlake_operator.emulated import kubectl_binary
+    from zarrlake_testkit.emulated import kubectl_binary
 
     done = subprocess.run(
         [kubectl_binary(), "kustomize", str(ROOT / "e2e" / "kind")],

@@ -478,7 +478,7 @@ def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None
     PASSWORD = 'p@ss "w0rd\\ $HOME'
     import redis
 
-    from zarrlake.testing import free_port, redis_server_binary, stop, wait_for_port
+    from zarrlake_testkit.servers import free_port, redis_server_binary, stop, wait_for_port
 
     body = repository_body()
     c = desired.lock_deployment(body, RepositorySpec.model_validate(body["spec"]))["spec"][

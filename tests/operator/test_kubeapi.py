@@ -1,4 +1,4 @@
-"""The test Kubernetes API server (``zarrlake_operator.kubeapi``) over real HTTP on 127.0.0.1.
+"""The test Kubernetes API server (``zarrlake_testkit.kubeapi``) over real HTTP on 127.0.0.1.
 
 One server process for the module; every test uses its own object names (or namespace). The
 server is exercised with plain HTTP, with the ``kubernetes`` client, with kubectl and with a
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from zarrlake_operator.emulated import kubectl_binary
-from zarrlake_operator.kubeapi import (
+from zarrlake_testkit.emulated import kubectl_binary
+from zarrlake_testkit.kubeapi import (
     REQUEST_LOG_LIMIT,
     KubeAPI,
     KubeEmulator,
@@ -675,6 +675,12 @@ def test_owner_references_are_garbage_collected(api: Http) -> None:
     api.ok("DELETE", "/api/v1/namespaces/gc/configmaps/orphan-owner", propagationPolicy="Orphan")
     orphan = api.ok("GET", "/api/v1/namespaces/gc/secrets/orphan")
     assert "ownerReferences" not in orphan["metadata"]
+
+    # A dependent written after its owner went (a controller racing the owner's deletion) is
+    # collected like a real cluster's garbage collector collects dangling owner references.
+    late = {"metadata": {"name": "late-dep", "ownerReferences": [ref]}, "spec": {"schedule": "@daily"}}
+    api.ok("POST", "/apis/batch/v1/namespaces/gc/cronjobs", late)
+    assert api.call("GET", "/apis/batch/v1/namespaces/gc/cronjobs/late-dep")[0] == 404
 
     # Namespace deletion: terminating until its last finalizer-held object goes.
     terminating = api.ok("DELETE", "/api/v1/namespaces/gc")

@@ -427,7 +427,7 @@ def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
 
 
 def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: Any) -> None:
-    from zarrlake.testing import start_redis, stop
+    from zarrlake_testkit.servers import start_redis, stop
 
     proc, url = start_redis(tmp_path, None, "--requirepass", "ext-pa$$word")
     try:

@@ -1,7 +1,7 @@
 """The parts of a cluster an emulated API server lacks, played by local processes.
 
 An API server alone stores objects; in a real cluster, controllers and kubelets act on them. The
-operator tests and the e2e scenario run against the emulator (:mod:`zarrlake_operator.kubeapi`),
+operator tests and the e2e scenario run against the emulator (:mod:`zarrlake_testkit.kubeapi`),
 so :class:`LocalCluster` plays exactly three roles, with real programs:
 
 - the Deployment controller + kubelet for the managed lock service: when a lock Deployment
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from zarrlake.testing import start_redis, stop
+from zarrlake_testkit.servers import start_redis, stop
 from zarrlake_operator import kube
 
 
@@ -90,6 +90,16 @@ class LocalCluster:
         for proc, _ in self.redis.values():
             stop(proc)
         self.redis.clear()
+
+    def forget_namespace(self, ns: str) -> None:
+        """Stop playing ``ns``: its lock-service processes stop, its names leave the DNS."""
+        with self._mutex:
+            if ns in self.namespaces:
+                self.namespaces.remove(ns)
+            for key in [k for k in self.redis if k[0] == ns]:
+                proc, port = self.redis.pop(key)
+                stop(proc)
+                self.dns = {h: p for h, p in self.dns.items() if p != port}
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -334,23 +344,28 @@ def start_operator(
 
     Returns (process, liveness port, metrics port) once ``/healthz`` answers.
     """
-    from zarrlake.testing import free_port, wait_for_port
+    from zarrlake_testkit.servers import free_port, spawn_on_free_port
 
-    liveness, metrics_port = free_port(), free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "zarrlake_operator",
-        "run",
-        "--all-namespaces",
-        "--liveness-port",
-        str(liveness),
-        "--metrics-port",
-        str(metrics_port),
-    ]
-    cmd += ["--peering", peering] if peering else ["--standalone"]
-    if priority is not None:
-        cmd += ["--priority", str(priority)]
+    ports: dict[str, int] = {}
+
+    def command(liveness: int) -> list[str]:
+        ports["metrics"] = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "zarrlake_operator",
+            "run",
+            "--all-namespaces",
+            "--liveness-port",
+            str(liveness),
+            "--metrics-port",
+            str(ports["metrics"]),
+        ]
+        cmd += ["--peering", peering] if peering else ["--standalone"]
+        if priority is not None:
+            cmd += ["--priority", str(priority)]
+        return cmd
+
     env = {
         **os.environ,
         "KUBECONFIG": str(kubeconfig),
@@ -358,7 +373,13 @@ def start_operator(
         **(extra_env or {}),
     }
     log = open(log_path, "ab")  # noqa: SIM115  (the child owns it)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    wait_for_port(liveness, 60, proc)
+    try:
+        # Up to 120 s to listen: the operator imports kopf, kubernetes and boto3 and logs in;
+        # on a loaded machine that takes long, and a passing start returns as soon as it listens.
+        proc, liveness = spawn_on_free_port(
+            command, 120, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    finally:
+        log.close()
+    metrics_port = ports["metrics"]
     return proc, liveness, metrics_port

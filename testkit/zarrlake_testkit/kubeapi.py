@@ -27,7 +27,7 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
   CRDs' ``additionalPrinterColumns`` (for ``kubectl get``);
 * bounded memory: the request log, the event history and each watch queue are capped.
 
-:class:`KubeAPI` runs the server in a child process (``python -m zarrlake_operator.kubeapi``)
+:class:`KubeAPI` runs the server in a child process (``python -m zarrlake_testkit.kubeapi``)
 and writes a kubeconfig that kubectl, the ``kubernetes`` client and Kopf can use.
 """
 
@@ -61,7 +61,7 @@ import aiohttp.web
 import kmock
 import yaml
 
-from zarrlake.testing import free_port, stop, wait_for_port
+from zarrlake_testkit.servers import free_port, spawn_on_free_port, stop, wait_for_port
 
 JSON = dict[str, Any]
 
@@ -1776,6 +1776,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._emit(res, "ADDED", obj, None)
         if res.key == CRD_KEY:
             self._register_crd(obj)
+        self._collect_if_orphaned(res, obj)
         return obj
 
     def _defaults(self, res: Resource, obj: JSON) -> None:
@@ -1964,6 +1965,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._emit(res, "MODIFIED", new, old)
         if res.key == CRD_KEY:
             self._register_crd(new)
+        self._collect_if_orphaned(res, new)
         return new
 
     @staticmethod
@@ -2025,6 +2027,18 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if res.namespaced and ns:
             self._finish_namespace(ns)
         return obj
+
+    def _collect_if_orphaned(self, res: Resource, obj: JSON) -> None:
+        """Delete an object all of whose owners are gone, as the garbage collector would.
+
+        An owner can go between a controller's read of it and its write of a dependent (a
+        reconcile racing the owner's deletion); the cascade at the owner's deletion cannot see
+        that dependent, so a real cluster's garbage collector finds it by its dangling owner
+        references. Here that happens at once, so nothing waits on a collector's timing.
+        """
+        refs = [r for r in _meta(obj).get("ownerReferences") or [] if isinstance(r, dict)]
+        if refs and not any(r.get("uid") in self._uids for r in refs):
+            self._delete(res, obj, "Background")
 
     def _collect_garbage(self, owner_res: Resource, owner: JSON, policy: str) -> None:
         uid = _meta(owner).get("uid")
@@ -2316,7 +2330,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
 # The server process and its controller
 # --------------------------------------------------------------------------------------------
 
-OPERATOR_DIR = pathlib.Path(__file__).resolve().parents[1]
+TESTKIT_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
 async def serve(
@@ -2375,9 +2389,12 @@ class KubeAPI:
     """Run the emulator in a child process on 127.0.0.1; stop it by pid."""
 
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or 0  # 0: a free one, chosen at start
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -2388,17 +2405,25 @@ class KubeAPI:
             return self
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(OPERATOR_DIR), env.get("PYTHONPATH", "")) if p
+            p for p in (str(TESTKIT_DIR), env.get("PYTHONPATH", "")) if p
         )
-        cmd = [sys.executable, "-m", "zarrlake_operator.kubeapi", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+
+        def command(port: int) -> list[str]:
+            return [sys.executable, "-m", "zarrlake_testkit.kubeapi", "--port", str(port)]
+
+        if self.port:
+            self.proc = subprocess.Popen(command(self.port), env=env, stdout=subprocess.DEVNULL)
+        else:
+            self.proc, self.port = spawn_on_free_port(
+                command, 60, env=env, stdout=subprocess.DEVNULL
+            )
         direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no *_proxy
         try:
-            deadline = time.monotonic() + 30
-            wait_for_port(self.port, 30, self.proc)
+            deadline = time.monotonic() + 60
+            wait_for_port(self.port, 60, self.proc)
             while True:
                 try:
-                    with direct.open(f"{self.url}/version", timeout=2) as rsp:
+                    with direct.open(f"{self.url}/version", timeout=5) as rsp:
                         if rsp.status == 200:
                             break
                 except (urllib.error.URLError, OSError):
@@ -2431,7 +2456,7 @@ class KubeAPI:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m zarrlake_operator.kubeapi",
+        prog="python -m zarrlake_testkit.kubeapi",
         description="A small Kubernetes API server for tests (KMock-based), on 127.0.0.1.",
     )
     parser.add_argument("--port", type=int, default=0, help="the port (default: a free one)")

