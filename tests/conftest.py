@@ -28,6 +28,37 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+# -- markers and parallel groups ----------------------------------------------------------------
+
+# Tests whose cost is a process of their own (a server they start and stop, a subprocess CLI run,
+# a long hypothesis search): marked ``slow`` by name so `make test-fast` leaves them out.
+SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test by where it lives; keep the tests sharing a heavy process on one worker.
+
+    Under pytest-xdist (``--dist loadgroup``) every worker starts its own session fixtures, so the
+    Spark tests (one JVM) and the operator tests (one API server + one operator process) each go
+    to a single worker instead of starting those processes on every worker.
+    """
+    for item in items:
+        path = Path(str(item.fspath))
+        module = path.stem
+        if "operator" in path.parts:
+            item.add_marker(pytest.mark.operator)
+        if module == "test_e2e":
+            item.add_marker(pytest.mark.e2e)
+        if module in SLOW_MODULES or item.get_closest_marker("spark"):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("spark") or module == "test_e2e":
+            item.add_marker(pytest.mark.xdist_group("spark"))
+        elif "k8s" in getattr(item, "fixturenames", ()) or "operator_cluster" in getattr(
+            item, "fixturenames", ()
+        ):
+            item.add_marker(pytest.mark.xdist_group("operator"))
+
+
 @dataclass
 class MotoS3:
     endpoint: str

@@ -504,20 +504,15 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 # -- maintenance: expire, gc, compact -----------------------------------------------------------
 
-_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
-
-
 def parse_duration(text: str) -> dt.timedelta:
-    """``7d``, ``12h``, ``1d12h``, ``30m``, ``90s``, ``2w`` or plain seconds -> timedelta."""
-    import re
+    """A duration flag; a bad one is a usage error (one line, exit 2)."""
+    from zarrlake.durations import parse_duration as parse
+    from zarrlake.errors import InvalidDuration
 
-    t = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", t):
-        return dt.timedelta(seconds=float(t))
-    parts = re.findall(r"(\d+(?:\.\d+)?)([wdhms])", t)
-    if not parts or "".join(n + u for n, u in parts) != t:
-        raise UsageError(f"bad duration {text!r} (use e.g. 7d, 12h, 1d12h, 30m, 90s)")
-    return dt.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
+    try:
+        return parse(text)
+    except InvalidDuration as e:
+        raise UsageError(str(e)) from None
 
 
 class _Progress:

@@ -114,3 +114,7 @@ class RetryableError(ZarrlakeError):
 
 class KubernetesError(ZarrlakeError):
     """A ``Repository`` resource, or a Secret it names, is missing, not ready or malformed."""
+
+
+class InvalidDuration(ZarrlakeError, ValueError):
+    """A duration text (``--grace 7d``, ``spec.gc.grace``) that does not parse."""

@@ -230,14 +230,15 @@ def secret_reader(core_api: Any, namespace: str) -> SecretReader:
     return read
 
 
-def from_kubernetes(name: str, namespace: str | None = None, *, lock_url: str | None = None) -> Any:
-    """Open the repository of the Repository resource ``name``; see
-    :meth:`zarrlake.Repository.from_kubernetes`."""
+def locate(name: str, namespace: str | None = None) -> Connection:
+    """Where the Repository resource ``name`` keeps its repository, with credentials resolved.
+
+    :meth:`zarrlake.Repository.from_kubernetes` opens what this returns; this module knows the
+    cluster, not the repository, so the dependency points one way (repository -> k8s).
+    """
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
-
-    from zarrlake.repository import Repository
 
     api = _api_client()
     namespace = namespace or current_namespace()
@@ -251,5 +252,4 @@ def from_kubernetes(name: str, namespace: str | None = None, *, lock_url: str | 
         raise KubernetesError(f"cannot read Repository {namespace}/{name}: {e.reason}") from None
     except (HTTPError, OSError) as e:
         raise KubernetesError(f"Kubernetes API unreachable: {type(e).__name__}: {e}") from None
-    conn = connection_from_resource(obj, secret_reader(client.CoreV1Api(api), namespace))
-    return Repository.open(conn.storage(), lock=conn.lock(lock_url))
+    return connection_from_resource(obj, secret_reader(client.CoreV1Api(api), namespace))

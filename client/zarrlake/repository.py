@@ -209,9 +209,10 @@ class Repository:
         running outside the cluster). Raises :class:`zarrlake.k8s.KubernetesError` when the
         resource is missing or not Ready, or a Secret is missing.
         """
-        from zarrlake.k8s import from_kubernetes
+        from zarrlake.k8s import locate
 
-        return from_kubernetes(name, namespace, lock_url=lock_url)
+        conn = locate(name, namespace)
+        return cls.open(conn.storage(), lock=conn.lock(lock_url))
 
     @staticmethod
     def exists(storage: Storage) -> bool:

@@ -30,6 +30,9 @@ from zarrlake import (
     TagExists,
     ZarrlakeError,
 )
+from zarrlake.config import MAX_SESSION_TTL
+from zarrlake.durations import parse_duration
+from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource
 from zarrlake_operator import buckets, desired, kube
 from zarrlake_operator.models import (
@@ -40,7 +43,7 @@ from zarrlake_operator.models import (
 )
 
 MAIN = "main"
-MIN_GRACE = dt.timedelta(days=7)
+MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a session
 
 
 # -- shared --
@@ -164,8 +167,6 @@ def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -
 
 
 def engine_config(spec: RepositorySpec) -> RepositoryConfig:
-    from zarrlake.cli import parse_duration
-
     c = spec.config
     values: dict[str, Any] = {}
     if c.inline_threshold_bytes is not None:
@@ -582,14 +583,12 @@ def delete_tag(body: Mapping[str, Any]) -> str:
 
 
 def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
-    from zarrlake.cli import UsageError, parse_duration
-
     ns, name, _ = _meta(body)
     spec: RetentionPolicySpec = parse_spec(RetentionPolicySpec, body)
     try:
         RetentionRules.from_dict(spec.rules.to_engine())
         grace = parse_duration(spec.gc.grace)
-    except (InvalidRetentionRules, UsageError) as e:
+    except (InvalidRetentionRules, InvalidDuration) as e:
         _report(body, ready=False, reason="InvalidSpec", message=str(e), phase="Failed")
         raise kopf.PermanentError(str(e)) from None
     if grace < MIN_GRACE and not spec.gc.force:

@@ -1,0 +1,28 @@
+"""Durations as people write them in flags and resources: ``7d``, ``12h``, ``1d12h``, ``90s``.
+
+One parser for the CLI (``--grace``, ``--keep-journal``) and the operator (``spec.gc.grace``), so
+both accept and refuse exactly the same texts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+from zarrlake.errors import InvalidDuration
+
+_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``7d``, ``12h``, ``1d12h``, ``30m``, ``90s``, ``2w`` or plain seconds -> timedelta.
+
+    Raises :class:`zarrlake.InvalidDuration` (a ``ValueError``) for anything else.
+    """
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return dt.timedelta(seconds=float(t))
+    parts = re.findall(r"(\d+(?:\.\d+)?)([wdhms])", t)
+    if not parts or "".join(n + u for n, u in parts) != t:
+        raise InvalidDuration(f"bad duration {text!r} (use e.g. 7d, 12h, 1d12h, 30m, 90s)")
+    return dt.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
