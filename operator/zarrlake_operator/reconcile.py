@@ -9,7 +9,6 @@ objects; they never reach a log line, an event or a status field.
 
 from __future__ import annotations
 
-import datetime as dt
 import secrets as pysecrets
 from collections.abc import Mapping
 from typing import Any

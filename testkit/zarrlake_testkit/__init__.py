@@ -3,7 +3,9 @@
 - :mod:`zarrlake_testkit.servers`: real servers (``moto_server``, ``redis-server``) on loopback
   ports, started as child processes and stopped by process id.
 - :mod:`zarrlake_testkit.kubeapi`: a Kubernetes API server over HTTP (built on KMock).
-- :mod:`zarrlake_testkit.emulated`: the controllers that API server lacks, played by local processes.
+- :mod:`zarrlake_testkit.emulated`: the controllers that API server lacks, played by local
+  processes.
+- :mod:`zarrlake_testkit.stress`: a test command run repeatedly beside CPU burners.
 
 Installed only for development (``make test`` installs it); the product never imports it.
 """

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from zarrlake_testkit.servers import start_redis, stop
 from zarrlake_operator import kube
+from zarrlake_testkit.servers import start_redis, stop
 
 
 def _now() -> str:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
@@ -58,7 +57,7 @@ def free_port() -> int:
 
 
 def listening_pids(port: int) -> set[int] | None:
-    """The pids with a socket listening on 127.0.0.1/0.0.0.0:``port``; None where /proc can't tell."""
+    """The pids listening on ``port`` (any address); None where /proc cannot tell."""
     inodes: set[str] = set()
     try:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -119,7 +118,7 @@ def wait_for_port(
         if owners is None or _owned_by(proc.pid, owners):
             return
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise PortTaken(f"127.0.0.1:{port} is served by pid(s) {sorted(owners)}, not {proc.pid}")
+            raise PortTaken(f"127.0.0.1:{port} is served by {sorted(owners)}, not by {proc.pid}")
         time.sleep(0.05)  # ours may still be binding (and will fail): look again
 
 
@@ -177,7 +176,9 @@ def spawn_on_free_port(
     raise AssertionError("unreachable")
 
 
-def _spawn(make_cmd: Callable[[int], Sequence[str]], timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+def _spawn(
+    make_cmd: Callable[[int], Sequence[str]], timeout: float
+) -> tuple[subprocess.Popen[bytes], int]:
     return spawn_on_free_port(
         make_cmd, timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

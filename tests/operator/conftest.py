@@ -16,10 +16,10 @@ import pytest
 import yaml
 from k8s_env import ROOT, Env
 
-from zarrlake_testkit.servers import stop
 from zarrlake_operator import kube
 from zarrlake_testkit.emulated import LocalCluster, start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
+from zarrlake_testkit.servers import stop
 
 
 @dataclass

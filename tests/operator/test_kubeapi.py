@@ -678,7 +678,10 @@ def test_owner_references_are_garbage_collected(api: Http) -> None:
 
     # A dependent written after its owner went (a controller racing the owner's deletion) is
     # collected like a real cluster's garbage collector collects dangling owner references.
-    late = {"metadata": {"name": "late-dep", "ownerReferences": [ref]}, "spec": {"schedule": "@daily"}}
+    late = {
+        "metadata": {"name": "late-dep", "ownerReferences": [ref]},
+        "spec": {"schedule": "@daily"},
+    }
     api.ok("POST", "/apis/batch/v1/namespaces/gc/cronjobs", late)
     assert api.call("GET", "/apis/batch/v1/namespaces/gc/cronjobs/late-dep")[0] == 404
 

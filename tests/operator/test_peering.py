@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 from k8s_env import CREDENTIALS, ROOT, wait_for
 
-from zarrlake_testkit.servers import stop
 from zarrlake_operator import kube
 from zarrlake_testkit.emulated import start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
+from zarrlake_testkit.servers import stop
 
 PEERING = "zarrlake-operator"
 
