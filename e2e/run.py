@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,7 @@ class Scenario:
         cmd = [self.kubectl_bin, "--kubeconfig", str(self.kubeconfig), "--cache-dir", cache, *args]
         if show:
             print("$ kubectl " + " ".join(args), flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if show and done.stdout.strip():
             print(done.stdout.rstrip())
         if check and done.returncode != 0:
@@ -67,7 +68,7 @@ class Scenario:
     def get(self, kind: str, name: str) -> dict[str, Any]:
         return json.loads(self.kubectl("get", kind, name, "-o", "json", show=False))
 
-    def wait(self, what: str, check: Any, timeout: float = 90) -> Any:
+    def wait(self, what: str, check: Any, timeout: float = 240) -> Any:
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
@@ -171,10 +172,16 @@ def spark_write(repo: Any, lock_note: str) -> str:
         spark.stop()
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
+    # SIGTERM (a test's deadline) unwinds like an error, so `finally` stops every process by pid.
+    signal.signal(signal.SIGTERM, _terminated)
 
     from zarrlake_operator import kube
     from zarrlake_testkit.emulated import LocalCluster, start_operator
@@ -270,7 +277,7 @@ def main() -> int:
         policy = k.wait(
             "the GC run in the policy's status",
             lambda: (p := k.get("retentionpolicy", POLICY))["status"].get("lastGC") and p,
-            timeout=120,
+            timeout=300,
         )
         last = policy["status"]["lastGC"]
         print("lastGC:", json.dumps(last))

@@ -16,12 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import zarrlake
 from backends import STORAGE_KINDS, make_storage
 from cli_helpers import Result
 from zarrlake.cli import main as cli_main
 from zarrlake_testkit.servers import start_moto, start_redis, stop
+
+# Every property test, present and future: no per-example deadline and no "too slow" health check,
+# both wall-clock judgements that a loaded machine fails. Tests name their own example counts.
+settings.register_profile(
+    "zarrlake", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "zarrlake"))
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -30,32 +38,68 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 # -- markers and parallel groups ----------------------------------------------------------------
 
-# Tests whose cost is a process of their own (a server they start and stop, a subprocess CLI run,
-# a long hypothesis search): marked ``slow`` by name so `make test-fast` leaves them out.
+# Tests whose cost is processes of their own (servers they start, kill and restart, many writer
+# processes, subprocess CLI runs) or a long hypothesis search: marked ``slow`` so `make test-fast`
+# leaves them out. Chosen from `--durations` (each took over ~2.5 s on 2 loaded cores).
 SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
+SLOW_TESTS = {
+    "test_commit_racing_gc_loses_nothing_local",
+    "test_commit_racing_gc_loses_nothing_s3",
+    "test_compaction_prunes_journal_within_keep_journal",
+    "test_compaction_changes_no_data_and_packs_small_chunks",
+    "test_compaction_racing_user_commit_keeps_user_data",
+    "test_conflicting_writes_exactly_one_wins_per_chunk",
+    "test_console_script",
+    "test_crash_consistency_local",
+    "test_crash_consistency_s3",
+    "test_expire_log_ends_cleanly_and_gc_frees",
+    "test_gc_spares_a_running_session",
+    "test_lease_expires_after_holder_is_sigkilled",
+    "test_lease_is_renewed_through_a_long_critical_section",
+    "test_many_processes_commit_disjoint_chunks",
+    "test_more_than_a_thousand_keys",
+    "test_mutual_exclusion_and_fencing_8_processes",
+    "test_one_chunk_commit_rewrites_one_shard",
+    "test_paused_holder_cannot_clobber_the_branch",
+    "test_python_m_zarrlake",
+    "test_random_histories_survive_expiry_and_gc_memory",
+    "test_redis_restarted_mid_run_loses_no_commit",
+    "test_session_expiry",
+    "test_valid_envelope_with_random_payload_is_corrupt_or_well_formed",
+}
+
+
+# Modules whose tests run the operator (a real process, or Kopf in-process) against the emulated
+# API, or the e2e scenario; test_desired and test_chart (pure functions, Helm) are not among them.
+OPERATOR_MODULES = {"test_operator", "test_peering", "test_kubeapi", "test_e2e"}
+# Generous per-test limits where a test legitimately starts a whole stack of processes.
+LONG_TIMEOUTS = {"test_e2e": 1200, "test_peering": 900}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test by where it lives; keep the tests sharing a heavy process on one worker.
+    """Mark each test by what it uses; keep the tests sharing a heavy process on one worker.
 
     Under pytest-xdist (``--dist loadgroup``) every worker starts its own session fixtures, so the
-    Spark tests (one JVM) and the operator tests (one API server + one operator process) each go
-    to a single worker instead of starting those processes on every worker.
+    Spark tests (one JVM) and the operator tests (one API server + one operator process; the
+    process-wide kube client) each go to a single worker instead of to every worker.
     """
     for item in items:
-        path = Path(str(item.fspath))
-        module = path.stem
-        if "operator" in path.parts:
+        module = Path(str(item.fspath)).stem
+        fixtures = set(getattr(item, "fixturenames", ()))
+        name = getattr(item, "originalname", None) or item.name
+        if module in OPERATOR_MODULES or fixtures & {"k8s", "operator_cluster"}:
             item.add_marker(pytest.mark.operator)
         if module == "test_e2e":
             item.add_marker(pytest.mark.e2e)
-        if module in SLOW_MODULES or item.get_closest_marker("spark"):
+        if "moto_s3" in fixtures or "[s3" in item.name or "-s3" in item.name:
+            item.add_marker(pytest.mark.s3)
+        if module in SLOW_MODULES or name in SLOW_TESTS or item.get_closest_marker("spark"):
             item.add_marker(pytest.mark.slow)
+        if module in LONG_TIMEOUTS and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUTS[module]))
         if item.get_closest_marker("spark") or module == "test_e2e":
             item.add_marker(pytest.mark.xdist_group("spark"))
-        elif "k8s" in getattr(item, "fixturenames", ()) or "operator_cluster" in getattr(
-            item, "fixturenames", ()
-        ):
+        elif item.get_closest_marker("operator") and module != "test_kubeapi":
             item.add_marker(pytest.mark.xdist_group("operator"))
 
 

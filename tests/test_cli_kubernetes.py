@@ -725,8 +725,6 @@ def test_connection_opens_a_real_repository_on_s3(moto_s3: Any, cli: Callable[..
 def test_from_kubernetes_with_no_api_server_is_a_typed_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zarrlake_testkit.servers import free_port
-
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -734,7 +732,7 @@ def test_from_kubernetes_with_no_api_server_is_a_typed_error(
                 "apiVersion": "v1",
                 "kind": "Config",
                 "clusters": [
-                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}
+                    {"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}  # nobody listens
                 ],
                 "users": [{"name": "u", "user": {"token": "t"}}],
                 "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],

@@ -86,10 +86,11 @@ class LocalCluster:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
-        for proc, _ in self.redis.values():
-            stop(proc)
-        self.redis.clear()
+            self._thread.join(600)  # a step may be running a Job's process
+        with self._mutex:
+            for proc, _ in self.redis.values():
+                stop(proc)
+            self.redis.clear()
 
     def forget_namespace(self, ns: str) -> None:
         """Stop playing ``ns``: its lock-service processes stop, its names leave the DNS."""
@@ -182,14 +183,16 @@ class LocalCluster:
             )
             if uid in self.jobs_done or finished:
                 continue
+            # A Secret the Job needs may not be there yet: like a kubelet, try again next step
+            # (raising here leaves the Job unmarked); once the process starts, it runs once.
+            env = self._environment(ns, job["spec"]["template"]["spec"]["containers"][0])
             self.jobs_done.add(uid)
-            self._run_job(ns, job)
+            self._run_job(ns, job, env)
 
-    def _run_job(self, ns: str, job: Mapping[str, Any]) -> None:
+    def _run_job(self, ns: str, job: Mapping[str, Any], env: dict[str, str]) -> None:
         name = job["metadata"]["name"]
         pod_spec = job["spec"]["template"]["spec"]
         container = pod_spec["containers"][0]
-        env = self._environment(ns, container)
         fd, report = tempfile.mkstemp(prefix="termination-log-", dir=self.workdir)
         os.close(fd)
         if "ZARRLAKE_REPORT_FILE" in env:
@@ -344,7 +347,7 @@ def start_operator(
 
     Returns (process, liveness port, metrics port) once ``/healthz`` answers.
     """
-    from zarrlake_testkit.servers import free_port, spawn_on_free_port
+    from zarrlake_testkit.servers import PortTaken, free_port, spawn_on_free_port, wait_for_port
 
     ports: dict[str, int] = {}
 
@@ -374,11 +377,19 @@ def start_operator(
     }
     log = open(log_path, "ab")  # noqa: SIM115  (the child owns it)
     try:
-        # Up to 120 s to listen: the operator imports kopf, kubernetes and boto3 and logs in;
-        # on a loaded machine that takes long, and a passing start returns as soon as it listens.
-        proc, liveness = spawn_on_free_port(
-            command, 120, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        for attempt in range(5):
+            # Up to 120 s to listen: the operator imports kopf, kubernetes and boto3 and logs in;
+            # on a loaded machine that takes long; a passing start returns as soon as it listens.
+            proc, liveness = spawn_on_free_port(
+                command, 120, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            try:  # the metrics port must be this operator's too, or a scrape reads another's
+                wait_for_port(ports["metrics"], 120, proc)
+                break
+            except PortTaken:
+                stop(proc)
+                if attempt == 4:
+                    raise
     finally:
         log.close()
     metrics_port = ports["metrics"]

@@ -18,15 +18,30 @@ ROOT = Path(__file__).resolve().parents[2]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIAZLTESTKEY0000001", "AWS_SECRET_ACCESS_KEY": "s3cr3t-zl-t"}
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with its last value."""
+# Generous: a wait returns as soon as its condition holds, and on a loaded machine the operator's
+# 1 s resync, a Job's process or a Redis start can take tens of seconds.
+WAIT_S = 120.0
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with its last value.
+
+    An exception from ``check`` counts as "not yet" (a status not written yet raises KeyError or
+    TypeError); the last one is reported, with its traceback, if the deadline passes.
+    """
     deadline = time.monotonic() + timeout
     last: Any = None
+    error: Exception | None = None
     while time.monotonic() < deadline:
-        last = check()
+        try:
+            last, error = check(), None
+        except Exception as e:
+            last, error = None, e
         if last:
             return last
         time.sleep(0.2)
+    if error is not None:
+        raise AssertionError(f"timed out waiting for {what}; last error: {error!r}") from error
     raise AssertionError(f"timed out waiting for {what}; last: {json.dumps(last, default=str)}")
 
 
@@ -129,7 +144,12 @@ class Env:
         )
 
     def wait_condition(
-        self, kind: str, name: str, type_: str = "Ready", status: str = "True", timeout: float = 30
+        self,
+        kind: str,
+        name: str,
+        type_: str = "Ready",
+        status: str = "True",
+        timeout: float = WAIT_S,
     ) -> dict[str, Any]:
         def check() -> Any:
             obj = self.get(kind, name)
@@ -156,6 +176,9 @@ class Env:
 
     def events(self) -> list[dict[str, Any]]:
         return kube._call("GET", f"/api/v1/namespaces/{self.namespace}/events").get("items", [])
+
+    def event_reasons(self) -> set[str]:
+        return {e.get("reason") or "" for e in self.events()}
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.operator_log.read_text(errors="replace").splitlines()[-lines:])

@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -478,24 +477,26 @@ def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None
     PASSWORD = 'p@ss "w0rd\\ $HOME'
     import redis
 
-    from zarrlake_testkit.servers import free_port, redis_server_binary, stop, wait_for_port
+    from zarrlake_testkit.servers import redis_server_binary, spawn_on_free_port, stop
 
     body = repository_body()
     c = desired.lock_deployment(body, RepositorySpec.model_validate(body["spec"]))["spec"][
         "template"
     ]["spec"]["containers"][0]
-    port = free_port()
-    script = (
-        c["args"][0]
-        .replace("redis-server", redis_server_binary())
-        .replace(f"--port {desired.REDIS_PORT}", f"--port {port} --bind 127.0.0.1 --save ''")
-        .replace("--dir /data", f"--dir {tmp_path}")
-    )
-    proc = subprocess.Popen(
-        [*c["command"], script], env={"PATH": os.environ["PATH"], "REDIS_PASSWORD": PASSWORD}
+
+    def command(port: int) -> list[str]:
+        script = (
+            c["args"][0]
+            .replace("redis-server", redis_server_binary())
+            .replace(f"--port {desired.REDIS_PORT}", f"--port {port} --bind 127.0.0.1 --save ''")
+            .replace("--dir /data", f"--dir {tmp_path}")
+        )
+        return [*c["command"], script]
+
+    proc, port = spawn_on_free_port(
+        command, 60, env={"PATH": os.environ["PATH"], "REDIS_PASSWORD": PASSWORD}
     )
     try:
-        wait_for_port(port, 15, proc)
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, password="wrong").ping()
         assert redis.Redis(port=port, password=PASSWORD).ping()

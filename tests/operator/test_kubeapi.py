@@ -65,7 +65,7 @@ class Http:
         for key, value in (headers or {}).items():
             request.add_header(key, value)
         try:
-            with self.opener.open(request, timeout=10) as rsp:
+            with self.opener.open(request, timeout=60) as rsp:
                 return rsp.status, json.loads(rsp.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null")
@@ -77,9 +77,9 @@ class Http:
 
     @contextlib.contextmanager
     def watch(self, path: str, **params: str) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
-        """A watch stream; yields ``take(n)`` that reads the next n events (5 s each at most)."""
+        """A watch stream; yields ``take(n)`` that reads the next n events (60 s each at most)."""
         host, port = self.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
         query = urllib.parse.urlencode({"watch": "true", **params})
         conn.request("GET", f"{path}?{query}")
         rsp = conn.getresponse()
@@ -158,7 +158,7 @@ def crd(plural: str, kind: str, *, scope: str = "Namespaced", status: bool = Tru
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
-def wait_until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+def wait_until(check: Callable[[], Any], timeout: float = 120.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         result = check()
@@ -330,7 +330,7 @@ def test_watch_selector_transitions_and_timeout(api: Http) -> None:
     now = api.ok("GET", path)["metadata"]["resourceVersion"]
     with api.watch(path, resourceVersion=now, timeoutSeconds="1") as take:
         assert rsp_ends(take)
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 30  # it ended (server-side 1 s timeout), not a speed bound
 
 
 def test_watch_too_old_resource_version_is_gone() -> None:
@@ -801,7 +801,7 @@ def test_kubectl(kubeconfig: Path, tmp_path: Path) -> None:
     assert f"customresourcedefinition.apiextensions.k8s.io/doodads.{GROUP} created" in out
     assert "configmap/kc-config created" in out
     kubectl(
-        kubeconfig, "wait", "--for=condition=Established", f"crd/doodads.{GROUP}", "--timeout=5s"
+        kubeconfig, "wait", "--for=condition=Established", f"crd/doodads.{GROUP}", "--timeout=60s"
     )
 
     widgets = tmp_path / "doodads"
@@ -839,7 +839,9 @@ def test_kubectl(kubeconfig: Path, tmp_path: Path) -> None:
     obj = json.loads(kubectl(kubeconfig, "get", "doodad", "d1", "-o", "json"))
     assert obj["spec"]["size"] == 5 and obj["metadata"]["generation"] == 3
     assert "phase: Ready" in kubectl(kubeconfig, "get", "doodad", "d1", "-o", "yaml")
-    kubectl(kubeconfig, "wait", "--for=jsonpath={.status.phase}=Ready", "doodad/d1", "--timeout=5s")
+    kubectl(
+        kubeconfig, "wait", "--for=jsonpath={.status.phase}=Ready", "doodad/d1", "--timeout=60s"
+    )
     described = kubectl(kubeconfig, "describe", "doodad", "d1")
     assert "Name:         d1" in described and "Size:  5" in described
 
@@ -863,11 +865,11 @@ def test_kubectl(kubeconfig: Path, tmp_path: Path) -> None:
     assert "kc-config" in kubectl(kubeconfig, "get", "configmaps", "-l", "tier in (x,y)")
 
     assert f'doodad.{GROUP} "d1" deleted' in kubectl(
-        kubeconfig, "delete", "doodad", "d1", "--timeout=10s"
+        kubeconfig, "delete", "doodad", "d1", "--timeout=60s"
     )
     assert "No resources found" in kubectl(kubeconfig, "get", "doodads")
-    kubectl(kubeconfig, "delete", "namespace", "kc-ns", "--timeout=10s")
-    kubectl(kubeconfig, "delete", "-f", str(manifests), "--timeout=10s")
+    kubectl(kubeconfig, "delete", "namespace", "kc-ns", "--timeout=60s")
+    kubectl(kubeconfig, "delete", "-f", str(manifests), "--timeout=60s")
     assert "doodads" not in kubectl(kubeconfig, "api-resources")
 
 
@@ -917,7 +919,7 @@ def test_kopf_operator(api: Http, kubeconfig: Path, tmp_path: Path) -> None:
     os.environ["KUBECONFIG"] = str(kubeconfig)
     try:
         with KopfRunner(
-            ["run", "--standalone", "-n", "default", "--verbose", str(operator)], timeout=30
+            ["run", "--standalone", "-n", "default", "--verbose", str(operator)], timeout=120
         ) as runner:
             api.ok("POST", path, {"metadata": {"name": "r1"}, "spec": {"size": 2}})
 

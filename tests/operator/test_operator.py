@@ -201,8 +201,11 @@ def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
         "recreated count", lambda: (o := k8s.get("Branch", "dev"))["status"].get("recreated") and o
     )
     assert obj["status"]["recreated"] == 1
-    reasons = {e.get("reason") for e in k8s.events()}
-    assert "BranchRecreated" in reasons and "BranchCreated" in reasons
+    # Kopf posts events in the background, after the status patch: wait for them.
+    wait_for(
+        "BranchRecreated and BranchCreated events",
+        lambda: k8s.event_reasons() >= {"BranchRecreated", "BranchCreated"},
+    )
 
     k8s.delete("Branch", "dev")
     wait_for("branch deleted", lambda: "dev" not in repo.list_branches())
@@ -331,7 +334,7 @@ def test_retention_policy_cron_jobs_and_a_gc_run(k8s: Env) -> None:
     obj = wait_for(
         "lastGC",
         lambda: (o := k8s.get("RetentionPolicy", "keep"))["status"].get("lastGC") and o,
-        60,
+        240,  # the Job runs `zarrlake gc` as a new process
     )
     last = obj["status"]["lastGC"]
     assert last["result"] == "Succeeded", (last, k8s.cluster.job_log[-1])
@@ -340,7 +343,7 @@ def test_retention_policy_cron_jobs_and_a_gc_run(k8s: Env) -> None:
     assert last["objectsDeleted"] > 0 and last["bytesFreed"] > 0
     assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 3.0)
     assert repo.fsck().ok
-    assert "GCSucceeded" in {e.get("reason") for e in k8s.events()}
+    wait_for("GCSucceeded event", lambda: "GCSucceeded" in k8s.event_reasons())
 
 
 def test_failed_job_is_reported(k8s: Env) -> None:
@@ -360,7 +363,7 @@ def test_failed_job_is_reported(k8s: Env) -> None:
         }
     )
     obj = wait_for(
-        "lastGC", lambda: (o := k8s.get("RetentionPolicy", "p"))["status"].get("lastGC") and o, 60
+        "lastGC", lambda: (o := k8s.get("RetentionPolicy", "p"))["status"].get("lastGC") and o, 240
     )
     last = obj["status"]["lastGC"]
     assert last["result"] == "Failed"
@@ -416,13 +419,20 @@ def test_credentials_never_leave_their_secrets(k8s: Env) -> None:
 
 def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
     k8s.ready_repository()
-    body = urllib.request.urlopen(f"http://127.0.0.1:{k8s.metrics_port}/metrics").read().decode()
-    ok = [
-        line
-        for line in body.splitlines()
-        if line.startswith('zarrlake_operator_reconciles_total{kind="Repository",outcome="ok"}')
-    ]
-    assert ok and float(ok[0].split()[-1]) >= 1
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    series = 'zarrlake_operator_reconciles_total{kind="Repository",outcome="ok"}'
+
+    def scrape() -> str:
+        with direct.open(f"http://127.0.0.1:{k8s.metrics_port}/metrics", timeout=30) as rsp:
+            return str(rsp.read().decode())
+
+    def counted() -> str | None:
+        # The counter goes up when the reconcile returns, just after its status patch.
+        body = scrape()
+        ok = [line for line in body.splitlines() if line.startswith(series)]
+        return body if ok and float(ok[0].split()[-1]) >= 1 else None
+
+    body = wait_for("a Repository reconcile counted", counted)
     assert "zarrlake_operator_reconcile_duration_seconds_bucket" in body
 
 
@@ -555,8 +565,11 @@ def test_delete_refuses_a_location_that_holds_another_repository(k8s: Env) -> No
     k8s.delete("Repository", "repo")
     wait_for("the resource is released", lambda: k8s.get("Repository", "repo") is None)
     assert zarrlake.Repository.open(storage).id == other.id  # untouched
-    warnings = [e for e in k8s.events() if e.get("reason") == "ReclaimFailed"]
-    assert warnings and other.id in warnings[0]["message"]
+    warnings = wait_for(
+        "a ReclaimFailed event",
+        lambda: [e for e in k8s.events() if e.get("reason") == "ReclaimFailed"],
+    )
+    assert other.id in warnings[0]["message"]
 
 
 def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> None:

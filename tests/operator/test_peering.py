@@ -5,6 +5,7 @@ Its own API server (not the shared one), so the replicas see only this test's re
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -80,14 +81,16 @@ def test_only_the_highest_priority_replica_acts(tmp_path: Path, moto_s3: Any) ->
         wait_for("the high replica to resume", lambda: "Resuming" in high_log.read_text())
         kube.create(_repository("first", moto_s3.endpoint))
         wait_for("first Ready", lambda: _ready("first"))
-        time.sleep(1)  # give a wrongly active replica the chance to show itself
-        assert "repository_changed" in high_log.read_text()
+        # Kopf logs the handler's success after the status patch: wait for the line itself.
+        wait_for("the high replica's handler", lambda: "repository_changed" in high_log.read_text())
+        time.sleep(1)  # give a wrongly active replica the chance to show itself (a negative check)
         assert "repository_changed" not in low_log.read_text()
         assert "Resuming" not in low_log.read_text()
 
         # The active replica leaves (SIGTERM: Kopf withdraws from the peering); the other resumes.
-        stop(high)
-        wait_for("the low replica to resume", lambda: "Resuming" in low_log.read_text(), 60)
+        # Up to 120 s to exit cleanly: a SIGKILL would leave its peering record to expire (60 s).
+        stop(high, timeout=120)
+        wait_for("the low replica to resume", lambda: "Resuming" in low_log.read_text(), 240)
         kube.create(_repository("second", moto_s3.endpoint))
         wait_for("second Ready", lambda: _ready("second"))
         assert "repository_changed" in low_log.read_text()
@@ -95,3 +98,6 @@ def test_only_the_highest_priority_replica_acts(tmp_path: Path, moto_s3: Any) ->
         stop(low)
         stop(high)
         api.stop()
+        # The kube client is process-wide: give it back to the shared operator tests' cluster.
+        if os.environ.get("KUBECONFIG"):
+            kube.use_kubeconfig(os.environ["KUBECONFIG"])
