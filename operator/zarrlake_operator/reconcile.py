@@ -24,6 +24,7 @@ from zarrlake import (
     RefNotFound,
     Repository,
     RepositoryConfig,
+    RepositoryNotFound,
     RetentionRules,
     StorageError,
     TagExists,
@@ -239,18 +240,44 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
 
     # The repository itself.
     if conn is not None and desired.is_true(conds, "BucketReady"):
+        recorded = status.get("repositoryID")
         try:
-            repo = Repository.open_or_create(conn.storage(), config=config)
-            created = status.get("repositoryID") is None
-            fields |= {
-                "repositoryID": repo.id,
-                "url": conn.storage_url,
-                "branches": len(repo.list_branches()),
-                "tags": len(repo.list_tags()),
-            }
-            cond("Initialized", True, "Initialized", f"repository {repo.id} at {conn.storage_url}")
-            if created:
-                _event(body, "Initialized", f"repository {repo.id} at {conn.storage_url}")
+            # Once a repository is recorded, the resource means that one: the operator never
+            # adopts another repository found at the location, nor creates a new, empty one where
+            # it vanished (either would hide a loss, and reclaimPolicy: Delete would then act on
+            # data this resource never owned).
+            if recorded is None:
+                repo = Repository.open_or_create(conn.storage(), config=config)
+            else:
+                repo = Repository.open(conn.storage())
+            if recorded is not None and repo.id != recorded:
+                cond(
+                    "Initialized",
+                    False,
+                    "RepositoryReplaced",
+                    f"{conn.storage_url} now holds repository {repo.id}, not {recorded}; "
+                    "delete this resource (reclaim refuses) and create one for the new repository",
+                )
+            else:
+                fields |= {
+                    "repositoryID": repo.id,
+                    "url": conn.storage_url,
+                    "branches": len(repo.list_branches()),
+                    "tags": len(repo.list_tags()),
+                }
+                where = f"repository {repo.id} at {conn.storage_url}"
+                cond("Initialized", True, "Initialized", where)
+                if recorded is None:
+                    _event(body, "Initialized", where)
+        except RepositoryNotFound:
+            cond(
+                "Initialized",
+                False,
+                "RepositoryMissing",
+                f"repository {recorded} is gone from {conn.storage_url}; the operator does not "
+                "create an empty one in its place",
+            )
+            retry = retry or kopf.TemporaryError("repository missing", delay=30)
         except (ZarrlakeError, StorageError) as e:
             cond("Initialized", False, "StorageError", str(e))
             retry = retry or kopf.TemporaryError(str(e), delay=15)

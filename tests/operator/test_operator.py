@@ -562,6 +562,11 @@ def test_delete_refuses_a_location_that_holds_another_repository(k8s: Env) -> No
         allow_http=True,
     )
     other = zarrlake.Repository.create(storage)
+    # The resource keeps meaning its own repository: the newcomer is reported, not adopted.
+    obj = k8s.wait_condition("Repository", "repo", "Initialized", "False")
+    assert condition(obj, "Initialized")["reason"] == "RepositoryReplaced"
+    assert other.id in condition(obj, "Initialized")["message"]
+    assert obj["status"]["repositoryID"] != other.id
     k8s.delete("Repository", "repo")
     wait_for("the resource is released", lambda: k8s.get("Repository", "repo") is None)
     assert zarrlake.Repository.open(storage).id == other.id  # untouched
@@ -570,6 +575,23 @@ def test_delete_refuses_a_location_that_holds_another_repository(k8s: Env) -> No
         lambda: [e for e in k8s.events() if e.get("reason") == "ReclaimFailed"],
     )
     assert other.id in warnings[0]["message"]
+
+
+def test_a_repository_deleted_behind_the_operators_back_is_not_recreated_empty(k8s: Env) -> None:
+    import zarrlake
+
+    k8s.secret()
+    bucket = k8s.repository()
+    recorded = k8s.wait_condition("Repository", "repo")["status"]["repositoryID"]
+    for key in keys(k8s, bucket, "repos/repo/"):
+        s3(k8s).delete_object(Bucket=bucket, Key=key)
+    obj = k8s.wait_condition("Repository", "repo", "Initialized", "False")
+    assert condition(obj, "Initialized")["reason"] == "RepositoryMissing"
+    assert recorded in condition(obj, "Initialized")["message"]
+    assert condition(obj, "Ready")["status"] == "False"
+    assert keys(k8s, bucket, "repos/repo/") == []  # nothing created in its place
+    with pytest.raises(zarrlake.KubernetesError, match="is gone from"):
+        k8s.open_repository()  # clients are told why, instead of finding an empty repository
 
 
 def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> None:
