@@ -36,7 +36,7 @@ def imported_top_levels(source: str, filename: str) -> set[str]:
     return names
 
 
-def testware_in(path: str, source: str) -> list[str]:
+def find_testware(path: str, source: str) -> list[str]:
     parts = Path(path).parts
     problems = []
     if {"tests", "testkit"} & set(parts) or Path(path).name.startswith("test_"):
@@ -66,7 +66,7 @@ def test_the_wheel_carries_the_product_and_no_test_code(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         problems = [
-            p for n in names for p in testware_in(n, z.read(n).decode("utf-8", "replace"))
+            p for n in names for p in find_testware(n, z.read(n).decode("utf-8", "replace"))
         ]
         metadata = Parser().parsestr(
             z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -135,17 +135,17 @@ def test_the_image_copies_the_product_and_no_test_code() -> None:
     files = image_files(ROOT)
     assert "client/zarrlake/repository.py" in files and "pyproject.toml" in files
     assert "operator/zarrlake_operator/handlers.py" in files
-    problems = [p for f in sorted(files) for p in testware_in(f, (ROOT / f).read_text())]
+    problems = [p for f in sorted(files) for p in find_testware(f, (ROOT / f).read_text())]
     assert problems == []
     assert not any(f.startswith(("testkit/", "tests/", "e2e/", "bench/")) for f in files)
 
 
 def test_the_checks_catch_test_code(tmp_path: Path) -> None:
     """The checks above can fail: a test module and a kmock import are caught."""
-    assert testware_in("zarrlake/test_x.py", "")
-    assert testware_in("zarrlake/x.py", "import kmock\n")
-    assert testware_in("zarrlake/y.py", "from zarrlake_testkit.servers import stop\n")
-    assert not testware_in("zarrlake/z.py", "import zarr\n")
+    assert find_testware("zarrlake/test_x.py", "")
+    assert find_testware("zarrlake/x.py", "import kmock\n")
+    assert find_testware("zarrlake/y.py", "from zarrlake_testkit.servers import stop\n")
+    assert not find_testware("zarrlake/z.py", "import zarr\n")
     (tmp_path / ".dockerignore").write_text("*\n!client/\n**/__pycache__\n")
     (tmp_path / "client" / "__pycache__").mkdir(parents=True)
     (tmp_path / "client" / "a.py").write_text("")
