@@ -20,7 +20,9 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic.json_schema import JsonDict
+
+SchemaExtra = dict[str, Any]
+"""Schema keywords Kubernetes needs and Pydantic does not know, for ``json_schema_extra``."""
 
 GROUP = "zarrlake.io"
 VERSION = "v1alpha1"
@@ -28,7 +30,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "zarrlake"
 
 
-def immutable(what: str) -> JsonDict:
+def immutable(what: str) -> SchemaExtra:
     """A CEL transition rule: the API server refuses any change to the field after creation."""
     rule = {"rule": "self == oldSelf", "message": f"{what} is immutable"}
     return {"x-kubernetes-validations": [rule]}
@@ -93,7 +95,7 @@ class CredentialsSecretRef(ResourceModel):
 
 
 Quantity = int | str
-QUANTITY_SCHEMA: JsonDict = {"x-kubernetes-int-or-string": True}
+QUANTITY_SCHEMA: SchemaExtra = {"x-kubernetes-int-or-string": True}
 
 
 class Resources(ResourceModel):
@@ -138,6 +140,15 @@ class ResourceStatus(ResourceModel):
     def condition(self, type_: str) -> Condition | None:
         """The condition of this type, if the status has one."""
         return next((c for c in self.conditions if c.type == type_), None)
+
+    def patch(self) -> dict[str, Any]:
+        """This status as a JSON merge patch: exactly the fields that were set, where None (null)
+        removes a field. Conditions are written whole, without unset (None) entries: a null
+        inside a list is a value, not a removal, and the schema refuses it."""
+        out = self.model_dump(by_alias=True, exclude_unset=True, mode="json")
+        if "conditions" in out:
+            out["conditions"] = [c.dump() for c in self.conditions]
+        return out
 
 
 # -- Repository --
@@ -252,7 +263,7 @@ class RepositoryRef(ResourceModel):
     )
 
 
-NAME_FIXED: JsonDict = {
+NAME_FIXED: SchemaExtra = {
     "x-kubernetes-validations": [
         {
             "rule": "has(self.name) == has(oldSelf.name)",
