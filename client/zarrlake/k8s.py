@@ -112,9 +112,8 @@ def connection_from_resource(
     from zarrlake.resources import Repository, problems
 
     name = (resource.get("metadata") or {}).get("name", "?")
-    body = {"spec": resource.get("spec") or {}, "status": resource.get("status") or {}}
     try:
-        repository = Repository.model_validate(body)
+        repository = Repository.from_body(resource)
     except ValidationError as e:
         raise KubernetesError(
             f"Repository {name!r} does not match its CRD: {problems(e)}"

@@ -17,7 +17,8 @@ string quantities — travel as ``json_schema_extra`` and are kept by the CRD ge
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -54,6 +55,19 @@ def problems(error: ValidationError, prefix: str = "", limit: int = 3) -> str:
         prefix + ".".join(str(p) for p in err["loc"]) + ": " + err["msg"]
         for err in error.errors()[:limit]
     )
+
+
+class CustomResource(ResourceModel):
+    # No docstring (see ResourceModel); each kind has its own.
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        """The resource from its body as the API server returns it: ``spec`` and ``status`` are
+        read (an absent one as empty), the rest (``metadata``, ...) is not. Raises pydantic's
+        ``ValidationError``."""
+        return cls.model_validate(
+            {"spec": body.get("spec") or {}, "status": body.get("status") or {}}
+        )
 
 
 # -- shared pieces --
@@ -245,7 +259,7 @@ class RepositoryStatus(ResourceStatus):
     tags: int | None = None
 
 
-class Repository(ResourceModel):
+class Repository(CustomResource):
     """A zarrlake repository on S3, with an optional managed lock service."""
 
     spec: RepositorySpec
@@ -302,7 +316,7 @@ class BranchStatus(ResourceStatus):
     )
 
 
-class Branch(ResourceModel):
+class Branch(CustomResource):
     """A branch of a Repository; deleting the resource deletes the branch."""
 
     spec: BranchSpec
@@ -330,7 +344,7 @@ class TagStatus(ResourceStatus):
     snapshot: str | None = None
 
 
-class Tag(ResourceModel):
+class Tag(CustomResource):
     """An immutable name for one snapshot."""
 
     spec: TagSpec
@@ -441,7 +455,7 @@ class RetentionPolicyStatus(ResourceStatus):
     last_compaction: JobRun | None = Field(default=None, alias="lastCompaction")
 
 
-class RetentionPolicy(ResourceModel):
+class RetentionPolicy(CustomResource):
     """Retention rules and the schedules of the jobs that apply them."""
 
     spec: RetentionPolicySpec

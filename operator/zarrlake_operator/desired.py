@@ -19,6 +19,7 @@ from zarrlake.resources import (
     Condition,
     ConditionStatus,
     JobRun,
+    JobSchedule,
     Repository,
     RepositorySpec,
     RetentionPolicySpec,
@@ -361,12 +362,9 @@ def deployment_available(deployment: Mapping[str, Any] | None) -> tuple[bool, st
 # -- maintenance CronJobs --
 
 
-def job_env(repository: Mapping[str, Any]) -> list[dict[str, Any]]:
+def job_env(repository: Repository) -> list[dict[str, Any]]:
     """Environment of a maintenance job: credentials by Secret reference only, never by value."""
-    resource = Repository.model_validate(
-        {"spec": repository.get("spec") or {}, "status": repository.get("status") or {}}
-    )
-    spec, status = resource.spec, resource.status
+    spec, status = repository.spec, repository.status
     env: list[dict[str, Any]] = [
         {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
     ]
@@ -409,9 +407,9 @@ def job_env(repository: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _cron_job(
     policy: Mapping[str, Any],
     kind: str,
-    schedule: Any,
+    schedule: JobSchedule,
     command: list[str],
-    repository: Mapping[str, Any],
+    repository: Repository,
     spec: RetentionPolicySpec,
     image: str,
 ) -> dict[str, Any]:
@@ -504,7 +502,8 @@ def retention_cron_jobs(
     The storage URL carries no secrets, so it may appear in the arguments; everything secret
     reaches the job as Secret-referenced environment variables.
     """
-    url = (repository.get("status") or {}).get("url")
+    resource = Repository.from_body(repository)
+    url = resource.status.url
     if not url:
         raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
     image = spec.image or default_image
@@ -512,11 +511,11 @@ def retention_cron_jobs(
     gc_cmd = ["zarrlake", "gc", url, "--rules", rules, "--grace", spec.gc.grace, "--json"]
     if spec.gc.force:
         gc_cmd.append("--force")
-    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, repository, spec, image)}
+    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, resource, spec, image)}
     if spec.compaction is not None:
         c = spec.compaction
         cmd = ["zarrlake", "compact", url, "--branch", c.branch, "--json"]
-        jobs["compact"] = _cron_job(policy, "compact", c, cmd, repository, spec, image)
+        jobs["compact"] = _cron_job(policy, "compact", c, cmd, resource, spec, image)
     return jobs
 
 

@@ -325,16 +325,22 @@ def repository(body: Mapping[str, Any]) -> ResourceStatus:
     return status
 
 
-def _location(body: Mapping[str, Any]) -> tuple[str, str, str]:
-    storage = (body.get("spec") or {}).get("storage") or {}
-    endpoint = (storage.get("endpointURL") or "").rstrip("/")
-    return endpoint, storage.get("bucket") or "", (storage.get("prefix") or "").strip("/")
+def _location(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(endpoint, bucket, prefix) of a Repository resource; None for a spec that does not parse
+    (the API server refuses those, so it claims nothing)."""
+    try:
+        storage = RepositorySpec.model_validate(body.get("spec") or {}).storage
+    except ValidationError:
+        return None
+    return (storage.endpoint_url or "").rstrip("/"), storage.bucket, storage.prefix
 
 
 def _location_owner(body: Mapping[str, Any]) -> str | None:
     """The older Repository resource in this namespace with the same location, if any."""
     ns, name, _ = _meta(body)
     here = _location(body)
+    if here is None:
+        return None
     same = [o for o in kube.list_("Repository", ns) if _location(o) == here]
     winner = desired.claim_winner(same)
     return None if winner in (None, name) else winner
