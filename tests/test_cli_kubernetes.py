@@ -489,7 +489,7 @@ def resource(
         or {
             "storage": {
                 "bucket": "zarrlake-climate",
-                "prefix": "/repos/climate/",
+                "prefix": "repos/climate",
                 "region": "eu-west-1",
                 "endpointURL": "http://minio.storage.svc:9000",
                 "credentialsSecret": {"name": "climate-s3"},
@@ -619,6 +619,26 @@ def test_connection_ready_managed_without_endpoint_is_an_error() -> None:
 def test_connection_without_a_bucket_is_an_error() -> None:
     with pytest.raises(zarrlake.KubernetesError, match=r"spec\.storage\.bucket"):
         connection_from_resource(resource({"storage": {}}), secrets())
+
+
+@pytest.mark.parametrize(
+    ("storage", "field"),
+    [
+        ({"bucket": "zarrlake-climate", "prefix": "/repos/climate/"}, "spec.storage.prefix"),
+        ({"bucket": "Not_A_Bucket"}, "spec.storage.bucket"),
+        ({"bucket": "zarrlake-climate", "credentialsSecret": {}}, "spec.storage.credentialsSecret"),
+    ],
+)
+def test_connection_reads_the_resource_through_its_crd_model(
+    storage: dict[str, Any], field: str
+) -> None:
+    """What the API server would refuse (the CRD comes from the same model) is a typed error
+    naming the field, not a guess at what was meant."""
+    spec = {"storage": storage, "lockService": {"mode": "none"}}
+    with pytest.raises(zarrlake.KubernetesError, match="does not match its CRD") as e:
+        connection_from_resource(resource(spec, {"conditions": [READY]}), secrets())
+    assert field in str(e.value) and "'climate'" in str(e.value)
+    assert "Not_A_Bucket" not in str(e.value)  # where and what, not the value
 
 
 def test_missing_secrets_and_keys_are_named_not_shown() -> None:

@@ -15,10 +15,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from zarrlake.errors import KubernetesError
+
+if TYPE_CHECKING:
+    from zarrlake.locks import RedisLock
+    from zarrlake.storage.base import Storage
 
 GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -52,7 +56,7 @@ class Connection:
         base = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         return base + ("?" + urlencode(query) if query else "")
 
-    def storage(self) -> Any:
+    def storage(self) -> Storage:
         from zarrlake.storage.s3 import S3Storage
 
         return S3Storage(
@@ -66,7 +70,7 @@ class Connection:
             allow_http=bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
         )
 
-    def lock(self, lock_url: str | None = None) -> Any:
+    def lock(self, lock_url: str | None = None) -> RedisLock | None:
         """The RedisLock, or None for ``lockService.mode: none``.
 
         ``lock_url`` replaces the host part (for example a ``kubectl port-forward`` address when
@@ -98,21 +102,28 @@ def connection_from_resource(
 ) -> Connection:
     """Resolve a Repository resource (its body as a dict) into a :class:`Connection`.
 
-    Raises :class:`KubernetesError` when the resource is not Ready (unless ``require_ready`` is
-    False, as for the operator itself), or a Secret or key it names is missing. ``with_lock``
-    False skips the lock service (and its Secret) entirely.
+    The body is read through :class:`zarrlake.resources.Repository`, the model the CRD is
+    generated from. Raises :class:`KubernetesError` when the resource does not match it, is not
+    Ready (unless ``require_ready`` is False, as for the operator itself), or a Secret or key it
+    names is missing. ``with_lock`` False skips the lock service (and its Secret) entirely.
     """
-    name = resource.get("metadata", {}).get("name", "?")
-    spec = resource.get("spec") or {}
-    status = resource.get("status") or {}
+    from pydantic import ValidationError
+
+    from zarrlake.resources import Repository, problems
+
+    name = (resource.get("metadata") or {}).get("name", "?")
+    try:
+        repository = Repository.from_body(resource)
+    except ValidationError as e:
+        raise KubernetesError(
+            f"Repository {name!r} does not match its CRD: {problems(e)}"
+        ) from None
+    spec, status = repository.spec, repository.status
     if require_ready:
-        ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
-        if not ready or ready[0].get("status") != "True":
-            why = ready[0].get("message") if ready else "no status yet"
+        ready = status.condition("Ready")
+        if ready is None or ready.status != "True":
+            why = ready.message if ready else "no status yet"
             raise KubernetesError(f"Repository {name!r} is not ready: {why}")
-    storage = spec.get("storage") or {}
-    if not storage.get("bucket"):
-        raise KubernetesError(f"Repository {name!r} has no spec.storage.bucket")
 
     def secret_value(secret: str, key: str, *, required: bool = True) -> str | None:
         data = read_secret(secret)
@@ -125,40 +136,38 @@ def connection_from_resource(
         return data[key]
 
     access = secret = token = None
-    creds = storage.get("credentialsSecret")
+    creds = spec.storage.credentials_secret
     if creds:
-        access = secret_value(creds["name"], creds.get("accessKeyIDKey", "AWS_ACCESS_KEY_ID"))
-        secret = secret_value(
-            creds["name"], creds.get("secretAccessKeyKey", "AWS_SECRET_ACCESS_KEY")
-        )
-        if creds.get("sessionTokenKey"):
-            token = secret_value(creds["name"], creds["sessionTokenKey"], required=False)
+        access = secret_value(creds.name, creds.access_key_id_key)
+        secret = secret_value(creds.name, creds.secret_access_key_key)
+        if creds.session_token_key:
+            token = secret_value(creds.name, creds.session_token_key, required=False)
 
-    lock_spec = spec.get("lockService") or {}
-    mode = lock_spec.get("mode", "managed") if with_lock else "none"
+    lock_spec = spec.lock_service
+    mode = lock_spec.mode if with_lock else "none"
     lock_url = lock_password = None
     if mode == "external":
-        lock_url = lock_spec.get("url")
-        ref = lock_spec.get("passwordSecret")
+        lock_url = lock_spec.url
+        ref = lock_spec.password_secret
         if ref:
-            lock_password = secret_value(ref["name"], ref["key"])
+            lock_password = secret_value(ref.name, ref.key)
     elif mode == "managed":
-        lock_url = status.get("lockEndpoint")
-        if status.get("lockSecret"):
-            lock_password = secret_value(status["lockSecret"], "password")
+        lock_url = status.lock_endpoint
+        if status.lock_secret:
+            lock_password = secret_value(status.lock_secret, "password")
         if lock_url is None and require_ready:
             raise KubernetesError(f"Repository {name!r} has no lock endpoint in its status")
     return Connection(
-        bucket=storage["bucket"],
-        prefix=(storage.get("prefix") or "").strip("/"),
-        endpoint_url=storage.get("endpointURL"),
-        region=storage.get("region"),
+        bucket=spec.storage.bucket,
+        prefix=spec.storage.prefix,
+        endpoint_url=spec.storage.endpoint_url,
+        region=spec.storage.region,
         access_key_id=access,
         secret_access_key=secret,
         session_token=token,
         lock_url=lock_url,
         lock_password=lock_password,
-        on_unavailable=lock_spec.get("onUnavailable", "optimistic"),
+        on_unavailable=lock_spec.on_unavailable,
     )
 
 

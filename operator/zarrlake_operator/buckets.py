@@ -1,7 +1,9 @@
-"""Buckets through boto3: check, provision (locked down), and empty a repository's prefix.
+"""Buckets: check and provision them (locked down) through boto3, and delete a repository's
+objects through its :class:`zarrlake.Storage`.
 
 The storage engine itself never creates buckets; only the operator does, and only when a
-Repository says ``provision: true``.
+Repository says ``provision: true``. Repository data is the engine's: it is listed and deleted
+through the same storage the engine reads it with.
 """
 
 from __future__ import annotations
@@ -128,61 +130,63 @@ class NotOurRepository(Exception):
     """The location holds a different repository (or none): nothing is deleted."""
 
 
+def bucket_exists(conn: Connection) -> bool:
+    """Whether the bucket exists. Raises :class:`BucketUnreachable`."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        s3_client(conn).head_bucket(Bucket=conn.bucket)
+        return True
+    except ClientError as e:
+        if _code(e) in ("404", "NoSuchBucket", "NotFound"):
+            return False
+        raise BucketUnreachable(
+            f"S3 refused {_code(e) or 'the request'} on {conn.bucket!r}"
+        ) from None
+    except BotoCoreError as e:
+        raise BucketUnreachable(f"S3 unreachable for bucket {conn.bucket!r}: {e}") from None
+
+
+DELETE_BATCH = 1000  # keys per delete request (the S3 limit), so memory stays flat
+
+
 def delete_repository_objects(conn: Connection, repository_id: str | None) -> int:
-    """Delete the repository's objects (``reclaimPolicy: Delete``); returns how many.
+    """Delete the repository's objects (``reclaimPolicy: Delete``) through its
+    :class:`zarrlake.Storage`; returns how many.
 
     Only keys of zarrlake's exact layout under the prefix are deleted, so other data sharing the
     bucket or prefix survives, even a second repository nested under a layout prefix. The
     ``repo`` marker is checked first (it must carry ``repository_id``, the id the resource
     reported: a resource never deletes a repository it did not see) and deleted first, so
-    nobody opens the repository half-deleted. Raises :class:`BucketUnreachable` or
-    :class:`NotOurRepository`.
+    nobody opens the repository half-deleted. A bucket that is gone holds nothing to delete.
+    Raises :class:`BucketUnreachable` or :class:`NotOurRepository`.
     """
-    from botocore.exceptions import BotoCoreError, ClientError
-
+    from zarrlake import StorageError
     from zarrlake.format.model import LAYOUT_KEY, LAYOUT_PREFIXES, REPO_KEY, RepoRecord
 
-    s3 = s3_client(conn)
-    base = conn.prefix.strip("/") + "/" if conn.prefix.strip("/") else ""
+    if not bucket_exists(conn):
+        return 0
     deleted = 0
     try:
-        try:
-            marker = s3.get_object(Bucket=conn.bucket, Key=base + REPO_KEY)["Body"].read()
-        except ClientError as e:
-            if _code(e) in ("NoSuchBucket", "NoSuchKey", "404"):
-                marker = None
-            else:
-                raise
+        storage = conn.storage()
+        marker = storage.get(REPO_KEY) if storage.exists(REPO_KEY) else None
         if marker is not None:
             found = RepoRecord.decode(marker, REPO_KEY).id
             if repository_id is not None and found != repository_id:
                 raise NotOurRepository(
-                    f"s3://{conn.bucket}/{base} holds repository {found}, not {repository_id}"
+                    f"{storage.url} holds repository {found}, not {repository_id}"
                 )
-            s3.delete_object(Bucket=conn.bucket, Key=base + REPO_KEY)
-            deleted += 1
-        paginator = s3.get_paginator("list_objects_v2")
+            deleted += storage.delete_many([REPO_KEY])
         for prefix in LAYOUT_PREFIXES:
-            for page in paginator.paginate(Bucket=conn.bucket, Prefix=base + prefix):
-                keys = [
-                    {"Key": o["Key"]}
-                    for o in page.get("Contents", [])
-                    if LAYOUT_KEY.match(o["Key"][len(base) :])
-                ]
-                if not keys:
-                    continue
-                out = s3.delete_objects(Bucket=conn.bucket, Delete={"Objects": keys, "Quiet": True})
-                if out.get("Errors"):
-                    first = out["Errors"][0]
-                    raise BucketUnreachable(
-                        f"S3 refused to delete {len(out['Errors'])} object(s), e.g. "
-                        f"{first.get('Key')}: {first.get('Code')}"
-                    )
-                deleted += len(keys)
-    except ClientError as e:
-        if _code(e) == "NoSuchBucket":
-            return deleted
-        raise BucketUnreachable(f"cannot delete s3://{conn.bucket}/{base}: {_code(e)}") from None
-    except BotoCoreError as e:
-        raise BucketUnreachable(f"S3 unreachable for bucket {conn.bucket!r}: {e}") from None
+            batch: list[str] = []
+            for info in storage.list(prefix):
+                if LAYOUT_KEY.match(info.key):
+                    batch.append(info.key)
+                if len(batch) >= DELETE_BATCH:
+                    deleted += storage.delete_many(batch)
+                    batch = []
+            if batch:
+                deleted += storage.delete_many(batch)
+    except StorageError as e:
+        raise BucketUnreachable(f"cannot delete {conn.storage_url}: {e}") from None
     return deleted

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from zarrlake_operator.models import API_VERSION, CATEGORY, GROUP, KINDS, VERSION
 
@@ -63,21 +64,29 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             node["x-kubernetes-preserve-unknown-fields"] = True
         return {k: walk(v) for k, v in node.items()}
 
-    return walk(schema)
+    out: dict[str, Any] = walk(schema)
+    return out
 
 
-def _object_schema(model: type) -> dict[str, Any]:
+def _object_schema(model: type[BaseModel]) -> dict[str, Any]:
     return structural(model.model_json_schema(by_alias=True, mode="validation"))
+
+
+def _field_model(model: type[BaseModel], field: str) -> type[BaseModel]:
+    """The model class of one of ``model``'s fields (``spec``, ``status``)."""
+    annotation = model.model_fields[field].annotation
+    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        raise TypeError(f"{model.__name__}.{field} is not a model: {annotation!r}")
+    return annotation
 
 
 def crd(kind: str) -> dict[str, Any]:
     """The CustomResourceDefinition of one kind."""
     entry = KINDS[kind]
     model = entry["model"]
-    fields = model.model_fields
-    spec_schema = _object_schema(fields["spec"].annotation)
-    status_schema = _object_schema(fields["status"].default_factory().__class__)
-    schema = {
+    spec_schema = _object_schema(_field_model(model, "spec"))
+    status_schema = _object_schema(_field_model(model, "status"))
+    schema: dict[str, Any] = {
         "type": "object",
         "description": (model.__doc__ or "").strip(),
         "required": ["spec"],
@@ -89,8 +98,8 @@ def crd(kind: str) -> dict[str, Any]:
             "status": status_schema,
         },
     }
-    if entry.get("name_max"):
-        limit = entry["name_max"]
+    limit = entry.get("name_max")
+    if limit:
         schema["x-kubernetes-validations"] = [
             {
                 "rule": f"self.metadata.name.size() <= {limit}",
@@ -132,7 +141,7 @@ def crd(kind: str) -> dict[str, Any]:
 
 def render(kind: str) -> str:
     header = (
-        f"# {kind} ({API_VERSION}). Generated from zarrlake_operator/models.py by `make crds`;\n"
+        f"# {kind} ({API_VERSION}). Generated from zarrlake/resources.py by `make crds`;\n"
         "# do not edit by hand.\n"
     )
     return header + yaml.safe_dump(crd(kind), sort_keys=False, width=100)

@@ -12,11 +12,15 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
-from zarrlake_operator.models import (
+from zarrlake.resources import (
     API_VERSION,
     Condition,
+    ConditionStatus,
+    JobRun,
+    JobSchedule,
+    Repository,
     RepositorySpec,
     RetentionPolicySpec,
 )
@@ -75,74 +79,73 @@ def labels(instance: str, component: str) -> dict[str, str]:
 
 
 def set_condition(
-    conditions: Sequence[Mapping[str, Any]],
+    conditions: Sequence[Condition],
     type_: str,
-    status: bool | str,
+    status: bool | ConditionStatus,
     reason: str,
     message: str = "",
     *,
     generation: int | None = None,
     now: dt.datetime | None = None,
-) -> list[dict[str, Any]]:
-    """Conditions with ``type_`` set; ``lastTransitionTime`` moves only when the status changes."""
-    text = status if isinstance(status, str) else ("True" if status else "False")
-    out: list[dict[str, Any]] = []
-    found = False
-    for cond in conditions:
-        if cond.get("type") != type_:
-            out.append(dict(cond))
-            continue
-        found = True
-        changed = cond.get("status") != text
-        out.append(
-            Condition(
-                type=type_,
-                status=text,
-                reason=reason,
-                message=message,
-                last_transition_time=now_iso(now) if changed else cond.get("lastTransitionTime"),
-                observed_generation=generation,
-            ).dump()
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_,
-                status=text,
-                reason=reason,
-                message=message,
-                last_transition_time=now_iso(now),
-                observed_generation=generation,
-            ).dump()
-        )
-    return out
+) -> list[Condition]:
+    """Conditions with ``type_`` set, the others kept in place; the input is not modified.
+
+    ``lastTransitionTime`` moves only when the status changes (the Kubernetes convention: it says
+    since when the condition has been what it is, not when it was last written).
+    """
+    text: ConditionStatus = status if isinstance(status, str) else ("True" if status else "False")
+    previous = condition(conditions, type_)
+    if previous is not None and previous.status == text:
+        since = previous.last_transition_time
+    else:
+        since = now_iso(now)
+    new = Condition(
+        type=type_,
+        status=text,
+        reason=reason,
+        message=message,
+        lastTransitionTime=since,
+        observedGeneration=generation,
+    )
+    if previous is None:
+        return [*conditions, new]
+    return [new if c.type == type_ else c for c in conditions]
 
 
-def condition(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:
-    return next((c for c in conditions if c.get("type") == type_), None)
+def condition(conditions: Iterable[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
 
 
-def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
+def is_true(conditions: Iterable[Condition], type_: str) -> bool:
     c = condition(conditions, type_)
-    return c is not None and c.get("status") == "True"
+    return c is not None and c.status == "True"
 
 
 REPOSITORY_CONDITIONS = ("BucketReady", "LockServiceReady", "Initialized")
 
 
-def repository_phase(conditions: Sequence[Mapping[str, Any]]) -> tuple[str, bool, str, str]:
-    """(phase, ready, reason, message) from the three component conditions."""
+class Phase(NamedTuple):
+    """A Repository's phase and its Ready condition, derived from the component conditions."""
+
+    phase: str
+    ready: bool
+    reason: str
+    message: str
+
+
+def repository_phase(conditions: Sequence[Condition]) -> Phase:
+    """The phase and Ready condition from the three component conditions."""
     missing = [t for t in REPOSITORY_CONDITIONS if not is_true(conditions, t)]
     if not missing:
-        return "Ready", True, "Ready", "bucket, lock service and repository are ready"
+        return Phase("Ready", True, "Ready", "bucket, lock service and repository are ready")
     first = condition(conditions, missing[0])
     failed = any(
-        (c := condition(conditions, t)) is not None and c.get("reason", "").startswith("Invalid")
+        (c := condition(conditions, t)) is not None and c.reason.startswith("Invalid")
         for t in missing
     )
-    reason = first.get("reason", "Pending") if first else "Pending"
-    message = first.get("message", "") if first else f"waiting for {missing[0]}"
-    return ("Failed" if failed else "Provisioning"), False, reason, message
+    reason = (first.reason or "Pending") if first else "Pending"
+    message = first.message if first else f"waiting for {missing[0]}"
+    return Phase("Failed" if failed else "Provisioning", False, reason, message)
 
 
 # -- drift --
@@ -185,7 +188,7 @@ def drifted(desired: Any, actual: Any) -> bool:
     if desired != actual and (q := quantity(desired)) is not None:
         # The API server rewrites quantities canonically ("0.5" -> "500m", 1073741824 -> "1Gi").
         return q != quantity(actual)
-    return desired != actual
+    return bool(desired != actual)
 
 
 # -- the managed lock service --
@@ -359,52 +362,43 @@ def deployment_available(deployment: Mapping[str, Any] | None) -> tuple[bool, st
 # -- maintenance CronJobs --
 
 
-def job_env(repository: Mapping[str, Any]) -> list[dict[str, Any]]:
+def job_env(repository: Repository) -> list[dict[str, Any]]:
     """Environment of a maintenance job: credentials by Secret reference only, never by value."""
-    spec = repository.get("spec") or {}
-    status = repository.get("status") or {}
+    spec, status = repository.spec, repository.status
     env: list[dict[str, Any]] = [
         {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
     ]
-    creds = (spec.get("storage") or {}).get("credentialsSecret")
+    creds = spec.storage.credentials_secret
     if creds:
         keys = [
-            ("AWS_ACCESS_KEY_ID", creds.get("accessKeyIDKey", "AWS_ACCESS_KEY_ID"), False),
-            (
-                "AWS_SECRET_ACCESS_KEY",
-                creds.get("secretAccessKeyKey", "AWS_SECRET_ACCESS_KEY"),
-                False,
-            ),
+            ("AWS_ACCESS_KEY_ID", creds.access_key_id_key, False),
+            ("AWS_SECRET_ACCESS_KEY", creds.secret_access_key_key, False),
         ]
-        if creds.get("sessionTokenKey"):
-            keys.append(("AWS_SESSION_TOKEN", creds["sessionTokenKey"], True))
+        if creds.session_token_key:
+            keys.append(("AWS_SESSION_TOKEN", creds.session_token_key, True))
         for var, key, optional in keys:
-            ref: dict[str, Any] = {"name": creds["name"], "key": key}
+            ref: dict[str, Any] = {"name": creds.name, "key": key}
             if optional:
                 ref["optional"] = True
             env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
-    region = (spec.get("storage") or {}).get("region")
-    if region:
-        env.append({"name": "AWS_DEFAULT_REGION", "value": region})
-    lock = spec.get("lockService") or {}
-    mode = lock.get("mode", "managed")
-    if mode == "managed" and status.get("lockEndpoint"):
-        env.append({"name": "ZARRLAKE_LOCK", "value": status["lockEndpoint"]})
+    if spec.storage.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": spec.storage.region})
+    lock = spec.lock_service
+    if lock.mode == "managed" and status.lock_endpoint:
+        env.append({"name": "ZARRLAKE_LOCK", "value": status.lock_endpoint})
         env.append(
             {
                 "name": "ZARRLAKE_LOCK_PASSWORD",
-                "valueFrom": {
-                    "secretKeyRef": {"name": status.get("lockSecret"), "key": "password"}
-                },
+                "valueFrom": {"secretKeyRef": {"name": status.lock_secret, "key": "password"}},
             }
         )
-    elif mode == "external" and lock.get("url"):
-        env.append({"name": "ZARRLAKE_LOCK", "value": lock["url"]})
-        if lock.get("passwordSecret"):
+    elif lock.mode == "external" and lock.url:
+        env.append({"name": "ZARRLAKE_LOCK", "value": lock.url})
+        if lock.password_secret:
             env.append(
                 {
                     "name": "ZARRLAKE_LOCK_PASSWORD",
-                    "valueFrom": {"secretKeyRef": dict(lock["passwordSecret"])},
+                    "valueFrom": {"secretKeyRef": lock.password_secret.dump()},
                 }
             )
     return env
@@ -413,9 +407,9 @@ def job_env(repository: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _cron_job(
     policy: Mapping[str, Any],
     kind: str,
-    schedule: Any,
+    schedule: JobSchedule,
     command: list[str],
-    repository: Mapping[str, Any],
+    repository: Repository,
     spec: RetentionPolicySpec,
     image: str,
 ) -> dict[str, Any]:
@@ -508,7 +502,8 @@ def retention_cron_jobs(
     The storage URL carries no secrets, so it may appear in the arguments; everything secret
     reaches the job as Secret-referenced environment variables.
     """
-    url = (repository.get("status") or {}).get("url")
+    resource = Repository.from_body(repository)
+    url = resource.status.url
     if not url:
         raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
     image = spec.image or default_image
@@ -516,15 +511,15 @@ def retention_cron_jobs(
     gc_cmd = ["zarrlake", "gc", url, "--rules", rules, "--grace", spec.gc.grace, "--json"]
     if spec.gc.force:
         gc_cmd.append("--force")
-    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, repository, spec, image)}
+    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, resource, spec, image)}
     if spec.compaction is not None:
         c = spec.compaction
         cmd = ["zarrlake", "compact", url, "--branch", c.branch, "--json"]
-        jobs["compact"] = _cron_job(policy, "compact", c, cmd, repository, spec, image)
+        jobs["compact"] = _cron_job(policy, "compact", c, cmd, resource, spec, image)
     return jobs
 
 
-def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun | None:
     """A finished Job (and its pods) as a ``JobRun`` status entry; None while it still runs."""
     status = job.get("status") or {}
     finished = {
@@ -534,14 +529,9 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[s
     }
     if not finished:
         return None
-    result = "Succeeded" if "Complete" in finished else "Failed"
+    result: Literal["Succeeded", "Failed"] = "Succeeded" if "Complete" in finished else "Failed"
     cond = finished.get("Complete") or finished["Failed"]
-    run: dict[str, Any] = {
-        "job": job["metadata"]["name"],
-        "time": status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
-        "result": result,
-    }
-    report = None
+    report: dict[str, Any] | None = None
     message = None
     for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -550,28 +540,27 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> dict[s
             if not text:
                 continue
             try:
-                report = json.loads(text)
+                doc = json.loads(text)
             except ValueError:
-                report = None
-            if isinstance(report, dict):
-                message = None
+                doc = None
+            if isinstance(doc, dict):
+                report, message = doc, None
             else:  # a crash: the log tail's last line (and no older pod's report)
-                report = None
-                message = text.splitlines()[-1][:500]
-    if report is not None:
-        expire = report.get("expire") or {}
-        fields = {
-            "snapshotsExpired": expire.get("expired_snapshots"),
-            "objectsDeleted": report.get("deleted_objects"),
-            "bytesFreed": report.get("deleted_bytes"),
-            "chunksPacked": report.get("packed_chunks"),
-        }
-        run.update({k: v for k, v in fields.items() if v is not None})
+                report, message = None, text.splitlines()[-1][:500]
+    report = report or {}
+    expire = report.get("expire") or {}
     if message is None and result == "Failed":
         message = cond.get("message") or cond.get("reason") or "the job failed"
-    if message:
-        run["message"] = message
-    return run
+    return JobRun(
+        job=job["metadata"]["name"],
+        time=status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
+        result=result,
+        message=message or None,
+        snapshotsExpired=expire.get("expired_snapshots"),
+        objectsDeleted=report.get("deleted_objects"),
+        bytesFreed=report.get("deleted_bytes"),
+        chunksPacked=report.get("packed_chunks"),
+    )
 
 
 # -- branch and tag claims --
@@ -592,9 +581,9 @@ def claim_winner(
         live,
         key=lambda c: (c["metadata"].get("creationTimestamp") or "", c["metadata"]["name"]),
     )
-    return oldest["metadata"]["name"]
+    return str(oldest["metadata"]["name"])
 
 
 def ref_name(body: Mapping[str, Any]) -> str:
     """The branch or tag a Branch/Tag resource manages: ``spec.name`` or the resource's name."""
-    return (body.get("spec") or {}).get("name") or body["metadata"]["name"]
+    return str((body.get("spec") or {}).get("name") or body["metadata"]["name"])

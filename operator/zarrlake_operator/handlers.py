@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -44,7 +45,7 @@ _object_locks: dict[str, threading.Lock] = {}
 _object_locks_guard = threading.Lock()
 
 
-def serialized(body: Any) -> threading.Lock:
+def serialized(body: kopf.Body) -> threading.Lock:
     """One lock per object: Kopf runs timers beside change handlers, and two reconciliations of
     one object at once would race on its status and on what they create."""
     uid = body["metadata"]["uid"]
@@ -52,12 +53,12 @@ def serialized(body: Any) -> threading.Lock:
         return _object_locks.setdefault(uid, threading.Lock())
 
 
-def forget(body: Any) -> None:
+def forget(body: kopf.Body) -> None:
     with _object_locks_guard:
         _object_locks.pop(body["metadata"]["uid"], None)
 
 
-def _resync(kind: str, fn: Any, body: Any, **kwargs: Any) -> None:
+def _resync(kind: str, fn: Callable[..., object], body: kopf.Body, **kwargs: Any) -> None:
     """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
     try:
         with serialized(body):
@@ -89,12 +90,12 @@ def repository_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.delete(*REPOSITORIES)
 @metrics.instrumented("Repository")
-def repository_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def repository_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     with serialized(body):
         outcome = reconcile.delete_repository(body)
     forget(body)
     logger.info(outcome)
-    kopf.info(dict(body), reason="Reclaimed", message=outcome)
+    kopf.info(body, reason="Reclaimed", message=outcome)
 
 
 # -- Branch --
@@ -118,7 +119,7 @@ def branch_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.delete(*BRANCHES)
 @metrics.instrumented("Branch")
-def branch_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def branch_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     with serialized(body):
         logger.info(reconcile.delete_branch(body))
     forget(body)
@@ -145,7 +146,7 @@ def tag_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.delete(*TAGS)
 @metrics.instrumented("Tag")
-def tag_deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def tag_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     with serialized(body):
         logger.info(reconcile.delete_tag(body))
     forget(body)
@@ -177,7 +178,7 @@ def policy_deleted(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.event("batch", "v1", "jobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
 @metrics.instrumented("Job")
-def job_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def job_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     outcome = reconcile.job_finished(body)
     if outcome:
         logger.info(outcome)

@@ -105,6 +105,13 @@ def _call(
     return json.loads(data) if data else None
 
 
+def _object(data: Any, what: str) -> dict[str, Any]:
+    """An API answer that must be one object (JSON parsed, so anything is possible)."""
+    if not isinstance(data, dict):
+        raise KubeError(f"{what}: expected an object, the API server sent {type(data).__name__}")
+    return data
+
+
 def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     path = KINDS[kind].format(ns=namespace)  # cluster-scoped kinds have no {ns}
     if name:
@@ -116,8 +123,9 @@ def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = 
 
 def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """The object, or None when it does not exist."""
+    path = _path(kind, namespace, name)
     try:
-        return _call("GET", _path(kind, namespace, name))
+        return _object(_call("GET", path), f"GET {path}")
     except KubeError as e:
         if e.status == 404:
             return None
@@ -130,17 +138,14 @@ def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[
 
 
 def create(obj: Mapping[str, Any]) -> dict[str, Any]:
-    namespace = obj["metadata"].get("namespace", "")
-    return _call("POST", _path(obj["kind"], namespace), body=dict(obj))
+    path = _path(obj["kind"], obj["metadata"].get("namespace", ""))
+    return _object(_call("POST", path, body=dict(obj)), f"POST {path}")
 
 
 def merge_patch(kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-    return _call(
-        "PATCH",
-        _path(kind, namespace, name),
-        body=dict(patch),
-        content_type="application/merge-patch+json",
-    )
+    path = _path(kind, namespace, name)
+    answer = _call("PATCH", path, body=dict(patch), content_type="application/merge-patch+json")
+    return _object(answer, f"PATCH {path}")
 
 
 def patch_status(kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -34,15 +34,16 @@ DURATION = Histogram(
     registry=REGISTRY,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def instrumented(kind: str) -> Callable[[F], F]:
+def instrumented(kind: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Count and time every call of a handler for ``kind``."""
 
-    def wrap(fn: F) -> F:
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
             import kopf
 
             start = time.perf_counter()
@@ -65,7 +66,7 @@ def instrumented(kind: str) -> Callable[[F], F]:
                 RECONCILES.labels(kind, outcome).inc()
                 DURATION.labels(kind).observe(time.perf_counter() - start)
 
-        return run  # type: ignore[return-value]
+        return run
 
     return wrap
 

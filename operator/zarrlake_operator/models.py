@@ -1,409 +1,77 @@
-"""The custom resources, as Pydantic models: the single source of truth.
+"""The custom resource kinds the operator serves, and how their CRDs present them.
 
-``make crds`` turns these into ``crds/*.yaml`` (see :mod:`zarrlake_operator.crds`); the operator
-parses every resource it handles through them, so a spec the API server let through but that we
-cannot act on becomes a readable condition instead of a traceback. Field names follow the
-Kubernetes API conventions (camelCase, acronyms upper-case: ``endpointURL``).
-
-Schema details that Kubernetes needs but Pydantic does not know — CEL immutability rules, int-or-
-string quantities — travel as ``json_schema_extra`` and are kept by the CRD generator.
+The resource models themselves live in :mod:`zarrlake.resources`, shared with the client (which
+reads a ``Repository`` through the same model when it opens one from Kubernetes); this module
+re-exports them for the operator and adds what only a CRD needs: plural and short names, printer
+columns and name limits (:data:`KINDS`; :mod:`zarrlake_operator.crds` writes ``crds/*.yaml``).
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-GROUP = "zarrlake.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-CATEGORY = "zarrlake"
-
-
-def immutable(what: str) -> dict[str, Any]:
-    """A CEL transition rule: the API server refuses any change to the field after creation."""
-    rule = {"rule": "self == oldSelf", "message": f"{what} is immutable"}
-    return {"x-kubernetes-validations": [rule]}
-
-
-class _Model(BaseModel):
-    # Unknown fields are ignored, not refused: the API server prunes them anyway, and an operator
-    # one version behind its CRDs must not fail on fields it does not know yet.
-    model_config = ConfigDict(populate_by_name=True, extra="ignore")
-
-    def dump(self) -> dict[str, Any]:
-        """The Kubernetes (camelCase) form, without unset optional fields."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-# -- shared pieces --
-
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-# S3 bucket names: 3-63 lower-case letters, digits, dots and hyphens, alphanumeric at both ends.
-BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
-# Branch and tag names, as zarrlake.refs.validate_name accepts them (the engine re-checks).
-REF_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$"
-DURATION = r"^([0-9]+(\.[0-9]+)?[wdhms])+$|^[0-9]+$"
-CRON = r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|(\S+\s+){4}\S+)$"
-
-
-class SecretKeyRef(_Model):
-    """One key of a Secret in the resource's namespace."""
-
-    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Secret name.")
-    key: str = Field(min_length=1, description="Key within the Secret.")
-
-
-class CredentialsSecretRef(_Model):
-    """A Secret holding S3 credentials; the key names default to the AWS environment names."""
-
-    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Secret name.")
-    access_key_id_key: str = Field(
-        "AWS_ACCESS_KEY_ID", alias="accessKeyIDKey", description="Key holding the access key id."
-    )
-    secret_access_key_key: str = Field(
-        "AWS_SECRET_ACCESS_KEY",
-        alias="secretAccessKeyKey",
-        description="Key holding the secret access key.",
-    )
-    session_token_key: str | None = Field(
-        None, alias="sessionTokenKey", description="Key holding a session token, if any."
-    )
-
-
-Quantity = int | str
-QUANTITY_SCHEMA: dict[str, Any] = {"x-kubernetes-int-or-string": True}
-
-
-class Resources(_Model):
-    """Container resource requests and limits (``cpu``, ``memory``, ...)."""
-
-    requests: dict[str, Quantity] | None = Field(
-        None, json_schema_extra={"additionalProperties": QUANTITY_SCHEMA}
-    )
-    limits: dict[str, Quantity] | None = Field(
-        None, json_schema_extra={"additionalProperties": QUANTITY_SCHEMA}
-    )
-
-    def to_k8s(self) -> dict[str, Any]:
-        return self.dump()
-
-
-class Condition(_Model):
-    """The Kubernetes condition shape (``metav1.Condition``)."""
-
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = Field(None, alias="lastTransitionTime")
-    observed_generation: int | None = Field(None, alias="observedGeneration")
-
-
-class _Status(_Model):
-    phase: str | None = None
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
-    observed_generation: int | None = Field(None, alias="observedGeneration")
-
-
-# -- Repository --
-
-
-class StorageSpec(_Model):
-    """Where the repository lives. The location cannot change: data is not moved."""
-
-    bucket: str = Field(
-        pattern=BUCKET, description="S3 bucket name.", json_schema_extra=immutable("storage.bucket")
-    )
-    prefix: str = Field(
-        "",
-        max_length=512,
-        pattern=r"^([^/].*[^/]|[^/]?)$",
-        description="Key prefix inside the bucket (no leading or trailing slash).",
-        json_schema_extra=immutable("storage.prefix"),
-    )
-    region: str | None = Field(None, description="Bucket region, e.g. eu-west-1.")
-    endpoint_url: str | None = Field(
-        None,
-        alias="endpointURL",
-        pattern=r"^https?://",
-        description="S3 endpoint for non-AWS stores (MinIO, Ceph, ...).",
-    )
-    credentials_secret: CredentialsSecretRef | None = Field(
-        None,
-        alias="credentialsSecret",
-        description="Secret with S3 credentials; without it the pod's ambient identity is used.",
-    )
-    provision: bool = Field(
-        False,
-        description="Create the bucket (public access blocked, encryption on, "
-        "incomplete multipart uploads aborted) if it does not exist.",
-    )
-
-
-class LockServiceSpec(_Model):
-    """The Redis lock service that serializes branch-pointer updates."""
-
-    mode: Literal["managed", "external", "none"] = Field(
-        "managed",
-        description="managed: the operator runs Redis for this repository; external: use url; "
-        "none: optimistic commits only.",
-    )
-    url: str | None = Field(
-        None,
-        pattern=r"^rediss?://[^@]*$",
-        description="external mode: redis:// or rediss:// URL without a password.",
-    )
-    password_secret: SecretKeyRef | None = Field(
-        None, alias="passwordSecret", description="external mode: Secret key with the password."
-    )
-    image: str = Field("redis:7.2-alpine", description="managed mode: Redis image.")
-    resources: Resources | None = Field(None, description="managed mode: Redis resources.")
-    on_unavailable: Literal["fail", "optimistic"] = Field(
-        "optimistic",
-        alias="onUnavailable",
-        description="What clients do when the lock service cannot be reached.",
-    )
-
-
-class EngineConfigSpec(_Model):
-    """Engine settings written when the repository is created (later changes are not applied)."""
-
-    inline_threshold_bytes: int | None = Field(None, alias="inlineThresholdBytes", ge=0)
-    shard_max_refs: int | None = Field(None, alias="shardMaxRefs", ge=16)
-    session_ttl: str | None = Field(None, alias="sessionTTL", pattern=DURATION)
-
-
-class RepositorySpec(_Model):
-    storage: StorageSpec
-    lock_service: LockServiceSpec = Field(default_factory=LockServiceSpec, alias="lockService")
-    config: EngineConfigSpec = Field(default_factory=EngineConfigSpec)
-    reclaim_policy: Literal["Retain", "Delete"] = Field(
-        "Retain",
-        alias="reclaimPolicy",
-        description="On deletion: Retain keeps the data; Delete removes the repository's objects.",
-    )
-
-
-class RepositoryStatus(_Status):
-    repository_id: str | None = Field(None, alias="repositoryID")
-    url: str | None = None
-    lock_endpoint: str | None = Field(None, alias="lockEndpoint")
-    lock_secret: str | None = Field(
-        None, alias="lockSecret", description="Secret with the lock service password, if any."
-    )
-    branches: int | None = None
-    tags: int | None = None
-
-
-class Repository(_Model):
-    """A zarrlake repository on S3, with an optional managed lock service."""
-
-    spec: RepositorySpec
-    status: RepositoryStatus = Field(default_factory=RepositoryStatus)
-
-
-# -- Branch and Tag --
-
-
-class RepositoryRef(_Model):
-    repository: str = Field(
-        pattern=DNS_SUBDOMAIN,
-        description="Name of the Repository resource in this namespace.",
-        json_schema_extra=immutable("repository"),
-    )
-
-
-NAME_FIXED = {
-    "x-kubernetes-validations": [
-        {
-            "rule": "has(self.name) == has(oldSelf.name)",
-            "message": "name is immutable (it cannot be added or removed either)",
-        }
-    ]
-}
-
-
-class BranchSpec(RepositoryRef):
-    model_config = ConfigDict(json_schema_extra=NAME_FIXED)
-
-    name: str | None = Field(
-        None,
-        pattern=REF_NAME,
-        description="Branch name (default: the resource's name).",
-        json_schema_extra=immutable("name"),
-    )
-    from_: str = Field(
-        "main",
-        alias="from",
-        min_length=1,
-        description="Branch, tag or snapshot id the branch starts at.",
-        json_schema_extra=immutable("from"),
-    )
-
-
-class BranchStatus(_Status):
-    branch: str | None = None
-    head: str | None = None
-    last_commit_time: str | None = Field(None, alias="lastCommitTime")
-    last_commit_message: str | None = Field(None, alias="lastCommitMessage")
-    last_commit_author: str | None = Field(None, alias="lastCommitAuthor")
-    recreated: int | None = Field(
-        None, description="How often the branch was recreated after vanishing from storage."
-    )
-
-
-class Branch(_Model):
-    """A branch of a Repository; deleting the resource deletes the branch."""
-
-    spec: BranchSpec
-    status: BranchStatus = Field(default_factory=BranchStatus)
-
-
-class TagSpec(RepositoryRef):
-    model_config = ConfigDict(json_schema_extra=NAME_FIXED)
-
-    name: str | None = Field(
-        None,
-        pattern=REF_NAME,
-        description="Tag name (default: the resource's name).",
-        json_schema_extra=immutable("name"),
-    )
-    ref: str = Field(
-        min_length=1,
-        description="Branch, tag or snapshot id; resolved once, at creation.",
-        json_schema_extra=immutable("ref"),
-    )
-
-
-class TagStatus(_Status):
-    tag: str | None = None
-    snapshot: str | None = None
-
-
-class Tag(_Model):
-    """An immutable name for one snapshot."""
-
-    spec: TagSpec
-    status: TagStatus = Field(default_factory=TagStatus)
-
-
-# -- RetentionPolicy --
-
-
-class Keep(_Model):
-    last: int | None = Field(None, ge=1, description="Keep the last N snapshots of a branch.")
-    days: float | None = Field(None, ge=0, description="Keep snapshots younger than D days.")
-
-
-class RetentionRulesSpec(_Model):
-    """zarrlake.RetentionRules: a default rule and rules by exact branch name or glob."""
-
-    default: Keep = Field(default_factory=Keep)
-    branches: dict[str, Keep] = Field(default_factory=dict)
-
-    def to_engine(self) -> dict[str, Any]:
-        return {
-            "default": self.default.dump(),
-            "branches": {k: v.dump() for k, v in self.branches.items()},
-        }
-
-
-class JobSchedule(_Model):
-    schedule: str = Field(pattern=CRON, description="Cron schedule (5 fields or @daily etc.).")
-    suspend: bool = False
-    resources: Resources | None = None
-    active_deadline_seconds: int = Field(
-        6 * 3600, alias="activeDeadlineSeconds", ge=60, description="Job deadline."
-    )
-
-    @field_validator("schedule")
-    @classmethod
-    def _cron_fields(cls, v: str) -> str:
-        if v.startswith("@"):
-            return v
-        for part in v.split():
-            if not re.fullmatch(r"[0-9*/,\-A-Za-z?]+", part):
-                raise ValueError(f"bad cron field {part!r}")
-        return v
-
-
-class GCSchedule(JobSchedule):
-    grace: str = Field(
-        "7d", pattern=DURATION, description="Only delete objects older than this (at least 7d)."
-    )
-    force: bool = Field(
-        False,
-        description="Allow a grace below 7 days (only if no writer session can outlive it).",
-    )
-
-
-class CompactionSchedule(JobSchedule):
-    branch: str = Field("main", pattern=REF_NAME)
-
-
-class RetentionPolicySpec(RepositoryRef):
-    rules: RetentionRulesSpec = Field(default_factory=RetentionRulesSpec)
-    gc: GCSchedule = Field(
-        default_factory=lambda: GCSchedule(schedule="0 3 * * *"),
-        description="Expiry by the rules, then garbage collection.",
-    )
-    compaction: CompactionSchedule | None = None
-    image: str | None = Field(None, description="Job image (default: the operator's job image).")
-    service_account_name: str | None = Field(
-        None,
-        alias="serviceAccountName",
-        pattern=DNS_SUBDOMAIN,
-        description="ServiceAccount of the job pods (e.g. for IRSA when the Repository has no "
-        "credentialsSecret); without one no API token is mounted.",
-    )
-    image_pull_secrets: list[str] = Field(
-        default_factory=list,
-        alias="imagePullSecrets",
-        description="Secrets for pulling the job image from a private registry.",
-    )
-    successful_jobs_history_limit: int = Field(3, alias="successfulJobsHistoryLimit", ge=0)
-    failed_jobs_history_limit: int = Field(3, alias="failedJobsHistoryLimit", ge=0)
-
-
-class JobRun(_Model):
-    job: str | None = None
-    time: str | None = None
-    result: Literal["Succeeded", "Failed"] | None = None
-    message: str | None = None
-    snapshots_expired: int | None = Field(None, alias="snapshotsExpired")
-    objects_deleted: int | None = Field(None, alias="objectsDeleted")
-    bytes_freed: int | None = Field(None, alias="bytesFreed")
-    chunks_packed: int | None = Field(None, alias="chunksPacked")
-
-
-class RetentionPolicyStatus(_Status):
-    gc_cron_job: str | None = Field(None, alias="gcCronJob")
-    compaction_cron_job: str | None = Field(None, alias="compactionCronJob")
-    last_gc: JobRun | None = Field(None, alias="lastGC")
-    last_compaction: JobRun | None = Field(None, alias="lastCompaction")
-
-
-class RetentionPolicy(_Model):
-    """Retention rules and the schedules of the jobs that apply them."""
-
-    spec: RetentionPolicySpec
-    status: RetentionPolicyStatus = Field(default_factory=RetentionPolicyStatus)
-
-
-# -- the CRD table --
-
-
-def _col(name: str, path: str, type_: str = "string", priority: int = 0, desc: str = "") -> dict:
+from typing import Any, TypedDict
+
+from zarrlake.resources import (
+    API_VERSION,
+    CATEGORY,
+    GROUP,
+    VERSION,
+    Branch,
+    BranchSpec,
+    BranchStatus,
+    Condition,
+    JobRun,
+    Repository,
+    RepositorySpec,
+    RepositoryStatus,
+    ResourceModel,
+    RetentionPolicy,
+    RetentionPolicySpec,
+    RetentionPolicyStatus,
+    Tag,
+    TagSpec,
+    TagStatus,
+)
+
+__all__ = [
+    "API_VERSION",
+    "CATEGORY",
+    "GROUP",
+    "KINDS",
+    "VERSION",
+    "Branch",
+    "BranchSpec",
+    "BranchStatus",
+    "Condition",
+    "JobRun",
+    "Kind",
+    "Repository",
+    "RepositorySpec",
+    "RepositoryStatus",
+    "RetentionPolicy",
+    "RetentionPolicySpec",
+    "RetentionPolicyStatus",
+    "Tag",
+    "TagSpec",
+    "TagStatus",
+]
+
+
+class _KindRequired(TypedDict):
+    model: type[ResourceModel]
+    plural: str
+    short: list[str]
+    columns: list[dict[str, Any]]
+
+
+class Kind(_KindRequired, total=False):
+    """One row of :data:`KINDS`: the resource model and its CRD presentation."""
+
+    name_max: int  # a CEL limit on metadata.name, for names that end up in label values
+
+
+def _col(
+    name: str, path: str, type_: str = "string", priority: int = 0, desc: str = ""
+) -> dict[str, Any]:
     col: dict[str, Any] = {"name": name, "type": type_, "jsonPath": path}
     if priority:
         col["priority"] = priority
@@ -415,7 +83,7 @@ def _col(name: str, path: str, type_: str = "string", priority: int = 0, desc: s
 READY = '.status.conditions[?(@.type=="Ready")].status'
 AGE = _col("Age", ".metadata.creationTimestamp", "date")
 
-KINDS: dict[str, dict[str, Any]] = {
+KINDS: dict[str, Kind] = {
     "Repository": {
         "model": Repository,
         "name_max": 63,  # the name goes into label values of the lock service objects

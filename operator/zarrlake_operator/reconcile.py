@@ -10,8 +10,9 @@ objects; they never reach a log line, an event or a status field.
 from __future__ import annotations
 
 import secrets as pysecrets
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import kopf
 from pydantic import BaseModel, ValidationError
@@ -34,13 +35,20 @@ from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource
-from zarrlake_operator import buckets, desired, kube
-from zarrlake_operator.models import (
+from zarrlake.resources import (
     BranchSpec,
+    BranchStatus,
+    Condition,
     RepositorySpec,
+    RepositoryStatus,
+    ResourceStatus,
     RetentionPolicySpec,
+    RetentionPolicyStatus,
     TagSpec,
+    TagStatus,
+    problems,
 )
+from zarrlake_operator import buckets, desired, kube
 
 MAIN = "main"
 MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a session
@@ -48,30 +56,40 @@ MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a sess
 
 # -- shared --
 
+SpecT = TypeVar("SpecT", bound=BaseModel)
+StatusT = TypeVar("StatusT", bound=ResourceStatus)
+STATUS_MODELS: dict[str, type[ResourceStatus]] = {
+    "Repository": RepositoryStatus,
+    "Branch": BranchStatus,
+    "Tag": TagStatus,
+    "RetentionPolicy": RetentionPolicyStatus,
+}
+
 
 def _meta(body: Mapping[str, Any]) -> tuple[str, str, int | None]:
     m = body["metadata"]
     return m["namespace"], m["name"], m.get("generation")
 
 
-def _status(body: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(body.get("status") or {})
+def observed(model: type[StatusT], body: Mapping[str, Any]) -> StatusT:
+    """The status as last written; one that does not parse counts as empty (it is rewritten)."""
+    try:
+        return model.model_validate(body.get("status") or {})
+    except ValidationError:
+        return model()
 
 
-def _validation_message(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:3]:
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"spec.{where}: {err['msg']}")
-    return "; ".join(parts)
+def _write_status(body: Mapping[str, Any], status: ResourceStatus) -> None:
+    ns, name, _ = _meta(body)
+    kube.patch_status(body["kind"], ns, name, status.patch())
 
 
-def parse_spec(model: type[BaseModel], body: Mapping[str, Any]) -> Any:
+def parse_spec(model: type[SpecT], body: Mapping[str, Any]) -> SpecT:
     """The spec as a model, or a readable ``kopf.PermanentError`` (after writing the condition)."""
     try:
         return model.model_validate(body.get("spec") or {})
     except ValidationError as e:
-        message = _validation_message(e)
+        message = problems(e, prefix="spec.")
         _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
         raise kopf.PermanentError(f"invalid spec: {message}") from None
 
@@ -83,28 +101,39 @@ def _report(
     reason: str,
     message: str,
     phase: str | None = None,
-    extra_conditions: tuple[tuple[str, bool, str, str], ...] = (),
-    fields: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write Ready (and other conditions), phase, fields and observedGeneration to the status."""
-    ns, name, gen = _meta(body)
-    status = _status(body)
-    conds = status.get("conditions") or []
-    for type_, ok, why, text in extra_conditions:
-        conds = desired.set_condition(conds, type_, ok, why, text, generation=gen)
+    also: Sequence[Condition] = (),
+    fields: ResourceStatus | None = None,
+) -> ResourceStatus:
+    """Write Ready (after the conditions in ``also``), phase, observedGeneration and the fields
+    set in ``fields`` (a status of the body's kind) to the status; returns what was written."""
+    _, _, gen = _meta(body)
+    model = STATUS_MODELS[body["kind"]]
+    conds = observed(model, body).conditions
+    for c in also:
+        conds = desired.set_condition(conds, c.type, c.status, c.reason, c.message, generation=gen)
     conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
-    new = {
-        "conditions": conds,
-        "phase": phase or ("Ready" if ready else "Pending"),
-        "observedGeneration": gen,
-        **(fields or {}),
-    }
-    kube.patch_status(body["kind"], ns, name, new)
-    return new
+    status = (fields or model()).model_copy(
+        update={
+            "conditions": conds,
+            "phase": phase or ("Ready" if ready else "Pending"),
+            "observed_generation": gen,
+        }
+    )
+    _write_status(body, status)
+    return status
 
 
 def _event(body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
-    (kopf.warn if warning else kopf.info)(dict(body), reason=reason, message=message)
+    """An Event about ``body`` (any resource: it is referred to by kind, name and uid)."""
+    meta = body["metadata"]
+    about = kopf.Body(
+        kopf.RawBody(
+            apiVersion=body.get("apiVersion", ""),
+            kind=body["kind"],
+            metadata={"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+        )
+    )
+    (kopf.warn if warning else kopf.info)(about, reason=reason, message=message)
 
 
 def _connection(body: Mapping[str, Any], *, require_ready: bool) -> Connection:
@@ -112,7 +141,9 @@ def _connection(body: Mapping[str, Any], *, require_ready: bool) -> Connection:
     return connection_from_resource(body, kube.secrets(ns), require_ready=require_ready)
 
 
-def _ready_repository(body: Mapping[str, Any], repository: str) -> tuple[dict, Repository]:
+def _ready_repository(
+    body: Mapping[str, Any], repository: str
+) -> tuple[dict[str, Any], Repository]:
     """The Repository resource a Branch/Tag/RetentionPolicy names, opened; retries until Ready.
 
     The operator opens it without the lock service: branch and tag changes are single
@@ -152,14 +183,22 @@ def _claim(
     return None if winner in (None, body["metadata"]["name"]) else winner
 
 
-def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -> dict[str, Any]:
+def conflict(owner: str) -> Condition:
+    """The Conflict condition of a resource that another (older) one overrules."""
+    return Condition(type="Conflict", status="True", reason="Conflict", message=owner)
+
+
+NO_CONFLICT = Condition(type="Conflict", status="False", reason="NoConflict")
+
+
+def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -> ResourceStatus:
     return _report(
         body,
         ready=False,
         reason="Conflict",
         message=f"{kind.lower()} {ref!r} is already managed by the older {kind} {winner!r}",
         phase="Conflict",
-        extra_conditions=(("Conflict", True, "Conflict", f"claimed by {kind} {winner!r}"),),
+        also=[conflict(f"claimed by {kind} {winner!r}")],
     )
 
 
@@ -178,18 +217,18 @@ def engine_config(spec: RepositorySpec) -> RepositoryConfig:
     return RepositoryConfig(**values)
 
 
-def repository(body: Mapping[str, Any]) -> dict[str, Any]:
+def repository(body: Mapping[str, Any]) -> ResourceStatus:
     """Bucket, lock service and repository for one Repository resource; returns the new status."""
-    ns, name, gen = _meta(body)
-    spec: RepositorySpec = parse_spec(RepositorySpec, body)
+    _, _, gen = _meta(body)
+    spec = parse_spec(RepositorySpec, body)
     try:
         config = engine_config(spec)
     except Exception as e:
         message = f"spec.config: {e}"
         _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
         raise kopf.PermanentError(f"spec.config: {e}") from None
-    status = _status(body)
-    conds: list[dict[str, Any]] = status.get("conditions") or []
+    previous = observed(RepositoryStatus, body)
+    conds = previous.conditions
     owner = _location_owner(body)
     if owner is not None:
         # Two resources for one location would each run a lock service (so writers would not
@@ -200,14 +239,14 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
             reason="Conflict",
             message=f"the Repository {owner!r} (older) already manages this bucket and prefix",
             phase="Conflict",
-            extra_conditions=(("Conflict", True, "Conflict", f"location owned by {owner!r}"),),
+            also=[conflict(f"location owned by {owner!r}")],
         )
 
     def cond(type_: str, ok: bool, reason: str, message: str) -> None:
         nonlocal conds
         conds = desired.set_condition(conds, type_, ok, reason, message, generation=gen)
 
-    fields: dict[str, Any] = {}
+    status = RepositoryStatus()
     retry: kopf.TemporaryError | None = None
 
     # Storage: credentials, then the bucket.
@@ -232,49 +271,52 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
             retry = kopf.TemporaryError(str(e), delay=15)
 
     # The lock service.
-    lock_ok, lock_reason, lock_msg, lock_fields = _lock_service(body, spec)
-    cond("LockServiceReady", lock_ok, lock_reason, lock_msg)
-    fields.update(lock_fields)
-    if not lock_ok and retry is None and lock_reason != "InvalidSpec":
-        retry = kopf.TemporaryError(lock_msg, delay=5)
+    lock = _lock_service(body, spec)
+    cond("LockServiceReady", lock.ready, lock.reason, lock.message)
+    if lock.fields is not None:
+        status = lock.fields
+    if not lock.ready and retry is None and lock.reason != "InvalidSpec":
+        retry = kopf.TemporaryError(lock.message, delay=5)
 
     # The repository itself.
     if conn is not None and desired.is_true(conds, "BucketReady"):
-        recorded = status.get("repositoryID")
+        known = previous.repository_id
         try:
             # Once a repository is recorded, the resource means that one: the operator never
             # adopts another repository found at the location, nor creates a new, empty one where
             # it vanished (either would hide a loss, and reclaimPolicy: Delete would then act on
-            # data this resource never owned).
-            if recorded is None:
+            # a repository this resource never managed).
+            if known is None:
                 repo = Repository.open_or_create(conn.storage(), config=config)
             else:
                 repo = Repository.open(conn.storage())
-            if recorded is not None and repo.id != recorded:
+            if known is not None and repo.id != known:
                 cond(
                     "Initialized",
                     False,
                     "RepositoryReplaced",
-                    f"{conn.storage_url} now holds repository {repo.id}, not {recorded}; "
-                    "delete this resource (reclaim refuses) and create one for the new repository",
+                    f"{conn.storage_url} holds repository {repo.id}, not {known} (the one this "
+                    "resource manages); it is not adopted, and not deleted with the resource",
                 )
             else:
-                fields |= {
-                    "repositoryID": repo.id,
-                    "url": conn.storage_url,
-                    "branches": len(repo.list_branches()),
-                    "tags": len(repo.list_tags()),
-                }
-                where = f"repository {repo.id} at {conn.storage_url}"
-                cond("Initialized", True, "Initialized", where)
-                if recorded is None:
-                    _event(body, "Initialized", where)
+                status = status.model_copy(
+                    update={
+                        "repository_id": repo.id,
+                        "url": conn.storage_url,
+                        "branches": len(repo.list_branches()),
+                        "tags": len(repo.list_tags()),
+                    }
+                )
+                message = f"repository {repo.id} at {conn.storage_url}"
+                cond("Initialized", True, "Initialized", message)
+                if known is None:
+                    _event(body, "Initialized", message)
         except RepositoryNotFound:
             cond(
                 "Initialized",
                 False,
                 "RepositoryMissing",
-                f"repository {recorded} is gone from {conn.storage_url}; the operator does not "
+                f"repository {known} is gone from {conn.storage_url}; the operator does not "
                 "create an empty one in its place",
             )
             retry = retry or kopf.TemporaryError("repository missing", delay=30)
@@ -285,73 +327,94 @@ def repository(body: Mapping[str, Any]) -> dict[str, Any]:
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 
     cond("Conflict", False, "NoConflict", "")
-    phase, ready, reason, message = desired.repository_phase(conds)
-    conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
-    new = {"phase": phase, "conditions": conds, "observedGeneration": gen, **fields}
-    kube.patch_status("Repository", ns, name, new)
+    phase = desired.repository_phase(conds)
+    conds = desired.set_condition(
+        conds, "Ready", phase.ready, phase.reason, phase.message, generation=gen
+    )
+    status = status.model_copy(
+        update={"phase": phase.phase, "conditions": conds, "observed_generation": gen}
+    )
+    _write_status(body, status)
     if retry is not None:
         raise retry
-    return new
+    return status
 
 
-def _location(body: Mapping[str, Any]) -> tuple[str, str, str]:
-    storage = (body.get("spec") or {}).get("storage") or {}
-    endpoint = (storage.get("endpointURL") or "").rstrip("/")
-    return endpoint, storage.get("bucket") or "", (storage.get("prefix") or "").strip("/")
+def _location(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(endpoint, bucket, prefix) of a Repository resource; None for a spec that does not parse
+    (the API server refuses those, so it claims nothing)."""
+    try:
+        storage = RepositorySpec.model_validate(body.get("spec") or {}).storage
+    except ValidationError:
+        return None
+    return (storage.endpoint_url or "").rstrip("/"), storage.bucket, storage.prefix
 
 
 def _location_owner(body: Mapping[str, Any]) -> str | None:
     """The older Repository resource in this namespace with the same location, if any."""
     ns, name, _ = _meta(body)
     here = _location(body)
+    if here is None:
+        return None
     same = [o for o in kube.list_("Repository", ns) if _location(o) == here]
     winner = desired.claim_winner(same)
     return None if winner in (None, name) else winner
 
 
-def _lock_service(
-    body: Mapping[str, Any], spec: RepositorySpec
-) -> tuple[bool, str, str, dict[str, Any]]:
-    """(ready, reason, message, status fields) for the repository's lock service."""
+@dataclass(frozen=True)
+class LockServiceState:
+    """The LockServiceReady condition's facts, and the status fields that describe the service
+    (None: leave them as they are)."""
+
+    ready: bool
+    reason: str
+    message: str
+    fields: RepositoryStatus | None = None
+
+
+def _lock_service(body: Mapping[str, Any], spec: RepositorySpec) -> LockServiceState:
+    """Make the repository's lock service what the spec asks for, and say how it is."""
     ns, name, _ = _meta(body)
     mode = spec.lock_service.mode
     if mode != "managed":
         _remove_managed_lock(ns, name)
     if mode == "none":
-        return (
+        return LockServiceState(
             True,
             "NotRequired",
             "optimistic commits (no lock service)",
-            {
-                "lockEndpoint": None,
-                "lockSecret": None,
-            },
+            RepositoryStatus(lockEndpoint=None, lockSecret=None),
         )
     if mode == "external":
         lock = spec.lock_service
         if not lock.url:
-            return False, "InvalidSpec", "lockService.url is required in external mode", {}
+            return LockServiceState(
+                False, "InvalidSpec", "lockService.url is required in external mode"
+            )
         try:
             conn = _connection(body, require_ready=False)
             client = conn.lock()
-            client.client.ping()
+            if client is not None:
+                client.client.ping()
         except KubernetesError as e:
-            return False, "CredentialsNotFound", str(e), {"lockEndpoint": lock.url}
+            return LockServiceState(
+                False, "CredentialsNotFound", str(e), RepositoryStatus(lockEndpoint=lock.url)
+            )
         except Exception as e:
-            return (
+            return LockServiceState(
                 False,
                 "Unreachable",
                 f"cannot reach {lock.url}: {type(e).__name__}",
-                {"lockEndpoint": lock.url},
+                RepositoryStatus(lockEndpoint=lock.url),
             )
-        return (
+        return LockServiceState(
             True,
             "Reachable",
             f"external lock service at {lock.url}",
-            {
-                "lockEndpoint": lock.url,
-                "lockSecret": lock.password_secret.name if lock.password_secret else None,
-            },
+            RepositoryStatus(
+                lockEndpoint=lock.url,
+                lockSecret=lock.password_secret.name if lock.password_secret else None,
+            ),
         )
     # managed
     password = pysecrets.token_urlsafe(32)
@@ -363,14 +426,14 @@ def _lock_service(
         if act != "unchanged":
             _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")
     ok, message = desired.deployment_available(deployment)
-    return (
+    return LockServiceState(
         ok,
-        ("Available" if ok else "Unavailable"),
+        "Available" if ok else "Unavailable",
         message,
-        {
-            "lockEndpoint": desired.lock_endpoint(name, ns),
-            "lockSecret": secret["metadata"]["name"],
-        },
+        RepositoryStatus(
+            lockEndpoint=desired.lock_endpoint(name, ns),
+            lockSecret=secret["metadata"]["name"],
+        ),
     )
 
 
@@ -390,11 +453,15 @@ def delete_repository(body: Mapping[str, Any]) -> str:
     holds another repository), the data is retained, a Warning event says so, and the resource
     is released: a finalizer that can never complete would only block the namespace.
     """
-    policy = (body.get("spec") or {}).get("reclaimPolicy", "Retain")
-    if policy != "Delete":
+    try:
+        spec = RepositorySpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:  # the API server would not have stored it: keep the data
+        return f"Retain: the spec does not parse ({problems(e, prefix='spec.')}); data retained"
+    if spec.reclaim_policy != "Delete":
         return "Retain: the repository's data stays in the bucket"
-    status = _status(body)
-    if condition(status.get("conditions") or [], "Conflict").get("status") == "True":
+    status = observed(RepositoryStatus, body)
+    conflicted = status.condition("Conflict")
+    if conflicted is not None and conflicted.status == "True":
         return "Delete skipped: another Repository resource owns this location; data retained"
     ns = body["metadata"]["namespace"]
     try:
@@ -407,27 +474,23 @@ def delete_repository(body: Mapping[str, Any]) -> str:
         _event(body, "ReclaimFailed", message, warning=True)
         raise kopf.PermanentError(message) from None
     try:
-        n = buckets.delete_repository_objects(conn, status.get("repositoryID"))
+        n = buckets.delete_repository_objects(conn, status.repository_id)
     except buckets.NotOurRepository as e:
         message = f"reclaimPolicy Delete refused, data retained: {e}"
         _event(body, "ReclaimFailed", message, warning=True)
         raise kopf.PermanentError(message) from None
     except buckets.BucketUnreachable as e:
         raise kopf.TemporaryError(str(e), delay=15) from None
-    return f"Delete: removed {n} object(s) of repository {status.get('repositoryID')}"
-
-
-def condition(conditions: Any, type_: str) -> Mapping[str, Any]:
-    return desired.condition(conditions, type_) or {}
+    return f"Delete: removed {n} object(s) of repository {status.repository_id}"
 
 
 # -- Branch --
 
 
-def branch(body: Mapping[str, Any]) -> dict[str, Any]:
-    spec: BranchSpec = parse_spec(BranchSpec, body)
+def branch(body: Mapping[str, Any]) -> ResourceStatus:
+    spec = parse_spec(BranchSpec, body)
     name = desired.ref_name(body)
-    status = _status(body)
+    previous = observed(BranchStatus, body)
     if name == MAIN:
         return _report(
             body,
@@ -436,36 +499,37 @@ def branch(body: Mapping[str, Any]) -> dict[str, Any]:
             message="'main' is created with the repository and cannot be deleted, so it cannot "
             "be managed by a Branch resource; the branch is left untouched",
             phase="Refused",
-            fields={"branch": name},
+            fields=BranchStatus(branch=name),
         )
     _, repo = _ready_repository(body, spec.repository)
     winner = _claim(body, "Branch", spec.repository)
     if winner:
         return _report_claimed(body, "Branch", name, winner)
-    extra: dict[str, Any] = {}
+    recreated = None
     try:
         head = repo.lookup_branch(name)
     except RefNotFound:
-        head = _create_branch(body, repo, name, spec, status, extra)
+        head, recreated = _create_branch(body, repo, name, spec, previous)
     except InvalidName as e:
         _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
         raise kopf.PermanentError(str(e)) from None
     info = next(iter(repo.log(head, limit=1)), None)
-    fields = {
-        "branch": name,
-        "head": head,
-        "lastCommitTime": info.time.strftime("%Y-%m-%dT%H:%M:%SZ") if info else None,
-        "lastCommitMessage": (info.message or "")[:200] if info else None,
-        "lastCommitAuthor": info.author if info else None,
-        **extra,
-    }
+    fields = BranchStatus(
+        branch=name,
+        head=head,
+        lastCommitTime=info.time.strftime("%Y-%m-%dT%H:%M:%SZ") if info else None,
+        lastCommitMessage=(info.message or "")[:200] if info else None,
+        lastCommitAuthor=info.author if info else None,
+    )
+    if recreated is not None:
+        fields = fields.model_copy(update={"recreated": recreated})
     return _report(
         body,
         ready=True,
         reason="Ready",
         message=f"branch {name!r} at {head}",
         phase="Ready",
-        extra_conditions=(("Conflict", False, "NoConflict", ""),),
+        also=[NO_CONFLICT],
         fields=fields,
     )
 
@@ -475,12 +539,14 @@ def _create_branch(
     repo: Repository,
     name: str,
     spec: BranchSpec,
-    status: Mapping[str, Any],
-    extra: dict[str, Any],
-) -> str:
+    status: BranchStatus,
+) -> tuple[str, int | None]:
     """Create the branch: from ``spec.from`` the first time, or at its last known head when it
-    vanished behind the operator's back (so no commit is lost to the recreation)."""
-    last_head = status.get("head") if status.get("branch") == name else None
+    vanished behind the operator's back (so no commit is lost to the recreation).
+
+    Returns the head and, for a recreation, how often the branch has been recreated now.
+    """
+    last_head = status.head if status.branch == name else None
     start = last_head or spec.from_
     try:
         try:
@@ -490,7 +556,7 @@ def _create_branch(
                 raise
             head = repo.create_branch(name, spec.from_)  # the old head was collected
     except BranchExists:
-        return repo.lookup_branch(name)  # created concurrently: adopt
+        return repo.lookup_branch(name), None  # created concurrently: adopt
     except RefNotFound:
         message = f"spec.from {spec.from_!r} is not a branch, tag or snapshot of the repository"
         _report(body, ready=False, reason="FromNotFound", message=message)
@@ -499,16 +565,15 @@ def _create_branch(
         _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
         raise kopf.PermanentError(str(e)) from None
     if last_head:
-        extra["recreated"] = int(status.get("recreated") or 0) + 1
         _event(
             body,
             "BranchRecreated",
             f"branch {name!r} had been deleted outside Kubernetes; recreated at {head}",
             warning=True,
         )
-    else:
-        _event(body, "BranchCreated", f"created branch {name!r} from {spec.from_!r} at {head}")
-    return head
+        return head, (status.recreated or 0) + 1
+    _event(body, "BranchCreated", f"created branch {name!r} from {spec.from_!r} at {head}")
+    return head, None
 
 
 def _owned_ref_repository(body: Mapping[str, Any], kind: str) -> tuple[Repository | None, str]:
@@ -540,16 +605,16 @@ def delete_branch(body: Mapping[str, Any]) -> str:
 # -- Tag --
 
 
-def tag(body: Mapping[str, Any]) -> dict[str, Any]:
-    spec: TagSpec = parse_spec(TagSpec, body)
+def tag(body: Mapping[str, Any]) -> ResourceStatus:
+    spec = parse_spec(TagSpec, body)
     name = desired.ref_name(body)
-    status = _status(body)
+    previous = observed(TagStatus, body)
     _, repo = _ready_repository(body, spec.repository)
     winner = _claim(body, "Tag", spec.repository)
     if winner:
         return _report_claimed(body, "Tag", name, winner)
     tags = repo.list_tags()
-    recorded = status.get("snapshot")
+    recorded = previous.snapshot
     if recorded:
         if tags.get(name) != recorded:
             return _report(
@@ -586,14 +651,14 @@ def tag(body: Mapping[str, Any]) -> dict[str, Any]:
         reason="Ready",
         message=f"tag {name!r} -> {snapshot}",
         phase="Ready",
-        extra_conditions=(("Conflict", False, "NoConflict", ""),),
-        fields={"tag": name, "snapshot": snapshot},
+        also=[NO_CONFLICT],
+        fields=TagStatus(tag=name, snapshot=snapshot),
     )
 
 
 def delete_tag(body: Mapping[str, Any]) -> str:
     name = desired.ref_name(body)
-    if not (body.get("status") or {}).get("snapshot"):
+    if not observed(TagStatus, body).snapshot:
         return "the tag was never created"
     repo, why = _owned_ref_repository(body, "Tag")
     if repo is None:
@@ -608,9 +673,9 @@ def delete_tag(body: Mapping[str, Any]) -> str:
 # -- RetentionPolicy --
 
 
-def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
+def retention_policy(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     ns, name, _ = _meta(body)
-    spec: RetentionPolicySpec = parse_spec(RetentionPolicySpec, body)
+    spec = parse_spec(RetentionPolicySpec, body)
     try:
         RetentionRules.from_dict(spec.rules.to_engine())
         grace = parse_duration(spec.gc.grace)
@@ -646,10 +711,10 @@ def retention_policy(body: Mapping[str, Any], job_image: str) -> dict[str, Any]:
         reason="Scheduled",
         message=schedules + (" (gc suspended)" if spec.gc.suspend else ""),
         phase="Ready",
-        fields={
-            "gcCronJob": jobs["gc"]["metadata"]["name"],
-            "compactionCronJob": jobs["compact"]["metadata"]["name"] if "compact" in jobs else None,
-        },
+        fields=RetentionPolicyStatus(
+            gcCronJob=jobs["gc"]["metadata"]["name"],
+            compactionCronJob=jobs["compact"]["metadata"]["name"] if "compact" in jobs else None,
+        ),
     )
 
 
@@ -683,24 +748,32 @@ def job_finished(job: Mapping[str, Any]) -> str | None:
     policy = kube.get("RetentionPolicy", ns, policy_name)
     if policy is None:
         return None
-    field = "lastGC" if kind == "gc" else "lastCompaction"
-    previous = (policy.get("status") or {}).get(field) or {}
-    if previous.get("job") == run["job"] and previous.get("result") == run["result"]:
-        return None  # already recorded
-    if previous.get("time") and previous["time"] > run["time"]:
-        return None  # an older job finishing late does not replace a newer result
-    kube.patch_status("RetentionPolicy", ns, policy_name, {field: run})
+    status = observed(RetentionPolicyStatus, policy)
+    previous = status.last_gc if kind == "gc" else status.last_compaction
+    if previous is not None:
+        if previous.job == run.job and previous.result == run.result:
+            return None  # already recorded
+        if previous.time and run.time and previous.time > run.time:
+            return None  # an older job finishing late does not replace a newer result
+    # The whole entry is written (counts this run lacks as null): it describes one run.
+    update = (
+        RetentionPolicyStatus(lastGC=run)
+        if kind == "gc"
+        else RetentionPolicyStatus(lastCompaction=run)
+    )
+    kube.patch_status("RetentionPolicy", ns, policy_name, update.patch())
     what = "GC" if kind == "gc" else "Compaction"
-    ok = run["result"] == "Succeeded"
+    counts = run.dump()
     summary = ", ".join(
-        f"{k}={run[k]}"
+        f"{k}={counts[k]}"
         for k in ("snapshotsExpired", "objectsDeleted", "bytesFreed", "chunksPacked")
-        if k in run
+        if k in counts
     )
     _event(
         policy,
-        f"{what}{run['result']}",
-        f"job {run['job']}: {summary or run.get('message', '')}",
-        warning=not ok,
+        f"{what}{run.result}",
+        f"job {run.job}: {summary or run.message or ''}",
+        warning=run.result != "Succeeded",
     )
-    return f"{field} <- {run['job']} {run['result']}"
+    field = "lastGC" if kind == "gc" else "lastCompaction"
+    return f"{field} <- {run.job} {run.result}"

@@ -30,8 +30,11 @@ from zarrlake_operator.models import (
     API_VERSION,
     KINDS,
     Branch,
+    Condition,
+    JobRun,
     Repository,
     RepositorySpec,
+    RepositoryStatus,
     RetentionPolicy,
     RetentionPolicySpec,
     Tag,
@@ -150,7 +153,8 @@ def test_set_condition_adds_a_new_condition() -> None:
     conds = desired.set_condition(
         [], "BucketReady", True, "Provisioned", "ok", generation=4, now=T0
     )
-    assert conds == [
+    assert all(isinstance(c, Condition) for c in conds)
+    assert [c.dump() for c in conds] == [
         {
             "type": "BucketReady",
             "status": "True",
@@ -166,46 +170,80 @@ def test_set_condition_moves_the_transition_time_only_on_a_status_change() -> No
     conds = desired.set_condition([], "Ready", False, "Pending", "wait", generation=1, now=T0)
     # Same status, new reason, message and generation: the transition time stays.
     same = desired.set_condition(conds, "Ready", False, "Waiting", "still", generation=2, now=T1)
-    assert same[0]["lastTransitionTime"] == "2024-05-01T12:00:00Z"
-    assert (same[0]["reason"], same[0]["message"], same[0]["observedGeneration"]) == (
+    assert same[0].last_transition_time == "2024-05-01T12:00:00Z"
+    assert (same[0].reason, same[0].message, same[0].observed_generation) == (
         "Waiting",
         "still",
         2,
     )
     # Status changes: it moves.
     flipped = desired.set_condition(same, "Ready", True, "Ready", "done", generation=2, now=T1)
-    assert flipped[0]["status"] == "True"
-    assert flipped[0]["lastTransitionTime"] == "2024-05-01T12:05:00Z"
+    assert flipped[0].status == "True"
+    assert flipped[0].last_transition_time == "2024-05-01T12:05:00Z"
     # A string status is taken as is ("Unknown" included).
     unknown = desired.set_condition(flipped, "Ready", "Unknown", "Lost", now=T1)
-    assert unknown[0]["status"] == "Unknown"
+    assert unknown[0].status == "Unknown"
 
 
 def test_set_condition_keeps_other_conditions_in_place() -> None:
     others = [
-        {"type": "BucketReady", "status": "True", "reason": "Provisioned", "extra": "kept"},
-        {"type": "Ready", "status": "False", "reason": "Pending", "lastTransitionTime": "x"},
-        {"type": "Initialized", "status": "False", "reason": "Pending"},
+        Condition.model_validate(c)
+        for c in (
+            {"type": "BucketReady", "status": "True", "reason": "Provisioned", "extra": "ignored"},
+            {"type": "Ready", "status": "False", "reason": "Pending", "lastTransitionTime": "x"},
+            {"type": "Initialized", "status": "False", "reason": "Pending"},
+        )
     ]
+    before = [c.model_copy(deep=True) for c in others]
     out = desired.set_condition(others, "Ready", False, "Pending", now=T1)
-    assert [c["type"] for c in out] == ["BucketReady", "Ready", "Initialized"]
+    assert [c.type for c in out] == ["BucketReady", "Ready", "Initialized"]
     assert out[0] == others[0] and out[2] == others[2]
-    assert out[1]["lastTransitionTime"] == "x"
-    assert "observedGeneration" not in out[1]  # no generation given: none recorded
+    assert out[1].last_transition_time == "x"
+    assert "observedGeneration" not in out[1].dump()  # no generation given: none recorded
     # The input is not modified.
-    assert others[1] == {
+    assert others == before
+    assert others[1].dump() == {
         "type": "Ready",
         "status": "False",
         "reason": "Pending",
+        "message": "",
         "lastTransitionTime": "x",
     }
+
+
+def test_a_status_is_written_as_a_merge_patch_of_what_was_set() -> None:
+    """Set fields are written, None ones as null (which removes them); conditions go whole and
+    without nulls (a null inside a list is a value the schema refuses)."""
+    conds = desired.set_condition([], "Ready", True, "Ready", "ok", now=T0)
+    status = RepositoryStatus(lockEndpoint=None, branches=3).model_copy(
+        update={"conditions": conds, "phase": "Ready"}
+    )
+    assert status.patch() == {
+        "lockEndpoint": None,
+        "branches": 3,
+        "phase": "Ready",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Ready",
+                "message": "ok",
+                "lastTransitionTime": "2024-05-01T12:00:00Z",
+            }
+        ],
+    }
+    assert RepositoryStatus().patch() == {}
+    # A status read back from the API server round-trips through the model.
+    assert RepositoryStatus.model_validate(status.patch()).condition("Ready") == conds[0]
 
 
 # -- repository_phase ----------------------------------------------------------------------------
 
 
-def cond(type_: str, status: str, reason: str = "", message: str = "") -> dict[str, str]:
-    return {"type": type_, "status": status, "reason": reason, "message": message}
+def cond(type_: str, status: str, reason: str = "", message: str = "") -> Condition:
+    return Condition.model_validate(
+        {"type": type_, "status": status, "reason": reason, "message": message}
+    )
 
 
 def test_repository_phase_ready_needs_all_three_conditions() -> None:
@@ -219,7 +257,7 @@ def test_repository_phase_ready_needs_all_three_conditions() -> None:
     for i in range(3):
         partial = all_true[:i] + all_true[i + 1 :]
         assert desired.repository_phase(partial)[:2] == ("Provisioning", False)
-        falsy = [*all_true[:i], cond(all_true[i]["type"], "False", "Pending"), *all_true[i + 1 :]]
+        falsy = [*all_true[:i], cond(all_true[i].type, "False", "Pending"), *all_true[i + 1 :]]
         assert desired.repository_phase(falsy)[:2] == ("Provisioning", False)
 
 
@@ -800,6 +838,14 @@ def test_label_values_are_valid_for_the_longest_allowed_names() -> None:
 # -- job_run ---------------------------------------------------------------------------------------
 
 
+def job_run_entry(job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``desired.job_run`` as the status shows the entry (Kubernetes names, absent counts left
+    out)."""
+    run = desired.job_run(job, pods)
+    assert run is None or isinstance(run, JobRun)
+    return None if run is None else run.dump()
+
+
 def job(
     name: str = "zl-climate-retention-gc-28600000",
     conditions: list[dict[str, Any]] | None = None,
@@ -852,15 +898,15 @@ GC_REPORT = {
 
 
 def test_job_run_is_none_while_the_job_runs() -> None:
-    assert desired.job_run(job(active=1), []) is None
+    assert job_run_entry(job(active=1), []) is None
     not_yet = {"type": "Complete", "status": "False"}
     suspended = {"type": "Suspended", "status": "True"}
-    assert desired.job_run(job(conditions=[not_yet, suspended]), []) is None
+    assert job_run_entry(job(conditions=[not_yet, suspended]), []) is None
 
 
 def test_job_run_maps_the_gc_report() -> None:
     message = json.dumps(GC_REPORT, separators=(",", ":"))
-    run = desired.job_run(
+    run = job_run_entry(
         job(conditions=[COMPLETE], completionTime="2024-05-01T03:04:59Z"),
         [pod("p1", "2024-05-01T03:00:00Z", message)],
     )
@@ -876,7 +922,7 @@ def test_job_run_maps_the_gc_report() -> None:
 
 def test_job_run_maps_the_compaction_report_and_uses_the_condition_time() -> None:
     report = {"branch": "main", "dry_run": False, "packed_chunks": 40, "packed_bytes": 4096}
-    run = desired.job_run(
+    run = job_run_entry(
         job(conditions=[COMPLETE]), [pod("p1", "2024-05-01T03:00:00Z", json.dumps(report))]
     )
     assert run == {
@@ -892,7 +938,7 @@ def test_job_run_failed_with_a_crash_log() -> None:
         "Traceback (most recent call last):\n  File ...\n"
         "zarrlake: error: cannot reach s3://zarrlake-climate: timeout\n"
     )
-    run = desired.job_run(
+    run = job_run_entry(
         job(conditions=[FAILED]), [pod("p1", "2024-05-01T03:00:00Z", log_tail, exit_code=1)]
     )
     assert run is not None
@@ -903,15 +949,15 @@ def test_job_run_failed_with_a_crash_log() -> None:
 
 
 def test_job_run_failed_without_any_message_uses_the_job_condition() -> None:
-    run = desired.job_run(job(conditions=[FAILED]), [pod("p1", "2024-05-01T03:00:00Z", None)])
+    run = job_run_entry(job(conditions=[FAILED]), [pod("p1", "2024-05-01T03:00:00Z", None)])
     assert run is not None and run["result"] == "Failed"
     assert run["message"] == "Job has reached the specified backoff limit"
-    run = desired.job_run(job(conditions=[{"type": "Failed", "status": "True"}]), [])
+    run = job_run_entry(job(conditions=[{"type": "Failed", "status": "True"}]), [])
     assert run is not None and run["message"] == "the job failed"
 
 
 def test_job_run_long_messages_are_cut() -> None:
-    run = desired.job_run(job(conditions=[FAILED]), [pod("p1", "t", "x" * 5000, exit_code=1)])
+    run = job_run_entry(job(conditions=[FAILED]), [pod("p1", "t", "x" * 5000, exit_code=1)])
     assert run is not None and len(run["message"]) <= 500
 
 
@@ -919,7 +965,7 @@ def test_job_run_newest_pod_wins() -> None:
     older = pod("p1", "2024-05-01T03:00:00Z", json.dumps({**GC_REPORT, "deleted_objects": 1}))
     newer = pod("p2", "2024-05-01T03:02:00Z", json.dumps({**GC_REPORT, "deleted_objects": 7}))
     for pods in ([older, newer], [newer, older]):
-        run = desired.job_run(job(conditions=[COMPLETE]), pods)
+        run = job_run_entry(job(conditions=[COMPLETE]), pods)
         assert run is not None and run["objectsDeleted"] == 7
 
 
@@ -928,7 +974,7 @@ def test_job_run_newest_pod_wins_over_an_older_report() -> None:
     older = pod("p1", "2024-05-01T03:00:00Z", json.dumps(GC_REPORT), exit_code=1)
     newer = pod("p2", "2024-05-01T03:02:00Z", "zarrlake: error: storage went away", exit_code=1)
     for pods in ([older, newer], [newer, older]):
-        run = desired.job_run(job(conditions=[FAILED]), pods)
+        run = job_run_entry(job(conditions=[FAILED]), pods)
         assert run is not None
         assert run["result"] == "Failed"
         assert run["message"] == "zarrlake: error: storage went away"
@@ -938,7 +984,7 @@ def test_job_run_newest_pod_wins_over_an_older_report() -> None:
 def test_job_run_json_that_is_not_a_report_is_a_message() -> None:
     """With FallbackToLogsOnError the message may be any log tail, valid JSON included."""
     for tail in ("42", '["a", "b"]', "null"):
-        run = desired.job_run(job(conditions=[FAILED]), [pod("p1", "t", tail, exit_code=1)])
+        run = job_run_entry(job(conditions=[FAILED]), [pod("p1", "t", tail, exit_code=1)])
         assert run is not None and run["result"] == "Failed"
         assert run["message"] == tail
 
@@ -991,9 +1037,7 @@ def test_cron_job_commands_run_and_their_reports_map_to_job_runs(
     assert run_like_the_cron_job(jobs["gc"], report_file, monkeypatch) == 0, capsys.readouterr()
     message = report_file.read_text()
     assert len(message) < 4096
-    run = desired.job_run(
-        job(conditions=[COMPLETE]), [pod("gc-1", "2024-05-01T03:00:00Z", message)]
-    )
+    run = job_run_entry(job(conditions=[COMPLETE]), [pod("gc-1", "2024-05-01T03:00:00Z", message)])
     assert run is not None and run["result"] == "Succeeded"
     assert run["snapshotsExpired"] == snapshots - 1  # default last 1: only the head stays
     assert run["objectsDeleted"] > 0 and run["bytesFreed"] > 0
@@ -1002,7 +1046,7 @@ def test_cron_job_commands_run_and_their_reports_map_to_job_runs(
     report_file.unlink()
     assert run_like_the_cron_job(jobs["compact"], report_file, monkeypatch) == 0
     message = report_file.read_text()
-    run = desired.job_run(
+    run = job_run_entry(
         job("compact-1", conditions=[COMPLETE]), [pod("c-1", "2024-05-01T04:00:00Z", message)]
     )
     assert run is not None and run["result"] == "Succeeded"
