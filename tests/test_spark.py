@@ -232,6 +232,46 @@ def test_memory_storage_is_refused(spark: Any) -> None:
     assert repo.lookup_branch("main") == head0
 
 
+def test_tasks_in_one_process_share_one_object_store(tmp_path: Path) -> None:
+    # A fork travels to the executors as bytes; every task in a worker process unpickles its own
+    # copy, and all of them share one ObjectStore (client, connections, caches) per storage.
+    from zarrlake.spark import _dump_fork, _load_fork
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"))
+    session = repo.writable_session("main")
+    create_grid(session.store)
+    data = _dump_fork(session.fork())
+    a, b = _load_fork(data), _load_fork(data)
+    assert a._objects is b._objects
+    # ... but not their changesets: a task never sees another task's (or attempt's) writes.
+    open_array(a.store, "g/temp")[0:8, 0:10] = 1.0
+    assert not a.changeset().is_empty()
+    assert b.changeset().is_empty()
+
+
+def test_memory_forks_are_never_shared() -> None:
+    from zarrlake.spark import _dump_fork, _load_fork
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+    data = _dump_fork(repo.writable_session("main").fork())
+    a, b = _load_fork(data), _load_fork(data)
+    assert a._objects is not b._objects  # each copy of a memory storage is its own store
+
+
+def test_read_array_with_a_locked_repository(spark: Any, tmp_path: Path) -> None:
+    # Executors only read: the lock stays on the driver.
+    lock = zarrlake.LocalLock(tmp_path / "locks")
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
+    s = repo.writable_session("main")
+    zarr.create_array(s.store, name="v", shape=(6,), chunks=(4,), dtype="i8", fill_value=0)[:] = (
+        np.arange(6)
+    )
+    s.commit("v")
+    rows = read_array(spark, repo, "v").collect()
+    assert sorted((r.dim_0, r.value) for r in rows) == [(i, i) for i in range(6)]
+    assert repo.lock is lock
+
+
 # -- read_array ----------------------------------------------------------------------------------
 
 
