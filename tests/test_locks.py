@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zarrlake_testkit.servers import free_port, redis_command, stop, wait_for_port
 
 import zarrlake
 from lock_workers import ARRAY, CRASH_BRANCHES, array_doc, chunk_key, chunk_value
 from zarrlake.format.model import JournalEntry
-from zarrlake_testkit.servers import free_port, redis_command, stop, wait_for_port
 
 WORKERS = Path(__file__).resolve().with_name("lock_workers.py")
 ZARRLAKE_HOME = Path(zarrlake.__file__).resolve().parent.parent  # workers import the same code
@@ -238,7 +238,8 @@ def check_commits(
 def storage_for(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> zarrlake.Storage:
     if kind == "local":
         return zarrlake.Storage.local(tmp_path / "repo")
-    return request.getfixturevalue("moto_s3").storage()
+    storage: zarrlake.Storage = request.getfixturevalue("moto_s3").storage()
+    return storage
 
 
 # -- mutual exclusion and fencing ------------------------------------------------------------------
@@ -284,7 +285,7 @@ def test_mutual_exclusion_and_fencing_8_processes(
         tokens.append(int(enter[2]))
     assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
     assert {r[1] for r in records} == {str(w.pid) for w in ws}
-    assert int(redis.Redis.from_url(redis_server.url).get(counter)) == 0
+    assert int(redis.Redis.from_url(redis_server.url).get(counter) or b"0") == 0
 
 
 def test_lock_timeout_and_leaving_the_queue(redis_server: Any, tmp_path: Path) -> None:
@@ -310,7 +311,7 @@ def test_lock_timeout_and_leaving_the_queue(redis_server: Any, tmp_path: Path) -
     t0 = time.monotonic()
     s.commit("now")
     assert time.monotonic() - t0 < 1
-    assert lease.token < journal(repo)[-1].token  # type: ignore[operator]
+    assert lease.token < journal(repo)[-1].token
 
 
 def test_local_lock_timeout(tmp_path: Path) -> None:
@@ -967,19 +968,21 @@ def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
     lock = zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
     repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
 
-    def commit(i: int) -> int | None:
+    def commit(i: int) -> int:
         session = repo.writable_session()
         session.write(f"arr/c/{i}", bytes([i]) * 8)
         session.commit(f"commit {i}")
-        return repo._journal.current("main").token
+        token = repo._journal.current("main").token
+        assert token is not None, "a commit under a lock records its fencing token"
+        return token
 
     before = [commit(i) for i in range(3)]
     assert before == sorted(before) and len(set(before)) == 3
     redis_py.Redis.from_url(own_redis.url).flushall()  # the counter is gone
     stale = commit(3)
-    assert stale is not None and stale <= before[-1]  # handed out again by the forgetful server
+    assert stale <= before[-1]  # handed out again by the forgetful server
     after = [commit(i) for i in range(4, 6)]
-    assert all(t is not None and t > before[-1] for t in after)
+    assert all(t > before[-1] for t in after)
     assert after == sorted(after)
 
 

@@ -47,7 +47,7 @@ def spark() -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
     # The writers below live in this test module, which executors cannot import: ship them by value.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
     session = (
         SparkSession.builder.master("local[2]")
         .appName("zarrlake-tests")
@@ -60,7 +60,7 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -113,21 +113,23 @@ def write_and_commit_elsewhere(
     repo: zarrlake.Repository, store: Any, blocks: Iterator[int]
 ) -> None:
     """Block 0's task also makes an ordinary commit to another array while the job runs."""
-    blocks = list(blocks)
-    if 0 in blocks:
+    mine = list(blocks)
+    if 0 in mine:
         other = repo.writable_session("main")
         zarr.open_array(other.store, path="other", mode="r+")[:] = np.arange(6)
         other.commit("concurrent plain commit", author="someone-else")
-    write_row_blocks(store, iter(blocks))
+    write_row_blocks(store, iter(mine))
 
 
 def head_and_log(repo: zarrlake.Repository) -> tuple[str, list[str]]:
     return repo.lookup_branch("main"), [c.id for c in repo.log("main")]
 
 
-def read_grid(repo: zarrlake.Repository, ref: str = "main", name: str = "g/temp") -> np.ndarray:
+def read_grid(
+    repo: zarrlake.Repository, ref: str = "main", name: str = "g/temp"
+) -> np.ndarray[Any, Any]:
     fresh = zarrlake.Repository.open(repo.storage)  # no caches shared with the writer
-    return zarr.open_array(fresh.readonly_session(ref).store, path=name, mode="r")[:]
+    return np.asarray(zarr.open_array(fresh.readonly_session(ref).store, path=name, mode="r")[:])
 
 
 # -- write_partitions ------------------------------------------------------------------------------
@@ -259,8 +261,10 @@ def test_memory_forks_are_never_shared() -> None:
 
 
 def test_read_array_with_a_locked_repository(spark: Any, tmp_path: Path) -> None:
+    from zarrlake.locks import LocalLock
+
     # Executors only read: the lock stays on the driver.
-    lock = zarrlake.LocalLock(tmp_path / "locks")
+    lock = LocalLock(tmp_path / "locks")
     repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
     s = repo.writable_session("main")
     zarr.create_array(s.store, name="v", shape=(6,), chunks=(4,), dtype="i8", fill_value=0)[:] = (

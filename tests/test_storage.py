@@ -170,8 +170,12 @@ def test_racing_create_only_threads(storage: Storage) -> None:
 
 
 def _race_worker(
-    root: str, keys: list[str], writer: int, barrier: mp.synchronize.Barrier, out: mp.Queue
-) -> None:  # type: ignore[name-defined]
+    root: str,
+    keys: list[str],
+    writer: int,
+    barrier: mp.synchronize.Barrier,
+    out: mp.Queue[tuple[int, list[str], str | None]],
+) -> None:
     store = Storage.local(root)
     won: list[str] = []
     try:
@@ -536,7 +540,8 @@ def test_with_retries_backs_off() -> None:
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def s3_at(port: int) -> Storage:
@@ -745,7 +750,7 @@ def test_local_readers_never_see_a_partial_object(tmp_path: Path) -> None:
     assert keys_of(store.list()) == sorted([*keys, "plain"])
 
 
-def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:
     data = b"\xab" * size
     ready.set()
     Storage.local(root).put(key, data, create_only=True)

@@ -91,12 +91,14 @@ def register_backend(*schemes: str) -> Callable[[type[S]], type[S]]:
     """Class decorator: serve the URL ``schemes`` (lower case, e.g. ``"s3"``) with this backend.
 
     A scheme already taken by another class is an error: two backends must not silently compete.
+    (The same class defined again, as when its module is reloaded, replaces itself.)
     """
 
     def register(cls: type[S]) -> type[S]:
+        name = (cls.__module__, cls.__qualname__)
         for scheme in schemes:
             taken = _BACKENDS.get(scheme)
-            if taken is not None and taken.__qualname__ != cls.__qualname__:
+            if taken is not None and (taken.__module__, taken.__qualname__) != name:
                 raise ValueError(f"storage scheme {scheme!r} is already served by {taken!r}")
             _BACKENDS[scheme] = cls
         return cls
