@@ -162,14 +162,13 @@ class BlockWriter:
 # is shared; every task still has its own fork and changeset.
 #
 # The sharing happens in pickle itself: the driver pickles a fork with :class:`_ForkPickler`, which
-# writes each ObjectStore as a reference (its storage, pickled), and a task unpickles it with
-# :class:`_ForkUnpickler`, which resolves the reference to this process's shared ObjectStore. A
-# storage that is not shared across processes (memory) pickles its contents, so its copies are
-# distinct stores and are never shared.
+# reduces each ObjectStore to a call of :func:`_shared_object_store` with its storage (pickled), and
+# in a task that call returns this process's shared ObjectStore for the storage. A storage that is
+# not shared across processes (memory) pickles its contents, so its copies are distinct stores and
+# are never shared.
 _SHARED_MAX = 8
 _shared: OrderedDict[bytes, Any] = OrderedDict()
 _shared_lock = threading.Lock()
-_OBJECTS_REF = "zarrlake.ObjectStore"
 
 
 def _shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
@@ -183,21 +182,19 @@ def _shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
         return value
 
 
+def _shared_object_store(storage_bytes: bytes) -> ObjectStore:
+    """This process's ObjectStore for the pickled storage (what a pickled fork's store becomes)."""
+    return _shared_instance(
+        b"objects:" + storage_bytes, lambda: ObjectStore(pickle.loads(storage_bytes))
+    )
+
+
 class _ForkPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, ObjectStore) and obj.storage.shared_across_processes:
-            return (_OBJECTS_REF, pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL))
-        return None
-
-
-class _ForkUnpickler(pickle.Unpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        tag, storage_bytes = pid
-        if tag != _OBJECTS_REF:
-            raise pickle.UnpicklingError(f"unknown persistent reference {tag!r}")
-        return _shared_instance(
-            b"objects:" + storage_bytes, lambda: ObjectStore(pickle.loads(storage_bytes))
-        )
+            storage_bytes = pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL)
+            return _shared_object_store, (storage_bytes,)
+        return NotImplemented
 
 
 def _dump_fork(fork: ForkedSession) -> bytes:
@@ -207,7 +204,7 @@ def _dump_fork(fork: ForkedSession) -> bytes:
 
 
 def _load_fork(data: bytes) -> ForkedSession:
-    fork = _ForkUnpickler(io.BytesIO(data)).load()
+    fork = pickle.loads(data)
     if not isinstance(fork, ForkedSession):
         raise TypeError(f"expected a pickled ForkedSession, got {type(fork).__name__}")
     return fork
