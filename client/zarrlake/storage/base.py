@@ -88,7 +88,7 @@ _BACKENDS: dict[str, type[Storage]] = {}
 
 
 def register_backend(*schemes: str) -> Callable[[type[S]], type[S]]:
-    """Class decorator: serve the URL ``schemes`` (lower case, e.g. ``"s3"``) with this backend.
+    """Class decorator: serve the URL ``schemes`` (e.g. ``"s3"``; case-insensitive) with this class.
 
     A scheme already taken by another class is an error: two backends must not silently compete.
     (The same class defined again, as when its module is reloaded, replaces itself.)
@@ -96,7 +96,7 @@ def register_backend(*schemes: str) -> Callable[[type[S]], type[S]]:
 
     def register(cls: type[S]) -> type[S]:
         name = (cls.__module__, cls.__qualname__)
-        for scheme in schemes:
+        for scheme in map(str.lower, schemes):
             taken = _BACKENDS.get(scheme)
             if taken is not None and (taken.__module__, taken.__qualname__) != name:
                 raise ValueError(f"storage scheme {scheme!r} is already served by {taken!r}")
