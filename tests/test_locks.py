@@ -245,7 +245,8 @@ def check_commits(
 def storage_for(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> zarrlake.Storage:
     if kind == "local":
         return zarrlake.Storage.local(tmp_path / "repo")
-    return request.getfixturevalue("moto_s3").storage()
+    storage: zarrlake.Storage = request.getfixturevalue("moto_s3").storage()
+    return storage
 
 
 # -- mutual exclusion and fencing ------------------------------------------------------------------
@@ -291,7 +292,7 @@ def test_mutual_exclusion_and_fencing_8_processes(
         tokens.append(int(enter[2]))
     assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
     assert {r[1] for r in records} == {str(w.pid) for w in ws}
-    assert int(redis.Redis.from_url(redis_server.url).get(counter)) == 0
+    assert int(redis.Redis.from_url(redis_server.url).get(counter) or b"0") == 0
 
 
 def test_lock_timeout_and_leaving_the_queue(redis_server: Any, tmp_path: Path) -> None:
@@ -316,7 +317,7 @@ def test_lock_timeout_and_leaving_the_queue(redis_server: Any, tmp_path: Path) -
     lease.release()
     # wait_s is 0.5: a queue left behind by the waiters would make this a LockTimeout.
     s.commit("now")
-    assert lease.token < journal(repo)[-1].token  # type: ignore[operator]
+    assert lease.token < journal(repo)[-1].token
 
 
 def test_local_lock_timeout(tmp_path: Path) -> None:
@@ -988,19 +989,21 @@ def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
     lock = zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
     repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
 
-    def commit(i: int) -> int | None:
+    def commit(i: int) -> int:
         session = repo.writable_session()
         session.write(f"arr/c/{i}", bytes([i]) * 8)
         session.commit(f"commit {i}")
-        return repo._journal.current("main").token
+        token = repo._journal.current("main").token
+        assert token is not None, "a commit under a lock records its fencing token"
+        return token
 
     before = [commit(i) for i in range(3)]
     assert before == sorted(before) and len(set(before)) == 3
     redis_py.Redis.from_url(own_redis.url).flushall()  # the counter is gone
     stale = commit(3)
-    assert stale is not None and stale <= before[-1]  # handed out again by the forgetful server
+    assert stale <= before[-1]  # handed out again by the forgetful server
     after = [commit(i) for i in range(4, 6)]
-    assert all(t is not None and t > before[-1] for t in after)
+    assert all(t > before[-1] for t in after)
     assert after == sorted(after)
 
 

@@ -276,13 +276,14 @@ def test_one_key_change_rewrites_at_most_two_shards(change: str) -> None:
     index, store, model = big_manifest(max_refs=max_refs)
     keys = sorted(model)
     key = keys[len(keys) // 2 + 17]
-    changes: dict[str, ChunkRef | None] = {
+    options: dict[str, dict[str, ChunkRef | None]] = {
         "overwrite": {key: fresh_ref()},
         "insert": {key + "0": fresh_ref()},
         "delete": {key: None},
         "insert-before-all": {"a": fresh_ref()},
         "append-after-all": {"zzz/c/0": fresh_ref()},
-    }[change]
+    }
+    changes = options[change]
     update = apply_changes(index, changes, [], store.load, max_refs)
     assert len(update.new_shards) <= 2
     assert sum(store.loads.values()) <= 2, "read more shards than the change touches"

@@ -47,7 +47,7 @@ def spark() -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
     # The writers below live in this test module, which executors cannot import: ship them by value.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
     session = (
         SparkSession.builder.master("local[2]")
         .appName("zarrlake-tests")
@@ -60,7 +60,7 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -113,21 +113,23 @@ def write_and_commit_elsewhere(
     repo: zarrlake.Repository, store: Any, blocks: Iterator[int]
 ) -> None:
     """Block 0's task also makes an ordinary commit to another array while the job runs."""
-    blocks = list(blocks)
-    if 0 in blocks:
+    mine = list(blocks)
+    if 0 in mine:
         other = repo.writable_session("main")
         zarr.open_array(other.store, path="other", mode="r+")[:] = np.arange(6)
         other.commit("concurrent plain commit", author="someone-else")
-    write_row_blocks(store, iter(blocks))
+    write_row_blocks(store, iter(mine))
 
 
 def head_and_log(repo: zarrlake.Repository) -> tuple[str, list[str]]:
     return repo.lookup_branch("main"), [c.id for c in repo.log("main")]
 
 
-def read_grid(repo: zarrlake.Repository, ref: str = "main", name: str = "g/temp") -> np.ndarray:
+def read_grid(
+    repo: zarrlake.Repository, ref: str = "main", name: str = "g/temp"
+) -> np.ndarray[Any, Any]:
     fresh = zarrlake.Repository.open(repo.storage)  # no caches shared with the writer
-    return zarr.open_array(fresh.readonly_session(ref).store, path=name, mode="r")[:]
+    return np.asarray(zarr.open_array(fresh.readonly_session(ref).store, path=name, mode="r")[:])
 
 
 # -- write_partitions ------------------------------------------------------------------------------
@@ -230,6 +232,48 @@ def test_memory_storage_is_refused(spark: Any) -> None:
             spark.sparkContext.parallelize([0]), repo, writer=write_row_blocks, message="x"
         )
     assert repo.lookup_branch("main") == head0
+
+
+def test_tasks_in_one_process_share_one_object_store(tmp_path: Path) -> None:
+    # A fork travels to the executors as bytes; every task in a worker process unpickles its own
+    # copy, and all of them share one ObjectStore (client, connections, caches) per storage.
+    from zarrlake.spark import _dump_fork, _load_fork
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"))
+    session = repo.writable_session("main")
+    create_grid(session.store)
+    data = _dump_fork(session.fork())
+    a, b = _load_fork(data), _load_fork(data)
+    assert a._objects is b._objects
+    # ... but not their changesets: a task never sees another task's (or attempt's) writes.
+    open_array(a.store, "g/temp")[0:8, 0:10] = 1.0
+    assert not a.changeset().is_empty()
+    assert b.changeset().is_empty()
+
+
+def test_memory_forks_are_never_shared() -> None:
+    from zarrlake.spark import _dump_fork, _load_fork
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+    data = _dump_fork(repo.writable_session("main").fork())
+    a, b = _load_fork(data), _load_fork(data)
+    assert a._objects is not b._objects  # each copy of a memory storage is its own store
+
+
+def test_read_array_with_a_locked_repository(spark: Any, tmp_path: Path) -> None:
+    from zarrlake.locks import LocalLock
+
+    # Executors only read: the lock stays on the driver.
+    lock = LocalLock(tmp_path / "locks")
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), lock=lock)
+    s = repo.writable_session("main")
+    zarr.create_array(s.store, name="v", shape=(6,), chunks=(4,), dtype="i8", fill_value=0)[:] = (
+        np.arange(6)
+    )
+    s.commit("v")
+    rows = read_array(spark, repo, "v").collect()
+    assert sorted((r.dim_0, r.value) for r in rows) == [(i, i) for i in range(6)]
+    assert repo.lock is lock
 
 
 # -- read_array ----------------------------------------------------------------------------------

@@ -170,8 +170,12 @@ def test_racing_create_only_threads(storage: Storage) -> None:
 
 
 def _race_worker(
-    root: str, keys: list[str], writer: int, barrier: mp.synchronize.Barrier, out: mp.Queue
-) -> None:  # type: ignore[name-defined]
+    root: str,
+    keys: list[str],
+    writer: int,
+    barrier: mp.synchronize.Barrier,
+    out: mp.Queue[tuple[int, list[str], str | None]],
+) -> None:
     store = Storage.local(root)
     won: list[str] = []
     try:
@@ -536,7 +540,8 @@ def test_with_retries_backs_off() -> None:
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def s3_at(port: int) -> Storage:
@@ -745,7 +750,7 @@ def test_local_readers_never_see_a_partial_object(tmp_path: Path) -> None:
     assert keys_of(store.list()) == sorted([*keys, "plain"])
 
 
-def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:
     data = b"\xab" * size
     ready.set()
     Storage.local(root).put(key, data, create_only=True)
@@ -791,3 +796,98 @@ def test_local_rejects_escaping_keys(tmp_path: Path) -> None:
 
 def test_zarrlake_exports_storage() -> None:
     assert zarrlake.Storage is Storage
+
+
+# -- capabilities, the factory, the registry -------------------------------------------------------
+
+CAPABILITIES = {
+    # kind: (durable, shared_across_processes)
+    MemoryStorage: (False, False),
+    LocalStorage: (True, True),
+    S3Storage: (True, True),
+}
+
+
+def test_capabilities_are_declared(storage: Storage) -> None:
+    durable, shared = CAPABILITIES[type(storage)]
+    assert (storage.durable, storage.shared_across_processes) == (durable, shared)
+    # The branch journal needs atomic create-only writes and packs need ranged reads: every
+    # backend that holds repositories offers both.
+    assert storage.supports_conditional_writes and storage.supports_byte_ranges
+    assert storage.concurrency >= 1
+    # Declared on the class, not discovered per instance.
+    for name in (
+        "durable",
+        "shared_across_processes",
+        "supports_conditional_writes",
+        "supports_byte_ranges",
+        "concurrency",
+    ):
+        assert getattr(type(storage), name) == getattr(storage, name)
+
+
+def test_shared_across_processes_means_a_copy_sees_the_same_objects(storage: Storage) -> None:
+    storage.put("seen", b"1")
+    copy = pickle.loads(pickle.dumps(storage))
+    copy.put("written-by-copy", b"2")
+    assert (storage.head("written-by-copy") is not None) is storage.shared_across_processes
+
+
+def test_one_factory(tmp_path: Path) -> None:
+    from zarrlake.storage import from_url
+
+    assert isinstance(from_url("memory://"), MemoryStorage)
+    local = from_url(tmp_path.as_uri())
+    assert isinstance(local, LocalStorage) and local.root == tmp_path
+    assert Storage.from_url(tmp_path.as_uri()).url == local.url
+    s3 = from_url("s3://b/p?region=eu-west-1")
+    assert isinstance(s3, S3Storage) and (s3.bucket, s3.prefix, s3.region) == (
+        "b",
+        "p/",
+        "eu-west-1",
+    )
+    with pytest.raises(StorageError, match="unsupported storage URL scheme 'gs'"):
+        from_url("gs://bucket/p")
+
+
+def test_every_backend_is_a_storage(tmp_path: Path) -> None:
+    made = [
+        Storage.memory(),
+        Storage.local(tmp_path),
+        Storage.s3("bucket", "p", region="us-east-1"),
+        Storage.from_url("memory://"),
+        Storage.from_url(str(tmp_path)),
+        Storage.from_url("s3://bucket/p"),
+    ]
+    for s in made:
+        assert isinstance(s, zarrlake.Storage)
+    assert [type(s) for s in made] == [MemoryStorage, LocalStorage, S3Storage] * 2
+
+
+def test_backends_are_registered_by_scheme() -> None:
+    from zarrlake.storage.base import backend_for_scheme, register_backend
+
+    assert backend_for_scheme("file") is LocalStorage
+    assert backend_for_scheme("memory") is MemoryStorage
+    assert backend_for_scheme("s3") is S3Storage and backend_for_scheme("S3A") is S3Storage
+    with pytest.raises(StorageError, match="known: file, memory, s3, s3a"):
+        backend_for_scheme("gs")
+
+    class Impostor(MemoryStorage):
+        pass
+
+    with pytest.raises(ValueError, match="already served"):
+        register_backend("memory")(Impostor)
+    assert backend_for_scheme("memory") is MemoryStorage
+
+
+def test_storage_is_an_abstract_protocol() -> None:
+    with pytest.raises(TypeError):
+        Storage()  # type: ignore[abstract]
+
+    class Partial(Storage):
+        def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+            return b""
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()  # type: ignore[abstract]

@@ -1,10 +1,14 @@
-"""Every error zarrlake raises on purpose derives from :class:`ZarrlakeError`.
+"""Every error zarrlake raises on purpose derives from :class:`ZarrlakeError`; this module holds
+the whole hierarchy (storage, Spark and engine errors alike) so that any layer can raise and catch
+them without importing another layer. Older import paths (``zarrlake.storage``,
+``zarrlake.storage.base``, ``zarrlake.spark``) re-export the same classes.
 
 Errors carry the facts (which ref, which object, which chunk) as attributes and read well in a log.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -44,17 +48,57 @@ class TagExists(ZarrlakeError):
     """``create_tag`` with a name in use, or one used by a deleted tag."""
 
 
-@dataclass(frozen=True)
+class ConflictKind(enum.StrEnum):
+    """Why two lines of work cannot be combined automatically (:attr:`Conflict.kind`).
+
+    A ``str`` enum: members compare equal to their values (``kind == "chunk"``) and serialize to
+    them in JSON, so code written against the plain strings keeps working.
+    """
+
+    #: Both sides wrote the same chunk (a solver or merge strategy may pick a side).
+    CHUNK = "chunk"
+    #: Both sides changed the same node's metadata to different documents.
+    NODE = "node"
+    #: The other side deleted a subtree this side wrote into.
+    DELETED_THEIRS = "deleted-theirs"
+    #: This side deleted a subtree the other side wrote into.
+    DELETED_OURS = "deleted-ours"
+    #: One side changed an array's shape or chunk grid while the other wrote its chunks.
+    RESIZED = "resized"
+    #: The branch head is not the one expected (``reset_branch(expected=...)``, or a commit with
+    #: ``rebase=False`` after the branch moved).
+    BRANCH_MOVED = "branch-moved"
+    #: Named in the documentation of earlier releases; the engine reports a moved or reset branch
+    #: as :attr:`BRANCH_MOVED`. Kept so that conflicts built with this kind stay valid.
+    BRANCH_RESET = "branch-reset"
+
+
+@dataclass(frozen=True, init=False)
 class Conflict:
     """One reason two lines of work cannot be combined automatically.
 
-    ``kind`` is one of ``chunk``, ``node``, ``deleted-theirs``, ``deleted-ours``, ``resized``,
-    ``branch-reset``; ``path`` is the array or group path; ``chunk`` the chunk coordinates, if any.
+    ``kind`` is a :class:`ConflictKind` (a plain string naming one, like ``"chunk"``, is accepted
+    and converted; an unknown one raises :class:`ValueError`); ``path`` is the array or group
+    path (the branch name for :attr:`ConflictKind.BRANCH_MOVED`); ``chunk`` the chunk
+    coordinates, if any.
     """
 
-    kind: str
+    kind: ConflictKind
     path: str
     chunk: tuple[int, ...] | None = None
+
+    def __init__(
+        self, kind: ConflictKind | str, path: str, chunk: tuple[int, ...] | None = None
+    ) -> None:
+        try:
+            kind = ConflictKind(kind)
+        except ValueError:
+            known = ", ".join(k.value for k in ConflictKind)
+            raise ValueError(f"unknown conflict kind {kind!r}; one of: {known}") from None
+        # Frozen: the generated __setattr__ refuses, so set the fields as dataclasses do.
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "chunk", chunk)
 
     def __str__(self) -> str:
         where = self.path or "/"
@@ -106,6 +150,49 @@ class CorruptObject(ZarrlakeError):
 
 class UnsupportedFormat(ZarrlakeError):
     """An object written by a newer zarrlake format version, or not a zarrlake object at all."""
+
+
+class StorageError(ZarrlakeError):
+    """The object store failed in a way retries did not fix."""
+
+
+class ObjectNotFound(StorageError, KeyError):
+    """The key does not exist."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"object not found: {self.key}"
+
+
+class PreconditionFailed(StorageError):
+    """A create-only write found the key already present. Never retried."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"object already exists: {self.key}"
+
+
+class TransientStorageError(StorageError):
+    """Throttling, a 5xx, a timeout: worth retrying with backoff."""
+
+
+class SparkWriteError(ZarrlakeError):
+    """A :func:`zarrlake.spark.write_partitions` job failed; nothing was committed.
+
+    ``partition`` is the index of the partition whose writer raised (None if the job failed some
+    other way); ``reason`` is the writer's exception as ``"Type: message"``, or Spark's error.
+    """
+
+    def __init__(self, message: str, *, partition: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.partition = partition
+        self.reason = reason
 
 
 class RetryableError(ZarrlakeError):

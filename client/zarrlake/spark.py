@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import decimal
+import io
 import pickle
 import re
 import threading
@@ -76,7 +77,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import ZarrlakeError
+from zarrlake.errors import SparkWriteError, ZarrlakeError
+from zarrlake.objects import ObjectStore
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession
 
@@ -102,19 +104,6 @@ _MARK_RE = re.compile(re.escape(_MARK) + r" writer failed on partition (\d+): ([
 _PY_EXC_RE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)): [^\n]*$", re.M)
 
 
-class SparkWriteError(ZarrlakeError):
-    """A :func:`write_partitions` job failed; nothing was committed.
-
-    ``partition`` is the index of the partition whose writer raised (None if the job failed some
-    other way); ``reason`` is the writer's exception as ``"Type: message"``, or Spark's error.
-    """
-
-    def __init__(self, message: str, *, partition: int | None = None, reason: str = "") -> None:
-        super().__init__(message)
-        self.partition = partition
-        self.reason = reason
-
-
 # -- helpers for writers -------------------------------------------------------------------------
 
 
@@ -124,7 +113,7 @@ def _norm_path(path: str) -> str:
     return path.strip("/")
 
 
-def open_array(store: Any, path: str, *, mode: str = "r+") -> zarr.Array:
+def open_array(store: Any, path: str, *, mode: str = "r+") -> zarr.Array[Any]:
     """Open the existing array at ``path`` (leading '/' optional) in a (forked) session's store.
 
     The same as ``zarr.open_array(store, path=path, mode="r+")``; a module-level function, so
@@ -132,7 +121,7 @@ def open_array(store: Any, path: str, *, mode: str = "r+") -> zarr.Array:
     """
     import zarr
 
-    return zarr.open_array(store, path=_norm_path(path), mode=mode)  # type: ignore[arg-type]
+    return zarr.open_array(store, path=_norm_path(path), mode=mode)
 
 
 @dataclass
@@ -171,39 +160,61 @@ class BlockWriter:
 # with empty caches. Tasks in one process therefore share one ObjectStore per storage location: its
 # client, connection pool and caches of immutable objects (snapshots, shards). Only the ObjectStore
 # is shared; every task still has its own fork and changeset.
+#
+# The sharing happens in pickle itself: the driver pickles a fork with :class:`_ForkPickler`, which
+# reduces each ObjectStore to a call of :func:`_shared_object_store` with its storage (pickled), and
+# in a task that call returns this process's shared ObjectStore for the storage. A storage that is
+# not shared across processes (memory) pickles its contents, so its copies are distinct stores and
+# are never shared.
 _SHARED_MAX = 8
 _shared: OrderedDict[bytes, Any] = OrderedDict()
 _shared_lock = threading.Lock()
 
 
-def _shared_instance(key: bytes, value: _V) -> _V:
+def _shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
     with _shared_lock:
         if key in _shared:
             _shared.move_to_end(key)
             return _shared[key]  # type: ignore[no-any-return]
-        _shared[key] = value
+        value = _shared[key] = make()
         while len(_shared) > _SHARED_MAX:
             _shared.popitem(last=False)
         return value
 
 
-def _reuse_objects(workspace: ForkedSession) -> ForkedSession:
-    from zarrlake.storage.memory import MemoryStorage
+def _shared_object_store(storage_bytes: bytes) -> ObjectStore:
+    """This process's ObjectStore for the pickled storage (what a pickled fork's store becomes)."""
+    return _shared_instance(
+        b"objects:" + storage_bytes, lambda: ObjectStore(pickle.loads(storage_bytes))
+    )
 
-    objects = workspace._objects
-    if not isinstance(objects.storage, MemoryStorage):  # a memory storage pickles its contents
-        key = b"objects:" + pickle.dumps(objects.storage, protocol=pickle.HIGHEST_PROTOCOL)
-        workspace._objects = _shared_instance(key, objects)
-    return workspace
+
+class _ForkPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, ObjectStore) and obj.storage.shared_across_processes:
+            storage_bytes = pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL)
+            return _shared_object_store, (storage_bytes,)
+        return NotImplemented
+
+
+def _dump_fork(fork: ForkedSession) -> bytes:
+    buffer = io.BytesIO()
+    _ForkPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(fork)
+    return buffer.getvalue()
+
+
+def _load_fork(data: bytes) -> ForkedSession:
+    fork = pickle.loads(data)
+    if not isinstance(fork, ForkedSession):
+        raise TypeError(f"expected a pickled ForkedSession, got {type(fork).__name__}")
+    return fork
 
 
 def _reuse_repository(repo: Repository) -> Repository:
-    from zarrlake.storage.memory import MemoryStorage
-
-    if isinstance(repo.storage, MemoryStorage):
+    if not repo.storage.shared_across_processes:  # each copy is its own store
         return repo
     key = b"repo:" + pickle.dumps(repo, protocol=pickle.HIGHEST_PROTOCOL)
-    return _shared_instance(key, repo)
+    return _shared_instance(key, lambda: repo)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -223,25 +234,24 @@ def _as_rdd(data: Any) -> RDD[Any]:
 
 
 def _check_writable_storage(repo: Repository) -> None:
-    from zarrlake.storage.memory import MemoryStorage
-
-    if isinstance(repo.storage, MemoryStorage):
+    storage = repo.storage
+    if not storage.shared_across_processes:
         raise ValueError(
-            "write_partitions cannot write to Storage.memory(): executors would write into their "
-            "own copies of it; use a shared directory or an object store"
+            f"write_partitions cannot write to {storage.url} (e.g. Storage.memory()): executors "
+            "would write into their own copies of it; use a shared directory or an object store"
         )
 
 
 def _partition_task(
     fork_bytes: bytes, writer: Writer
-) -> Callable[[int, Iterator[Any]], Iterator[Changeset]]:
-    def run(index: int, items: Iterator[Any]) -> Iterator[Changeset]:
+) -> Callable[[int, Iterable[Any]], Iterable[Changeset]]:
+    def run(index: int, items: Iterable[Any]) -> Iterator[Changeset]:
         # A fresh copy of the fork for every task (and every task attempt): a retried or
         # speculative attempt never sees another attempt's writes, and Spark keeps the result of
         # exactly one attempt per partition.
-        fork: ForkedSession = _reuse_objects(pickle.loads(fork_bytes))
+        fork = _load_fork(fork_bytes)
         try:
-            result = writer(fork.store, items)
+            result = writer(fork.store, iter(items))
             if isinstance(result, Iterator):
                 for _ in result:  # a generator-function writer does its work only when iterated
                     pass
@@ -313,7 +323,7 @@ def write_partitions(
     if setup is not None:
         setup(session.store)
     fork = session.fork()
-    fork_bytes = pickle.dumps(fork, protocol=pickle.HIGHEST_PROTOCOL)
+    fork_bytes = _dump_fork(fork)
     try:
         changesets: list[Changeset] = rdd.mapPartitionsWithIndex(
             _partition_task(fork_bytes, writer)
@@ -334,7 +344,7 @@ def _value_type(dtype: np.dtype[Any]) -> tuple[Any, Callable[[np.ndarray[Any, An
     from pyspark.sql import types as T
 
     def plain(a: np.ndarray[Any, Any]) -> list[Any]:
-        return a.ravel().tolist()  # type: ignore[no-any-return]
+        return a.ravel().tolist()
 
     kind, size = dtype.kind, dtype.itemsize
     if kind == "b":
@@ -403,7 +413,7 @@ def read_array(
     grid = [tuple(c) for c in np.ndindex(*counts)]
 
     # Executors only read: ship the repository without its lock (which may hold connections).
-    reader_repo = Repository(repo.storage, repo._record)
+    reader_repo = Repository.open(repo.storage) if repo.lock is not None else repo
     sc = spark.sparkContext
     if num_partitions is None:
         num_partitions = min(len(grid), 4 * max(1, sc.defaultParallelism))

@@ -200,10 +200,11 @@ def apply_changes(
                     touched.setdefault(i, [])
 
     if not index:
-        keys = sorted(k for k, v in changes.items() if v is not None)
+        present = {k: v for k, v in changes.items() if v is not None}
+        keys = sorted(present)
         out: list[ShardInfo] = []
         new: dict[str, bytes] = {}
-        _emit(keys, [changes[k] for k in keys], max_refs, out, new)
+        _emit(keys, [present[k] for k in keys], max_refs, out, new)
         return ManifestUpdate(out, new)
 
     out = []

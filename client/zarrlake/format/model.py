@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import quote, unquote
 
 from zarrlake.errors import CorruptObject
@@ -94,7 +94,7 @@ def tag_tombstone_key(name: str) -> str:
 #                                       chunk's identity, so packing is not a change of data
 
 INLINE, OBJECT, PACKED = 0, 1, 2
-ChunkRef = tuple
+ChunkRef: TypeAlias = tuple[Any, ...]
 
 
 def ref_identity(ref: ChunkRef | None) -> object:
@@ -162,7 +162,8 @@ def _strs(value: Any, key: str, name: str) -> list[str]:
     _typed(value, list, key, name)
     for item in value:
         _typed(item, str, key, name)
-    return value
+    strings: list[str] = value  # checked item by item above
+    return strings
 
 
 def _time(value: Any, key: str, name: str) -> dt.datetime:

@@ -1,5 +1,12 @@
-"""Object-store backends. One protocol (:class:`Storage`), one file per backend."""
+"""Object-store backends: one protocol (:class:`Storage`), one file per backend, one factory.
 
+``from_url(url)`` turns a URL into a storage; ``Storage.local``, ``Storage.memory`` and
+``Storage.s3`` build one from arguments. Importing this package registers every backend (see
+:mod:`zarrlake.storage.base` for how); nothing outside it needs to know the backends' classes —
+ask a storage's capabilities (``durable``, ``shared_across_processes``, ...) instead.
+"""
+
+from zarrlake.storage import local, memory, s3  # noqa: F401  (each registers its backend)
 from zarrlake.storage.base import (
     ObjectInfo,
     ObjectNotFound,
@@ -7,6 +14,7 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    from_url,
 )
 
 __all__ = [
@@ -16,4 +24,5 @@ __all__ = [
     "Storage",
     "StorageError",
     "TransientStorageError",
+    "from_url",
 ]

@@ -1,55 +1,63 @@
-"""The object-store protocol every backend implements.
+"""The object-store protocol every backend implements, and the one factory that picks a backend.
 
 A backend is a flat key/value namespace of immutable-ish blobs. The engine needs only a handful of
 operations, and one of them is special: ``put(..., create_only=True)`` must be atomic ("exactly one
 of two racing writers wins"), because the branch journal is built on it. Nothing here knows about
-the repository format.
+the repository format, and nothing here knows about any particular backend:
+
+- **Capabilities** are class attributes (as zarr-python 3's stores declare ``supports_writes``):
+  code above ``storage`` asks ``storage.shared_across_processes`` rather than checking a backend's
+  class. See :class:`Storage` for the list.
+- **Backends register themselves.** Each backend module decorates its class with
+  :func:`register_backend` and the URL schemes it serves; ``zarrlake.storage`` imports every
+  backend module, so importing anything from the package makes all of them available. The
+  factory :func:`from_url` and the keyword constructors (:meth:`Storage.local`,
+  :meth:`Storage.memory`, :meth:`Storage.s3`) look the class up by scheme, so this module imports
+  no backend and the import graph of the package has no cycle. A backend's ``__init__`` has the
+  signature of the keyword constructor that names its scheme; URLs reach it through
+  :meth:`Storage.from_parsed_url`.
+
+The storage errors live in :mod:`zarrlake.errors` with the rest of the hierarchy and are
+re-exported here.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import builtins
 import datetime as dt
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import SplitResult, urlsplit
 
-from zarrlake.errors import ZarrlakeError
+from zarrlake.errors import (
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+    TransientStorageError,
+)
+
+__all__ = [
+    "ObjectInfo",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "Storage",
+    "StorageError",
+    "TransientStorageError",
+    "backend_for_scheme",
+    "from_url",
+    "register_backend",
+    "with_retries",
+]
 
 T = TypeVar("T")
-
-
-class StorageError(ZarrlakeError):
-    """The object store failed in a way retries did not fix."""
-
-
-class ObjectNotFound(StorageError, KeyError):
-    """The key does not exist."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-    def __str__(self) -> str:
-        return f"object not found: {self.key}"
-
-
-class PreconditionFailed(StorageError):
-    """A create-only write found the key already present. Never retried."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-    def __str__(self) -> str:
-        return f"object already exists: {self.key}"
-
-
-class TransientStorageError(StorageError):
-    """Throttling, a 5xx, a timeout: worth retrying with backoff."""
+S = TypeVar("S", bound="Storage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,33 +82,99 @@ def with_retries(fn: Callable[[], T], *, attempts: int = 6, base_delay: float = 
     raise AssertionError("unreachable")
 
 
-class Storage:
+# -- the backend registry -----------------------------------------------------------------------
+
+_BACKENDS: dict[str, type[Storage]] = {}
+
+
+def register_backend(*schemes: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator: serve the URL ``schemes`` (e.g. ``"s3"``; case-insensitive) with this class.
+
+    A scheme already taken by another class is an error: two backends must not silently compete.
+    (The same class defined again, as when its module is reloaded, replaces itself.)
+    """
+
+    def register(cls: type[S]) -> type[S]:
+        name = (cls.__module__, cls.__qualname__)
+        for scheme in map(str.lower, schemes):
+            taken = _BACKENDS.get(scheme)
+            if taken is not None and (taken.__module__, taken.__qualname__) != name:
+                raise ValueError(f"storage scheme {scheme!r} is already served by {taken!r}")
+            _BACKENDS[scheme] = cls
+        return cls
+
+    return register
+
+
+def backend_for_scheme(scheme: str) -> type[Storage]:
+    """The backend class registered for ``scheme``. Raises :class:`StorageError` if none is."""
+    backend = _BACKENDS.get(scheme.lower())
+    if backend is None:
+        known = ", ".join(sorted(_BACKENDS))
+        raise StorageError(f"unsupported storage URL scheme {scheme!r} (known: {known})")
+    return backend
+
+
+def from_url(url: str) -> Storage:
+    """The storage a URL names: ``file:///path`` or a bare path, ``memory://``, or
+    ``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``s3a://`` too).
+
+    A relative bare path is resolved against the current directory now. Raises
+    :class:`StorageError` for a scheme no backend serves, or a URL its backend rejects.
+    """
+    if "://" not in url:
+        return Storage.local(url)
+    parsed = urlsplit(url)
+    backend = _BACKENDS.get(parsed.scheme.lower())
+    if backend is None:
+        raise StorageError(f"unsupported storage URL scheme {parsed.scheme!r} in {url!r}")
+    return backend.from_parsed_url(parsed)
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+class Storage(abc.ABC):
     """An object store holding one repository under a prefix.
 
     Use the constructors: :meth:`local`, :meth:`memory`, :meth:`s3`, :meth:`from_url`.
     Instances are picklable (S3 credentials only if they were given explicitly).
+
+    What a backend can do is declared by class attributes, never discovered by trial: see
+    :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
+    :attr:`supports_byte_ranges` and :attr:`concurrency`.
     """
 
-    #: Whether the backend keeps data beyond the process (memory does not).
+    #: The objects outlive the process that wrote them (false for memory).
     durable: ClassVar[bool] = True
+    #: A pickled copy, in this process or another (a Spark executor, a Dask worker), reads and
+    #: writes the same objects as the original. False for memory, whose copy is a snapshot of its
+    #: contents: such a storage cannot be written from other processes, and two copies must not
+    #: share state keyed by the storage's identity.
+    shared_across_processes: ClassVar[bool] = True
+    #: ``put(..., create_only=True)`` is atomic: of two racing writers exactly one succeeds. The
+    #: branch journal relies on it, so every backend that holds repositories must offer it.
+    supports_conditional_writes: ClassVar[bool] = True
+    #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
+    supports_byte_ranges: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
     concurrency: ClassVar[int] = 16
 
-    # -- constructors -------------------------------------------------------------------------
+    # -- constructors -----------------------------------------------------------------------------
+    # Each looks its backend up in the registry (see the module docstring) and calls the class
+    # with the same arguments.
 
     @staticmethod
-    def local(path: str | Any) -> Storage:
+    def local(path: str | os.PathLike[str]) -> Storage:
         """A directory on the local file system (the embedded default)."""
-        from zarrlake.storage.local import LocalStorage
-
-        return LocalStorage(path)
+        make: Callable[..., Storage] = backend_for_scheme("file")
+        return make(path)
 
     @staticmethod
     def memory() -> Storage:
         """A process-local store, for tests and scratch work."""
-        from zarrlake.storage.memory import MemoryStorage
-
-        return MemoryStorage()
+        make: Callable[..., Storage] = backend_for_scheme("memory")
+        return make()
 
     @staticmethod
     def s3(
@@ -115,9 +189,8 @@ class Storage:
         allow_http: bool = False,
     ) -> Storage:
         """AWS S3 or an S3-compatible server. Credentials fall back to the AWS default chain."""
-        from zarrlake.storage.s3 import S3Storage
-
-        return S3Storage(
+        make: Callable[..., Storage] = backend_for_scheme("s3")
+        return make(
             bucket,
             prefix,
             endpoint_url=endpoint_url,
@@ -130,41 +203,54 @@ class Storage:
 
     @staticmethod
     def from_url(url: str) -> Storage:
-        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=…``."""
-        from zarrlake.storage.urls import storage_from_url
+        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=…``.
 
-        return storage_from_url(url)
+        The same as :func:`zarrlake.storage.from_url`.
+        """
+        return from_url(url)
 
-    # -- the protocol -------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def from_parsed_url(cls, url: SplitResult) -> Storage:
+        """The storage for a URL of one of this backend's schemes (called by :func:`from_url`).
+
+        Raises :class:`StorageError` when the URL is incomplete or malformed.
+        """
+
+    # -- the protocol -----------------------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def url(self) -> str:
         """A URL that :meth:`from_url` turns back into an equivalent storage."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         """The object's bytes, or ``[start, end)`` of them. Raises :class:`ObjectNotFound`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         """Store ``data`` under ``key``.
 
         With ``create_only`` the write is atomic and fails with :class:`PreconditionFailed` when the
         key exists; of two racing create-only writers exactly one succeeds.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
         """Size and modification time, or ``None`` if absent."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, in ascending key order."""
-        raise NotImplementedError
 
-    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
+    @abc.abstractmethod
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete the keys (absent keys are fine). Returns how many were requested."""
+
+    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
         """Keys starting with ``prefix`` in ascending order, at most ``limit`` of them."""
-        out: list[str] = []
+        out: builtins.list[str] = []
         if limit is not None and limit <= 0:
             return out
         for info in self.list(prefix):
@@ -173,7 +259,7 @@ class Storage:
                 break
         return out
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """The distinct next path segments below ``prefix`` (which should end with '/')."""
         seen: dict[str, None] = {}
         for info in self.list(prefix):
@@ -181,32 +267,28 @@ class Storage:
             head, sep, _ = rest.partition("/")
             if sep:
                 seen.setdefault(head, None)
-        return list(seen)
-
-    def delete_many(self, keys: Iterable[str]) -> int:
-        """Delete the keys (absent keys are fine). Returns how many were requested."""
-        raise NotImplementedError
+        return builtins.list(seen)
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
-    # -- concurrency ----------------------------------------------------------------------------
+    # -- concurrency ------------------------------------------------------------------------------
 
     def _executor(self) -> ThreadPoolExecutor:
-        pool = getattr(self, "_pool", None)
+        pool: ThreadPoolExecutor | None = self.__dict__.get("_pool")
         if pool is None:
             pool = ThreadPoolExecutor(
                 max_workers=self.concurrency, thread_name_prefix="zarrlake-io"
             )
-            self._pool = pool
+            self.__dict__["_pool"] = pool
         return pool
 
-    def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+    def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> builtins.list[T]:
         """Apply an I/O function to many items concurrently, preserving order."""
-        items = list(items)
+        items = builtins.list(items)
         if len(items) <= 1:
             return [fn(x) for x in items]
-        return list(self._executor().map(fn, items))
+        return builtins.list(self._executor().map(fn, items))
 
     async def run_async(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking storage call on this backend's I/O pool."""

@@ -7,6 +7,8 @@ half-written file). Plain writes use ``os.replace``, also atomic. Readers never 
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import datetime as dt
 import errno
 import os
@@ -14,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import SplitResult, unquote
 
 from zarrlake.storage.base import (
     ObjectInfo,
@@ -21,6 +24,7 @@ from zarrlake.storage.base import (
     PreconditionFailed,
     Storage,
     StorageError,
+    register_backend,
 )
 
 _TMP = ".tmp"
@@ -40,11 +44,21 @@ def _publish(op: Callable[[Path, Path], None], tmp: Path, path: Path) -> None:
         op(tmp, path)
 
 
+@register_backend("file")
 class LocalStorage(Storage):
+    """Durable; shared with every process that sees the same directory (on one machine, or on a
+    file system that all of them mount)."""
+
     concurrency: ClassVar[int] = 8
+    #: fsync every object before publishing it (durability across power loss, at a cost).
+    fsync: ClassVar[bool] = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path).expanduser().absolute()
+
+    @classmethod
+    def from_parsed_url(cls, url: SplitResult) -> LocalStorage:
+        return cls(unquote(url.netloc + url.path))
 
     @property
     def url(self) -> str:
@@ -79,17 +93,16 @@ class LocalStorage(Storage):
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            os.fsync(fd) if self.fsync else None
+            if self.fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return tmp
 
-    #: fsync every object before publishing it (durability across power loss, at a cost).
-    fsync: ClassVar[bool] = False
-
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         path = self._path(key)
         tmp = self._write_temp(path, data)
+        published = False
         try:
             if create_only:
                 try:
@@ -102,13 +115,11 @@ class LocalStorage(Storage):
                     self._create_exclusive(path, key, data)
             else:
                 _publish(os.replace, tmp, path)
-                tmp = None
+                published = True  # the temporary file is now the object
         finally:
-            if tmp is not None:
-                try:
+            if not published:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
 
     def _create_exclusive(self, path: Path, key: str, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +170,7 @@ class LocalStorage(Storage):
         results.sort(key=lambda o: o.key)
         yield from results
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         path = self.root / prefix if prefix else self.root
         try:
             names = sorted(os.listdir(path))

@@ -1,4 +1,8 @@
-"""A process-local backend: a dict behind a lock. Create-only is a compare-and-set."""
+"""A process-local backend: a dict behind a lock. Create-only is a compare-and-set.
+
+Not durable and not shared across processes: a pickled copy carries a snapshot of the contents
+(handy for forks that run in the same process), and ``memory://`` always opens a fresh, empty store.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,30 @@ import datetime as dt
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
+from urllib.parse import SplitResult
 
-from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
+from zarrlake.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    register_backend,
+)
 
 
+@register_backend("memory")
 class MemoryStorage(Storage):
     durable: ClassVar[bool] = False
+    shared_across_processes: ClassVar[bool] = False
     concurrency: ClassVar[int] = 4
 
     def __init__(self) -> None:
         self._objects: dict[str, tuple[bytes, dt.datetime]] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_parsed_url(cls, url: SplitResult) -> MemoryStorage:
+        return cls()
 
     @property
     def url(self) -> str:

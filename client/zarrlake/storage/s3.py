@@ -8,12 +8,14 @@ is a :class:`PreconditionFailed`, never retried.
 
 from __future__ import annotations
 
+import builtins
 import email.utils
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import quote, urlencode
+from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode
 
 from zarrlake.storage.base import (
     ObjectInfo,
@@ -22,8 +24,11 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    register_backend,
     with_retries,
 )
+
+_TRUE = {"1", "true", "yes", "on"}
 
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -38,16 +43,25 @@ _TRANSIENT_CODES = {
 }
 
 
-_clients: dict[tuple[Any, ...], Any] = {}
+@dataclass(frozen=True)
+class _Connection:
+    """A botocore client and the credentials it signs with (refreshed as botocore refreshes
+    them), so that the hot path signs its own requests with the very same credentials."""
+
+    client: Any  # botocore.client.S3
+    credentials: Any  # botocore.credentials.Credentials | None: None when no chain has any
+
+
+_connections: dict[tuple[Any, ...], _Connection] = {}
 _clients_lock = threading.Lock()
 
 
-def _shared_client(
+def _shared_connection(
     endpoint_url: str | None,
     region: str | None,
     credentials: tuple[str | None, str | None, str | None],
     pool: int,
-) -> Any:
+) -> _Connection:
     """One botocore client per configuration and process.
 
     Building a client costs ~0.1-0.2 s (endpoint and credential resolution); storages unpickled
@@ -56,8 +70,8 @@ def _shared_client(
     """
     key = (os.getpid(), endpoint_url, region, credentials, pool)
     with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
+        conn = _connections.get(key)
+        if conn is None:
             import boto3
             from botocore.config import Config
 
@@ -80,8 +94,10 @@ def _shared_client(
                     s3={"addressing_style": "path"} if endpoint_url else None,
                 ),
             )
-            _clients[key] = client
-        return client
+            # The session resolved (and cached) these credentials when it built the client: the
+            # same object the client signs with, refreshable ones included.
+            conn = _connections[key] = _Connection(client, session.get_credentials())
+        return conn
 
 
 _pools: dict[tuple[int, int], Any] = {}
@@ -108,7 +124,10 @@ def _xml_code(body: bytes) -> str | None:
     return body[start + 6 : end].decode(errors="replace") if start >= 0 and end > start else None
 
 
+@register_backend("s3", "s3a")
 class S3Storage(Storage):
+    """Durable and shared by every process that can reach the bucket."""
+
     concurrency: ClassVar[int] = 32
 
     def __init__(
@@ -132,6 +151,26 @@ class S3Storage(Storage):
         self.allow_http = allow_http
         self._credentials = (access_key_id, secret_access_key, session_token)
 
+    @classmethod
+    def from_parsed_url(cls, url: SplitResult) -> S3Storage:
+        """``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``endpoint`` is an
+        alias of ``endpoint_url``). An explicit ``http://`` endpoint in a URL is consent enough
+        for plain HTTP. Credentials never come from a URL: the AWS default chain supplies them."""
+        if not url.netloc:
+            raise StorageError(f"s3 URL needs a bucket: {url.geturl()!r}")
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        endpoint = q.get("endpoint_url") or q.get("endpoint")
+        allow_http = q.get("allow_http", "").lower() in _TRUE or bool(
+            endpoint and endpoint.startswith("http://")
+        )
+        return cls(
+            url.netloc,
+            unquote(url.path.lstrip("/")),
+            endpoint_url=endpoint,
+            region=q.get("region"),
+            allow_http=allow_http,
+        )
+
     @property
     def url(self) -> str:
         q = {}
@@ -145,14 +184,19 @@ class S3Storage(Storage):
         return f"s3://{self.bucket}/{self.prefix.rstrip('/')}{query}"
 
     @property
-    def client(self) -> Any:
-        client = self.__dict__.get("_client")
-        if client is None:
-            client = _shared_client(
+    def _connection(self) -> _Connection:
+        conn: _Connection | None = self.__dict__.get("_conn")
+        if conn is None:
+            conn = _shared_connection(
                 self.endpoint_url, self.region, self._credentials, self.concurrency * 2
             )
-            self.__dict__["_client"] = client
-        return client
+            self.__dict__["_conn"] = conn
+        return conn
+
+    @property
+    def client(self) -> Any:
+        """The shared botocore S3 client for this storage's endpoint, region and credentials."""
+        return self._connection.client
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -235,7 +279,7 @@ class S3Storage(Storage):
         from botocore.awsrequest import AWSRequest
 
         url = self._object_url(key)
-        credentials = self.client._request_signer._credentials
+        credentials = self._connection.credentials
         if credentials is None:
             raise StorageError(f"no usable AWS credentials for s3://{self.bucket}")
         region = self._signing_region()
@@ -316,7 +360,7 @@ class S3Storage(Storage):
             for obj in page.get("Contents", []):
                 yield ObjectInfo(obj["Key"][n:], int(obj["Size"]), obj["LastModified"])
 
-    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
+    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
         if limit is None or limit > 1000:
             return super().list_keys(prefix, limit=limit)
         n = len(self.prefix)
@@ -325,8 +369,8 @@ class S3Storage(Storage):
         )
         return [obj["Key"][n:] for obj in page.get("Contents", [])]
 
-    def list_dirs(self, prefix: str) -> list[str]:
-        out: list[str] = []
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        out: builtins.list[str] = []
         full = len(self._k(prefix))
         for page in self._pages(prefix, Delimiter="/"):
             for cp in page.get("CommonPrefixes", []):
@@ -352,5 +396,5 @@ class S3Storage(Storage):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_client", None)
+        state.pop("_conn", None)
         return state
