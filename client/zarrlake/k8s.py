@@ -20,9 +20,10 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from zarrlake.errors import KubernetesError
 
+from zarrlake.storage import Storage
+
 if TYPE_CHECKING:
     from zarrlake.locks import RedisLock
-    from zarrlake.storage.base import Storage
 
 GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -57,9 +58,7 @@ class Connection:
         return base + ("?" + urlencode(query) if query else "")
 
     def storage(self) -> Storage:
-        from zarrlake.storage.s3 import S3Storage
-
-        return S3Storage(
+        return Storage.s3(
             self.bucket,
             self.prefix,
             endpoint_url=self.endpoint_url,
