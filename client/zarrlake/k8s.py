@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from zarrlake.errors import KubernetesError
-
 from zarrlake.storage import Storage
 
 if TYPE_CHECKING:
