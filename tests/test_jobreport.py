@@ -61,7 +61,7 @@ def test_gc_after_expire_round_trips(repo: zarrlake.Repository) -> None:
     assert JobReport.parse(message) == report
     # Today's exact shape: the --json document, compact, without the list of expired ids.
     doc = job_document(gc, expired)
-    assert doc["expire"]["expired"] == expired.expired
+    assert doc["expire"]["expired"] == list(expired.expired)
     assert message == json.dumps(counts_only(doc), separators=(",", ":"))
     assert legacy_operator_fields(message) == {
         "snapshotsExpired": 4,
