@@ -78,8 +78,7 @@ from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidName, ZarrlakeError
 from zarrlake.maintenance import GraceTooShort, InvalidRetentionRules
 
-# The name tests/test_cli_kubernetes.py imports.
-_redact = redact_password
+_redact = redact_password  # its name before the package: tests/test_cli_kubernetes.py imports it
 
 __all__ = ["UsageError", "build_parser", "main"]
 

@@ -60,8 +60,7 @@ def run_lock_status(args: argparse.Namespace) -> None:
         raise UsageError("lock status needs --lock redis://... (the lock service to ask)")
     lock = open_lock(args.lock)
     repo = open_repository(args)
-    # The module imported: open_lock returned a lock from it.
-    from zarrlake.locks import RedisLock
+    from zarrlake.locks import RedisLock  # importable: open_lock just built a lock with it
 
     if not isinstance(lock, RedisLock):
         raise UsageError("only a Redis lock service reports holders")
