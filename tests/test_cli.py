@@ -658,6 +658,14 @@ def test_python_m_zarrlake(tmp_path: Path) -> None:
     assert p.stderr == "zarrlake: error: the main branch cannot be deleted\n"
 
 
+def test_python_m_zarrlake_cli() -> None:
+    """The package runs as ``python -m zarrlake.cli`` too, as the module did."""
+    p = subprocess.run(
+        [sys.executable, "-m", "zarrlake.cli", "--version"], capture_output=True, text=True
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"zarrlake {zarrlake.__version__}\n", "")
+
+
 def test_console_script(tmp_path: Path) -> None:
     assert ZARRLAKE_SCRIPT.exists(), "pip install -e . creates the zarrlake script"
     path = str(tmp_path / "r")

@@ -1,0 +1,91 @@
+"""``zarrlake fsck`` and ``zarrlake lock status``: is the repository whole, and who holds its
+branch locks."""
+
+from __future__ import annotations
+
+import argparse
+
+from zarrlake.cli.args import Commands, UsageError, add_json, add_lock, add_url
+from zarrlake.cli.connect import open_lock, open_repository
+from zarrlake.cli.output import print_json, print_table, say
+from zarrlake.errors import ZarrlakeError
+
+# -- fsck ----------------------------------------------------------------------------------------
+
+
+def add_fsck(commands: Commands) -> None:
+    p = commands.add("fsck", run_fsck, "check that every reachable object exists and parses")
+    p.add_argument("--skip-chunks", action="store_true", help="do not check chunk objects")
+    add_json(p)
+
+
+class FsckFailed(ZarrlakeError):
+    """fsck printed its report; the command must still exit non-zero."""
+
+
+def run_fsck(args: argparse.Namespace) -> None:
+    """Print the report (problems one per line), then fail with :class:`FsckFailed` (exit
+    status 1) if there is any problem."""
+    report = open_repository(args).fsck(check_chunks=not args.skip_chunks)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        c = report.to_json()["checked"]
+        say(
+            f"checked {c['refs']} refs, {c['snapshots']} snapshots, {c['shards']} shards, "
+            f"{c['chunks']} chunk objects: "
+            + ("ok" if report.ok else f"{len(report.problems)} problem(s)")
+        )
+        for problem in report.problems:
+            say(f"  {problem}")
+    if not report.ok:
+        raise FsckFailed(f"fsck found {len(report.problems)} problem(s)")
+
+
+# -- lock status ---------------------------------------------------------------------------------
+
+
+def add_lock_status(commands: Commands) -> None:
+    p = commands.add_group("lock", "inspect the branch lock service")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    a = actions.add_parser("status", help="show who holds this repository's branch locks")
+    a.set_defaults(run=run_lock_status, json=False)
+    add_url(a)
+    add_lock(a)
+    add_json(a)
+
+
+def run_lock_status(args: argparse.Namespace) -> None:
+    if not args.lock:
+        raise UsageError("lock status needs --lock redis://... (the lock service to ask)")
+    lock = open_lock(args.lock)
+    repo = open_repository(args)
+    from zarrlake.locks import RedisLock  # importable: open_lock just built a lock with it
+
+    if not isinstance(lock, RedisLock):
+        raise UsageError("only a Redis lock service reports holders")
+    holders = lock.status(repo.id)
+    if args.json:
+        print_json(
+            [
+                {
+                    "branch": h.branch,
+                    "holder": h.holder,
+                    "token": h.token,
+                    "ttl_ms": h.ttl_ms,
+                    "waiters": h.waiters,
+                }
+                for h in holders
+            ]
+        )
+        return
+    if not holders:
+        say("no branch of this repository is locked")
+        return
+    print_table(
+        ["BRANCH", "HOLDER", "TOKEN", "TTL", "WAITERS"],
+        [
+            [h.branch, h.holder, str(h.token), f"{h.ttl_ms / 1000:.1f}s", str(h.waiters)]
+            for h in holders
+        ],
+    )

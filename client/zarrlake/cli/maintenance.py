@@ -1,0 +1,170 @@
+"""``zarrlake expire``, ``gc`` and ``compact``: the maintenance that a RetentionPolicy's
+Kubernetes CronJobs run.
+
+Each prints its report (a summary line, or the JSON document with ``--json``) and, when
+``$ZARRLAKE_REPORT_FILE`` is set, also writes the run's :class:`~zarrlake.jobreport.JobReport`
+there: Kubernetes jobs point it at ``/dev/termination-log``, which is how the operator learns
+each run's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+
+from zarrlake.cli.args import MAIN, Commands, UsageError, add_json, add_lock, count
+from zarrlake.cli.connect import open_repository
+from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say, warn
+from zarrlake.durations import parse_duration
+from zarrlake.errors import InvalidDuration
+from zarrlake.jobreport import JobReport, job_document
+from zarrlake.maintenance import InvalidRetentionRules, RetentionRules
+from zarrlake.units import format_bytes
+
+# -- expire --------------------------------------------------------------------------------------
+
+
+def add_expire(commands: Commands) -> None:
+    p = commands.add(
+        "expire", run_expire, "take snapshots outside the retention rules out of history"
+    )
+    p.add_argument(
+        "--rules", required=True, metavar="RULES", help="retention rules: JSON/YAML file or JSON"
+    )
+    p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    add_json(p)
+    add_lock(p)
+
+
+def run_expire(args: argparse.Namespace) -> None:
+    rules = _rules(args.rules)  # InvalidRetentionRules: one line, exit 2
+    repo = open_repository(args, locked=True)
+    report = repo.expire(rules, dry_run=args.dry_run)
+    _write_job_report(JobReport.from_reports(report))
+    if args.json:
+        print_json(report.to_json())
+    else:
+        say(report.summary())
+
+
+def _rules(text: str) -> RetentionRules:
+    """``--rules``: a JSON/YAML file, or the rules inline as a JSON object."""
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise InvalidRetentionRules(f"inline --rules is not valid JSON: {e}") from None
+        return RetentionRules.from_dict(doc)
+    return RetentionRules.from_file(text)
+
+
+# -- gc ------------------------------------------------------------------------------------------
+
+
+def add_gc(commands: Commands) -> None:
+    p = commands.add("gc", run_gc, "delete objects no retained snapshot needs")
+    p.add_argument(
+        "--rules", default=None, metavar="RULES", help="expire by these rules first (file or JSON)"
+    )
+    p.add_argument("--grace", default="7d", help="only delete objects older than this (default 7d)")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument(
+        "--force", action="store_true", help="allow a grace shorter than the session lifetime"
+    )
+    add_json(p)
+    add_lock(p)
+
+
+def run_gc(args: argparse.Namespace) -> None:
+    grace = _duration(args.grace)
+    rules = _rules(args.rules) if args.rules else None
+    repo = open_repository(args, locked=True)
+    expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
+    with ProgressDisplay(not args.json) as progress:
+        report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
+    _write_job_report(JobReport.from_reports(report, expired))
+    if args.json:
+        print_json(job_document(report, expired))
+        return
+    if expired is not None:
+        say(expired.summary())
+    say(report.summary())
+    rows = [
+        [
+            kind,
+            str(c.deleted),
+            format_bytes(c.deleted_bytes),
+            str(c.kept),
+            format_bytes(c.kept_bytes),
+        ]
+        for kind, c in report.by_kind.items()
+    ]
+    print_table(["KIND", "DELETED", "BYTES", "KEPT", "BYTES"], rows)
+
+
+# -- compact -------------------------------------------------------------------------------------
+
+
+def add_compact(commands: Commands) -> None:
+    p = commands.add("compact", run_compact, "pack small chunks, merge shards, prune the journal")
+    p.add_argument("--branch", default=MAIN, help="branch to compact (default: main)")
+    p.add_argument(
+        "--pack-below",
+        type=count,
+        default=None,
+        metavar="BYTES",
+        help="pack chunk objects smaller than this (default 256 KiB)",
+    )
+    p.add_argument(
+        "--keep-journal",
+        default="7d",
+        metavar="DURATION",
+        help="keep branch-journal entries (as_of) this far back (default 7d)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    add_json(p)
+    add_lock(p)
+
+
+def run_compact(args: argparse.Namespace) -> None:
+    keep = _duration(args.keep_journal)
+    repo = open_repository(args, locked=True)
+    with ProgressDisplay(not args.json) as progress:
+        report = repo.compact(
+            branch=args.branch,
+            pack_below_bytes=args.pack_below,
+            keep_journal=keep,
+            dry_run=args.dry_run,
+            progress=progress,
+        )
+    _write_job_report(JobReport.from_reports(report))
+    if args.json:
+        print_json(report.to_json())
+    else:
+        say(report.summary())
+
+
+# -- shared --------------------------------------------------------------------------------------
+
+
+def _duration(text: str) -> dt.timedelta:
+    """A duration flag; a bad one is a usage error (one line, exit 2)."""
+    try:
+        return parse_duration(text)
+    except InvalidDuration as e:
+        raise UsageError(str(e)) from None
+
+
+def _write_job_report(report: JobReport) -> None:
+    """Write ``report`` where ``$ZARRLAKE_REPORT_FILE`` says, if it says; a file that cannot be
+    written is a warning, not a failure: the work is done."""
+    path = os.environ.get("ZARRLAKE_REPORT_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(report.to_message())
+    except OSError as e:  # stderr: stdout may be a --json document
+        warn(f"cannot write report to {path}: {e.strerror}")
