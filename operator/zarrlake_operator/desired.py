@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Literal, NamedTuple
 
+from zarrlake.jobreport import JobReport
 from zarrlake.resources import (
     API_VERSION,
     Condition,
@@ -531,7 +532,7 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun
         return None
     result: Literal["Succeeded", "Failed"] = "Succeeded" if "Complete" in finished else "Failed"
     cond = finished.get("Complete") or finished["Failed"]
-    report: dict[str, Any] | None = None
+    report: JobReport | None = None
     message = None
     for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -539,16 +540,10 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun
             text = (term.get("message") or "").strip()
             if not text:
                 continue
-            try:
-                doc = json.loads(text)
-            except ValueError:
-                doc = None
-            if isinstance(doc, dict):
-                report, message = doc, None
-            else:  # a crash: the log tail's last line (and no older pod's report)
-                report, message = None, text.splitlines()[-1][:500]
-    report = report or {}
-    expire = report.get("expire") or {}
+            report = JobReport.parse(text)
+            # Not a report: a crash, whose log tail's last line says why (and no older pod's
+            # report counts).
+            message = None if report is not None else text.splitlines()[-1][:500]
     if message is None and result == "Failed":
         message = cond.get("message") or cond.get("reason") or "the job failed"
     return JobRun(
@@ -556,10 +551,10 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun
         time=status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
         result=result,
         message=message or None,
-        snapshotsExpired=expire.get("expired_snapshots"),
-        objectsDeleted=report.get("deleted_objects"),
-        bytesFreed=report.get("deleted_bytes"),
-        chunksPacked=report.get("packed_chunks"),
+        snapshotsExpired=report.snapshots_expired if report else None,
+        objectsDeleted=report.objects_deleted if report else None,
+        bytesFreed=report.bytes_freed if report else None,
+        chunksPacked=report.chunks_packed if report else None,
     )
 
 
