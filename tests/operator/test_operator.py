@@ -141,8 +141,11 @@ def test_lock_service_drift_is_corrected_and_mode_change_removes_it(k8s: Env) ->
         ),
     )
     k8s.patch("Repository", "repo", {"spec": {"lockService": {"mode": "none"}}})
-    wait_for("lock objects removed", lambda: k8s.get("Deployment", "zl-repo-lock") is None)
-    assert k8s.get("Service", "zl-repo-lock") is None
+    # The operator deletes them one after the other: wait for each.
+    wait_for(
+        "lock objects removed",
+        lambda: all(k8s.get(kind, "zl-repo-lock") is None for kind in ("Deployment", "Service")),
+    )
     obj = wait_for(
         "LockServiceReady NotRequired",
         lambda: (
