@@ -318,7 +318,7 @@ def test_many_threads_commit_disjoint_chunks(repo: zarrlake.Repository) -> None:
 
 
 def test_lost_journal_response_is_not_a_conflict(repo: zarrlake.Repository) -> None:
-    journal = repo._journal
+    journal = repo.core.journal
     head = journal.current("main")
     entry = JournalEntry(head.seq + 1, head.snapshot, head.snapshot, head.time, "writer-1")
     assert journal.append("main", entry)
@@ -444,7 +444,7 @@ def test_one_chunk_commit_rewrites_one_shard(storage: zarrlake.Storage) -> None:
     arr = zarr.create_array(s.store, name="big", shape=(5000,), chunks=(1,), dtype="i4")
     arr[:] = np.arange(5000)
     s.commit("5000 chunks")
-    snap = repo._objects.snapshot(repo.lookup_branch("main"))
+    snap = repo.core.objects.snapshot(repo.lookup_branch("main"))
     assert len(snap.shards) >= 50
     before = set(storage.list_keys("manifests/"))
     s = repo.writable_session()

@@ -136,6 +136,11 @@ class ObjectStore:
             self._txlogs, txlog_key(snapshot_id), snapshot_id, TxLog.decode, "txlog"
         )
 
+    def txlogs(self, snapshot_ids: Iterable[str]) -> list[TxLog]:
+        """Fetch many txlogs concurrently (a rebase over many commits). Raises
+        :class:`RefNotFound` if one is missing."""
+        return self.storage.map(self.txlog, list(snapshot_ids))
+
     def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> None:
         """Write a commit's objects; the snapshot goes last so it never points at missing pieces."""
         writes: list[tuple[str, bytes]] = [(manifest_key(d), b) for d, b in shards.items()]
