@@ -113,7 +113,7 @@ class BranchJournal:
     def heads(self) -> dict[str, str]:
         """Every live branch: name -> head snapshot id, sorted by name."""
         names = self.names()
-        entries = self.storage.map(self.head, names)
+        entries: list[JournalEntry | None] = self.storage.map(self.head, names)
         return {
             n: e.snapshot for n, e in sorted(zip(names, entries, strict=True)) if e and e.snapshot
         }

@@ -114,12 +114,13 @@ class Workspace:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def _layer_value(self, key: str, meta: bool) -> tuple[bool, Any]:
+    def _layer_value(self, key: str, meta: bool) -> tuple[bool, bytes | ChunkRef | None]:
         """(decided, value) from the uncommitted layers: value None means deleted."""
         for layer in self._layers:
-            d = layer.nodes if meta else layer.chunks
-            if key in d:
-                return True, d[key]
+            if meta and key in layer.nodes:
+                return True, layer.nodes[key]
+            if not meta and key in layer.chunks:
+                return True, layer.chunks[key]
             if layer.deleted_prefixes and layer.deleted_by_prefix(key):
                 return True, None
         return False, None
@@ -189,7 +190,7 @@ class Workspace:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes | memoryview) -> None:
         self._check_writable()
         top = self._layers[0]
         if is_meta_key(key):
