@@ -26,6 +26,7 @@ Real backends only: memory, a local directory, S3 on a real ``moto_server``, a r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fnmatch
 import hashlib
@@ -52,6 +53,7 @@ import zarrlake
 from zarrlake.cli import main as cli_main
 from zarrlake.format import manifest
 from zarrlake.format.model import OBJECT, PACKED, branch_prefix, pack_key, snapshot_key
+from zarrlake.maintenance.compact import Relocation
 from zarrlake.maintenance.expire import expire as expire_at
 from zarrlake.maintenance.gc import gc as gc_at
 
@@ -1438,3 +1440,54 @@ def test_cli_compact(cli: Cli, cli_repo: tuple[zarrlake.Repository, str]) -> Non
     assert not repo.diff(head, doc["snapshot"])
     code, out, _ = cli("compact", url)
     assert code == 0 and out.startswith("packed 0 chunk(s)")
+
+
+def test_reports_are_frozen_values_with_a_json_form(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    create_array(s, 4)
+    write_blocks(s, {i: float(i) for i in range(4)})
+    s.commit("data")
+    reports = [
+        repo.expire(zarrlake.RetentionRules(), dry_run=True),
+        repo.gc(dry_run=True),
+        repo.compact(dry_run=True),
+        repo.fsck(),
+    ]
+    for report in reports:
+        first = dataclasses.fields(report)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(report, first, getattr(report, first))
+        doc = report.to_json()
+        assert json.loads(json.dumps(doc)) == doc
+        assert report.summary()
+    gc_report = reports[1]
+    assert set(gc_report.to_json()["by_kind"]) == {
+        "snapshots",
+        "txlogs",
+        "manifests",
+        "chunks",
+        "packs",
+    }
+    assert gc_report.deleted_objects == sum(c.deleted for c in gc_report.by_kind.values())
+
+
+def test_relocation_gives_way_to_what_the_other_side_touched() -> None:
+    """Compaction's rebase policy never conflicts: it drops the chunks a concurrent commit wrote,
+    deleted, or whose array it resized, and keeps relocating the rest."""
+    from zarrlake.changeset import Changeset
+    from zarrlake.conflicts import ChangeSummary
+    from zarrlake.format.model import Snapshot
+
+    empty = Snapshot("", (), now(), None, "", {}, {}, [])
+    ref = (PACKED, "p", 0, 1, b"d")
+    ours = Changeset(
+        "s",
+        "base",
+        chunks={"a/c/0": ref, "a/c/1": ref, "gone/c/0": ref, "b/c/0": ref, "z/c/0": ref},
+    )
+    theirs = ChangeSummary(chunks={"a/c/0"}, deleted_prefixes={"gone"}, resized={"/b"})
+    conflicts, drop = Relocation().settle(ours, empty, empty, theirs, {"/a", "/b", "/gone", "/z"})
+    assert conflicts == []
+    assert drop == {"a/c/0", "gone/c/0", "b/c/0"}
+    assert Relocation().relocates
