@@ -317,7 +317,7 @@ class Repository:
     ) -> ExpireReport:
         """Take snapshots outside ``rules`` (a :class:`RetentionRules`) out of history; returns an
         :class:`ExpireReport`. Branch heads and tags are always kept; :meth:`gc` deletes later."""
-        if isinstance(rules, dict):
+        if isinstance(rules, Mapping):
             rules = RetentionRules.from_dict(rules)
         if not isinstance(rules, RetentionRules):
             raise TypeError("rules must be a zarrlake.RetentionRules (or its dict form)")
