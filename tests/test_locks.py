@@ -198,7 +198,7 @@ def go(ws: list[Worker]) -> None:
 
 def journal(repo: zarrlake.Repository, branch: str = "main") -> list[JournalEntry]:
     """The branch's journal, oldest first."""
-    return sorted(repo._journal.history(branch), key=lambda e: e.seq)
+    return sorted(repo.core.journal.history(branch), key=lambda e: e.seq)
 
 
 def check_journal_chain(repo: zarrlake.Repository, branch: str = "main") -> list[JournalEntry]:
@@ -209,7 +209,7 @@ def check_journal_chain(repo: zarrlake.Repository, branch: str = "main") -> list
     for prev, cur in itertools.pairwise(entries):
         assert cur.previous == prev.snapshot, f"seq {cur.seq} does not continue from seq {prev.seq}"
         if cur.snapshot is not None:
-            parents = repo._objects.snapshot(cur.snapshot).parents
+            parents = repo.core.objects.snapshot(cur.snapshot).parents
             assert parents[:1] == (prev.snapshot,), f"seq {cur.seq}: snapshot not built on the head"
     return entries
 
@@ -993,7 +993,7 @@ def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
         session = repo.writable_session()
         session.write(f"arr/c/{i}", bytes([i]) * 8)
         session.commit(f"commit {i}")
-        token = repo._journal.current("main").token
+        token = repo.core.journal.current("main").token
         assert token is not None, "a commit under a lock records its fencing token"
         return token
 

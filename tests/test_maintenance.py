@@ -26,6 +26,7 @@ Real backends only: memory, a local directory, S3 on a real ``moto_server``, a r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fnmatch
 import hashlib
@@ -52,6 +53,7 @@ import zarrlake
 from zarrlake.cli import main as cli_main
 from zarrlake.format import manifest
 from zarrlake.format.model import OBJECT, PACKED, branch_prefix, pack_key, snapshot_key
+from zarrlake.maintenance.compact import Relocation
 from zarrlake.maintenance.expire import expire as expire_at
 from zarrlake.maintenance.gc import gc as gc_at
 
@@ -107,8 +109,8 @@ def keys(storage: zarrlake.Storage, prefix: str) -> set[str]:
 
 
 def head_refs(repo: zarrlake.Repository, ref: str = "main") -> dict[str, tuple[Any, ...]]:
-    snap = repo._objects.snapshot(repo.resolve(ref))
-    return dict(manifest.iter_all(snap.shards, repo._objects.shard))
+    snap = repo.core.objects.snapshot(repo.resolve(ref))
+    return dict(manifest.iter_all(snap.shards, repo.core.objects.shard))
 
 
 def store_get(session: zarrlake.Session, key: str, byte_range: Any = None) -> bytes:
@@ -313,7 +315,7 @@ class Model:
 
 def content_of(repo: zarrlake.Repository, sid: str) -> bytes:
     """The array's bytes in snapshot ``sid``; empty for the initial snapshot (no array yet)."""
-    if not repo._objects.snapshot(sid).parents:
+    if not repo.core.objects.snapshot(sid).parents:
         return b""
     return read_array(repo, sid).tobytes()
 
@@ -458,8 +460,8 @@ def referenced(repo: zarrlake.Repository, sids: list[str]) -> tuple[set[str], se
     refer to."""
     objects_, packs, digests = set(), set(), set()
     for sid in sids:
-        snap = repo._objects.snapshot(sid)
-        for _, ref in manifest.iter_all(snap.shards, repo._objects.shard):
+        snap = repo.core.objects.snapshot(sid)
+        for _, ref in manifest.iter_all(snap.shards, repo.core.objects.shard):
             if ref[0] == OBJECT:
                 objects_.add(ref[1].hex())
                 digests.add(ref[1])
@@ -665,15 +667,15 @@ def test_expire_by_age_uses_commit_times(storage: zarrlake.Storage) -> None:
     ids = linear_history(repo, 4)
     later = now() + dt.timedelta(days=10)
     rules = zarrlake.RetentionRules(default=zarrlake.Keep(days=30))
-    assert expire_at(repo, rules, now=later, dry_run=True).expired == []  # all 10 days old
+    assert expire_at(repo.core, rules, now=later, dry_run=True).expired == []  # all 10 days old
     rules = zarrlake.RetentionRules(default=zarrlake.Keep(last=2, days=7))
-    report = expire_at(repo, rules, now=later)
+    report = expire_at(repo.core, rules, now=later)
     # Older than 7 days at `later`: only the last 2 are kept (and the head is always kept).
     assert set(report.expired) == {init, ids[0], ids[1], ids[2]}
     assert [c.id for c in repo.log()] == [ids[4], ids[3]]
     # Without `last`, only the head is left at `later` (heads are always kept).
     rules = zarrlake.RetentionRules(default=zarrlake.Keep(days=7))
-    assert expire_at(repo, rules, now=later).expired == [ids[3]]
+    assert expire_at(repo.core, rules, now=later).expired == [ids[3]]
     assert [c.id for c in repo.log()] == [ids[4]]
 
 
@@ -715,7 +717,7 @@ def test_gc_refuses_short_grace(storage: zarrlake.Storage) -> None:
         assert "force" in str(e.value)
         assert isinstance(e.value, ValueError) and isinstance(e.value, zarrlake.ZarrlakeError)
         with pytest.raises(zarrlake.GraceTooShort):
-            gc_at(repo, grace=grace, dry_run=True)
+            gc_at(repo.core, grace=grace, dry_run=True)
     assert objects(storage) == before
     # Seven days is enough; everything here is younger, so nothing goes.
     assert repo.gc().deleted_objects == 0
@@ -783,7 +785,7 @@ def test_gc_spares_a_running_session(storage: zarrlake.Storage) -> None:
     expiry = repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=1)))
     assert c1 in expiry.expired and c2 in expiry.expired
 
-    report = gc_at(repo, grace=WEEK, now=cutoff + WEEK)
+    report = gc_at(repo.core, grace=WEEK, now=cutoff + WEEK)
     gone = {snapshot_key(c1)} | {
         f"chunks/{d[:2]}/{d}"
         for d in (hashlib.sha256(block(i, 1.0).tobytes()).hexdigest() for i in range(2, 6))
@@ -913,7 +915,7 @@ def gc_worker(
         while not stop.is_set():
             at = cutoff.value
             started.value = at
-            gc_at(repo, grace=ZERO, force=True, now=dt.datetime.fromtimestamp(at, dt.UTC))
+            gc_at(repo.core, grace=ZERO, force=True, now=dt.datetime.fromtimestamp(at, dt.UTC))
             with runs.get_lock():
                 runs.value += 1
     except BaseException as e:
@@ -991,7 +993,7 @@ def race_gc(repo: zarrlake.Repository, url: str, lock_url: str | None, kind: str
     assert stats["dedup"] > 0, stats  # the sessions did write bytes GC considered garbage
     # Every commit reads back completely, on a fresh client, after one more (final) GC.
     final = zarrlake.Repository.open(zarrlake.Storage.from_url(url))
-    gc_at(final, grace=ZERO, force=True, now=dt.datetime.fromtimestamp(cutoff.value, dt.UTC))
+    gc_at(final.core, grace=ZERO, force=True, now=dt.datetime.fromtimestamp(cutoff.value, dt.UTC))
     lost = []
     for sid, expected in committed.items():
         try:
@@ -1215,11 +1217,11 @@ def test_compaction_merges_undersized_shards(storage: zarrlake.Storage) -> None:
     write_blocks(s, {i: 0.0 for i in range(64) if i % 8 >= 3})  # leave 3 of every 8
     before = s.commit("thin out")
     content = read_array(repo, before)
-    n_before = len(repo._objects.snapshot(before).shards)
+    n_before = len(repo.core.objects.snapshot(before).shards)
     report = repo.compact(pack_below_bytes=0)  # no packing: only the shard merge
     assert report.packed_chunks == 0 and report.shards_before == n_before
     after = repo.lookup_branch("main")
-    shards = repo._objects.snapshot(after).shards
+    shards = repo.core.objects.snapshot(after).shards
     assert report.shards_after == len(shards) < n_before
     assert sum(s.count for s in shards) == 24 and all(s.count <= 8 for s in shards)
     assert not repo.diff(before, after)
@@ -1443,3 +1445,54 @@ def test_cli_compact(cli: Cli, cli_repo: tuple[zarrlake.Repository, str]) -> Non
     assert not repo.diff(head, doc["snapshot"])
     code, out, _ = cli("compact", url)
     assert code == 0 and out.startswith("packed 0 chunk(s)")
+
+
+def test_reports_are_frozen_values_with_a_json_form(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    create_array(s, 4)
+    write_blocks(s, {i: float(i) for i in range(4)})
+    s.commit("data")
+    reports = [
+        repo.expire(zarrlake.RetentionRules(), dry_run=True),
+        repo.gc(dry_run=True),
+        repo.compact(dry_run=True),
+        repo.fsck(),
+    ]
+    for report in reports:
+        first = dataclasses.fields(report)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(report, first, getattr(report, first))
+        doc = report.to_json()
+        assert json.loads(json.dumps(doc)) == doc
+        assert report.summary()
+    gc_report = reports[1]
+    assert set(gc_report.to_json()["by_kind"]) == {
+        "snapshots",
+        "txlogs",
+        "manifests",
+        "chunks",
+        "packs",
+    }
+    assert gc_report.deleted_objects == sum(c.deleted for c in gc_report.by_kind.values())
+
+
+def test_relocation_gives_way_to_what_the_other_side_touched() -> None:
+    """Compaction's rebase policy never conflicts: it drops the chunks a concurrent commit wrote,
+    deleted, or whose array it resized, and keeps relocating the rest."""
+    from zarrlake.changeset import Changeset
+    from zarrlake.conflicts import ChangeSummary
+    from zarrlake.format.model import Snapshot
+
+    empty = Snapshot("", (), now(), None, "", {}, {}, [])
+    ref = (PACKED, "p", 0, 1, b"d")
+    ours = Changeset(
+        "s",
+        "base",
+        chunks={"a/c/0": ref, "a/c/1": ref, "gone/c/0": ref, "b/c/0": ref, "z/c/0": ref},
+    )
+    theirs = ChangeSummary(chunks={"a/c/0"}, deleted_prefixes={"gone"}, resized={"/b"})
+    conflicts, drop = Relocation().settle(ours, empty, empty, theirs, {"/a", "/b", "/gone", "/z"})
+    assert conflicts == []
+    assert drop == {"a/c/0", "gone/c/0", "b/c/0"}
+    assert Relocation().relocates

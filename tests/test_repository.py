@@ -321,7 +321,7 @@ def test_many_threads_commit_disjoint_chunks(repo: zarrlake.Repository) -> None:
 
 
 def test_lost_journal_response_is_not_a_conflict(repo: zarrlake.Repository) -> None:
-    journal = repo._journal
+    journal = repo.core.journal
     head = journal.current("main")
     entry = JournalEntry(head.seq + 1, head.snapshot, head.snapshot, head.time, "writer-1")
     assert journal.append("main", entry)
@@ -447,7 +447,7 @@ def test_one_chunk_commit_rewrites_one_shard(storage: zarrlake.Storage) -> None:
     arr = zarr.create_array(s.store, name="big", shape=(5000,), chunks=(1,), dtype="i4")
     arr[:] = np.arange(5000)
     s.commit("5000 chunks")
-    snap = repo._objects.snapshot(repo.lookup_branch("main"))
+    snap = repo.core.objects.snapshot(repo.lookup_branch("main"))
     assert len(snap.shards) >= 50
     before = set(storage.list_keys("manifests/"))
     s = repo.writable_session()
@@ -503,3 +503,49 @@ def test_async_twins(storage: zarrlake.Storage) -> None:
     np.testing.assert_array_equal(
         read(zarrlake.Repository.open(storage), "dev"), np.full((8, 8), 4.0)
     )
+
+
+REPOSITORY_TWINS = [
+    "create",
+    "open",
+    "open_or_create",
+    "exists",
+    "list_branches",
+    "lookup_branch",
+    "create_branch",
+    "reset_branch",
+    "delete_branch",
+    "list_tags",
+    "lookup_tag",
+    "create_tag",
+    "delete_tag",
+    "resolve",
+    "log",
+    "diff",
+    "merge",
+    "readonly_session",
+    "writable_session",
+    "expire",
+    "gc",
+    "compact",
+    "fsck",
+]
+SESSION_TWINS = ("commit", "discard", "merge", "status")
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [(zarrlake.Repository, n) for n in REPOSITORY_TWINS]
+    + [(zarrlake.Session, n) for n in SESSION_TWINS],
+)
+def test_async_twins_are_declared_with_the_sync_signature(cls: type, name: str) -> None:
+    """Every twin is an ``async def`` in a class body (visible to type checkers), taking exactly
+    the parameters of the blocking method it runs."""
+    import inspect
+
+    declared = next(vars(c)[f"{name}_async"] for c in cls.__mro__ if f"{name}_async" in vars(c))
+    fn = declared.__func__ if isinstance(declared, classmethod | staticmethod) else declared
+    assert inspect.iscoroutinefunction(fn), f"{cls.__name__}.{name}_async is not an async def"
+    sync = inspect.signature(getattr(cls, name))
+    twin = inspect.signature(getattr(cls, f"{name}_async"))
+    assert list(twin.parameters.values()) == list(sync.parameters.values())

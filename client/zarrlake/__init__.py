@@ -15,12 +15,15 @@ from zarrlake.errors import (
     Conflict,
     ConflictError,
     CorruptObject,
+    GraceTooShort,
     InvalidDuration,
     InvalidName,
+    InvalidRetentionRules,
     KubernetesError,
     LockTimeout,
     LockUnavailable,
     MergeConflictError,
+    NothingToCommit,
     ReadOnlyError,
     RefNotFound,
     RepositoryExists,
@@ -31,21 +34,13 @@ from zarrlake.errors import (
     UnsupportedFormat,
     ZarrlakeError,
 )
-from zarrlake.maintenance import (
-    CompactReport,
-    ExpireReport,
-    GCReport,
-    GraceTooShort,
-    InvalidRetentionRules,
-    Keep,
-    RetentionRules,
-)
-from zarrlake.repository import History, Repository
-from zarrlake.session import ForkedSession, NothingToCommit, Session, _install_async_twins
+from zarrlake.fsck import FsckReport
+from zarrlake.history import History
+from zarrlake.maintenance import CompactReport, ExpireReport, GCReport, Keep, RetentionRules
+from zarrlake.repository import Repository
+from zarrlake.session import ForkedSession, Session
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
-
-_install_async_twins()
 
 __version__ = "0.1.0"
 
@@ -74,6 +69,7 @@ __all__ = [
     "Diff",
     "ExpireReport",
     "ForkedSession",
+    "FsckReport",
     "GCReport",
     "GraceTooShort",
     "History",

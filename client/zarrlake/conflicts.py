@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from zarrlake.changeset import Changeset
 from zarrlake.errors import Conflict
@@ -77,7 +78,7 @@ def summarize_changeset(cs: Changeset, base_nodes: Mapping[str, bytes]) -> Chang
     )
 
 
-def _array_of(key: str, arrays: set[str]) -> tuple[str, tuple]:
+def _array_of(key: str, arrays: set[str]) -> tuple[str, tuple[Any, ...]]:
     return split_chunk_key(key, arrays)
 
 
@@ -200,37 +201,37 @@ def three_way(
         else:
             out_nodes[key] = new
 
-    for key, (_, new) in sorted(source_chunks.items()):
+    for key, (_, ref) in sorted(source_chunks.items()):
         path, coords = split_chunk_key(key, arrays)
         if key in dest_chunks:
-            if dest_chunks[key][1] == new:
+            if dest_chunks[key][1] == ref:
                 continue
             if settle(Conflict("chunk", path, coords)):
-                out_chunks[key] = new
-        elif under(path, dst_removed) and new is not None:
+                out_chunks[key] = ref
+        elif under(path, dst_removed) and ref is not None:
             if settle(Conflict("deleted-theirs", path, coords)):
-                out_chunks[key] = new
+                out_chunks[key] = ref
         elif path in dst_resized:
             if settle(Conflict("resized", path, coords)):
-                out_chunks[key] = new
+                out_chunks[key] = ref
         else:
-            out_chunks[key] = new
+            out_chunks[key] = ref
 
     # Dest-side changes inside what the source removed or resized also conflict.
-    for key, (_, new) in sorted(dest_chunks.items()):
+    for key, (_, dest_ref) in sorted(dest_chunks.items()):
         if key in source_chunks:
             continue
         path, coords = split_chunk_key(key, arrays)
-        if new is not None and under(path, src_removed):
+        if dest_ref is not None and under(path, src_removed):
             if settle(Conflict("deleted-ours", path, coords)):
                 out_chunks[key] = None
         elif path in src_resized:
             settle(Conflict("resized", path, coords))
-    for key, new in sorted(dst_nodes.items()):
+    for key, dest_doc in sorted(dst_nodes.items()):
         path = meta_key_node(key)
         if (
             key not in src_nodes
-            and new is not None
+            and dest_doc is not None
             and under(path, src_removed)
             and settle(Conflict("deleted-ours", path))
         ):

@@ -205,3 +205,15 @@ class KubernetesError(ZarrlakeError):
 
 class InvalidDuration(ZarrlakeError, ValueError):
     """A duration text (``--grace 7d``, ``spec.gc.grace``) that does not parse."""
+
+
+class NothingToCommit(ZarrlakeError):
+    """``commit`` on a session without changes (pass ``allow_empty=True`` to commit anyway)."""
+
+
+class GraceTooShort(ZarrlakeError, ValueError):
+    """A grace period shorter than the longest session lifetime (pass force=True to insist)."""
+
+
+class InvalidRetentionRules(ZarrlakeError, ValueError):
+    """Retention rules that do not parse or make no sense; the message says where."""

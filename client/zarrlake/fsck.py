@@ -8,14 +8,14 @@ Problems are reported precisely (which object, what is wrong), never raised one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from zarrlake.core import RepositoryCore
 from zarrlake.errors import CorruptObject, RefNotFound, UnsupportedFormat
 from zarrlake.format.model import (
     INLINE,
     OBJECT,
     PACKED,
-    branch_prefix,
     chunk_key,
     pack_key,
     snapshot_key,
@@ -23,12 +23,11 @@ from zarrlake.format.model import (
 )
 from zarrlake.objects import ObjectStore
 
-if TYPE_CHECKING:
-    from zarrlake.repository import Repository
-
 
 @dataclass(frozen=True)
 class Problem:
+    """One thing wrong with one object."""
+
     kind: str  # missing | corrupt | unsupported | dangling-ref
     key: str
     detail: str
@@ -37,8 +36,10 @@ class Problem:
         return f"{self.kind}: {self.key}: {self.detail}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class FsckReport:
+    """Every problem found, and how many refs, snapshots, shards and chunks were checked."""
+
     problems: list[Problem] = field(default_factory=list)
     refs: int = 0
     snapshots: int = 0
@@ -49,7 +50,18 @@ class FsckReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def summary(self) -> str:
+        """One line for people."""
+        checked = (
+            f"{self.refs} ref(s), {self.snapshots} snapshot(s), {self.shards} shard(s), "
+            f"{self.chunks} chunk object(s)"
+        )
+        if self.ok:
+            return f"ok: checked {checked}"
+        return f"{len(self.problems)} problem(s) in {checked}"
+
     def to_json(self) -> dict[str, Any]:
+        """The report form of ``zarrlake fsck --json``."""
         return {
             "ok": self.ok,
             "checked": {
@@ -62,36 +74,40 @@ class FsckReport:
         }
 
 
-def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
-    """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks."""
-    report = FsckReport()
-    storage = repo.storage
+def fsck(core: RepositoryCore, *, check_chunks: bool = True) -> FsckReport:
+    """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks.
+
+    Never raises for what it finds: every problem is in the report (storage errors propagate).
+    """
+    problems: list[Problem] = []
+    refs = snapshots = shards = chunks = 0
+    storage = core.storage
     # A fresh object store: the repository's caches may still hold objects that are gone.
     objects = ObjectStore(storage)
 
     def problem(kind: str, key: str, detail: str) -> None:
-        report.problems.append(Problem(kind, key, detail))
+        problems.append(Problem(kind, key, detail))
 
     # Roots: every branch head and live tag, and older journal entries (as_of reads them)
     # unless expiry took their snapshot out of history. Parents stop at expired snapshots too.
-    expired = repo._expired_snapshots(refresh=True)
+    expired = core.expiry.expired(refresh=True)
     roots: list[str] = []
-    for name in repo._journal.names():
-        for i, key in enumerate(storage.list_keys(branch_prefix(name))):
-            report.refs += 1
+    for name in core.journal.names():
+        for i, key in enumerate(core.journal.entry_keys(name)):
+            refs += 1
             try:
-                entry = repo._journal._read(key)
+                entry = core.journal.read_entry(key)
             except (CorruptObject, UnsupportedFormat) as e:
                 problem("corrupt", key, str(e))
                 continue
             if entry.snapshot is not None and (i == 0 or entry.snapshot not in expired):
                 roots.append(entry.snapshot)
     try:
-        tags = repo._tags.all()
+        tags = core.tags.all()
     except (CorruptObject, UnsupportedFormat) as e:
         problem("corrupt", "refs/tag.*", str(e))
         tags = {}
-    report.refs += len(tags)
+    refs += len(tags)
     roots.extend(tags.values())
 
     seen: set[str] = set()
@@ -113,7 +129,7 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
         except (CorruptObject, UnsupportedFormat) as e:
             problem("corrupt", snapshot_key(sid), str(e))
             continue
-        report.snapshots += 1
+        snapshots += 1
         try:
             objects.txlog(sid)
         except RefNotFound:
@@ -124,7 +140,7 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
             if info.digest in shard_seen:
                 continue
             shard_seen.add(info.digest)
-            report.shards += 1
+            shards += 1
             try:
                 shard = objects.shard(info)
             except (CorruptObject, UnsupportedFormat) as e:
@@ -156,10 +172,10 @@ def fsck(repo: Repository, *, check_chunks: bool = True) -> FsckReport:
                 if obj.key in chunk_refs:
                     present[obj.key] = obj.size
         for key, need in sorted(chunk_refs.items()):
-            report.chunks += 1
+            chunks += 1
             size = present.get(key)
             if size is None:
                 problem("missing", key, "chunk object referenced by a manifest is absent")
             elif size < need:
                 problem("corrupt", key, f"object has {size} bytes, references need {need}")
-    return report
+    return FsckReport(problems, refs, snapshots, shards, chunks)

@@ -136,6 +136,11 @@ class ObjectStore:
             self._txlogs, txlog_key(snapshot_id), snapshot_id, TxLog.decode, "txlog"
         )
 
+    def txlogs(self, snapshot_ids: Iterable[str]) -> list[TxLog]:
+        """Fetch many txlogs concurrently (a rebase over many commits). Raises
+        :class:`RefNotFound` if one is missing."""
+        return self.storage.map(self.txlog, list(snapshot_ids))
+
     def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> None:
         """Write a commit's objects; the snapshot goes last so it never points at missing pieces."""
         writes: list[tuple[str, bytes]] = [(manifest_key(d), b) for d, b in shards.items()]
@@ -151,7 +156,7 @@ class ObjectStore:
 
     # -- chunks ------------------------------------------------------------------------------------
 
-    def write_chunk(self, data: bytes, inline_threshold: int) -> tuple[ChunkRef, bool]:
+    def write_chunk(self, data: bytes | memoryview, inline_threshold: int) -> tuple[ChunkRef, bool]:
         """Store chunk bytes; returns (ref, dedup_hit).
 
         Content-addressed: the create-only write tells whether the object already existed. If it
@@ -174,7 +179,7 @@ class ObjectStore:
         """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk)."""
         kind = ref[0]
         if kind == INLINE:
-            data = ref[1]
+            data: bytes = ref[1]
             return data if byte_range is None else data[byte_range[0] : byte_range[1]]
         if kind == OBJECT:
             key = chunk_key(ref[1].hex())
@@ -198,15 +203,10 @@ class ObjectStore:
     def check_chunks_exist(self, digests: Iterable[bytes]) -> None:
         """Raise :class:`RetryableError` if a deduplicated chunk vanished (collected by GC)."""
         digests = list(digests)
-        missing = [
-            d
-            for d, ok in zip(
-                digests,
-                self.storage.map(lambda d: self.storage.exists(chunk_key(d.hex())), digests),
-                strict=True,
-            )
-            if not ok
-        ]
+        present: list[bool] = self.storage.map(
+            lambda d: self.storage.exists(chunk_key(d.hex())), digests
+        )
+        missing = [d for d, ok in zip(digests, present, strict=True) if not ok]
         if missing:
             raise RetryableError(
                 f"{len(missing)} deduplicated chunk(s) were garbage-collected during the session "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import uuid
+from collections.abc import Iterable
 
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists
 from zarrlake.format.model import (
@@ -58,6 +59,11 @@ def new_writer_id() -> str:
 
 
 class BranchJournal:
+    """Every branch's journal of create-only entries (see the module docstring).
+
+    The only mutable state of a repository; everything else is immutable objects.
+    """
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
@@ -66,9 +72,19 @@ class BranchJournal:
         keys = self.storage.list_keys(branch_prefix(name), limit=1)
         if not keys:
             return None
-        return self._read(keys[0])
+        return self.read_entry(keys[0])
 
-    def _read(self, key: str) -> JournalEntry:
+    def entry_keys(self, name: str) -> list[str]:
+        """Storage keys of the branch's retained journal entries, newest first."""
+        return self.storage.list_keys(branch_prefix(name))
+
+    def read_entry(self, key: str) -> JournalEntry:
+        """The journal entry stored under ``key`` (one of :meth:`entry_keys`).
+
+        Raises :class:`ObjectNotFound` if it is gone, :class:`CorruptObject` or
+        :class:`UnsupportedFormat` if it does not parse or its sequence number disagrees with its
+        key.
+        """
         entry = JournalEntry.decode(self.storage.get(key), key)
         if entry.seq != seq_from_entry_key(key):
             raise CorruptObject(key, f"entry claims sequence {entry.seq}")
@@ -83,8 +99,28 @@ class BranchJournal:
 
     def history(self, name: str) -> list[JournalEntry]:
         """Every retained entry, newest first."""
-        keys = self.storage.list_keys(branch_prefix(name))
-        return self.storage.map(self._read, keys)
+        return self.storage.map(self.read_entry, self.entry_keys(name))
+
+    def is_branch(self, name: str) -> bool:
+        """Whether ``name`` is a valid branch name with a live (not deleted) head."""
+        try:
+            validate_name(name)
+        except InvalidName:
+            return False
+        head = self.head(name)
+        return head is not None and head.snapshot is not None
+
+    def heads(self) -> dict[str, str]:
+        """Every live branch: name -> head snapshot id, sorted by name."""
+        names = self.names()
+        entries: list[JournalEntry | None] = self.storage.map(self.head, names)
+        return {
+            n: e.snapshot for n, e in sorted(zip(names, entries, strict=True)) if e and e.snapshot
+        }
+
+    def prune(self, name: str, seqs: Iterable[int]) -> None:
+        """Delete the entries ``seqs`` of the branch (compaction; never the head's)."""
+        self.storage.delete_many(branch_entry_key(name, seq) for seq in seqs)
 
     def append(self, name: str, entry: JournalEntry) -> bool:
         """Create-only write of ``entry``. True if it is now the branch's newest entry.
@@ -97,13 +133,14 @@ class BranchJournal:
             return True
         except PreconditionFailed:
             try:
-                existing = self._read(key)
+                existing = self.read_entry(key)
             except ObjectNotFound:
                 return False
             # Our own write whose response was lost still counts as ours.
             return existing.writer == entry.writer and existing.snapshot == entry.snapshot
 
     def names(self) -> list[str]:
+        """Names of every branch that has a journal (deleted branches included)."""
         return [
             ref_name_from_key(d[len("branch.") :])
             for d in self.storage.list_dirs("refs/")
@@ -112,10 +149,13 @@ class BranchJournal:
 
 
 class Tags:
+    """Create-only tags; a deleted tag leaves a tombstone and its name is never reused."""
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
     def get(self, name: str) -> str:
+        """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag)."""
         try:
             data = self.storage.get(tag_key(name))
         except ObjectNotFound:
@@ -151,6 +191,7 @@ class Tags:
             raise RefNotFound(name, "tag") from None
 
     def all(self) -> dict[str, str]:
+        """Every live tag: name -> snapshot id."""
         live: dict[str, str] = {}
         deleted = {
             ref_name_from_key(k[len("refs/tagdel.") :])
@@ -158,7 +199,9 @@ class Tags:
         }
         keys = [k for k in self.storage.list_keys("refs/tag.")]
         names = [ref_name_from_key(k[len("refs/tag.") :]) for k in keys]
-        records = self.storage.map(lambda k: TagRecord.decode(self.storage.get(k), k), keys)
+        records: list[TagRecord] = self.storage.map(
+            lambda k: TagRecord.decode(self.storage.get(k), k), keys
+        )
         for name, rec in zip(names, records, strict=True):
             if name not in deleted:
                 live[name] = rec.snapshot

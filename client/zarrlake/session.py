@@ -9,6 +9,7 @@ a picklable writer to another process; its :class:`Changeset` comes back through
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import uuid
@@ -16,27 +17,29 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
+from zarrlake.commit import SolverPolicy
 from zarrlake.config import RepositoryConfig
 from zarrlake.conflicts import Solver
 from zarrlake.errors import (
+    Conflict,
     ConflictError,
+    NothingToCommit,
     ReadOnlyError,
     SessionExpired,
     ZarrlakeError,
 )
 from zarrlake.format import manifest
 from zarrlake.format.model import ChunkRef, Snapshot
-from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, node_paths, split_chunk_key
+from zarrlake.history import diff_nodes
+from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
 from zarrlake.objects import ObjectStore
 from zarrlake.types import Diff
 
 if TYPE_CHECKING:
-    from zarrlake.repository import Repository
+    from zarrlake.core import RepositoryCore
     from zarrlake.store import ZarrlakeStore
 
-
-class NothingToCommit(ZarrlakeError):
-    """``commit`` on a session without changes (pass ``allow_empty=True`` to commit anyway)."""
+__all__ = ["ForkedSession", "NothingToCommit", "Session", "Workspace", "diff_nodes"]
 
 
 class Workspace:
@@ -82,6 +85,11 @@ class Workspace:
         return self._expires_at
 
     @property
+    def objects(self) -> ObjectStore:
+        """The asset store this session reads and uploads chunks through."""
+        return self._objects
+
+    @property
     def store(self) -> ZarrlakeStore:
         """A ``zarr.abc.store.Store`` over this session."""
         if self._store is None:
@@ -106,12 +114,13 @@ class Workspace:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def _layer_value(self, key: str, meta: bool) -> tuple[bool, Any]:
+    def _layer_value(self, key: str, meta: bool) -> tuple[bool, bytes | ChunkRef | None]:
         """(decided, value) from the uncommitted layers: value None means deleted."""
         for layer in self._layers:
-            d = layer.nodes if meta else layer.chunks
-            if key in d:
-                return True, d[key]
+            if meta and key in layer.nodes:
+                return True, layer.nodes[key]
+            if not meta and key in layer.chunks:
+                return True, layer.chunks[key]
             if layer.deleted_prefixes and layer.deleted_by_prefix(key):
                 return True, None
         return False, None
@@ -181,7 +190,7 @@ class Workspace:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes | memoryview) -> None:
         self._check_writable()
         top = self._layers[0]
         if is_meta_key(key):
@@ -242,17 +251,9 @@ class Workspace:
                 chunks.setdefault(path, set()).add(coords)
         return diff_nodes(snap.nodes, new_nodes, chunks)
 
-
-def diff_nodes(
-    old: dict[str, bytes], new: dict[str, bytes], chunks: dict[str, set[tuple[Any, ...]]]
-) -> Diff:
-    old_paths, new_paths = node_paths(old), node_paths(new)
-    changed = {
-        meta_key_node(k)
-        for k in set(old) | set(new)
-        if old.get(k) != new.get(k) and meta_key_node(k) in old_paths & new_paths
-    }
-    return Diff.build(new_paths - old_paths, old_paths - new_paths, changed, chunks)
+    async def status_async(self) -> Diff:
+        """Async twin of :meth:`status`: runs it on a worker thread."""
+        return await asyncio.to_thread(self.status)
 
 
 class Session(Workspace):
@@ -260,16 +261,16 @@ class Session(Workspace):
 
     def __init__(
         self,
-        repo: Repository,
+        core: RepositoryCore,
         base: str,
         *,
         branch: str | None,
         read_only: bool,
         ttl: dt.timedelta | None = None,
     ) -> None:
-        self._repo = repo
-        self._objects = repo._objects
-        self._config = repo.config
+        self._core = core
+        self._objects = core.objects
+        self._config = core.config
         self._base_id = base
         self._branch = branch
         self._read_only = read_only
@@ -323,22 +324,43 @@ class Session(Workspace):
         assert self._branch is not None
         with self._mutex:
             changeset = self._layers[0].copy()
-        new_id = self._repo._commit_changeset(
+        new_id = self._core.commits.commit(
             self._branch,
             changeset,
             message=message,
             author=author,
             metadata=metadata or {},
             rebase=rebase,
-            solver=solver,
+            policy=SolverPolicy(solver),
         )
         self._committed = new_id
         self._base_id = new_id
         self._layers = [Changeset(self._session_id, new_id)]
         self._read_only = True
         if self._store is not None:
-            self._store._read_only = True
+            self._store.make_read_only()
         return new_id
+
+    async def commit_async(
+        self,
+        message: str,
+        *,
+        author: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        rebase: bool = True,
+        solver: Solver = None,
+        allow_empty: bool = False,
+    ) -> str:
+        """Async twin of :meth:`commit`: runs it on a worker thread."""
+        return await asyncio.to_thread(
+            self.commit,
+            message,
+            author=author,
+            metadata=metadata,
+            rebase=rebase,
+            solver=solver,
+            allow_empty=allow_empty,
+        )
 
     def discard(self) -> None:
         """Drop every uncommitted change (uploaded chunks become garbage for GC)."""
@@ -346,6 +368,10 @@ class Session(Workspace):
         with self._mutex:
             self._layers = [Changeset(self._session_id, self._base_id)]
             self._merged.clear()
+
+    async def discard_async(self) -> None:
+        """Async twin of :meth:`discard`: runs it on a worker thread."""
+        await asyncio.to_thread(self.discard)
 
     def fork(self) -> ForkedSession:
         """A picklable writer for another process, seeing this session's changes so far."""
@@ -374,8 +400,6 @@ class Session(Workspace):
                 raise TypeError(f"expected a Changeset, got {type(cs).__name__}")
             if cs.session_id != self._session_id or cs.base != self._base_id:
                 raise ZarrlakeError("changeset comes from a fork of a different session")
-        from zarrlake.errors import Conflict
-
         conflicts = []
         with self._mutex:
             snap_nodes = self._snapshot().nodes
@@ -400,6 +424,10 @@ class Session(Workspace):
             self._merged = seen
             for cs in changesets:
                 self._layers[0].fold(cs)
+
+    async def merge_async(self, *changesets: Changeset) -> None:
+        """Async twin of :meth:`merge`: runs it on a worker thread."""
+        await asyncio.to_thread(self.merge, *changesets)
 
 
 class ForkedSession(Workspace):
@@ -443,11 +471,3 @@ class ForkedSession(Workspace):
 
     def __repr__(self) -> str:
         return f"<ForkedSession of {self._session_id} base={self._base_id}>"
-
-
-def _install_async_twins() -> None:
-    from zarrlake.repository import async_twin
-
-    for name in ("commit", "discard", "merge"):
-        setattr(Session, f"{name}_async", async_twin(Session.__dict__[name]))
-    Workspace.status_async = async_twin(Workspace.__dict__["status"])  # type: ignore[attr-defined]

@@ -6,8 +6,9 @@ backend's I/O thread pool, so many chunk reads or uploads are in flight at once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from zarr.abc.store import (
     ByteRequest,
@@ -19,10 +20,41 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from zarrlake.errors import ReadOnlyError
-from zarrlake.format.model import ref_size
+from zarrlake.format.model import ChunkRef, ref_size
+from zarrlake.objects import ObjectStore
 
-if TYPE_CHECKING:
-    from zarrlake.session import Workspace
+T = TypeVar("T")
+
+
+class StoreSession(Protocol):
+    """What the store needs of a session (:class:`zarrlake.Session`, ``ForkedSession``): keys
+    resolved through its uncommitted layers over its base snapshot, and writes into them."""
+
+    @property
+    def read_only(self) -> bool: ...
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def base(self) -> str: ...
+
+    @property
+    def objects(self) -> ObjectStore: ...
+
+    def resolve(self, key: str) -> bytes | ChunkRef | None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def write(self, key: str, data: bytes | memoryview) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None: ...
+
+    def list_prefix(self, prefix: str) -> Iterator[str]: ...
+
+    def list_dir(self, prefix: str) -> list[str]: ...
 
 
 def _check_byte_range(byte_range: object) -> None:
@@ -63,13 +95,17 @@ class ZarrlakeStore(Store):
     supports_listing: bool = True
     supports_partial_writes: bool = False  # type: ignore[assignment]
 
-    def __init__(self, session: Workspace, *, read_only: bool | None = None) -> None:
+    def __init__(self, session: StoreSession, *, read_only: bool | None = None) -> None:
         super().__init__(read_only=session.read_only if read_only is None else read_only)
         self._session = session
 
     @property
-    def session(self) -> Workspace:
+    def session(self) -> StoreSession:
         return self._session
+
+    def make_read_only(self) -> None:
+        """Refuse writes from now on (the session committed and became read-only)."""
+        self._read_only = True
 
     def _check_writable(self) -> None:
         if self.read_only:
@@ -103,8 +139,9 @@ class ZarrlakeStore(Store):
         self._read_only = state["read_only"]
         self._is_open = state["is_open"]
 
-    async def _io(self, fn: Any, *args: Any) -> Any:
-        return await self._session._objects.storage.run_async(fn, *args)
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``fn`` on the storage backend's I/O pool."""
+        return await self._session.objects.storage.run_async(fn, *args)
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -117,7 +154,7 @@ class ZarrlakeStore(Store):
             rng = _range(byte_range, len(value))
             return value if rng is None else value[rng[0] : rng[1]]
         rng = _range(byte_range, ref_size(value))
-        return self._session._objects.read_chunk(value, rng)
+        return self._session.objects.read_chunk(value, rng)
 
     async def get(
         self,
@@ -129,8 +166,7 @@ class ZarrlakeStore(Store):
             prototype = default_buffer_prototype()
         if not self._is_open:
             await self._open()
-        storage = self._session._objects.storage
-        data = await storage.run_async(self._get_blocking, key, byte_range)
+        data = await self._io(self._get_blocking, key, byte_range)
         return None if data is None else prototype.buffer.from_bytes(data)
 
     def get_sync(
@@ -150,12 +186,10 @@ class ZarrlakeStore(Store):
         prototype: BufferPrototype,
         key_ranges: Iterable[tuple[str, ByteRequest | None]],
     ) -> list[Buffer | None]:
-        import asyncio
-
         return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
-        return await self._session._objects.storage.run_async(self._session.exists, key)
+        return await self._io(self._session.exists, key)
 
     async def getsize(self, key: str) -> int:
         value = await self._io(self._session.resolve, key)
@@ -170,7 +204,7 @@ class ZarrlakeStore(Store):
         await self._ensure_open()
         if not isinstance(value, Buffer):
             raise TypeError(f"ZarrlakeStore.set(): value must be a Buffer, not {type(value)}")
-        await self._session._objects.storage.run_async(self._session.write, key, _payload(value))
+        await self._io(self._session.write, key, _payload(value))
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self._check_writable()
@@ -183,7 +217,7 @@ class ZarrlakeStore(Store):
 
     async def delete(self, key: str) -> None:
         self._check_writable()
-        await self._session._objects.storage.run_async(self._session.delete, key)
+        await self._io(self._session.delete, key)
 
     def delete_sync(self, key: str) -> None:
         self._check_writable()

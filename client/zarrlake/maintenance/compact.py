@@ -17,23 +17,25 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import ConflictError
+from zarrlake.conflicts import ChangeSummary
+from zarrlake.core import RepositoryCore
+from zarrlake.errors import Conflict, ConflictError
 from zarrlake.format import manifest
 from zarrlake.format.ids import content_hash
-from zarrlake.format.model import OBJECT, PACKED, branch_entry_key, branch_prefix, pack_key
-
-if TYPE_CHECKING:
-    from zarrlake.repository import Repository
+from zarrlake.format.model import OBJECT, PACKED, ChunkRef, Snapshot, pack_key
+from zarrlake.nodes import split_chunk_key
 
 DEFAULT_PACK_BELOW = 256 * 1024
 PACK_TARGET_BYTES = 64 * 1024 * 1024
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompactReport:
+    """What a compaction run packed, re-cut and pruned (or would have, with ``dry_run``)."""
+
     branch: str
     dry_run: bool = False
     packed_chunks: int = 0
@@ -46,9 +48,11 @@ class CompactReport:
     duration_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """The job-report form (``zarrlake compact --json``; the operator parses it)."""
         return {k: (round(v, 3) if k == "duration_s" else v) for k, v in vars(self).items()}
 
     def summary(self) -> str:
+        """One line for people."""
         verb = "would pack" if self.dry_run else "packed"
         return (
             f"{verb} {self.packed_chunks} chunk(s) into {self.packs_written} pack(s), shards "
@@ -58,8 +62,50 @@ class CompactReport:
         )
 
 
+@dataclass(frozen=True)
+class Relocation:
+    """The rebase policy of a compaction commit (see :class:`zarrlake.commit.RebasePolicy`).
+
+    The changeset moves bytes without changing them, so it never conflicts: any key the other
+    side wrote, deleted, or whose array it resized is simply dropped from it (their data wins).
+    """
+
+    @property
+    def relocates(self) -> bool:
+        return True
+
+    def settle(
+        self,
+        ours: Changeset,
+        base: Snapshot,
+        head: Snapshot,
+        theirs: ChangeSummary,
+        arrays: set[str],
+    ) -> tuple[list[Conflict], set[str]]:
+        drop = {
+            k
+            for k in ours.chunks
+            if k in theirs.chunks
+            or theirs.deleted(k)
+            or split_chunk_key(k, arrays)[0] in theirs.resized
+        }
+        return [], drop
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """The outcome of packing a branch head (before journal pruning)."""
+
+    packed_chunks: int
+    packed_bytes: int
+    packs_written: int
+    shards_before: int
+    shards_after: int
+    snapshot: str | None
+
+
 def compact(
-    repo: Repository,
+    core: RepositoryCore,
     *,
     branch: str = "main",
     pack_below_bytes: int = DEFAULT_PACK_BELOW,
@@ -68,45 +114,60 @@ def compact(
     pack_target_bytes: int = PACK_TARGET_BYTES,
     progress: Callable[[str, int], None] | None = None,
 ) -> CompactReport:
-    """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal."""
+    """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
+
+    Chunk objects under ``pack_below_bytes`` go into packs of about ``pack_target_bytes``; journal
+    entries older than ``keep_journal`` that ``as_of`` cannot need are deleted. Raises
+    :class:`ConflictError` if user commits kept reshaping what it packed three times over, and
+    :class:`RefNotFound` for a missing branch.
+    """
     started = time.monotonic()
-    report = CompactReport(branch=branch, dry_run=dry_run)
     for attempt in range(3):
         try:
-            _pack_and_commit(repo, branch, pack_below_bytes, pack_target_bytes, report, progress)
+            packing = _pack_and_commit(
+                core, branch, pack_below_bytes, pack_target_bytes, dry_run, progress
+            )
             break
         except ConflictError:
             # A user commit reshaped what we packed (e.g. resized an array): start over on it.
             if attempt == 2:
                 raise
-    report.journal_entries_pruned = _prune_journal(repo, branch, keep_journal, dry_run)
-    report.duration_s = time.monotonic() - started
-    return report
+    pruned = _prune_journal(core, branch, keep_journal, dry_run)
+    return CompactReport(
+        branch=branch,
+        dry_run=dry_run,
+        packed_chunks=packing.packed_chunks,
+        packed_bytes=packing.packed_bytes,
+        packs_written=packing.packs_written,
+        shards_before=packing.shards_before,
+        shards_after=packing.shards_after,
+        journal_entries_pruned=pruned,
+        snapshot=packing.snapshot,
+        duration_s=time.monotonic() - started,
+    )
 
 
 def _pack_and_commit(
-    repo: Repository,
+    core: RepositoryCore,
     branch: str,
     pack_below: int,
     target: int,
-    report: CompactReport,
+    dry_run: bool,
     progress: Callable[[str, int], None] | None,
-) -> None:
-    head_id = repo._journal.current(branch).snapshot
+) -> _Packing:
+    head_id = core.journal.current(branch).snapshot
     assert head_id is not None
-    snap = repo._objects.snapshot(head_id)
-    load = repo._objects.shard
+    objects = core.objects
+    max_refs = core.config.shard_max_refs
+    snap = objects.snapshot(head_id)
     small = [
         (key, ref)
-        for key, ref in manifest.iter_all(snap.shards, load)
+        for key, ref in manifest.iter_all(snap.shards, objects.shard)
         if ref[0] == OBJECT and ref[2] < pack_below
     ]
-    report.shards_before = len(snap.shards)
-    undersized = sum(1 for s in snap.shards if s.count < repo.config.shard_max_refs // 2)
-    report.packed_chunks = len(small)
-    report.packed_bytes = sum(int(ref[2]) for _, ref in small)
+    undersized = sum(1 for s in snap.shards if s.count < max_refs // 2)
 
-    groups: list[list[tuple[str, Any]]] = []
+    groups: list[list[tuple[str, ChunkRef]]] = []
     size = 0
     for item in small:
         if not groups or size + item[1][2] > target:
@@ -114,22 +175,29 @@ def _pack_and_commit(
             size = 0
         groups[-1].append(item)
         size += item[1][2]
-    report.packs_written = len(groups)
-    needs_reshard = undersized > 1
-    if not small and not needs_reshard:
-        report.shards_after = len(snap.shards)
-        return
-    if report.dry_run:
-        total = sum(s.count for s in snap.shards)
-        report.shards_after = max(1, -(-total // repo.config.shard_max_refs)) if total else 0
-        return
 
-    changes: dict[str, Any] = {}
+    def outcome(shards_after: int, snapshot: str | None = None) -> _Packing:
+        return _Packing(
+            packed_chunks=len(small),
+            packed_bytes=sum(int(ref[2]) for _, ref in small),
+            packs_written=len(groups),
+            shards_before=len(snap.shards),
+            shards_after=shards_after,
+            snapshot=snapshot,
+        )
+
+    if not small and undersized <= 1:
+        return outcome(len(snap.shards))
+    if dry_run:
+        total = sum(s.count for s in snap.shards)
+        return outcome(max(1, -(-total // max_refs)) if total else 0)
+
+    changes: dict[str, ChunkRef | None] = {}
     for group in groups:
-        datas = repo.storage.map(lambda kv: repo._objects.read_chunk(kv[1]), group)
+        datas: list[bytes] = core.storage.map(lambda kv: objects.read_chunk(kv[1]), group)
         pack = b"".join(datas)
         pack_id = content_hash(pack)
-        repo.storage.put(pack_key(pack_id), pack)
+        core.storage.put(pack_key(pack_id), pack)
         offset = 0
         for (key, ref), data in zip(group, datas, strict=True):
             changes[key] = (PACKED, pack_id, offset, len(data), ref[1])
@@ -138,29 +206,27 @@ def _pack_and_commit(
             progress("pack", len(group))
 
     changeset = Changeset(uuid.uuid4().hex, head_id, chunks=changes)
-    new_id = repo._commit_changeset(
+    new_id = core.commits.commit(
         branch,
         changeset,
         message=f"Compaction: packed {len(changes)} chunk(s) into {len(groups)} pack(s)",
         author="zarrlake compaction",
         metadata={"compaction": {"packed_chunks": len(changes), "packs": len(groups)}},
         rebase=True,
-        solver="relocation",
+        policy=Relocation(),
         reshard=True,
     )
-    report.snapshot = new_id
-    report.shards_after = len(repo._objects.snapshot(new_id).shards)
+    return outcome(len(objects.snapshot(new_id).shards), new_id)
 
 
-def _prune_journal(repo: Repository, branch: str, keep: dt.timedelta, dry_run: bool) -> int:
+def _prune_journal(core: RepositoryCore, branch: str, keep: dt.timedelta, dry_run: bool) -> int:
     """Delete journal entries nobody can need: all but the newest, those younger than ``keep``,
     and the newest one older than ``keep`` (the head at the start of the window)."""
-    keys = repo.storage.list_keys(branch_prefix(branch))  # newest first
-    if len(keys) <= 1:
+    entries = core.journal.history(branch)  # newest first
+    if len(entries) <= 1:
         return 0
-    entries = repo.storage.map(repo._journal._read, keys)
     cutoff = dt.datetime.now(dt.UTC) - keep
-    doomed: list[str] = []
+    doomed: list[int] = []
     boundary_kept = False
     for i, entry in enumerate(entries):
         if i == 0 or entry.time >= cutoff:
@@ -168,7 +234,7 @@ def _prune_journal(repo: Repository, branch: str, keep: dt.timedelta, dry_run: b
         if not boundary_kept:
             boundary_kept = True
             continue
-        doomed.append(branch_entry_key(branch, entry.seq))
+        doomed.append(entry.seq)
     if doomed and not dry_run:
-        repo.storage.delete_many(doomed)
+        core.journal.prune(branch, doomed)
     return len(doomed)

@@ -11,19 +11,17 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from zarrlake.core import RepositoryCore
 from zarrlake.errors import RefNotFound
-from zarrlake.format.ids import new_snapshot_id
-from zarrlake.format.model import ExpiryRecord, branch_prefix, expiry_key
 from zarrlake.maintenance.retention import RetentionRules
 
-if TYPE_CHECKING:
-    from zarrlake.repository import Repository
 
-
-@dataclass
+@dataclass(frozen=True)
 class ExpireReport:
+    """What an expiry run took out of history (or would have, with ``dry_run``)."""
+
     expired: list[str] = field(default_factory=list)  # snapshot ids, newest first
     retained: int = 0
     retained_by_branch: dict[str, int] = field(default_factory=dict)
@@ -31,16 +29,18 @@ class ExpireReport:
     duration_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """The job-report form (``zarrlake expire --json``; the operator parses it)."""
         return {
             "expired_snapshots": len(self.expired),
-            "expired": self.expired,
+            "expired": list(self.expired),
             "retained_snapshots": self.retained,
-            "retained_by_branch": self.retained_by_branch,
+            "retained_by_branch": dict(self.retained_by_branch),
             "dry_run": self.dry_run,
             "duration_s": round(self.duration_s, 3),
         }
 
     def summary(self) -> str:
+        """One line for people."""
         verb = "would expire" if self.dry_run else "expired"
         return (
             f"{verb} {len(self.expired)} snapshot(s), kept {self.retained} "
@@ -48,36 +48,39 @@ class ExpireReport:
         )
 
 
-def all_journal_snapshots(repo: Repository) -> dict[str, list[tuple[dt.datetime, str]]]:
+def all_journal_snapshots(core: RepositoryCore) -> dict[str, list[tuple[dt.datetime, str]]]:
     """Every branch's journal as (time, snapshot) pairs, newest first (deletions left out)."""
     out: dict[str, list[tuple[dt.datetime, str]]] = {}
-    for name in repo._journal.names():
-        keys = repo.storage.list_keys(branch_prefix(name))
-        entries = repo.storage.map(repo._journal._read, keys)
+    for name in core.journal.names():
+        entries = core.journal.history(name)
         out[name] = [(e.time, e.snapshot) for e in entries if e.snapshot is not None]
     return out
 
 
 def expire(
-    repo: Repository,
+    core: RepositoryCore,
     rules: RetentionRules,
     *,
     dry_run: bool = False,
     now: dt.datetime | None = None,
 ) -> ExpireReport:
-    """Expire every snapshot no rule retains. See :class:`RetentionRules` for what is kept."""
+    """Expire every snapshot no rule retains; see :class:`RetentionRules` for what is kept.
+
+    Writes one expiry record (unless ``dry_run`` or nothing expires) and returns what it
+    expired. ``now`` is the time retention ages are measured at (default: the clock).
+    """
     started = time.monotonic()
     now = now or dt.datetime.now(dt.UTC)
-    report = ExpireReport(dry_run=dry_run)
-    heads = repo.list_branches()
-    tags = repo.list_tags()
-    already = repo._expired_snapshots(refresh=True)
+    heads = core.journal.heads()
+    tags = core.tags.all()
+    already = core.expiry.expired(refresh=True)
     retained: set[str] = set(heads.values()) | set(tags.values())
+    retained_by_branch: dict[str, int] = {}
 
     for name, head in heads.items():
         rule = rules.rule_for(name)
         kept = 0
-        for position, info in enumerate(repo.log(head)):
+        for position, info in enumerate(core.graph.log(head)):
             if rule.keeps(position, now - info.time):
                 retained.add(info.id)
                 kept += 1
@@ -85,11 +88,11 @@ def expire(
                 rule.days is None or now - info.time > dt.timedelta(days=rule.days)
             ):
                 break  # history is newest first: nothing older can be kept by this rule
-        report.retained_by_branch[name] = kept
+        retained_by_branch[name] = kept
 
     # Candidates: everything still in history, reached from any ref or journal entry.
     roots = set(heads.values()) | set(tags.values())
-    for entries in all_journal_snapshots(repo).values():
+    for entries in all_journal_snapshots(core).values():
         roots.update(sid for _, sid in entries)
     seen: set[str] = set()
     stack = [r for r in roots if r not in already]
@@ -100,17 +103,18 @@ def expire(
             continue
         seen.add(sid)
         try:
-            snap = repo._objects.snapshot(sid)
+            snap = core.objects.snapshot(sid)
         except RefNotFound:
             continue
         order.append((snap.time, sid))
         stack.extend(p for p in snap.parents if p not in seen and p not in already)
     expired = [sid for _, sid in sorted(order, reverse=True) if sid not in retained]
-    report.expired = expired
-    report.retained = len(seen) - len(expired)
     if expired and not dry_run:
-        record = ExpiryRecord(now, tuple(expired))
-        repo.storage.put(expiry_key(new_snapshot_id()), record.encode(), create_only=True)
-        repo._expired_snapshots(refresh=True)
-    report.duration_s = time.monotonic() - started
-    return report
+        core.expiry.record(now, tuple(expired))
+    return ExpireReport(
+        expired=expired,
+        retained=len(seen) - len(expired),
+        retained_by_branch=retained_by_branch,
+        dry_run=dry_run,
+        duration_s=time.monotonic() - started,
+    )

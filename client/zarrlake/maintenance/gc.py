@@ -14,30 +14,36 @@ it. A false positive only keeps a garbage object; it can never delete a live one
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import datetime as dt
 import hashlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Set
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from zarrlake.commit import GC_LOCK_BRANCH
 from zarrlake.config import MAX_SESSION_TTL
-from zarrlake.errors import RefNotFound, ZarrlakeError
-from zarrlake.format.model import OBJECT, PACKED, branch_prefix
+from zarrlake.core import RepositoryCore
+from zarrlake.errors import GraceTooShort, RefNotFound
+from zarrlake.format.model import OBJECT, PACKED, Snapshot
 from zarrlake.storage.base import ObjectInfo
 
-if TYPE_CHECKING:
-    from zarrlake.repository import Repository
+__all__ = [
+    "GC_LOCK_BRANCH",
+    "KINDS",
+    "BloomFilter",
+    "ChunkMarks",
+    "GCReport",
+    "GraceTooShort",
+    "KindCount",
+    "gc",
+    "gc_roots",
+]
 
-GC_LOCK_BRANCH = "__gc__"  # the lock name the sweep and deduplicating commits share
 KINDS = ("snapshots", "txlogs", "manifests", "chunks", "packs")  # sweep order: roots first
-
-
-class GraceTooShort(ZarrlakeError, ValueError):
-    """A grace period shorter than the longest session lifetime (pass force=True to insist)."""
 
 
 class BloomFilter:
@@ -95,8 +101,10 @@ class ChunkMarks:
         return self._exact is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class KindCount:
+    """Objects of one kind (a prefix such as ``chunks``) deleted and kept by a GC run."""
+
     deleted: int = 0
     deleted_bytes: int = 0
     kept: int = 0
@@ -104,18 +112,36 @@ class KindCount:
 
 
 @dataclass
+class _Tally:
+    """A :class:`KindCount` while the sweep is still counting."""
+
+    deleted: int = 0
+    deleted_bytes: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+
+    def count(self) -> KindCount:
+        return KindCount(self.deleted, self.deleted_bytes, self.kept, self.kept_bytes)
+
+
+@dataclass(frozen=True)
 class GCReport:
+    """What a GC run deleted (or would have, with ``dry_run``) and kept, in total and by kind."""
+
     deleted_objects: int = 0
     deleted_bytes: int = 0
     kept_objects: int = 0
     dry_run: bool = False
     kept_bytes: int = 0
-    by_kind: dict[str, KindCount] = field(default_factory=lambda: {k: KindCount() for k in KINDS})
+    by_kind: dict[str, KindCount] = dataclasses.field(
+        default_factory=lambda: {k: KindCount() for k in KINDS}
+    )
     marked_snapshots: int = 0
     skipped_young: int = 0
     duration_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
+        """The job-report form (``zarrlake gc --json``; the operator parses it)."""
         return {
             "deleted_objects": self.deleted_objects,
             "deleted_bytes": self.deleted_bytes,
@@ -124,11 +150,12 @@ class GCReport:
             "dry_run": self.dry_run,
             "marked_snapshots": self.marked_snapshots,
             "skipped_young": self.skipped_young,
-            "by_kind": {k: vars(v) for k, v in self.by_kind.items()},
+            "by_kind": {k: dataclasses.asdict(v) for k, v in self.by_kind.items()},
             "duration_s": round(self.duration_s, 3),
         }
 
     def summary(self) -> str:
+        """One line for people."""
         verb = "would delete" if self.dry_run else "deleted"
         return (
             f"{verb} {self.deleted_objects} object(s) ({_human(self.deleted_bytes)}), kept "
@@ -144,18 +171,17 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def _object_id(kind: str, key: str) -> str:
+def _object_id(key: str) -> str:
     return key.rsplit("/", 1)[1]
 
 
-def gc_roots(repo: Repository, cutoff: dt.datetime, expired: set[str]) -> set[str]:
+def gc_roots(core: RepositoryCore, cutoff: dt.datetime, expired: Set[str]) -> set[str]:
     """Snapshots GC keeps whatever else happens: branch heads, tags, journal entries younger than
     ``cutoff`` plus each branch's head as of ``cutoff`` (sessions opened since may still be
     running), and older journal entries (for ``as_of``) unless their snapshot was expired."""
-    roots = set(repo.list_tags().values())
-    for name in repo._journal.names():
-        keys = repo.storage.list_keys(branch_prefix(name))
-        entries = repo.storage.map(repo._journal._read, keys)  # newest first
+    roots = set(core.tags.all().values())
+    for name in core.journal.names():
+        entries = core.journal.history(name)  # newest first
         protected = True
         for i, entry in enumerate(entries):
             if entry.snapshot is not None and (
@@ -168,7 +194,7 @@ def gc_roots(repo: Repository, cutoff: dt.datetime, expired: set[str]) -> set[st
 
 
 def gc(
-    repo: Repository,
+    core: RepositoryCore,
     *,
     grace: dt.timedelta = dt.timedelta(days=7),
     dry_run: bool = False,
@@ -176,7 +202,12 @@ def gc(
     now: dt.datetime | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> GCReport:
-    """Collect garbage; see the module docstring. Raises :class:`GraceTooShort`."""
+    """Collect garbage (see the module docstring) and report what went and what stayed.
+
+    ``now`` is the time the grace period is measured back from (default: the clock);
+    ``progress(phase, count)`` is called as shards are marked and objects swept. Raises
+    :class:`GraceTooShort` for a ``grace`` under the longest session lifetime unless ``force``.
+    """
     if grace < MAX_SESSION_TTL and not force:
         raise GraceTooShort(
             f"grace period {grace} is shorter than the longest session lifetime "
@@ -186,16 +217,15 @@ def gc(
     started = time.monotonic()
     now = now or dt.datetime.now(dt.UTC)
     cutoff = now - grace
-    report = GCReport(dry_run=dry_run)
-    expired = repo._expired_snapshots(refresh=True)
-    objects = repo._objects
+    expired = core.expiry.expired(refresh=True)
+    objects = core.objects
 
     # -- mark ------------------------------------------------------------------------------------
     snapshots: set[str] = set()
     shards: set[str] = set()
     packs: set[str] = set()
-    stack = list(gc_roots(repo, cutoff, expired))
-    loaded = []
+    stack = list(gc_roots(core, cutoff, expired))
+    loaded: list[Snapshot] = []
     while stack:
         sid = stack.pop()
         if sid in snapshots:
@@ -207,7 +237,6 @@ def gc(
         snapshots.add(sid)
         loaded.append(snap)
         stack.extend(p for p in snap.parents if p not in snapshots and p not in expired)
-    report.marked_snapshots = len(snapshots)
     marks = ChunkMarks(sum(s.count for snap in loaded for s in snap.shards))
     for snap in loaded:
         for info in snap.shards:
@@ -224,7 +253,7 @@ def gc(
     del loaded
 
     def live(kind: str, key: str) -> bool:
-        oid = _object_id(kind, key)
+        oid = _object_id(key)
         if kind in ("snapshots", "txlogs"):
             return oid in snapshots
         if kind == "manifests":
@@ -237,72 +266,74 @@ def gc(
             return True  # not a name we write: leave it alone
 
     # -- sweep -------------------------------------------------------------------------------------
+    tallies = {k: _Tally() for k in KINDS}
+    skipped_young = 0
     for kind in KINDS:
-        counts = report.by_kind[kind]
+        tally = tallies[kind]
         batch: list[ObjectInfo] = []
-        for info in repo.storage.list(kind + "/"):
-            if live(kind, info.key) or info.modified > cutoff:
-                if not live(kind, info.key):
-                    report.skipped_young += 1
-                counts.kept += 1
-                counts.kept_bytes += info.size
+        for obj in core.storage.list(kind + "/"):
+            if live(kind, obj.key) or obj.modified > cutoff:
+                if not live(kind, obj.key):
+                    skipped_young += 1
+                tally.kept += 1
+                tally.kept_bytes += obj.size
                 continue
-            batch.append(info)
+            batch.append(obj)
             if len(batch) >= 1000:
-                _sweep(repo, batch, counts, cutoff, dry_run, progress)
+                _sweep(core, batch, tally, cutoff, dry_run, progress)
                 batch = []
         if batch:
-            _sweep(repo, batch, counts, cutoff, dry_run, progress)
+            _sweep(core, batch, tally, cutoff, dry_run, progress)
 
-    for counts in report.by_kind.values():
-        report.deleted_objects += counts.deleted
-        report.deleted_bytes += counts.deleted_bytes
-        report.kept_objects += counts.kept
-        report.kept_bytes += counts.kept_bytes
-    report.duration_s = time.monotonic() - started
-    return report
+    by_kind = {k: t.count() for k, t in tallies.items()}
+    return GCReport(
+        deleted_objects=sum(c.deleted for c in by_kind.values()),
+        deleted_bytes=sum(c.deleted_bytes for c in by_kind.values()),
+        kept_objects=sum(c.kept for c in by_kind.values()),
+        dry_run=dry_run,
+        kept_bytes=sum(c.kept_bytes for c in by_kind.values()),
+        by_kind=by_kind,
+        marked_snapshots=len(snapshots),
+        skipped_young=skipped_young,
+        duration_s=time.monotonic() - started,
+    )
 
 
 def _sweep(
-    repo: Repository,
+    core: RepositoryCore,
     batch: list[ObjectInfo],
-    counts: KindCount,
+    tally: _Tally,
     cutoff: dt.datetime,
     dry_run: bool,
     progress: Callable[[str, int], None] | None,
 ) -> None:
     if dry_run:
-        counts.deleted += len(batch)
-        counts.deleted_bytes += sum(i.size for i in batch)
+        tally.deleted += len(batch)
+        tally.deleted_bytes += sum(i.size for i in batch)
         return
+    storage = core.storage
     # Re-check right before deleting: a session may have refreshed a deduplicated object. With a
     # lock, commits that deduplicated wait while we hold it, so the whole batch is checked at once.
     # Without one, check and delete a few objects at a time: the time between an object's check
     # and its delete is the window in which a refresh goes unseen, so keep it to one round trip.
-    step = len(batch) if repo.lock is not None else max(1, repo.storage.concurrency)
+    step = len(batch) if core.lock is not None else max(1, storage.concurrency)
     for start in range(0, len(batch), step):
         part = batch[start : start + step]
-        with _gc_lock(repo):
-            fresh = repo.storage.map(lambda i: repo.storage.head(i.key), part)
+        with core.commits.hold_gc():
+            fresh: list[ObjectInfo | None] = storage.map(lambda i: storage.head(i.key), part)
             doomed = [
                 i
                 for i, f in zip(part, fresh, strict=True)
                 if f is not None and f.modified <= cutoff
             ]
             kept = [f for f in fresh if f is not None and f.modified > cutoff]
-            repo.storage.delete_many(i.key for i in doomed)
+            storage.delete_many(i.key for i in doomed)
         for i in doomed:  # this client must not go on serving what it just deleted from cache
             if i.key.startswith(("snapshots/", "txlogs/")):
-                repo._objects.forget(_object_id("", i.key))
-        counts.deleted += len(doomed)
-        counts.deleted_bytes += sum(i.size for i in doomed)
-        counts.kept += len(kept)
-        counts.kept_bytes += sum(f.size for f in kept)
+                core.objects.forget(_object_id(i.key))
+        tally.deleted += len(doomed)
+        tally.deleted_bytes += sum(i.size for i in doomed)
+        tally.kept += len(kept)
+        tally.kept_bytes += sum(f.size for f in kept)
     if progress:
         progress("sweep", len(batch))
-
-
-def _gc_lock(repo: Repository) -> contextlib.AbstractContextManager[Any]:
-    if repo.lock is None:
-        return contextlib.nullcontext()
-    return repo.lock.hold(repo.id, GC_LOCK_BRANCH)

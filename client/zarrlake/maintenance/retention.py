@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zarrlake.errors import ZarrlakeError
+from zarrlake.errors import InvalidRetentionRules
 
-
-class InvalidRetentionRules(ZarrlakeError, ValueError):
-    """Retention rules that do not parse or make no sense; the message says where."""
+__all__ = ["InvalidRetentionRules", "Keep", "RetentionRules"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,459 @@
+"""The commit engine: changeset -> snapshot, rebase, and the branch-moving protocol.
+
+Commit protocol (see DESIGN.md): read the branch head; if it moved since the changeset's base,
+rebase the changeset on it (conflicts are detected from the txlogs in between); write shards,
+txlog and snapshot; then append one create-only journal entry. Losing that race means another
+commit landed first: re-read, rebase again, retry. Safety rests on the create-only write alone; a
+lock, when configured, only keeps writers from stampeding.
+
+How a changeset is re-applied on a moved head is a :class:`RebasePolicy`: user commits settle
+conflicts with a solver (:class:`SolverPolicy`); maintenance brings its own (compaction's
+relocation, which moves bytes without changing data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from zarrlake.changeset import Changeset
+from zarrlake.config import RepositoryConfig
+from zarrlake.conflicts import (
+    ChangeSummary,
+    Solver,
+    UseOurs,
+    UseTheirs,
+    rebase_conflicts,
+    resized_arrays,
+    three_way,
+)
+from zarrlake.errors import Conflict, ConflictError, MergeConflictError, RefNotFound, ZarrlakeError
+from zarrlake.format import manifest
+from zarrlake.format.ids import new_snapshot_id
+from zarrlake.format.manifest import prefix_matches
+from zarrlake.format.model import (
+    AncestorRecord,
+    JournalEntry,
+    ManifestShard,
+    ShardInfo,
+    Snapshot,
+    TxLog,
+)
+from zarrlake.history import CommitGraph
+from zarrlake.nodes import array_paths, meta_key_node
+from zarrlake.objects import ObjectStore
+from zarrlake.refs import BranchJournal, new_writer_id
+
+#: The lock name garbage collection's sweep and deduplicating commits share.
+GC_LOCK_BRANCH = "__gc__"
+MAX_COMMIT_ATTEMPTS = 200
+
+
+class BranchLock(Protocol):
+    """What the engine needs of a lock service (:class:`zarrlake.RedisLock`, ``LocalLock``).
+
+    ``hold`` is a lease on ``branch`` of repository ``repo_id`` for the duration of the ``with``
+    block, yielding a fencing token (monotonic per repository) or None. A lock service may also
+    offer ``raise_floor(repo_id, floor)`` to keep its tokens above ones the journal already holds.
+    """
+
+    def hold(self, repo_id: str, branch: str) -> contextlib.AbstractContextManager[int | None]: ...
+
+
+class RebasePolicy(Protocol):
+    """How a changeset made on ``base`` is re-applied on a branch head that moved.
+
+    ``settle`` returns the conflicts (the commit fails with :class:`ConflictError` if there are
+    any) and the chunk keys to drop from the changeset. ``relocates`` marks a changeset that only
+    moves bytes (same data, new location): its txlog records the keys as relocated, not written,
+    so later rebases and merges see no change of data.
+    """
+
+    @property
+    def relocates(self) -> bool: ...
+
+    def settle(
+        self,
+        ours: Changeset,
+        base: Snapshot,
+        head: Snapshot,
+        theirs: ChangeSummary,
+        arrays: set[str],
+    ) -> tuple[list[Conflict], set[str]]: ...
+
+
+@dataclass(frozen=True)
+class SolverPolicy:
+    """The policy of user commits: every overlap conflicts, except chunk conflicts ``solver``
+    (:class:`UseOurs` / :class:`UseTheirs`) settles. Raises TypeError for another solver."""
+
+    solver: Solver = None
+
+    def __post_init__(self) -> None:
+        if self.solver is not None and not isinstance(self.solver, UseOurs | UseTheirs):
+            raise TypeError("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
+
+    @property
+    def relocates(self) -> bool:
+        return False
+
+    def settle(
+        self,
+        ours: Changeset,
+        base: Snapshot,
+        head: Snapshot,
+        theirs: ChangeSummary,
+        arrays: set[str],
+    ) -> tuple[list[Conflict], set[str]]:
+        return rebase_conflicts(ours, base.nodes, theirs, head.nodes, arrays, self.solver)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _history_for(parent: Snapshot) -> list[AncestorRecord]:
+    """The commit records a child of ``parent`` carries: the parent's, then its own history."""
+    records = [
+        AncestorRecord(parent.parents, parent.time, parent.author, parent.message, parent.metadata),
+        *parent.history[: Snapshot.ANCESTRY - 1],
+    ]
+    budget = Snapshot.HISTORY_BYTES
+    for i, r in enumerate(records):
+        budget -= 64 + len(r.message) + len(r.author or "") + len(repr(r.metadata))
+        if budget < 0:
+            return records[:i]
+    return records
+
+
+class CommitEngine:
+    """Publishes changesets as commits and moves branches, under the journal's create-only rule.
+
+    ``stats`` are per-process counters of the protocol (for benchmarks and monitoring):
+    ``rebases`` — the branch had moved and the changeset was rebased onto its head;
+    ``append_retries`` — another commit won the create-only journal append (a retry).
+    """
+
+    def __init__(
+        self,
+        repo_id: str,
+        config: RepositoryConfig,
+        objects: ObjectStore,
+        journal: BranchJournal,
+        graph: CommitGraph,
+        lock: BranchLock | None,
+    ) -> None:
+        self.repo_id = repo_id
+        self.config = config
+        self.objects = objects
+        self.journal = journal
+        self.graph = graph
+        self.lock = lock
+        self.stats: dict[str, int] = {"rebases": 0, "append_retries": 0}
+
+    # -- locks -------------------------------------------------------------------------------------
+
+    def hold_branch(self, branch: str) -> contextlib.AbstractContextManager[int | None]:
+        """The branch's lease with its fencing token, or a no-op yielding None without a lock."""
+        if self.lock is None:
+            return contextlib.nullcontext(None)
+        return self.lock.hold(self.repo_id, branch)
+
+    def hold_gc(self) -> contextlib.AbstractContextManager[int | None]:
+        """The lease GC's sweep and a deduplicating commit's existence check share (no-op
+        without a lock): while one holds it, the other waits."""
+        return self.hold_branch(GC_LOCK_BRANCH)
+
+    # -- branches ----------------------------------------------------------------------------------
+
+    def initialize(self, branch: str) -> None:
+        """Give ``branch`` an empty root commit if it has no journal yet (a new repository)."""
+        if self.journal.head(branch) is not None:
+            return
+        snap = Snapshot(new_snapshot_id(), (), _now(), None, "Repository initialized", {}, {}, [])
+        self.objects.put_snapshot(snap, TxLog([], [], [], []), {})
+        self.journal.append(branch, JournalEntry(0, snap.id, None, _now(), new_writer_id()))
+
+    def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:
+        """Point branch ``name`` at snapshot ``target``; with ``expected``, only if the head is
+        still that snapshot (else :class:`ConflictError`). Raises :class:`RefNotFound`."""
+        with self.hold_branch(name) as token:
+            while True:
+                cur = self.journal.current(name)
+                if expected is not None and cur.snapshot != expected:
+                    raise ConflictError(
+                        [Conflict("branch-moved", name)],
+                        f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
+                    )
+                entry = JournalEntry(
+                    cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token
+                )
+                if self.journal.append(name, entry):
+                    return target
+
+    def delete_branch(self, name: str) -> None:
+        """Append a deletion entry to branch ``name``. Raises :class:`RefNotFound`."""
+        with self.hold_branch(name) as token:
+            while True:
+                cur = self.journal.current(name)
+                entry = JournalEntry(
+                    cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token
+                )
+                if self.journal.append(name, entry):
+                    return
+
+    # -- commits -----------------------------------------------------------------------------------
+
+    def commit(
+        self,
+        branch: str,
+        changeset: Changeset,
+        *,
+        message: str,
+        author: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        rebase: bool = True,
+        policy: RebasePolicy | None = None,
+        extra_parents: tuple[str, ...] = (),
+        reshard: bool = False,
+    ) -> str:
+        """Publish ``changeset`` on ``branch`` and return the new snapshot id.
+
+        If the branch moved since ``changeset.base``, the changeset is rebased with ``policy``
+        (default: :class:`SolverPolicy` without a solver) — or, with ``rebase=False``, the commit
+        fails with :class:`ConflictError`. ``extra_parents`` make a merge commit; ``reshard``
+        re-cuts the whole manifest into evenly filled shards. Raises :class:`ConflictError`,
+        :class:`RefNotFound` (no such branch), :class:`RetryableError` (a deduplicated chunk was
+        garbage-collected meanwhile), ``ValueError`` (metadata not serializable).
+        """
+        policy = policy if policy is not None else SolverPolicy()
+        meta = dict(metadata or {})
+        with self.hold_branch(branch) as token:
+            for attempt in range(MAX_COMMIT_ATTEMPTS):
+                head_entry = self.journal.current(branch)
+                head = head_entry.snapshot
+                assert head is not None
+                if token is not None and head_entry.token is not None and token <= head_entry.token:
+                    # The lock service handed out a token the journal already holds: it lost its
+                    # counter (a Redis restart without persistence). Safety is the journal's; keep
+                    # later tokens monotonic by raising the service's floor past the journal's.
+                    raise_floor = getattr(self.lock, "raise_floor", None)
+                    if raise_floor is not None:
+                        raise_floor(self.repo_id, head_entry.token)
+                if head != changeset.base:
+                    if not rebase:
+                        raise ConflictError(
+                            [Conflict("branch-moved", branch)],
+                            f"branch {branch!r} moved from {changeset.base} to {head} "
+                            "(commit with rebase=True to rebase)",
+                        )
+                    changeset = self.rebase(changeset, head, policy)
+                    self.stats["rebases"] += 1
+                parent = self.objects.snapshot(head)
+                snap, txlog, shards = self._build_snapshot(
+                    parent,
+                    changeset,
+                    message,
+                    author,
+                    meta,
+                    extra_parents,
+                    relocation=policy.relocates,
+                    reshard=reshard,
+                )
+                self.objects.put_snapshot(snap, txlog, shards)
+                entry = JournalEntry(
+                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token
+                )
+                # Chunks we deduplicated against may be old garbage GC is about to sweep: check
+                # they still exist, and (with a lock service) keep GC's deletes out until the
+                # journal entry that makes them reachable is written.
+                guard = self.hold_gc() if changeset.dedup_chunks else contextlib.nullcontext()
+                with guard:
+                    if changeset.dedup_chunks:
+                        self.objects.check_chunks_exist(changeset.dedup_chunks)
+                    published = self.journal.append(branch, entry)
+                if published:
+                    return snap.id
+                self.stats["append_retries"] += 1
+                # Another commit took this sequence number: back off a little, then rebase on it.
+                time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
+        raise ZarrlakeError(f"could not commit to {branch!r} after {MAX_COMMIT_ATTEMPTS} attempts")
+
+    def merge(
+        self,
+        source_id: str,
+        into: str,
+        *,
+        message: str,
+        author: str | None,
+        metadata: Mapping[str, Any],
+        strategy: str | None,
+    ) -> str:
+        """Three-way merge of snapshot ``source_id`` into branch ``into``; the new head (or the
+        old one if ``source_id`` is already merged). Raises :class:`MergeConflictError`."""
+        dest_id = self.journal.current(into).snapshot
+        assert dest_id is not None
+        base_id = self.graph.merge_base(source_id, dest_id)
+        if base_id == source_id:
+            return dest_id  # already merged
+        src = self.objects.snapshot(source_id)
+        dest = self.objects.snapshot(dest_id)
+        base = (
+            self.objects.snapshot(base_id)
+            if base_id is not None
+            else Snapshot("", (), _now(), None, "", {}, {}, [])
+        )
+        load = self.objects.shard
+        src_changes = {
+            k: (x, y) for k, x, y in manifest.diff_entries(base.shards, src.shards, load)
+        }
+        dest_changes = {
+            k: (x, y) for k, x, y in manifest.diff_entries(base.shards, dest.shards, load)
+        }
+        arrays = array_paths(base.nodes) | array_paths(src.nodes) | array_paths(dest.nodes)
+        plan = three_way(
+            base.nodes, src.nodes, dest.nodes, src_changes, dest_changes, arrays, strategy
+        )
+        if plan.conflicts:
+            raise MergeConflictError(plan.conflicts)
+        changeset = Changeset(uuid.uuid4().hex, dest_id, chunks=plan.chunks, nodes=plan.nodes)
+        return self.commit(
+            into,
+            changeset,
+            message=message,
+            author=author,
+            metadata=metadata,
+            rebase=True,
+            extra_parents=(source_id,),
+        )
+
+    # -- rebase ------------------------------------------------------------------------------------
+
+    def rebase(self, changeset: Changeset, head_id: str, policy: RebasePolicy) -> Changeset:
+        """``changeset`` re-based on snapshot ``head_id``, with the keys ``policy`` drops removed.
+        Raises :class:`ConflictError` with every conflict the policy reports."""
+        base = self.objects.snapshot(changeset.base)
+        head = self.objects.snapshot(head_id)
+        theirs = self.changes_since(base, head)
+        ours_nodes = {k: v for k, v in changeset.nodes.items() if v is not None}
+        arrays = array_paths(base.nodes) | array_paths(head.nodes) | array_paths(ours_nodes)
+        conflicts, drop = policy.settle(changeset, base, head, theirs, arrays)
+        if conflicts:
+            raise ConflictError(conflicts)
+        rebased = changeset.copy()
+        rebased.base = head_id
+        for key in drop:
+            rebased.chunks.pop(key, None)
+        return rebased
+
+    def changes_since(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
+        """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
+        or — if ``base`` is not on it (the branch was reset, or history expired) — from a diff."""
+        logs: list[TxLog] = []
+        chain = [head.id, *head.ancestry]
+        if base.id in chain:
+            # The head names its first-parent ancestors: fetch the txlogs in between concurrently
+            # instead of one dependent round trip per commit (a session that waited for the
+            # branch lock is often many commits behind).
+            try:
+                logs = self.objects.txlogs(chain[: chain.index(base.id)])
+            except RefNotFound:
+                return self._summary_from_diff(base, head)
+            cur = base
+        else:
+            cur = head
+        expired = self.graph.expiry.expired()
+        while cur.id != base.id:
+            if not cur.parents or len(logs) > 10_000 or cur.parents[0] in expired:
+                return self._summary_from_diff(base, head)
+            try:
+                logs.append(self.objects.txlog(cur.id))
+                cur = self.objects.snapshot(cur.parents[0])
+            except RefNotFound:
+                return self._summary_from_diff(base, head)
+        summary = ChangeSummary()
+        for txlog in logs:
+            summary.add_txlog(txlog)
+        return summary
+
+    def _summary_from_diff(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
+        chunks = {
+            k for k, _, _ in manifest.diff_entries(base.shards, head.shards, self.objects.shard)
+        }
+        node_keys = {
+            k for k in set(base.nodes) | set(head.nodes) if base.nodes.get(k) != head.nodes.get(k)
+        }
+        removed = {meta_key_node(k).lstrip("/") for k in node_keys if k not in head.nodes}
+        changed = {k: head.nodes.get(k) for k in node_keys}
+        return ChangeSummary(node_keys, chunks, removed, resized_arrays(base.nodes, changed))
+
+    # -- snapshots ---------------------------------------------------------------------------------
+
+    def _build_snapshot(
+        self,
+        parent: Snapshot,
+        cs: Changeset,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        extra_parents: tuple[str, ...],
+        *,
+        relocation: bool,
+        reshard: bool,
+    ) -> tuple[Snapshot, TxLog, dict[str, bytes]]:
+        nodes = dict(parent.nodes)
+        removed_nodes = []
+        for p in cs.deleted_prefixes:
+            for k in [k for k in nodes if prefix_matches(k, p)]:
+                removed_nodes.append(k)
+                del nodes[k]
+        for k, v in cs.nodes.items():
+            if v is None:
+                nodes.pop(k, None)
+            else:
+                nodes[k] = v
+        max_refs = self.config.shard_max_refs
+        update = manifest.apply_changes(
+            parent.shards, cs.chunks, cs.deleted_prefixes, self.objects.shard, max_refs
+        )
+        if reshard:
+            pending = dict(update.new_shards)
+
+            def load(info: ShardInfo) -> ManifestShard:
+                data = pending.get(info.digest)
+                return ManifestShard.decode(data) if data is not None else self.objects.shard(info)
+
+            rebuilt = manifest.rebuild(update.index, load, max_refs)
+            kept = {s.digest for s in rebuilt.index}
+            rebuilt.new_shards.update({d: b for d, b in pending.items() if d in kept})
+            update = rebuilt
+        txlog = TxLog(
+            sorted(set(cs.nodes) | set(removed_nodes)),
+            [] if relocation else sorted(cs.chunks),
+            sorted(cs.deleted_prefixes),
+            sorted(resized_arrays(parent.nodes, cs.nodes)),
+            sorted(cs.chunks) if relocation else [],
+        )
+        snap = Snapshot(
+            id=new_snapshot_id(),
+            parents=(parent.id, *extra_parents),
+            time=max(_now(), parent.time + dt.timedelta(microseconds=1)),
+            author=author,
+            message=message,
+            metadata=metadata,
+            nodes=nodes,
+            shards=update.index,
+            ancestry=[parent.id, *parent.ancestry[: Snapshot.ANCESTRY - 1]],
+            history=_history_for(parent),
+        )
+        try:
+            snap.encode()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"commit metadata is not serializable: {e}") from None
+        return snap, txlog, update.new_shards

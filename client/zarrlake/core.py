@@ -1,0 +1,62 @@
+"""The engine's core, assembled for one repository: what the layers above it are given.
+
+:class:`RepositoryCore` bundles the asset store of immutable objects (:class:`ObjectStore`), the
+branch journal and tags (:mod:`zarrlake.refs`), history (:class:`CommitGraph`,
+:class:`ExpiryLog`) and the commit engine (:class:`CommitEngine`). ``Repository`` is a façade
+over it; sessions, maintenance and fsck receive it instead of the façade, so nothing below the
+façade depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zarrlake.commit import BranchLock, CommitEngine
+from zarrlake.config import RepositoryConfig
+from zarrlake.format.model import RepoRecord
+from zarrlake.history import CommitGraph, ExpiryLog
+from zarrlake.objects import ObjectStore
+from zarrlake.refs import BranchJournal, Tags
+from zarrlake.storage.base import Storage
+
+
+@dataclass(frozen=True, eq=False)
+class RepositoryCore:
+    """One repository's core services, sharing one set of caches.
+
+    Picklable: it travels as (storage, record, lock) and is rebuilt, caches empty, on arrival.
+    """
+
+    storage: Storage
+    record: RepoRecord
+    config: RepositoryConfig
+    lock: BranchLock | None
+    objects: ObjectStore
+    journal: BranchJournal
+    tags: Tags
+    expiry: ExpiryLog
+    graph: CommitGraph
+    commits: CommitEngine
+
+    @classmethod
+    def build(
+        cls, storage: Storage, record: RepoRecord, lock: BranchLock | None = None
+    ) -> RepositoryCore:
+        """The core of the repository whose marker object is ``record``, at ``storage``."""
+        config = RepositoryConfig.from_dict(record.config)
+        objects = ObjectStore(storage)
+        journal = BranchJournal(storage)
+        tags = Tags(storage)
+        expiry = ExpiryLog(storage)
+        graph = CommitGraph(objects, journal, tags, expiry)
+        commits = CommitEngine(record.id, config, objects, journal, graph, lock)
+        return cls(storage, record, config, lock, objects, journal, tags, expiry, graph, commits)
+
+    @property
+    def id(self) -> str:
+        """The repository id (a UUID, stable for the repository's life)."""
+        return self.record.id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RepositoryCore.build, (self.storage, self.record, self.lock))

@@ -1,0 +1,253 @@
+"""History: resolving refs, walking commits, ancestry, merge bases, time travel and diffs.
+
+Reads only: nothing here writes a ref or a snapshot, except :meth:`ExpiryLog.record`, which
+appends one immutable expiry record. History ends cleanly at snapshots taken out of it by expiry
+(:class:`ExpiryLog`): a walk stops there and says so instead of reporting a missing object.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from zarrlake.errors import InvalidName, RefNotFound
+from zarrlake.format import manifest
+from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
+from zarrlake.format.model import ExpiryRecord, Snapshot, expiry_key, to_micros
+from zarrlake.nodes import array_paths, meta_key_node, node_paths, split_chunk_key
+from zarrlake.objects import ObjectStore
+from zarrlake.refs import BranchJournal, Tags, validate_name
+from zarrlake.storage.base import Storage
+from zarrlake.types import CommitInfo, Diff
+
+log = logging.getLogger("zarrlake")
+
+#: The prefix expiry records live under (one immutable object per expiry run).
+EXPIRY_PREFIX = "expired/"
+
+
+def commit_info(snap: Snapshot) -> CommitInfo:
+    """The public record of a snapshot."""
+    return CommitInfo(
+        snap.id, tuple(snap.parents), snap.message, snap.author, snap.time, dict(snap.metadata)
+    )
+
+
+class ExpiryLog:
+    """Which snapshots expiry took out of history. Records are immutable, so they are cached;
+    :meth:`expired` with ``refresh=True`` lists the records again to see new ones."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._records: dict[str, frozenset[str]] = {}
+        self._expired: frozenset[str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"storage": self.storage}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["storage"])  # type: ignore[misc]
+
+    def expired(self, *, refresh: bool = False) -> frozenset[str]:
+        """Ids of every expired snapshot (as of the last refresh; the first call refreshes)."""
+        if refresh or self._expired is None:
+            keys = self.storage.list_keys(EXPIRY_PREFIX)
+            missing = [k for k in keys if k not in self._records]
+            datas: list[bytes] = self.storage.map(self.storage.get, missing)
+            for key, data in zip(missing, datas, strict=True):
+                self._records[key] = frozenset(ExpiryRecord.decode(data, key).snapshots)
+            self._expired = frozenset().union(*(self._records[k] for k in keys))
+        return self._expired
+
+    def record(self, when: dt.datetime, snapshot_ids: tuple[str, ...]) -> None:
+        """Write one expiry record taking ``snapshot_ids`` out of history (create-only)."""
+        record = ExpiryRecord(when, snapshot_ids)
+        self.storage.put(expiry_key(new_snapshot_id()), record.encode(), create_only=True)
+        self.expired(refresh=True)
+
+
+class History(Iterator[CommitInfo]):
+    """The iterator :meth:`Repository.log` returns: commits newest first, merge parents included.
+
+    ``truncated`` lists ``(child, parent)`` pairs where history ends because ``parent`` was
+    expired (or is missing); it fills as the iteration reaches them.
+    """
+
+    def __init__(
+        self,
+        objects: ObjectStore,
+        expiry: ExpiryLog,
+        first: Snapshot,
+        limit: int | None,
+    ) -> None:
+        self.truncated: list[tuple[str, str]] = []
+        self._objects = objects
+        self._it = self._walk(expiry, first, limit)
+
+    def __iter__(self) -> History:
+        return self
+
+    def __next__(self) -> CommitInfo:
+        return next(self._it)
+
+    def _truncated_at(self, child: str, parent: str) -> None:
+        self.truncated.append((child, parent))
+        log.info("history ends at %s: its parent %s was expired", child, parent)
+
+    def _walk(self, expiry: ExpiryLog, first: Snapshot, limit: int | None) -> Iterator[CommitInfo]:
+        expired = expiry.expired(refresh=True)
+        # Each snapshot carries the commit records of its recent first-parent ancestors, so a
+        # page of history costs one fetch, not one dependent round trip per commit.
+        known: dict[str, CommitInfo] = {}
+
+        def learn(snap: Snapshot) -> None:
+            known[snap.id] = commit_info(snap)
+            for aid, rec in zip(snap.ancestry, snap.history, strict=False):
+                if aid not in known:
+                    known[aid] = CommitInfo(
+                        aid, rec.parents, rec.message, rec.author, rec.time, dict(rec.metadata)
+                    )
+
+        def info(sid: str) -> CommitInfo:
+            if sid not in known:
+                learn(self._objects.snapshot(sid))  # RefNotFound if it is gone
+            return known[sid]
+
+        learn(first)
+        heap = [(-to_micros(first.time), first.id)]
+        seen = {first.id}
+        produced = 0
+        while heap and (limit is None or produced < limit):
+            _, sid = heapq.heappop(heap)
+            commit = info(sid)
+            yield commit
+            produced += 1
+            for parent in commit.parents:
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                if parent in expired:
+                    self._truncated_at(sid, parent)
+                    continue
+                try:
+                    parent_time = info(parent).time
+                except RefNotFound:
+                    self._truncated_at(sid, parent)
+                    continue
+                heapq.heappush(heap, (-to_micros(parent_time), parent))
+
+
+def diff_nodes(
+    old: Mapping[str, bytes], new: Mapping[str, bytes], chunks: dict[str, set[tuple[Any, ...]]]
+) -> Diff:
+    """A :class:`Diff` from two versions' node documents and the chunks that changed."""
+    old_paths, new_paths = node_paths(old), node_paths(new)
+    changed = {
+        meta_key_node(k)
+        for k in set(old) | set(new)
+        if old.get(k) != new.get(k) and meta_key_node(k) in old_paths & new_paths
+    }
+    return Diff.build(new_paths - old_paths, old_paths - new_paths, changed, chunks)
+
+
+class CommitGraph:
+    """Refs and the commit graph, read-only: resolve, log, as-of, merge base, diff."""
+
+    def __init__(
+        self, objects: ObjectStore, journal: BranchJournal, tags: Tags, expiry: ExpiryLog
+    ) -> None:
+        self.objects = objects
+        self.journal = journal
+        self.tags = tags
+        self.expiry = expiry
+
+    def resolve(self, ref: str) -> str:
+        """Branch, tag or snapshot id -> snapshot id. Raises :class:`RefNotFound`."""
+        if not isinstance(ref, str) or not ref:
+            raise RefNotFound(str(ref))
+        if is_snapshot_id(ref):
+            try:
+                self.objects.snapshot(ref)
+                return ref
+            except RefNotFound:
+                pass
+        try:
+            validate_name(ref)
+        except InvalidName:
+            raise RefNotFound(ref) from None
+        head = self.journal.head(ref)
+        if head is not None and head.snapshot is not None:
+            return head.snapshot
+        try:
+            return self.tags.get(ref)
+        except RefNotFound:
+            raise RefNotFound(ref) from None
+
+    def log(self, snapshot_id: str, *, limit: int | None = None) -> History:
+        """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots.
+
+        Raises :class:`RefNotFound` if the snapshot itself is missing.
+        """
+        first = self.objects.snapshot(snapshot_id)
+        return History(self.objects, self.expiry, first, limit)
+
+    def as_of(self, ref: str, when: dt.datetime) -> str:
+        """The snapshot ``ref`` pointed at, at time ``when`` (naive times are UTC).
+
+        A branch answers from its journal (where it pointed then); a tag or snapshot id from its
+        history (the newest commit not after ``when``). Raises :class:`RefNotFound`.
+        """
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        if self.journal.is_branch(ref):
+            for entry in self.journal.history(ref):
+                if entry.time <= when:
+                    if entry.snapshot is None:
+                        break
+                    return entry.snapshot
+            raise RefNotFound(f"{ref}@{when.isoformat()}", "branch version")
+        for info in self.log(self.resolve(ref)):
+            if info.time <= when:
+                return info.id
+        raise RefNotFound(f"{ref}@{when.isoformat()}", "version")
+
+    def merge_base(self, a: str, b: str) -> str | None:
+        """The newest common ancestor of snapshots ``a`` and ``b`` (None if they share none)."""
+        flags = {a: 1, b: 2} if a != b else {a: 3}
+        heap = [(-to_micros(self.objects.snapshot(x).time), x) for x in flags]
+        heapq.heapify(heap)
+        done: set[str] = set()
+        while heap:
+            _, sid = heapq.heappop(heap)
+            if sid in done:
+                continue
+            done.add(sid)
+            f = flags[sid]
+            if f == 3:
+                return sid
+            try:
+                snap = self.objects.snapshot(sid)
+            except RefNotFound:
+                continue
+            for p in snap.parents:
+                nf = flags.get(p, 0) | f
+                if nf != flags.get(p):
+                    flags[p] = nf
+                    done.discard(p)
+                    try:
+                        heapq.heappush(heap, (-to_micros(self.objects.snapshot(p).time), p))
+                    except RefNotFound:
+                        continue
+        return None
+
+    def diff(self, a: Snapshot, b: Snapshot) -> Diff:
+        """Nodes and chunks that differ from ``a`` to ``b``; O(difference) in manifest shards."""
+        arrays = array_paths(a.nodes) | array_paths(b.nodes)
+        chunks: dict[str, set[tuple[Any, ...]]] = {}
+        for key, _, _ in manifest.diff_entries(a.shards, b.shards, self.objects.shard):
+            path, coords = split_chunk_key(key, arrays)
+            chunks.setdefault(path, set()).add(coords)
+        return diff_nodes(a.nodes, b.nodes, chunks)
