@@ -71,8 +71,13 @@ bench-quick: $(VENV)/.bench-installed redis-server-available
 	$(BIN)/python bench/contention.py --quick
 	$(BIN)/python bench/maintenance.py --quick
 
+## lint: ruff, the import-layer contracts (import-linter) and strict type checking (mypy)
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check client operator testkit tests bench examples e2e
+	$(BIN)/ruff format --check client operator testkit tests bench examples e2e
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	@if [ -f ../shared/tools/arch_check.py ]; then $(BIN)/python ../shared/tools/arch_check.py .; fi
 
 ## crds: regenerate the CustomResourceDefinitions from operator/zarrlake_operator/models.py
 crds: $(VENV)/.dev-installed

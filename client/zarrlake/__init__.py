@@ -7,6 +7,10 @@
 >>> session.commit("create root group")  # doctest: +SKIP
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from zarrlake.changeset import Changeset
 from zarrlake.config import RepositoryConfig
 from zarrlake.conflicts import UseOurs, UseTheirs
@@ -14,6 +18,7 @@ from zarrlake.errors import (
     BranchExists,
     Conflict,
     ConflictError,
+    ConflictKind,
     CorruptObject,
     GraceTooShort,
     InvalidDuration,
@@ -24,37 +29,41 @@ from zarrlake.errors import (
     LockUnavailable,
     MergeConflictError,
     NothingToCommit,
+    ObjectNotFound,
+    PreconditionFailed,
     ReadOnlyError,
     RefNotFound,
     RepositoryExists,
     RepositoryNotFound,
     RetryableError,
     SessionExpired,
+    SparkWriteError,
     TagExists,
+    TransientStorageError,
     UnsupportedFormat,
     ZarrlakeError,
 )
 from zarrlake.fsck import FsckReport
 from zarrlake.history import History
+from zarrlake.locks import LocalLock, RedisLock
 from zarrlake.maintenance import CompactReport, ExpireReport, GCReport, Keep, RetentionRules
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession, Session
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
 
+if TYPE_CHECKING:
+    from zarrlake.store import ZarrlakeStore
+
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> type[ZarrlakeStore]:
     # The Zarr store adapter imports zarr (slow); load it when first asked for.
     if name == "ZarrlakeStore":
         from zarrlake.store import ZarrlakeStore
 
         return ZarrlakeStore
-    if name in ("RedisLock", "LocalLock"):
-        from zarrlake import locks
-
-        return getattr(locks, name)
     raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
 
@@ -65,6 +74,7 @@ __all__ = [
     "CompactReport",
     "Conflict",
     "ConflictError",
+    "ConflictKind",
     "CorruptObject",
     "Diff",
     "ExpireReport",
@@ -83,6 +93,8 @@ __all__ = [
     "LockUnavailable",
     "MergeConflictError",
     "NothingToCommit",
+    "ObjectNotFound",
+    "PreconditionFailed",
     "ReadOnlyError",
     "RedisLock",
     "RefNotFound",
@@ -94,9 +106,11 @@ __all__ = [
     "RetryableError",
     "Session",
     "SessionExpired",
+    "SparkWriteError",
     "Storage",
     "StorageError",
     "TagExists",
+    "TransientStorageError",
     "UnsupportedFormat",
     "UseOurs",
     "UseTheirs",

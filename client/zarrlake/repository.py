@@ -67,8 +67,6 @@ class Repository:
             lock = lock_from_url(lock)
         self.storage = storage
         self._core = RepositoryCore.build(storage, record, lock)
-        # Deprecated spelling of :attr:`record`, kept while spark.py still reads it.
-        self._record = record
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage, "record": self.record, "lock": self.lock}

@@ -52,6 +52,6 @@ def snapshot_id_millis(snapshot_id: str) -> int:
     return value >> 80
 
 
-def content_hash(data: bytes) -> str:
+def content_hash(data: bytes | bytearray | memoryview) -> str:
     """Hex SHA-256: the name of content-addressed chunks and manifest shards."""
     return hashlib.sha256(data).hexdigest()

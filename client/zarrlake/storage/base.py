@@ -43,7 +43,12 @@ from zarrlake.errors import (
     TransientStorageError,
 )
 
+#: What a put accepts: bytes, or a buffer over them (Zarr hands chunks over as memoryviews;
+#: copying each to bytes first would cost a copy per chunk write).
+Buffer = bytes | bytearray | memoryview
+
 __all__ = [
+    "Buffer",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",
@@ -229,7 +234,7 @@ class Storage(abc.ABC):
         """The object's bytes, or ``[start, end)`` of them. Raises :class:`ObjectNotFound`."""
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         """Store ``data`` under ``key``.
 
         With ``create_only`` the write is atomic and fails with :class:`PreconditionFailed` when the

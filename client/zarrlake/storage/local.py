@@ -19,6 +19,7 @@ from typing import ClassVar
 from urllib.parse import SplitResult, unquote
 
 from zarrlake.storage.base import (
+    Buffer,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -80,7 +81,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFound(key) from None
 
-    def _write_temp(self, path: Path, data: bytes) -> Path:
+    def _write_temp(self, path: Path, data: Buffer) -> Path:
         tmpdir = self.root / _TMP
         tmp = tmpdir / f"{uuid.uuid4().hex}"
         try:
@@ -99,7 +100,7 @@ class LocalStorage(Storage):
             os.close(fd)
         return tmp
 
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         path = self._path(key)
         tmp = self._write_temp(path, data)
         published = False
@@ -121,7 +122,7 @@ class LocalStorage(Storage):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
 
-    def _create_exclusive(self, path: Path, key: str, data: bytes) -> None:
+    def _create_exclusive(self, path: Path, key: str, data: Buffer) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

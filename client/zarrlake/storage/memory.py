@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
 from zarrlake.storage.base import (
+    Buffer,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -48,7 +49,7 @@ class MemoryStorage(Storage):
             return data
         return data[byte_range[0] : byte_range[1]]
 
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         now = dt.datetime.now(dt.UTC)
         with self._lock:
             if create_only and key in self._objects:

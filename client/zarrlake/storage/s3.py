@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode
 
 from zarrlake.storage.base import (
+    Buffer,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -328,7 +329,7 @@ class S3Storage(Storage):
         r = self._send("GET", key, headers=headers)
         return b"" if r is None else r.data
 
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
     def head(self, key: str) -> ObjectInfo | None:
