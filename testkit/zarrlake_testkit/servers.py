@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -142,15 +143,38 @@ def _owned_by(pid: int, owners: set[int]) -> bool:
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10) -> None:
-    """Terminate a server process, killing it if it does not exit in ``timeout`` seconds."""
+    """Terminate a server process, killing it if it does not exit in ``timeout`` seconds.
+
+    A process started in a session of its own (as :func:`spawn_on_free_port` starts them) is
+    stopped with its whole process group, so a server behind a wrapper shell goes too.
+    """
     if proc is None or proc.poll() is not None:
         return
-    proc.terminate()
+    group = _own_group(proc.pid)
+    _signal(proc, group, signal.SIGTERM)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _signal(proc, group, signal.SIGKILL)
         proc.wait()
+    if group:  # the leader is gone; children that ignored SIGTERM are not left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _own_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+def _signal(proc: subprocess.Popen[bytes], group: bool, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
 
 
 def spawn_on_free_port(
@@ -162,7 +186,8 @@ def spawn_on_free_port(
     """Start ``make_cmd(port)`` on a free port; if another process wins the port, try another."""
     for attempt in range(attempts):
         port = free_port()
-        proc = subprocess.Popen(list(make_cmd(port)), **popen)
+        # A session of its own: stop() then takes the server's whole process group with it.
+        proc = subprocess.Popen(list(make_cmd(port)), start_new_session=True, **popen)
         try:
             wait_for_port(port, timeout, proc)
             return proc, port

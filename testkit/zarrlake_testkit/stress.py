@@ -11,6 +11,7 @@ exits non-zero if any run failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -53,17 +54,32 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_once(number: int, command: Sequence[str]) -> Run:
     start = time.monotonic()
+    # A session of its own, so an interrupted run is stopped with every server it started.
     proc = subprocess.Popen(
-        list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     summary = ""
     assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        match = SUMMARY.match(line.strip())
-        if match:
-            summary = match.group(1)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            match = SUMMARY.match(line.strip())
+            if match:
+                summary = match.group(1)
+        code = proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return Run(number, code, time.monotonic() - start, summary or f"exit {code}")
 
 
