@@ -45,7 +45,6 @@ from zarrlake.errors import (
 )
 from zarrlake.fsck import FsckReport
 from zarrlake.history import History
-from zarrlake.locks import LocalLock, RedisLock
 from zarrlake.maintenance import CompactReport, ExpireReport, GCReport, Keep, RetentionRules
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession, Session
@@ -53,17 +52,27 @@ from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
 
 if TYPE_CHECKING:
+    from zarrlake.locks import LocalLock, RedisLock
     from zarrlake.store import ZarrlakeStore
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> type[ZarrlakeStore]:
-    # The Zarr store adapter imports zarr (slow); load it when first asked for.
+def __getattr__(name: str) -> type[ZarrlakeStore] | type[RedisLock] | type[LocalLock]:
+    # Loaded when first asked for: the Zarr store adapter imports zarr (slow), and a build may
+    # leave the lock service out (the CLI then says so).
     if name == "ZarrlakeStore":
         from zarrlake.store import ZarrlakeStore
 
         return ZarrlakeStore
+    if name == "RedisLock":
+        from zarrlake.locks import RedisLock
+
+        return RedisLock
+    if name == "LocalLock":
+        from zarrlake.locks import LocalLock
+
+        return LocalLock
     raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
 
