@@ -437,7 +437,7 @@ def test_bad_lock_url_error_redacts_the_password(url: str, cli: Callable[..., Re
 
 
 def test_redact() -> None:
-    from zarrlake.cli import _redact
+    from zarrlake.cli.connect import redact_password as _redact
 
     assert _redact("redis://h:6379/0") == "redis://h:6379/0"
     assert _redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"

@@ -304,7 +304,7 @@ def test_lock_timeout_and_leaving_the_queue(redis_server: Any, tmp_path: Path) -
     t0 = time.monotonic()
     with pytest.raises(zarrlake.LockTimeout), waiter.hold(repo.id, "main"):
         pass
-    assert 0.5 <= time.monotonic() - t0 < 30  # waited its wait_s; the bound only says it ended
+    assert 0.5 <= time.monotonic() - t0 < 0.5 + 5  # waited its wait_s, not much more
     # A commit through a repository behaves the same, and changes nothing.
     locked = zarrlake.Repository.open(repo.storage, lock=waiter)
     head = locked.lookup_branch("main")
@@ -327,7 +327,7 @@ def test_local_lock_timeout(tmp_path: Path) -> None:
         t0 = time.monotonic()
         with pytest.raises(zarrlake.LockTimeout), lock.hold("repo", "main"):
             pass
-        assert 0.3 <= time.monotonic() - t0 < 30
+        assert 0.3 <= time.monotonic() - t0 < 0.3 + 5
         with lock.hold("repo", "dev") as other, lock.hold("other-repo", "main") as third:
             assert other == token + 1 and third == 1  # tokens count per repository
     with lock.hold("repo", "main") as again:
@@ -434,9 +434,10 @@ def test_lease_expires_after_holder_is_sigkilled(
     s = waiter.writable_session("main")
     s.write(chunk_key(7), chunk_value("k", 7))
     sid = s.commit("after the holder died")
-    # The dead holder's lease ran out, not the waiter's patience (120 s); the margin is for load.
+    # The dead holder's lease ran out (one lease after its last renewal), not the waiter's
+    # patience (120 s); the margin covers the commit itself on a loaded machine.
     waited = time.monotonic() - killed
-    assert waited < lease_s + 30, f"waited {waited:.2f}s for a {lease_s}s lease"
+    assert waited < 2 * lease_s + 10, f"waited {waited:.2f}s for a {lease_s}s lease"
     assert journal(repo)[-1].token > held["token"] and repo.lookup_branch("main") == sid
     assert main(status_cmd) == 0
     assert "no branch of this repository is locked" in capsys.readouterr().out
@@ -509,7 +510,7 @@ def test_paused_holder_cannot_clobber_the_branch(
         sb.write(chunk_key(2), chunk_value("p", 2))
         t0 = time.monotonic()
         b_sid = sb.commit("B, after A's lease ran out")
-        assert time.monotonic() - t0 < lease_s + 30  # A's lease expired; B did not wait 120 s
+        assert time.monotonic() - t0 < 2 * lease_s + 10  # A's lease ran out; B did not wait 120 s
         a.send("go")
     finally:
         a.signal(signal.SIGCONT)
@@ -556,7 +557,7 @@ def test_redis_stopped_optimistic_and_fail(own_redis: Any, tmp_path: Path) -> No
     s.write(chunk_key(2), chunk_value("u", 2))
     t0 = time.monotonic()
     sid = s.commit("Redis is down: optimistic")
-    assert time.monotonic() - t0 < 60  # did not wait out wait_s (120 s) for a dead server
+    assert time.monotonic() - t0 < 15  # fell back at once: no wait_s (120 s) for a dead server
     assert repo.lookup_branch("main") == sid and journal(repo)[-1].token is None
 
     before = journal(repo)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,10 +51,16 @@ def find_testware(path: str, source: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built as the Dockerfile builds it: from only what its COPY lines take (a
+    checkout's stale build/ folder must not leak old modules into the result)."""
+    src = tmp_path_factory.mktemp("src")
+    for name in sorted(image_files(ROOT)):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(src)],
         check=True,
         capture_output=True,
         timeout=600,

@@ -244,7 +244,7 @@ def test_tasks_in_one_process_share_one_object_store(tmp_path: Path) -> None:
     create_grid(session.store)
     data = _dump_fork(session.fork())
     a, b = _load_fork(data), _load_fork(data)
-    assert a._objects is b._objects
+    assert a.objects is b.objects
     # ... but not their changesets: a task never sees another task's (or attempt's) writes.
     open_array(a.store, "g/temp")[0:8, 0:10] = 1.0
     assert not a.changeset().is_empty()
@@ -257,7 +257,7 @@ def test_memory_forks_are_never_shared() -> None:
     repo = zarrlake.Repository.create(zarrlake.Storage.memory())
     data = _dump_fork(repo.writable_session("main").fork())
     a, b = _load_fork(data), _load_fork(data)
-    assert a._objects is not b._objects  # each copy of a memory storage is its own store
+    assert a.objects is not b.objects  # each copy of a memory storage is its own store
 
 
 def test_read_array_with_a_locked_repository(spark: Any, tmp_path: Path) -> None:

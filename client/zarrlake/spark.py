@@ -413,7 +413,7 @@ def read_array(
     grid = [tuple(c) for c in np.ndindex(*counts)]
 
     # Executors only read: ship the repository without its lock (which may hold connections).
-    reader_repo = Repository.open(repo.storage) if repo.lock is not None else repo
+    reader_repo = Repository(repo.storage, repo.record) if repo.lock is not None else repo
     sc = spark.sparkContext
     if num_partitions is None:
         num_partitions = min(len(grid), 4 * max(1, sc.defaultParallelism))

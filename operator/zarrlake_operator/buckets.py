@@ -162,6 +162,7 @@ def delete_repository_objects(conn: Connection, repository_id: str | None) -> in
     Raises :class:`BucketUnreachable` or :class:`NotOurRepository`.
     """
     from zarrlake import StorageError
+    from zarrlake.errors import ObjectNotFound
     from zarrlake.format.model import LAYOUT_KEY, LAYOUT_PREFIXES, REPO_KEY, RepoRecord
 
     if not bucket_exists(conn):
@@ -169,12 +170,18 @@ def delete_repository_objects(conn: Connection, repository_id: str | None) -> in
     deleted = 0
     try:
         storage = conn.storage()
-        marker = storage.get(REPO_KEY) if storage.exists(REPO_KEY) else None
+        try:
+            marker: bytes | None = storage.get(REPO_KEY)
+        except ObjectNotFound:
+            marker = None
+        if marker is None and repository_id is None:
+            return 0  # no repository was ever recorded here, and none is here: nothing is ours
         if marker is not None:
             found = RepoRecord.decode(marker, REPO_KEY).id
-            if repository_id is not None and found != repository_id:
+            if found != repository_id:
                 raise NotOurRepository(
-                    f"{storage.url} holds repository {found}, not {repository_id}"
+                    f"{storage.url} holds repository {found}, not "
+                    + (repository_id or "one this resource recorded")
                 )
             deleted += storage.delete_many([REPO_KEY])
         for prefix in LAYOUT_PREFIXES:

@@ -73,12 +73,9 @@ from collections.abc import Sequence
 
 from zarrlake.cli import browse, health, history, maintenance, refs
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
-from zarrlake.cli.connect import redact_password
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidName, ZarrlakeError
 from zarrlake.maintenance import GraceTooShort, InvalidRetentionRules
-
-_redact = redact_password  # its name before the package: tests/test_cli_kubernetes.py imports it
 
 __all__ = ["UsageError", "build_parser", "main"]
 

@@ -30,6 +30,7 @@ from zarrlake.core import RepositoryCore
 from zarrlake.errors import GraceTooShort, RefNotFound
 from zarrlake.format.model import OBJECT, PACKED, Snapshot
 from zarrlake.storage.base import ObjectInfo
+from zarrlake.units import format_bytes
 
 __all__ = [
     "GC_LOCK_BRANCH",
@@ -158,17 +159,9 @@ class GCReport:
         """One line for people."""
         verb = "would delete" if self.dry_run else "deleted"
         return (
-            f"{verb} {self.deleted_objects} object(s) ({_human(self.deleted_bytes)}), kept "
-            f"{self.kept_objects} ({_human(self.kept_bytes)}) in {self.duration_s:.2f}s"
+            f"{verb} {self.deleted_objects} object(s) ({format_bytes(self.deleted_bytes)}), kept "
+            f"{self.kept_objects} ({format_bytes(self.kept_bytes)}) in {self.duration_s:.2f}s"
         )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _object_id(key: str) -> str:
