@@ -144,7 +144,7 @@ def render(kind: str) -> str:
         f"# {kind} ({API_VERSION}). Generated from zarrlake/resources.py by `make crds`;\n"
         "# do not edit by hand.\n"
     )
-    return header + yaml.safe_dump(crd(kind), sort_keys=False, width=100)
+    return header + str(yaml.safe_dump(crd(kind), sort_keys=False, width=100))
 
 
 def filenames() -> dict[str, str]:
