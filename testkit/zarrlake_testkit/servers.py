@@ -39,7 +39,7 @@ def free_port() -> int:
 
     Ports come at random from below the ephemeral range: parallel test processes (pytest-xdist
     workers, the e2e scenario) rarely draw the same one, and a server that still loses the race
-    is detected by :func:`_spawn` (it exits, or the port is not its own) and started again.
+    is detected by :func:`spawn_on_free_port` (it exits, or the port is not its own) and started again.
     """
     lo, hi = _port_range()
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
@@ -201,12 +201,23 @@ def spawn_on_free_port(
     raise AssertionError("unreachable")
 
 
-def _spawn(
-    make_cmd: Callable[[int], Sequence[str]], timeout: float
+def _start(
+    make_cmd: Callable[[int], Sequence[str]], port: int | None, timeout: float
 ) -> tuple[subprocess.Popen[bytes], int]:
-    return spawn_on_free_port(
-        make_cmd, timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    """A server on ``port``, or on a free port when None (another on a lost race).
+
+    A given port is used as is: a test restarting "the same" server keeps its address.
+    """
+    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if port is None:
+        return spawn_on_free_port(make_cmd, timeout, **quiet)
+    proc = subprocess.Popen(list(make_cmd(port)), start_new_session=True, **quiet)
+    try:
+        wait_for_port(port, timeout, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, port
 
 
 def start_moto(port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -216,15 +227,7 @@ def start_moto(port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     def cmd(p: int) -> list[str]:
         return [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(p)]
 
-    if port is not None:
-        proc = subprocess.Popen(cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for_port(port, 60, proc)
-        except BaseException:
-            stop(proc)
-            raise
-    else:
-        proc, port = _spawn(cmd, 60)
+    proc, port = _start(cmd, port, 60)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -262,17 +265,5 @@ def start_redis(
 
     With ``port`` given (a test restarting "the same" server) that port is used as is.
     """
-    if port is not None:
-        proc = subprocess.Popen(
-            redis_command(port, workdir, *extra),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_for_port(port, 60, proc)
-        except BaseException:
-            stop(proc)
-            raise
-    else:
-        proc, port = _spawn(lambda p: redis_command(p, workdir, *extra), 60)
+    proc, port = _start(lambda p: redis_command(p, workdir, *extra), port, 60)
     return proc, f"redis://127.0.0.1:{port}/0"
