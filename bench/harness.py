@@ -1,13 +1,17 @@
-"""Benchmark plumbing: the S3 API server, the clock, progress lines.
+"""Benchmark plumbing: the S3 API server, the clock, request counting, progress lines.
 
 The S3 server is a ``moto_server`` on a free loopback port, started for one run and stopped by its
 process id at the end. Every system that talks S3 talks to this one server, so S3 numbers compare
-clients, not servers.
+clients, not servers. The server logs one line per HTTP request to a file (before it sends the
+response), and :class:`RequestLog` counts the lines a timed operation added: the same count for
+every S3 system, whatever its client.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import resource
 import subprocess
 import sys
 import time
@@ -47,17 +51,18 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:
 class S3Server:
     """A running ``moto_server`` with one bucket."""
 
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | None  # None: a handle on a server another process runs
     endpoint: str
+    log: str  # the server's request log (see RequestLog)
     bucket: str = BUCKET
 
     @classmethod
-    def start(cls) -> S3Server:
+    def start(cls, log: str) -> S3Server:
         for k, v in CREDENTIALS.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
-        proc, endpoint = start_moto()
-        server = cls(proc, endpoint)
+        proc, endpoint = start_moto(log=log)
+        server = cls(proc, endpoint, log)
         server.client().create_bucket(Bucket=server.bucket)
         return server
 
@@ -80,4 +85,42 @@ class S3Server:
         return n
 
     def stop(self) -> None:
-        stop(self.process)
+        if self.process is not None:
+            stop(self.process)
+
+
+# One request line of werkzeug's log (moto_server), e.g.
+#   127.0.0.1 - - [24/Nov/2026 09:11:35] "GET /bucket/key HTTP/1.1" 206 -
+# possibly wrapped in ANSI colour codes.
+_REQUEST_LINE = re.compile(rb'"(?:\x1b\[[0-9;]*m)*([A-Z]+) \S+ HTTP/[0-9.]+')
+
+
+class RequestLog:
+    """Counts the HTTP requests moto_server logged between two points in time.
+
+    The systems run one at a time, so every request logged while one is timed is its own.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def mark(self) -> int:
+        return os.stat(self.path).st_size
+
+    def since(self, mark: int) -> dict[str, int]:
+        """Requests by HTTP method since ``mark``."""
+        with open(self.path, "rb") as f:
+            f.seek(mark)
+            data = f.read()
+        out: dict[str, int] = {}
+        for m in _REQUEST_LINE.finditer(data):
+            method = m.group(1).decode()
+            out[method] = out.get(method, 0) + 1
+        return out
+
+
+def peak_rss_mib() -> dict[str, float]:
+    """Peak resident memory of this process and of its largest finished child, in MiB."""
+    self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"self": self_kib / 1024, "children": children_kib / 1024}

@@ -1,7 +1,9 @@
 """The systems under test, behind one small interface.
 
-A :class:`System` is a picklable description (kind, backend, where its data goes), so the
-concurrent-writer benchmark can hand it to other processes. Everything a benchmark does goes through
+A :class:`System` is a picklable, JSON-able description (kind, backend, where its data goes), so
+the run can hand it to the worker process that runs that system's workloads, and the
+concurrent-writer benchmark to its writer processes. zarrlake gets every storage wrapped in a
+request counter (``zarrlake_testkit.counting``). Everything a benchmark does goes through
 the same five verbs for every system: ``create``/``open`` a repository, ``begin`` a write
 transaction, ``read_store`` a version, ``log`` the history. Raw Zarr has no versions: its
 transaction writes straight to a ``LocalStore`` and its commit does nothing.
@@ -18,6 +20,18 @@ from harness import REGION, S3Server
 
 ZARR, ZARRLAKE, ICECHUNK = "zarr", "zarrlake", "icechunk"
 LOCAL, S3 = "local", "s3"
+
+_COUNTS: Any = None
+
+
+def zarrlake_counts() -> Any:
+    """The storage-request counters of this process's zarrlake repositories (a ``Counts``)."""
+    global _COUNTS
+    if _COUNTS is None:
+        from zarrlake_testkit.counting import Counts
+
+        _COUNTS = Counts()
+    return _COUNTS
 
 
 class Txn:
@@ -58,16 +72,20 @@ class System:
 
     def _zarrlake_storage(self, label: str) -> Any:
         import zarrlake
+        from zarrlake_testkit.counting import CountingStorage
 
         if self.backend == LOCAL:
-            return zarrlake.Storage.local(self._path(label))
-        return zarrlake.Storage.s3(
-            self.bucket or "",
-            self._prefix(label),
-            endpoint_url=self.endpoint,
-            region=REGION,
-            allow_http=True,
-        )
+            inner = zarrlake.Storage.local(self._path(label))
+        else:
+            inner = zarrlake.Storage.s3(
+                self.bucket or "",
+                self._prefix(label),
+                endpoint_url=self.endpoint,
+                region=REGION,
+                allow_http=True,
+            )
+        # Every storage this process hands to zarrlake counts its requests in one place.
+        return CountingStorage(inner, zarrlake_counts())
 
     def _icechunk_storage(self, label: str) -> Any:
         import icechunk

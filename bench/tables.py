@@ -1,7 +1,9 @@
-"""Turning results into the comparison table and the target checks (plain text and Markdown).
+"""Turning results into the comparison tables and the target checks (plain text and Markdown).
 
-Every ratio is *zarrlake's time divided by the other system's time* on the same backend, in the
-same run: below 1 means zarrlake is faster. Targets are written in the same terms.
+Every ratio column is *zarrlake's speed divided by the other system's* — the other system's time
+divided by zarrlake's — on the same backend, in the same run: above 1 means zarrlake is faster
+(the direction issue 11 states its throughput targets in). Beside the times: the storage requests
+each system made for the same row, and each worker's peak RSS per benchmark.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ from workloads import Sizes
 
 COLUMNS = ["zarr-local", "zarrlake-local", "icechunk-local", "zarrlake-s3", "icechunk-s3"]
 RATIOS = [
-    ("zl/zarr local", "zarrlake-local", "zarr-local"),
-    ("zl/ic local", "zarrlake-local", "icechunk-local"),
-    ("zl/ic s3", "zarrlake-s3", "icechunk-s3"),
+    ("zl÷zarr local", "zarrlake-local", "zarr-local"),
+    ("zl÷ic local", "zarrlake-local", "icechunk-local"),
+    ("zl÷ic s3", "zarrlake-s3", "icechunk-s3"),
 ]
+RATIO_NOTE = (
+    "zl÷x = zarrlake's speed ÷ x's speed (x's time ÷ zarrlake's time), same backend, same run: "
+    "above 1 means zarrlake is faster."
+)
+REQUESTS_NOTE = (
+    "Storage requests of the timed operation: on S3 the HTTP requests moto_server logged (every "
+    "system counted alike); zarrlake-local, the calls of its storage wrapper (one per get, put, "
+    "head or list); raw Zarr and Icechunk on local directories are not counted (—)."
+)
 
 Results = dict[str, dict[str, dict[str, Any]]]
 
@@ -25,10 +36,11 @@ Results = dict[str, dict[str, dict[str, Any]]]
 @dataclass
 class Row:
     label: str
-    values: dict[str, float | None]  # numbers compared by the ratio columns
+    values: dict[str, float | None]  # numbers compared by the ratio columns (times)
     fmt: Callable[[float], str]
     text: dict[str, str] | None = None  # shown instead of the number (e.g. "4/4")
     ratios: bool = True
+    requests: dict[str, float | None] | None = None  # storage requests, per system
 
 
 @dataclass
@@ -36,14 +48,19 @@ class Target:
     name: str
     measured: float | None
     limit: float
-    op: str  # "<=" or "=="
+    op: str  # "<=", ">=" or "=="
     shown: str = ""
 
     @property
     def result(self) -> str:
         if self.measured is None:
             return "n/a"
-        ok = self.measured <= self.limit if self.op == "<=" else self.measured == self.limit
+        if self.op == "<=":
+            ok = self.measured <= self.limit
+        elif self.op == ">=":
+            ok = self.measured >= self.limit
+        else:
+            ok = self.measured == self.limit
         return "PASS" if ok else "MISS"
 
 
@@ -68,26 +85,93 @@ def _get(res: Results, bench: str, system: str, *path: str) -> Any:
     return node
 
 
-def _row(res: Results, bench: str, label: str, fmt: Callable[[float], str], *path: str) -> Row:
-    return Row(label, {c: _get(res, bench, c, *path) for c in COLUMNS}, fmt)
+def _row(
+    res: Results,
+    bench: str,
+    label: str,
+    fmt: Callable[[float], str],
+    *path: str,
+    requests: tuple[str, ...] = (),
+) -> Row:
+    """A row of the values at ``path`` (and the request counts at ``requests``) of a benchmark."""
+    row = Row(label, {c: _get(res, bench, c, *path) for c in COLUMNS}, fmt)
+    if requests:
+        row.requests = {c: _get(res, bench, c, *requests) for c in COLUMNS}
+    return row
 
 
 def build_rows(res: Results, sizes: Sizes) -> list[Row]:
     rows: list[Row] = []
     if "bulk" in res:
         mib = sizes.bulk_mib
-        rows.append(_row(res, "bulk", f"bulk write {mib} MiB (1 MiB chunks)", _s, "write_s"))
-        rows.append(_row(res, "bulk", f"bulk read {mib} MiB", _s, "read_s"))
+        rows.append(
+            _row(
+                res,
+                "bulk",
+                f"bulk write {mib} MiB (1 MiB chunks)",
+                _s,
+                "write_s",
+                requests=("write_requests",),
+            )
+        )
+        rows.append(
+            _row(res, "bulk", f"bulk read {mib} MiB", _s, "read_s", requests=("read_requests",))
+        )
     if "small" in res:
         n, kib = sizes.small_chunks, sizes.small_chunk_bytes // 1024
-        rows.append(_row(res, "small", f"write {n:,} x {kib} KiB chunks", _s, "write_s"))
-        rows.append(_row(res, "small", f"read {n:,} x {kib} KiB chunks", _s, "read_s"))
+        rows.append(
+            _row(
+                res,
+                "small",
+                f"write {n:,} x {kib} KiB chunks",
+                _s,
+                "write_s",
+                requests=("write_requests",),
+            )
+        )
+        rows.append(
+            _row(
+                res,
+                "small",
+                f"read {n:,} x {kib} KiB chunks",
+                _s,
+                "read_s",
+                requests=("read_requests",),
+            )
+        )
     if "random" in res:
-        rows.append(_row(res, "random", "random single-chunk read (per read)", _ms, "read_ms"))
+        rows.append(
+            _row(
+                res,
+                "random",
+                "random single-chunk read (per read)",
+                _ms,
+                "read_ms",
+                requests=("read_requests",),
+            )
+        )
+        rows.append(
+            _row(
+                res,
+                "random",
+                "open repository + read 1 chunk, fresh client",
+                _ms,
+                "open_first_ms",
+                requests=("open_first_requests",),
+            )
+        )
     if "commit" in res:
         for n in sizes.commit_sizes:
             rows.append(
-                _row(res, "commit", f"1-chunk commit, {n:,}-chunk repo", _ms, str(n), "txn_ms")
+                _row(
+                    res,
+                    "commit",
+                    f"1-chunk commit, {n:,}-chunk repo",
+                    _ms,
+                    str(n),
+                    "txn_ms",
+                    requests=(str(n), "requests"),
+                )
             )
         lo, hi = min(sizes.commit_sizes), max(sizes.commit_sizes)
         growth = _row(res, "commit", f"commit growth {hi // 1000}k / {lo // 1000}k", _x, "growth")
@@ -95,9 +179,36 @@ def build_rows(res: Results, sizes: Sizes) -> list[Row]:
         rows.append(growth)
     if "log" in res:
         n = sizes.log_commits
-        rows.append(_row(res, "log", f"{n} sequential commits (per commit)", _ms, "commit_ms"))
-        rows.append(_row(res, "log", f"log() of {n}+ commits, fresh client", _ms, "log_ms"))
-        rows.append(_row(res, "log", "checkout of an old commit + full read", _ms, "checkout_ms"))
+        rows.append(
+            _row(
+                res,
+                "log",
+                f"{n} sequential commits (per commit)",
+                _ms,
+                "commit_ms",
+                requests=("commit_requests",),
+            )
+        )
+        rows.append(
+            _row(
+                res,
+                "log",
+                f"log() of {n}+ commits, fresh client",
+                _ms,
+                "log_ms",
+                requests=("log_requests",),
+            )
+        )
+        rows.append(
+            _row(
+                res,
+                "log",
+                "checkout of an old commit + full read",
+                _ms,
+                "checkout_ms",
+                requests=("checkout_requests",),
+            )
+        )
     if "concurrent" in res:
         text = {}
         values: dict[str, float | None] = {}
@@ -121,76 +232,104 @@ def build_rows(res: Results, sizes: Sizes) -> list[Row]:
 
 
 def _ratio(row: Row, a: str, b: str) -> float | None:
+    """``a``'s speed ÷ ``b``'s: ``b``'s time ÷ ``a``'s."""
     va, vb = row.values.get(a), row.values.get(b)
-    if not row.ratios or va is None or vb is None or vb == 0:
+    if not row.ratios or va is None or vb is None or va == 0:
         return None
-    return va / vb
+    return vb / va
 
 
 def build_targets(res: Results, sizes: Sizes) -> list[Target]:
+    """Issue 11's targets, each in the issue's own terms (a speed ratio, a time ratio, a count)."""
     t: list[Target] = []
 
-    def ratio(bench: str, a: str, b: str, *path: str) -> float | None:
+    def speed(bench: str, a: str, b: str, *path: str) -> float | None:
+        """``a``'s speed ÷ ``b``'s."""
+        va, vb = _get(res, bench, a, *path), _get(res, bench, b, *path)
+        return None if va is None or vb is None or va == 0 else vb / va
+
+    def time_ratio(bench: str, a: str, b: str, *path: str) -> float | None:
+        """``a``'s time ÷ ``b``'s."""
         va, vb = _get(res, bench, a, *path), _get(res, bench, b, *path)
         return None if va is None or vb is None or vb == 0 else va / vb
 
-    for bench, key, what in [
+    throughput = [
         ("bulk", "write_s", "bulk write"),
         ("bulk", "read_s", "bulk read"),
-    ]:
-        if bench in res:
-            t.append(
-                Target(
-                    f"{what}: ≥ 0.9x raw Zarr speed (local)",
-                    ratio(bench, "zarrlake-local", "zarr-local", key),
-                    1 / 0.9,
-                    "<=",
-                )
-            )
-            for be in ("local", "s3"):
-                t.append(
-                    Target(
-                        f"{what}: at least as fast as Icechunk ({be})",
-                        ratio(bench, f"zarrlake-{be}", f"icechunk-{be}", key),
-                        1.0,
-                        "<=",
-                    )
-                )
-    for bench, key, what in [
         ("small", "write_s", "small-chunk write"),
         ("small", "read_s", "small-chunk read"),
         ("random", "read_ms", "random single-chunk read"),
-    ]:
-        if bench in res:
+    ]
+    for bench, key, what in throughput:
+        if bench not in res:
+            continue
+        for be in ("local", "s3"):
+            t.append(
+                Target(
+                    f"{what}: speed ≥ 1.2x Icechunk's ({be})",
+                    speed(bench, f"zarrlake-{be}", f"icechunk-{be}", key),
+                    1.2,
+                    ">=",
+                )
+            )
+        if what in ("small-chunk read", "random single-chunk read"):
+            t.append(
+                Target(
+                    f"{what}: speed ≥ 0.95x raw Zarr's (local)",
+                    speed(bench, "zarrlake-local", "zarr-local", key),
+                    0.95,
+                    ">=",
+                )
+            )
+    if "random" in res:
+        for be in ("local", "s3"):
+            t.append(
+                Target(
+                    f"open repository + read 1 chunk: ≤ 3 storage requests ({be})",
+                    _get(res, "random", f"zarrlake-{be}", "open_first_requests"),
+                    3,
+                    "<=",
+                )
+            )
+    if "commit" in res:
+        for n in sizes.commit_sizes:
             for be in ("local", "s3"):
                 t.append(
                     Target(
-                        f"{what}: at least as fast as Icechunk ({be})",
-                        ratio(bench, f"zarrlake-{be}", f"icechunk-{be}", key),
-                        1.0,
+                        f"1-chunk commit, {n:,} chunks: time ≤ 0.7x Icechunk's ({be})",
+                        time_ratio("commit", f"zarrlake-{be}", f"icechunk-{be}", str(n), "txn_ms"),
+                        0.7,
                         "<=",
                     )
                 )
-    if "commit" in res:
         lo, hi = min(sizes.commit_sizes), max(sizes.commit_sizes)
         for be in ("local", "s3"):
             t.append(
                 Target(
-                    f"1-chunk commit, {hi:,} / {lo:,} chunks ≤ 1.5x ({be})",
+                    f"1-chunk commit, time at {hi:,} ÷ at {lo:,} chunks ≤ 1.5 ({be})",
                     _get(res, "commit", f"zarrlake-{be}", "growth"),
                     1.5,
                     "<=",
                 )
             )
     if "log" in res:
-        t.append(
-            Target(
-                f"log() of {sizes.log_commits} commits on S3 ≤ ½ of Icechunk's",
-                ratio("log", "zarrlake-s3", "icechunk-s3", "log_ms"),
-                0.5,
-                "<=",
+        for be in ("local", "s3"):
+            t.append(
+                Target(
+                    f"log() of {sizes.log_commits} commits: time ≤ 0.5x Icechunk's ({be})",
+                    time_ratio("log", f"zarrlake-{be}", f"icechunk-{be}", "log_ms"),
+                    0.5,
+                    "<=",
+                )
             )
-        )
+            t.append(
+                Target(
+                    f"log() of {sizes.log_commits} commits: ≤ 2 storage requests ({be})",
+                    _get(res, "log", f"zarrlake-{be}", "log_requests"),
+                    2,
+                    "<=",
+                )
+            )
     if "concurrent" in res:
         for be in ("local", "s3"):
             m = _get(res, "concurrent", f"zarrlake-{be}")
@@ -206,8 +345,12 @@ def build_targets(res: Results, sizes: Sizes) -> list[Target]:
     return t
 
 
+def _present(rows: list[Row]) -> list[str]:
+    return [c for c in COLUMNS if any(r.values.get(c) is not None for r in rows)]
+
+
 def _cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
-    present = [c for c in COLUMNS if any(r.values.get(c) is not None for r in rows)]
+    present = _present(rows)
     ratio_cols = [r for r in RATIOS if r[1] in present and r[2] in present]
     header = ["benchmark", *present, *(r[0] for r in ratio_cols)]
     body = []
@@ -225,17 +368,54 @@ def _cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _count(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:,.0f}" if x == int(x) or x >= 100 else f"{x:.2f}"
+
+
+def _request_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    present = _present(rows)
+    body = [
+        [row.label, *(_count(row.requests.get(c)) for c in present)] for row in rows if row.requests
+    ]
+    return ["storage requests", *present], body
+
+
+def _rss_cells(res: Results) -> tuple[list[str], list[list[str]]]:
+    present = [c for c in COLUMNS if any(c in bench for bench in res.values())]
+    body = []
+    for name in res:
+        cells = [name]
+        for c in present:
+            rss = _get(res, name, c, "peak_rss_mib")
+            kids = _get(res, name, c, "peak_rss_children_mib")
+            if rss is None:
+                cells.append("—")
+            elif name == "concurrent" and kids:
+                cells.append(f"{rss:,.0f} ({kids:,.0f}) MiB")
+            else:
+                cells.append(f"{rss:,.0f} MiB")
+        body.append(cells)
+    return ["peak RSS of the worker", *present], body
+
+
 def _target_cells(targets: list[Target]) -> list[list[str]]:
     out = []
     for t in targets:
         shown = t.shown or ("—" if t.measured is None else f"{t.measured:.2f}")
-        limit = f"{t.op} {t.limit:.2f}" if t.op == "<=" else f"= {t.limit:.0f}/{t.limit:.0f}"
+        limit = f"{t.op} {t.limit:g}" if t.op != "==" else f"= {t.limit:.0f}/{t.limit:.0f}"
         out.append([t.name, shown, limit, t.result])
     return out
 
 
-def render_text(rows: list[Row], targets: list[Target]) -> str:
-    header, body = _cells(rows)
+RSS_NOTE = (
+    "Peak RSS (ru_maxrss) of the worker process that ran the benchmark for that system, start-up "
+    "and test data included; concurrent: (largest writer process)."
+)
+
+
+def _text_table(header: list[str], body: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -244,45 +424,53 @@ def render_text(rows: list[Row], targets: list[Target]) -> str:
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
-    out = [line(header), line(["-" * w for w in widths]), *(line(b) for b in body)]
-    out.append("")
-    out.append("ratios: zarrlake time / other time, same backend, same run (< 1: zarrlake faster)")
-    out.append("")
-    tb = [["target", "measured", "limit", "result"], *_target_cells(targets)]
-    tw = [max(len(r[i]) for r in tb) for i in range(4)]
-    for i, r in enumerate(tb):
-        out.append(
-            "  ".join(
-                c.ljust(w) if j == 0 else c.rjust(w)
-                for j, (c, w) in enumerate(zip(r, tw, strict=True))
-            )
-        )
-        if i == 0:
-            out.append("  ".join("-" * w for w in tw))
+    return [line(header), line(["-" * w for w in widths]), *(line(b) for b in body)]
+
+
+def render_text(rows: list[Row], targets: list[Target], res: Results) -> str:
+    out = _text_table(*_cells(rows))
+    out += ["", RATIO_NOTE, ""]
+    out += _text_table(*_request_cells(rows))
+    out += ["", REQUESTS_NOTE, ""]
+    out += _text_table(*_rss_cells(res))
+    out += ["", RSS_NOTE, ""]
+    out += _text_table(["target", "measured", "limit", "result"], _target_cells(targets))
     return "\n".join(out)
 
 
-def render_markdown(rows: list[Row], targets: list[Target], meta: dict[str, Any]) -> str:
-    header, body = _cells(rows)
-
+def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
     def md(cells: list[str]) -> str:
         return "| " + " | ".join(cells) + " |"
 
+    return [md(header), md(["---", *(["---:"] * (len(header) - 1))]), *(md(b) for b in body)]
+
+
+def render_markdown(
+    rows: list[Row], targets: list[Target], meta: dict[str, Any], res: Results
+) -> str:
+    systems = meta.get("systems", {})
+    envs = "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for name, vs in systems.items()
+    )
     out = [
-        f"Measured {meta['date']} on {meta['machine']}; {meta['mode']} run, "
-        f"zarr {meta['versions']['zarr']}, icechunk {meta['versions']['icechunk']}, "
-        f"zarrlake {meta['versions']['zarrlake']}; S3 = moto_server on loopback.",
+        f"Measured {meta['date']} on {meta['machine']}; {meta['mode']} run; "
+        f"S3 = moto_server {meta['versions']['moto']} on loopback.",
         "",
-        md(header),
-        md(["---", *(["---:"] * (len(header) - 1))]),
-        *(md(b) for b in body),
+        f"Versions per system: {envs}.",
         "",
-        "Ratios are zarrlake's time / the other system's time on the same backend in the same run "
-        "(below 1: zarrlake is faster).",
+        *_md_table(*_cells(rows)),
         "",
-        md(["target", "measured", "limit", "result"]),
-        md(["---", "---:", "---:", ":---:"]),
-        *(md(r) for r in _target_cells(targets)),
+        RATIO_NOTE,
+        "",
+        *_md_table(*_request_cells(rows)),
+        "",
+        REQUESTS_NOTE,
+        "",
+        *_md_table(*_rss_cells(res)),
+        "",
+        RSS_NOTE,
+        "",
+        *_md_table(["target", "measured", "limit", "result"], _target_cells(targets)),
         "",
     ]
     return "\n".join(out)

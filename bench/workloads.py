@@ -1,5 +1,11 @@
 """The benchmarks. Each takes the systems and the sizes and returns ``{system name: metrics}``.
 
+This is the orchestrating side: the loops over rounds and systems. What is timed runs in one
+worker process per system (``ops.py``, through ``pool.Workers``), so every system runs with its own
+Python (Icechunk 2.x needs ≥ 3.12) while all share this run's machine and S3 server. Each metric
+comes with the storage requests it made (``*_requests``; ``None`` where not counted) and each
+system with the peak RSS of its worker for this benchmark (``peak_rss_mib``).
+
 Rules every benchmark follows, so that ratios mean something:
 
 - Same data, same Zarr array layout (no compression, so a "1 MiB chunk" is 1 MiB on storage) and
@@ -14,21 +20,15 @@ Rules every benchmark follows, so that ratios mean something:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import statistics
-import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import zarr
-
-from harness import S3Server, progress, timed
+from harness import S3Server, progress
+from pool import Workers
 from systems import System
-
-ARRAY = "data"
 
 
 @dataclass(frozen=True)
@@ -67,51 +67,28 @@ class Sizes:
 Results = dict[str, dict[str, Any]]
 
 
-def _create_array(store: Any, n: int, chunk: int, dtype: str = "uint8") -> zarr.Array:
-    return zarr.create_array(
-        store,
-        name=ARRAY,
-        shape=(n,),
-        chunks=(chunk,),
-        dtype=dtype,
-        compressors=None,
-        fill_value=0,
-        overwrite=True,
-    )
+@dataclass(frozen=True)
+class Context:
+    """What every benchmark needs besides the systems and sizes."""
+
+    s3: S3Server | None
+    peers_python: str | None
+
+    def workers(self, systems: list[System]) -> Workers:
+        return Workers(systems, self.peers_python, self.s3.log if self.s3 else None)
 
 
-def _open_array(store: Any) -> zarr.Array:
-    return zarr.open_array(store, path=ARRAY, mode="r")
+def _finish(out: Results, pool: Workers) -> Results:
+    """Attach each worker's peak RSS and versions to its system's metrics."""
+    for name, rss in pool.peak_rss.items():
+        if name in out:
+            out[name]["peak_rss_mib"] = rss["self"]
+            out[name]["peak_rss_children_mib"] = rss["children"]
+            out[name]["versions"] = pool.versions[name]
+    return out
 
 
-def _write_all(system: System, label: str, data: np.ndarray, chunk: int) -> float:
-    """Create a repository, write ``data`` in one array, commit. Returns seconds."""
-    repo = system.create(label)
-
-    def work() -> None:
-        txn = system.begin(repo)
-        _create_array(txn.store, data.size, chunk, str(data.dtype))[:] = data
-        txn.commit("bulk write")
-
-    seconds, _ = timed(work)
-    return seconds
-
-
-def _read_version(system: System, repo: Any, snapshot: str | None = None) -> np.ndarray:
-    return _open_array(system.read_store(repo, snapshot))[:]
-
-
-def _read_all(system: System, label: str, expected: np.ndarray) -> float:
-    seconds, got = timed(_read_version, system, system.open(label))
-    if not np.array_equal(got, expected):
-        raise AssertionError(f"{system.name}: read back different data")
-    return seconds
-
-
-def _small_data(sizes: Sizes) -> np.ndarray:
-    n, c = sizes.small_chunks, sizes.small_chunk_bytes
-    return np.random.default_rng(2).integers(0, 256, n * c, dtype=np.uint8)
-
+BULK_SEED, SMALL_SEED = 1, 2
 
 # Repositories a benchmark leaves for a later one: the random-read benchmark reads the arrays the
 # small-chunk benchmark wrote instead of writing 20,000 chunks per system again.
@@ -120,55 +97,71 @@ _KEPT: dict[str, str] = {}
 
 def _write_read(
     systems: list[System],
-    s3: S3Server | None,
+    ctx: Context,
     name: str,
-    data: np.ndarray,
+    seed: int,
+    nbytes: int,
     chunk: int,
     rounds: int,
     keep_last: bool = False,
 ) -> Results:
-    runs: dict[str, dict[str, list[float]]] = {
-        s.name: {"write_s": [], "read_s": []} for s in systems
-    }
-    for r in range(rounds):
-        for system in systems:
-            label = f"{name}-{r}"
-            w = _write_all(system, label, data, chunk)
-            rd = _read_all(system, label, data)
-            if keep_last and r == rounds - 1:
-                _KEPT[f"{name}/{system.name}"] = label
-            else:
-                system.destroy(label, s3)
-            runs[system.name]["write_s"].append(w)
-            runs[system.name]["read_s"].append(rd)
-            progress(f"{name} round {r + 1}/{rounds} {system.name}: write {w:.2f}s read {rd:.2f}s")
-    return {
+    keys = ("write_s", "read_s", "write_requests", "read_requests")
+    runs: dict[str, dict[str, list[Any]]] = {s.name: {k: [] for k in keys} for s in systems}
+    with ctx.workers(systems) as pool:
+        for r in range(rounds):
+            for system in systems:
+                label = f"{name}-{r}"
+                keep = keep_last and r == rounds - 1
+                m = pool[system.name].call(
+                    "write_read", label=label, seed=seed, nbytes=nbytes, chunk=chunk, keep=keep
+                )
+                if keep:
+                    _KEPT[f"{name}/{system.name}"] = label
+                for k in keys:
+                    runs[system.name][k].append(m[k])
+                progress(
+                    f"{name} round {r + 1}/{rounds} {system.name}: write {m['write_s']:.2f}s "
+                    f"read {m['read_s']:.2f}s; requests {m['write_requests']} / "
+                    f"{m['read_requests']}"
+                )
+    out: Results = {
         n: {
             "write_s": min(v["write_s"]),
             "read_s": min(v["read_s"]),
             "write_s_median": statistics.median(v["write_s"]),
             "read_s_median": statistics.median(v["read_s"]),
+            # Requests of the last round (the same work every round).
+            "write_requests": v["write_requests"][-1],
+            "read_requests": v["read_requests"][-1],
             "rounds": v,
         }
         for n, v in runs.items()
     }
+    return _finish(out, pool)
 
 
-def bench_bulk(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
+def bench_bulk(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     """Bulk write and read: ``bulk_mib`` MiB in 1 MiB chunks."""
-    data = np.random.default_rng(1).integers(0, 256, sizes.bulk_mib << 20, dtype=np.uint8)
-    out = _write_read(systems, s3, "bulk", data, sizes.bulk_chunk_bytes, sizes.bulk_rounds)
+    out = _write_read(
+        systems,
+        ctx,
+        "bulk",
+        BULK_SEED,
+        sizes.bulk_mib << 20,
+        sizes.bulk_chunk_bytes,
+        sizes.bulk_rounds,
+    )
     for m in out.values():
         m["write_mib_s"] = sizes.bulk_mib / m["write_s"]
         m["read_mib_s"] = sizes.bulk_mib / m["read_s"]
     return out
 
 
-def bench_small(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
+def bench_small(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     """Many small chunks (above every inline threshold, so each is its own object)."""
     n, c = sizes.small_chunks, sizes.small_chunk_bytes
     out = _write_read(
-        systems, s3, "small", _small_data(sizes), c, sizes.small_rounds, keep_last=True
+        systems, ctx, "small", SMALL_SEED, n * c, c, sizes.small_rounds, keep_last=True
     )
     for m in out.values():
         m["write_chunks_s"] = n / m["write_s"]
@@ -176,49 +169,52 @@ def bench_small(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Res
     return out
 
 
-def bench_random(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
+def bench_random(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     """Random single-chunk reads, one Zarr call each, from the small-chunk array.
 
-    Each round opens the repository afresh and reads ``random_reads`` chunks at positions drawn
-    for that round (the same for every system); the best round counts.
+    Each round opens the repository afresh — opening it and reading a first chunk is timed and
+    counted on its own ("open + first read") — then reads ``random_reads`` chunks at positions
+    drawn for that round (the same for every system); the best round counts.
     """
     n, c = sizes.small_chunks, sizes.small_chunk_bytes
-    data = _small_data(sizes)
-    labels = {}
-    for system in systems:
-        label = _KEPT.pop(f"small/{system.name}", None)
-        if label is None:
-            label = "random"
-            _write_all(system, label, data, c)
-        labels[system.name] = label
+    data = {"seed": SMALL_SEED, "nbytes": n * c, "chunk": c}
     rng = random.Random(3)
-    per_read: dict[str, list[float]] = {s.name: [] for s in systems}
-    for r in range(sizes.random_rounds):
-        picks = rng.choices(range(n), k=sizes.random_reads)
+    rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+    with ctx.workers(systems) as pool:
+        labels = {
+            s.name: pool[s.name].call(
+                "random_prepare", label=_KEPT.pop(f"small/{s.name}", None), **data
+            )["label"]
+            for s in systems
+        }
+        for r in range(sizes.random_rounds):
+            picks = rng.choices(range(n), k=sizes.random_reads)
+            for system in systems:
+                m = pool[system.name].call(
+                    "random_round", label=labels[system.name], picks=picks, **data
+                )
+                rounds[system.name].append(m)
+                progress(
+                    f"random reads round {r + 1}/{sizes.random_rounds} {system.name}: "
+                    f"{m['read_ms']:.2f} ms/read, {m['read_requests']} requests/read; open + "
+                    f"first read {m['open_first_ms']:.1f} ms, {m['open_first_requests']} requests"
+                )
         for system in systems:
-            arr = _open_array(system.read_store(system.open(labels[system.name])))
-            seconds, got = timed(_read_chunks, arr, picks, c)
-            for i, g in zip(picks, got, strict=True):
-                if not np.array_equal(g, data[i * c : (i + 1) * c]):
-                    raise AssertionError(f"{system.name}: random read of chunk {i} is wrong")
-            per_read[system.name].append(seconds * 1000 / len(picks))
-            progress(
-                f"random reads round {r + 1}/{sizes.random_rounds} {system.name}: "
-                f"{per_read[system.name][-1]:.2f} ms/read"
-            )
-    for system in systems:
-        system.destroy(labels[system.name], s3)
-    return {
-        name: {"read_ms": min(v), "rounds_ms": v, "reads": sizes.random_reads}
-        for name, v in per_read.items()
-    }
+            pool[system.name].call("destroy", label=labels[system.name])
+    out: Results = {}
+    for name, ms in rounds.items():
+        out[name] = {
+            "read_ms": min(m["read_ms"] for m in ms),
+            "rounds_ms": [m["read_ms"] for m in ms],
+            "reads": sizes.random_reads,
+            "read_requests": ms[-1]["read_requests"],
+            "open_first_ms": min(m["open_first_ms"] for m in ms),
+            "open_first_requests": ms[-1]["open_first_requests"],
+        }
+    return _finish(out, pool)
 
 
-def _read_chunks(arr: zarr.Array, picks: list[int], c: int) -> list[np.ndarray]:
-    return [arr[i * c : (i + 1) * c] for i in picks]
-
-
-def bench_commit(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
+def bench_commit(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     """One-chunk commit in repositories of 1,000 / 10,000 / 100,000 chunks.
 
     Each repository is built once, in one session (tiny chunks, small enough to be stored inline by
@@ -227,69 +223,52 @@ def bench_commit(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Re
     alone. A warm-up round is not counted; the median of the rest is reported.
     """
     versioned = [s for s in systems if s.versioned]
-    repos: dict[tuple[str, int], Any] = {}
-    builds: dict[tuple[str, int], float] = {}
-    for system in versioned:
-        for n in sizes.commit_sizes:
-            repo = system.create(f"commit-{n}")
-            builds[system.name, n], _ = timed(_build_int_array, system, repo, n)
-            repos[system.name, n] = repo
-            progress(f"commit: built {system.name} @{n:,} chunks in {builds[system.name, n]:.1f}s")
+    builds: dict[tuple[str, int], dict[str, Any]] = {}
     rng = random.Random(4)
-    txn_ms: dict[tuple[str, int], list[float]] = {k: [] for k in repos}
-    commit_ms: dict[tuple[str, int], list[float]] = {k: [] for k in repos}
-    for rep in range(sizes.commit_reps + 1):
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with ctx.workers(versioned) as pool:
         for system in versioned:
             for n in sizes.commit_sizes:
-                key = (system.name, n)
-                t_txn, t_commit = timed(
-                    _one_chunk_commit, system, repos[key], rng.randrange(n), rep
-                )
-                if rep:
-                    txn_ms[key].append(t_txn * 1000)
-                    commit_ms[key].append(t_commit * 1000)
+                b = pool[system.name].call("commit_build", n=n)
+                builds[system.name, n] = b
+                runs[system.name, n] = []
+                progress(f"commit: built {system.name} @{n:,} chunks in {b['build_s']:.1f}s")
+        for rep in range(sizes.commit_reps + 1):
+            for system in versioned:
+                for n in sizes.commit_sizes:
+                    m = pool[system.name].call("commit_one", n=n, pos=rng.randrange(n), rep=rep)
+                    if rep:
+                        runs[system.name, n].append(m)
+        for system in versioned:
+            for n in sizes.commit_sizes:
+                pool[system.name].call("commit_check", n=n)
     out: Results = {}
     for system in versioned:
         metrics: dict[str, Any] = {}
         for n in sizes.commit_sizes:
-            key = (system.name, n)
-            label = f"commit-{n}"
-            check = _open_array(system.read_store(system.open(label)))
-            if check.shape != (n,):
-                raise AssertionError(f"{system.name}: commit repository has the wrong shape")
-            system.destroy(label, s3)
+            ms = runs[system.name, n]
+            txn_ms = [m["txn_s"] * 1000 for m in ms]
             metrics[str(n)] = {
-                "txn_ms": statistics.median(txn_ms[key]),
-                "commit_ms": statistics.median(commit_ms[key]),
-                "build_s": builds[key],
-                "txn_ms_all": txn_ms[key],
+                "txn_ms": statistics.median(txn_ms),
+                "commit_ms": statistics.median(m["commit_s"] * 1000 for m in ms),
+                "requests": ms[-1]["requests"],
+                "build_s": builds[system.name, n]["build_s"],
+                "build_requests": builds[system.name, n]["build_requests"],
+                "txn_ms_all": txn_ms,
             }
             progress(
                 f"commit {system.name} @{n:,} chunks: {metrics[str(n)]['txn_ms']:.1f} ms "
-                f"(commit() {metrics[str(n)]['commit_ms']:.1f} ms)"
+                f"(commit() {metrics[str(n)]['commit_ms']:.1f} ms), "
+                f"{metrics[str(n)]['requests']} requests"
             )
         lo, hi = str(min(sizes.commit_sizes)), str(max(sizes.commit_sizes))
         metrics["growth"] = metrics[hi]["txn_ms"] / metrics[lo]["txn_ms"]
         metrics["commit_growth"] = metrics[hi]["commit_ms"] / metrics[lo]["commit_ms"]
         out[system.name] = metrics
-    return out
+    return _finish(out, pool)
 
 
-def _one_chunk_commit(system: System, repo: Any, pos: int, rep: int) -> float:
-    """Open a session, write one chunk, commit. Returns the seconds spent in the commit call."""
-    txn = system.begin(repo)
-    zarr.open_array(txn.store, path=ARRAY)[pos] = -rep - 1
-    t, _ = timed(txn.commit, f"one chunk at {pos}")
-    return t
-
-
-def _build_int_array(system: System, repo: Any, n: int) -> None:
-    txn = system.begin(repo)
-    _create_array(txn.store, n, 1, "int64")[:] = np.arange(1, n + 1, dtype=np.int64)
-    txn.commit(f"{n} chunks")
-
-
-def bench_log(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
+def bench_log(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     """Sequential commits, then ``log()`` and checkout of an old commit, on a fresh client.
 
     Commit ``k`` writes chunk ``k - 1`` (1 KiB, a chunk object) with the value ``k``; the checkout
@@ -299,163 +278,60 @@ def bench_log(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Resul
     """
     n, c = sizes.log_commits, 128
     old = max(1, n // 10)
-    expected = np.zeros(n * c, dtype=np.int64)
-    for k in range(1, old + 1):
-        expected[(k - 1) * c : k * c] = k
     versioned = [s for s in systems if s.versioned]
     label = "log"
     ids: dict[str, list[str]] = {}
     out: Results = {}
-    for system in versioned:
-        repo = system.create(label)
-        txn = system.begin(repo)
-        _create_array(txn.store, n * c, c, "int64")
-        txn.commit("create array")
-        ids[system.name] = []
-        per_commit = []
-        for k in range(1, n + 1):
-            t0 = time.perf_counter()
-            txn = system.begin(repo)
-            zarr.open_array(txn.store, path=ARRAY)[(k - 1) * c : k * c] = k
-            ids[system.name].append(txn.commit(f"commit {k}") or "")
-            per_commit.append(time.perf_counter() - t0)
-        out[system.name] = {
-            "commit_ms": statistics.median(per_commit) * 1000,
-            "commits_total_s": sum(per_commit),
-            "log_rounds_ms": [],
-            "checkout_rounds_ms": [],
-            "checkout_commit": old,
-        }
-        progress(f"log {system.name}: {n} commits, median {out[system.name]['commit_ms']:.1f} ms")
-    for r in range(sizes.log_rounds):
+    with ctx.workers(versioned) as pool:
         for system in versioned:
-            m = out[system.name]
-            t_log, entries = timed(system.log, system.open(label))
-            if entries[:n] != ids[system.name][::-1]:
-                raise AssertionError(f"{system.name}: log() does not list the commits in order")
-            snap = ids[system.name][old - 1]
-            t_checkout, got = timed(_read_version, system, system.open(label), snap)
-            if not np.array_equal(got, expected):
-                raise AssertionError(f"{system.name}: checkout of commit {old} reads wrong data")
-            m["log_rounds_ms"].append(t_log * 1000)
-            m["checkout_rounds_ms"].append(t_checkout * 1000)
-            m["log_entries"] = len(entries)
+            b = pool[system.name].call("log_build", label=label, n=n, c=c)
+            ids[system.name] = b.pop("ids")
+            out[system.name] = {**b, "rounds": [], "checkout_commit": old}
             progress(
-                f"log round {r + 1}/{sizes.log_rounds} {system.name}: log() of {len(entries)} "
-                f"in {t_log * 1000:.1f} ms; checkout of commit {old} in {t_checkout * 1000:.1f} ms"
+                f"log {system.name}: {n} commits, median {b['commit_ms']:.1f} ms, "
+                f"{b['commit_requests']} requests"
             )
-    for system in versioned:
-        m = out[system.name]
-        m["log_ms"] = min(m["log_rounds_ms"])
-        m["checkout_ms"] = min(m["checkout_rounds_ms"])
-        system.destroy(label, s3)
-    return out
+        for r in range(sizes.log_rounds):
+            for system in versioned:
+                m = pool[system.name].call(
+                    "log_round", label=label, n=n, c=c, old=old, ids=ids[system.name]
+                )
+                out[system.name]["rounds"].append(m)
+                progress(
+                    f"log round {r + 1}/{sizes.log_rounds} {system.name}: log() of "
+                    f"{m['log_entries']} in {m['log_ms']:.1f} ms ({m['log_requests']} requests); "
+                    f"checkout of commit {old} in {m['checkout_ms']:.1f} ms "
+                    f"({m['checkout_requests']} requests)"
+                )
+        for system in versioned:
+            pool[system.name].call("destroy", label=label)
+    for m in out.values():
+        rounds = m["rounds"]
+        m["log_ms"] = min(x["log_ms"] for x in rounds)
+        m["checkout_ms"] = min(x["checkout_ms"] for x in rounds)
+        for k in ("log_requests", "checkout_requests", "log_entries"):
+            m[k] = rounds[-1][k]
+    return _finish(out, pool)
 
 
-# -- concurrent writers ------------------------------------------------------------------------
+def bench_concurrent(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
+    """``writers`` processes commit distinct chunks of one array to ``main`` at once.
 
-_CHUNK = 128  # int64 elements per chunk in the concurrent-writer array
-
-
-def _writer(system: System, label: str, w: int, trials: int, barrier: Any, results: Any) -> None:
-    """One writer process: per trial, write chunk ``trial * writers + w``, wait for the others,
-    then commit (rebasing on whatever landed meanwhile) and report."""
-    writers = barrier.parties
-    repo = system.open(label)
-    for t in range(trials):
-        ok, err, elapsed = False, "", 0.0
-        try:
-            barrier.wait(120)  # everyone starts the trial from the same head
-            txn = system.begin(repo)
-            k = t * writers + w
-            zarr.open_array(txn.store, path=ARRAY)[k * _CHUNK : (k + 1) * _CHUNK] = k + 1
-            barrier.wait(120)  # everyone has written; now race to commit
-            t0 = time.perf_counter()
-            txn.commit(f"trial {t} writer {w}", concurrent=True)
-            elapsed = time.perf_counter() - t0
-            ok = True
-        except threading.BrokenBarrierError:
-            err = "barrier broken (another writer died)"
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        results.put((t, w, ok, err, elapsed))
-
-
-def bench_concurrent(systems: list[System], sizes: Sizes, s3: S3Server | None) -> Results:
-    """``writers`` processes (spawned) commit distinct chunks of one array to ``main`` at once.
-
-    Afterwards a fresh client reads ``main`` and counts the writes that landed. A commit that
-    reported success but whose chunk is missing is a lost update.
+    The writers are spawned by the system's worker (so they run its Python). Afterwards a fresh
+    client reads ``main`` and counts the writes that landed. A commit that reported success but
+    whose chunk is missing is a lost update.
     """
-    ctx = mp.get_context("spawn")
-    nw, trials = sizes.writers, sizes.concurrent_trials
     out: Results = {}
     for system in [s for s in systems if s.versioned]:
-        label = "concurrent"
-        repo = system.create(label)
-        txn = system.begin(repo)
-        _create_array(txn.store, trials * nw * _CHUNK, _CHUNK, "int64")
-        txn.commit("create array")
-        barrier = ctx.Barrier(nw)
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=_writer, args=(system, label, w, trials, barrier, results))
-            for w in range(nw)
-        ]
-        for p in procs:
-            p.start()
-        reports = []
-        deadline = time.monotonic() + 120 + 60 * trials
-        while len(reports) < nw * trials and time.monotonic() < deadline:
-            try:
-                reports.append(results.get(timeout=5))
-            except Exception:
-                if not any(p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-        got = _open_array(system.read_store(system.open(label)))[:]
-        landed_by_trial = []
-        for t in range(trials):
-            n = 0
-            for w in range(nw):
-                k = t * nw + w
-                if np.all(got[k * _CHUNK : (k + 1) * _CHUNK] == k + 1):
-                    n += 1
-            landed_by_trial.append(n)
-        ok_reports = {(t, w) for t, w, ok, _, _ in reports if ok}
-        lost = sum(
-            1
-            for t, w in ok_reports
-            if not np.all(got[(t * nw + w) * _CHUNK : (t * nw + w + 1) * _CHUNK] == t * nw + w + 1)
-        )
-        errors = sorted({e for _, _, ok, e, _ in reports if not ok})
-        entries = len(system.log(system.open(label)))
-        system.destroy(label, s3)
-        out[system.name] = {
-            "landed": sum(landed_by_trial),
-            "total": nw * trials,
-            "landed_by_trial": landed_by_trial,
-            "trials_all_landed": sum(1 for n in landed_by_trial if n == nw),
-            "trials": trials,
-            "commit_errors": sum(1 for r in reports if not r[2]),
-            "lost_updates": lost,
-            "errors": errors,
-            "log_entries": entries,
-            "max_commit_s": max((r[4] for r in reports), default=0.0),
-        }
-        progress(
-            f"concurrent {system.name}: {sum(landed_by_trial)}/{nw * trials} landed "
-            f"(per trial {landed_by_trial}; {lost} lost updates; errors: {errors or 'none'})"
-        )
+        with ctx.workers([system]) as pool:
+            out[system.name] = pool[system.name].call(
+                "concurrent", writers=sizes.writers, trials=sizes.concurrent_trials
+            )
+        _finish(out, pool)
     return out
 
 
-BENCHMARKS = {
+BENCHMARKS: dict[str, Callable[[list[System], Sizes, Context], Results]] = {
     "bulk": bench_bulk,
     "small": bench_small,
     "random": bench_random,

@@ -202,13 +202,17 @@ def spawn_on_free_port(
 
 
 def _start(
-    make_cmd: Callable[[int], Sequence[str]], port: int | None, timeout: float
+    make_cmd: Callable[[int], Sequence[str]],
+    port: int | None,
+    timeout: float,
+    output: Any = subprocess.DEVNULL,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """A server on ``port``, or on a free port when None (another on a lost race).
+    """A server on ``port``, or on a free port when None (another on a lost race); its output
+    goes to ``output`` (a file, or nowhere).
 
     A given port is used as is: a test restarting "the same" server keeps its address.
     """
-    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    quiet: dict[str, Any] = {"stdout": output, "stderr": output}
     if port is None:
         return spawn_on_free_port(make_cmd, timeout, **quiet)
     proc = subprocess.Popen(list(make_cmd(port)), start_new_session=True, **quiet)
@@ -220,14 +224,24 @@ def _start(
     return proc, port
 
 
-def start_moto(port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """``moto_server`` on a loopback port; returns (process, endpoint URL)."""
+def start_moto(
+    port: int | None = None, log: str | os.PathLike[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``moto_server`` on a loopback port; returns (process, endpoint URL).
+
+    With ``log``, the server's output goes to that file (appended): one line per HTTP request,
+    written before the response is sent — the benchmarks count requests from it.
+    """
     exe = Path(sys.executable).with_name("moto_server")
 
     def cmd(p: int) -> list[str]:
         return [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(p)]
 
-    proc, port = _start(cmd, port, 60)
+    with contextlib.ExitStack() as files:
+        out: Any = subprocess.DEVNULL
+        if log is not None:
+            out = files.enter_context(open(log, "ab"))  # the child keeps its own descriptor
+        proc, port = _start(cmd, port, 60, output=out)
     return proc, f"http://127.0.0.1:{port}"
 
 

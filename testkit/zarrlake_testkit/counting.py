@@ -1,0 +1,140 @@
+"""A storage wrapper that counts the requests zarrlake makes of its backend.
+
+:class:`CountingStorage` wraps any :class:`zarrlake.storage.Storage` and forwards every call to it,
+counting each protocol call as one request under a name (``get``, ``get_range``, ``put``,
+``put_create_only``, ``head``, ``list``, ``list_dirs``, ``delete_many``). A ``list`` counts once
+however many pages the backend fetches: these are storage operations as the engine issues them,
+which on S3 are one HTTP request each except for long listings and large deletes.
+
+The benchmarks wrap every storage they hand to zarrlake; the tests use it to pin how many requests
+an operation makes, so the read and history paths cannot silently regress. Several wrappers can
+share one :class:`Counts` (a process that opens a repository many times counts them all in one
+place).
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import SplitResult
+
+from zarrlake.storage.base import Buffer, ObjectInfo, Storage, StorageError
+
+__all__ = ["CountingStorage", "Counts"]
+
+
+class Counts:
+    """Thread-safe request counters, by operation, with the keys each one touched (in order)."""
+
+    def __init__(self, *, record_keys: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._by_op: Counter[str] = Counter()
+        self._record_keys = record_keys
+        self._calls: list[tuple[str, str]] = []
+
+    def add(self, op: str, key: str) -> None:
+        with self._lock:
+            self._by_op[op] += 1
+            if self._record_keys:
+                self._calls.append((op, key))
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._by_op.values())
+
+    def by_op(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_op)
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(operation, key or prefix) of every request since the last reset (``record_keys``)."""
+        with self._lock:
+            return list(self._calls)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_op.clear()
+            self._calls.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class CountingStorage(Storage):
+    """``inner`` with every protocol call counted in :attr:`counts` (see the module docstring).
+
+    The capabilities (``durable``, ``concurrency``, ...) are the inner storage's; attributes the
+    protocol does not define (an S3 storage's ``bucket``, say) are looked up on the inner storage.
+    """
+
+    def __init__(self, inner: Storage, counts: Counts | None = None) -> None:
+        self.inner = inner
+        self.counts = counts if counts is not None else Counts()
+        for cap in (
+            "durable",
+            "shared_across_processes",
+            "supports_conditional_writes",
+            "supports_byte_ranges",
+            "concurrency",
+        ):
+            self.__dict__[cap] = getattr(inner, cap)
+
+    @classmethod
+    def from_parsed_url(cls, url: SplitResult) -> Storage:
+        raise StorageError("a CountingStorage wraps a storage; it has no URL scheme of its own")
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        self.counts.add("get" if byte_range is None else "get_range", key)
+        return self.inner.get(key, byte_range)
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        self.counts.add("put_create_only" if create_only else "put", key)
+        self.inner.put(key, data, create_only=create_only)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        self.counts.add("head", key)
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self.counts.add("list", prefix)
+        return self.inner.list(prefix)
+
+    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
+        self.counts.add("list", prefix)
+        return self.inner.list_keys(prefix, limit=limit)
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        self.counts.add("list_dirs", prefix)
+        return self.inner.list_dirs(prefix)
+
+    def exists(self, key: str) -> bool:
+        self.counts.add("head", key)
+        return self.inner.exists(key)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        keys = builtins.list(keys)
+        self.counts.add("delete_many", keys[0] if keys else "")
+        return self.inner.delete_many(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not found normally: backend-specific ones (bucket, prefix).
+        if name == "inner":  # unpickling: __dict__ not filled yet
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"CountingStorage({self.inner!r})"
