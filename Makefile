@@ -24,6 +24,13 @@ $(VENV)/.bench-installed: pyproject.toml | $(VENV)/.dev-installed
 	$(BIN)/pip install -q -e ".[bench]"
 	touch $@
 
+# The peers `make bench` compares with run in their own venv: Icechunk 2.x needs Python >= 3.12
+# (found on PATH or in pyenv; PEERS_PYTHON=... to choose), with the project's Zarr and NumPy.
+PEERS_VENV ?= .venv-peers
+$(PEERS_VENV)/.installed: bench/peers-venv.sh $(VENV)/.bench-installed
+	bench/peers-venv.sh $(PEERS_VENV) $(BIN)/python
+	touch $@
+
 ## demo: quickstart on a local directory repository (no servers needed)
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/quickstart.py
@@ -61,13 +68,13 @@ test-stress: $(VENV)/.dev-installed redis-server-available kubectl-available
 	$(BIN)/python -m zarrlake_testkit.stress --runs 3 -- $(PYTEST) $(PYTEST_ARGS)
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run
-bench: $(VENV)/.bench-installed redis-server-available
-	$(BIN)/python bench/run.py --markdown bench/results/latest.md
+bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
+	$(BIN)/python bench/run.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/latest.md
 	$(BIN)/python bench/contention.py --markdown bench/results/contention.md
 	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
 
-bench-quick: $(VENV)/.bench-installed redis-server-available
-	$(BIN)/python bench/run.py --quick
+bench-quick: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
+	$(BIN)/python bench/run.py --quick --peers-python $(PEERS_VENV)/bin/python
 	$(BIN)/python bench/contention.py --quick
 	$(BIN)/python bench/maintenance.py --quick
 
@@ -92,4 +99,4 @@ e2e-kind:
 	e2e/kind.sh
 
 clean:
-	rm -rf $(VENV) demo-repo .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) demo-repo .pytest_cache .hypothesis
