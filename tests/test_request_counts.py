@@ -1,0 +1,282 @@
+"""How many storage requests zarrlake makes for the operations issue 11 cares about.
+
+The counts are today's, pinned exactly as regression guards: a change that adds a request to the
+read or history path fails here. They are not the issue's targets (opening a repository and reading
+one chunk in at most 3 requests; ``log()`` in at most 2) — an optimization that lowers a count
+lowers the number here with it. No timing is asserted anywhere in this module.
+
+Also here: the counting wrapper itself, and the two other counters the benchmark relies on (the
+S3 server's request log, and the worker round trip that reports counts and peak RSS).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import zarr
+
+import zarrlake
+from zarrlake_testkit.counting import CountingStorage, Counts
+from zarrlake_testkit.servers import start_moto, stop
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def _ops(counts: Counts) -> list[str]:
+    return [op for op, _ in counts.calls()]
+
+
+# -- the wrapper ---------------------------------------------------------------------------------
+
+
+def test_counting_storage_counts_one_request_per_protocol_call() -> None:
+    counts = Counts(record_keys=True)
+    storage = CountingStorage(zarrlake.Storage.memory(), counts)
+    storage.put("a/1", b"one")
+    storage.put("a/2", b"two", create_only=True)
+    assert storage.get("a/1") == b"one"
+    assert storage.get("a/2", (1, 3)) == b"wo"
+    assert storage.head("a/1") is not None
+    assert storage.exists("nope") is False
+    assert [i.key for i in storage.list("a/")] == ["a/1", "a/2"]
+    assert storage.list_keys("a/") == ["a/1", "a/2"]
+    assert storage.list_dirs("") == ["a"]
+    assert storage.delete_many(["a/1", "a/2"]) == 2
+    assert counts.calls() == [
+        ("put", "a/1"),
+        ("put_create_only", "a/2"),
+        ("get", "a/1"),
+        ("get_range", "a/2"),
+        ("head", "a/1"),
+        ("head", "nope"),
+        ("list", "a/"),
+        ("list", "a/"),
+        ("list_dirs", ""),
+        ("delete_many", "a/1"),
+    ]
+    assert counts.total == 10
+    assert counts.by_op()["list"] == 2
+    counts.reset()
+    assert counts.total == 0 and counts.calls() == []
+
+
+def test_counting_storage_keeps_the_backends_capabilities_and_attributes(tmp_path: Path) -> None:
+    inner = zarrlake.Storage.local(tmp_path)
+    storage = CountingStorage(inner)
+    assert storage.url == inner.url
+    assert storage.concurrency == inner.concurrency
+    assert storage.durable and storage.shared_across_processes
+    # A storage the engine may ship to other processes stays picklable, counters included.
+    import pickle
+
+    storage.put("k", b"v")
+    copy = pickle.loads(pickle.dumps(storage))
+    assert copy.get("k") == b"v"
+    assert copy.counts.by_op() == {"put": 1, "get": 1}
+
+
+# -- zarrlake's requests -------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "s3"])
+def counted(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], CountingStorage]:
+    """A factory of fresh clients' storages on one repository location, all counted together."""
+    counts = Counts(record_keys=True)
+    if request.param == "local":
+        return lambda: CountingStorage(zarrlake.Storage.local(tmp_path), counts)
+    moto_s3 = request.getfixturevalue("moto_s3")
+    prefix = f"counts-{tmp_path.name}"
+    return lambda: CountingStorage(moto_s3.storage(prefix), counts)
+
+
+C = 128  # int64 elements per chunk: 1 KiB, above the inline threshold, so each is an object
+
+
+def _repo_with_commits(make: Callable[[], CountingStorage], commits: int) -> list[str]:
+    """A repository whose ``data`` array (1 KiB chunks) got ``commits`` one-chunk commits after
+    the commit creating it; returns the commit ids, newest first."""
+    repo = zarrlake.Repository.create(make())
+    session = repo.writable_session("main")
+    zarr.create_array(
+        session.store,
+        name="data",
+        shape=(C * commits,),
+        chunks=(C,),
+        dtype="int64",
+        compressors=None,
+        fill_value=0,
+    )
+    session.commit("create")
+    for k in range(commits):
+        session = repo.writable_session("main")
+        zarr.open_array(session.store, path="data")[C * k : C * (k + 1)] = k + 1
+        session.commit(f"commit {k}")
+    return [c.id for c in repo.log("main")]
+
+
+def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], CountingStorage]) -> None:
+    _repo_with_commits(counted, 3)
+    counts = counted().counts
+    counts.reset()
+
+    repo = zarrlake.Repository.open(counted())
+    assert _ops(counts) == ["get", "list", "get"]  # the repository record, the branch head
+    counts.reset()
+    store = repo.readonly_session("main").store
+    # The branch head again (twice), then the snapshot.
+    assert _ops(counts) == ["list", "get", "list", "get", "get"]
+    counts.reset()
+    arr = zarr.open_array(store, path="data", mode="r")
+    assert _ops(counts) == []  # array metadata lives in the snapshot
+    np.testing.assert_array_equal(arr[C : 2 * C], 2)
+    assert _ops(counts) == ["get", "get"]  # the manifest, the chunk
+    counts.reset()
+    np.testing.assert_array_equal(arr[2 * C : 3 * C], 3)
+    assert _ops(counts) == ["get"]  # the manifest is cached: the chunk alone
+
+
+@pytest.mark.parametrize("commits", [2, 25])
+def test_log_makes_the_same_four_requests_however_long_the_history(
+    counted: Callable[[], CountingStorage], commits: int
+) -> None:
+    ids = _repo_with_commits(counted, commits)
+    repo = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    assert [c.id for c in repo.log("main")] == ids
+    assert len(ids) == commits + 2  # the repository's initial commit, "create", the commits
+    # The branch head (list + get), the head snapshot (which carries its ancestry), expiry marks.
+    assert _ops(counts) == ["list", "get", "get", "list"]
+
+
+def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
+    _repo_with_commits(counted, 2)
+    repo = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    assert list(repo.list_branches()) == ["main"]
+    assert _ops(counts) == ["list_dirs", "list", "get"]
+    counts.reset()
+
+    session = repo.writable_session("main")
+    assert _ops(counts) == ["list", "get", "get"]  # the branch head, its snapshot
+    counts.reset()
+    zarr.open_array(session.store, path="data")[0:C] = 7
+    assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes
+    assert counts.calls()[0][1].startswith("chunks/")
+    assert len(counts.calls()) == 1
+    counts.reset()
+    session.commit("one chunk")
+    # The branch head again, the manifest to rewrite; the new manifest, the transaction log, the
+    # snapshot and the new head entry.
+    assert _ops(counts) == [
+        "list",
+        "get",
+        "get",
+        "put",
+        "put",
+        "put_create_only",
+        "put_create_only",
+    ]
+
+
+# -- the benchmark's other counters --------------------------------------------------------------
+
+
+@pytest.fixture
+def bench_modules() -> Iterator[dict[str, ModuleType]]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield {m: importlib.import_module(m) for m in ("harness", "tables", "workloads")}
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.slow
+def test_moto_request_log_counts_every_http_request(
+    tmp_path: Path, bench_modules: dict[str, ModuleType]
+) -> None:
+    import boto3
+
+    log = bench_modules["harness"].RequestLog(str(tmp_path / "moto.log"))
+    proc, endpoint = start_moto(log=log.path)
+    try:
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        s3.create_bucket(Bucket="counted-bucket")
+        mark = log.mark()
+        s3.put_object(Bucket="counted-bucket", Key="p/x", Body=b"12345")
+        s3.get_object(Bucket="counted-bucket", Key="p/x", Range="bytes=0-1")  # 206: coloured
+        s3.head_object(Bucket="counted-bucket", Key="p/x")
+        s3.list_objects_v2(Bucket="counted-bucket", Prefix="p/")
+        with pytest.raises(s3.exceptions.NoSuchKey):
+            s3.get_object(Bucket="counted-bucket", Key="p/missing")
+        assert log.since(mark) == {"PUT": 1, "GET": 3, "HEAD": 1}
+    finally:
+        stop(proc)
+
+
+def test_ratio_columns_are_zarrlakes_speed_over_the_peers(
+    bench_modules: dict[str, ModuleType],
+) -> None:
+    tables, workloads = bench_modules["tables"], bench_modules["workloads"]
+    res = {
+        "random": {
+            "zarr-local": {"read_ms": 1.0, "open_first_ms": 2.0},
+            "zarrlake-local": {"read_ms": 2.0, "open_first_ms": 4.0, "read_requests": 1.0},
+            "icechunk-local": {"read_ms": 3.0, "open_first_ms": 2.0},
+        }
+    }
+    rows = tables.build_rows(res, workloads.Sizes.quick())
+    header, body = tables._cells(rows)
+    read = dict(zip(header, body[0], strict=True))
+    assert read["zl÷zarr local"] == "0.50"  # zarrlake takes twice raw Zarr's time: half its speed
+    assert read["zl÷ic local"] == "1.50"
+    targets = {t.name: t for t in tables.build_targets(res, workloads.Sizes.quick())}
+    speed = targets["random single-chunk read: speed ≥ 1.2x Icechunk's (local)"]
+    assert (speed.measured, speed.result) == (1.5, "PASS")
+
+
+@pytest.mark.slow
+def test_bench_worker_reports_requests_and_peak_rss(tmp_path: Path) -> None:
+    """One small benchmark through the real orchestrator and a real worker process."""
+    out = tmp_path / "run.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "run.py"),
+            "--quick",
+            "--only",
+            "random",
+            "--systems",
+            "zarrlake-local",
+            "--no-s3",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=600,
+    )
+    m = json.loads(out.read_text())["results"]["random"]["zarrlake-local"]
+    assert m["open_first_requests"] == 10  # as pinned above: 3 + 5 + 2
+    assert m["read_requests"] == 1.0  # one chunk per read once the manifest is cached
+    assert m["peak_rss_mib"] > 0
+    assert m["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
