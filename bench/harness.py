@@ -32,12 +32,13 @@ BUCKET = "zarrlake-bench"
 # the concurrent-writer benchmark measures exactly that, so keep the output to errors.
 os.environ.setdefault("ICECHUNK_LOG", "error")
 
-_T0 = time.perf_counter()
+# Seconds are counted from the start of the run: workers inherit its start time.
+_T0 = float(os.environ.setdefault("BENCH_RUN_STARTED", str(time.time())))
 
 
 def progress(message: str) -> None:
     """One progress line on stderr, with the seconds since the run started."""
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+    print(f"[{time.time() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:

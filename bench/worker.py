@@ -24,9 +24,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _versions() -> dict[str, str]:
+def _versions(kind: str) -> dict[str, str]:
+    """The interpreter's and the packages' versions this system runs with (its engine's only:
+    the project's venv may hold an older Icechunk it does not use here)."""
     out = {"python": platform.python_version()}
-    for p in ("zarrlake", "icechunk", "zarr", "numpy"):
+    engine = {"zarrlake": ("zarrlake",), "icechunk": ("icechunk",)}.get(kind, ())
+    for p in (*engine, "zarr", "numpy"):
         try:
             out[p] = version(p)
         except PackageNotFoundError:
@@ -52,7 +55,7 @@ def main() -> int:
             result: Any
             if op == "init":
                 ops = Ops(System(**args["system"]), args.get("moto_log"))
-                result = {"versions": _versions(), "pid": os.getpid()}
+                result = {"versions": _versions(ops.system.kind), "pid": os.getpid()}
             elif op == "stop":
                 answers.write(json.dumps({"ok": True, "result": {"peak_rss_mib": peak_rss_mib()}}))
                 answers.write("\n")
