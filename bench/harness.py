@@ -15,13 +15,10 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from zarrlake_testkit.servers import start_moto, stop
-
-T = TypeVar("T")
 
 # moto accepts any credentials; set them so no client goes looking for real ones.
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
@@ -39,13 +36,6 @@ _T0 = float(os.environ.setdefault("BENCH_RUN_STARTED", str(time.time())))
 def progress(message: str) -> None:
     """One progress line on stderr, with the seconds since the run started."""
     print(f"[{time.time() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:
-    """(seconds, result) of one call."""
-    t0 = time.perf_counter()
-    result = fn(*args)
-    return time.perf_counter() - t0, result
 
 
 @dataclass
