@@ -144,9 +144,16 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
     assert _ops(counts) == ["get"]  # the manifest is cached: the chunk alone
 
 
-@pytest.mark.parametrize("commits", [2, 25])
-def test_log_makes_the_same_four_requests_however_long_the_history(
-    counted: Callable[[], CountingStorage], commits: int
+@pytest.mark.parametrize(
+    ("commits", "requests"),
+    [
+        (2, 4),
+        pytest.param(63, 4, marks=pytest.mark.slow),
+        pytest.param(64, 5, marks=pytest.mark.slow),
+    ],
+)
+def test_log_requests_grow_by_one_per_65_commits_of_history(
+    counted: Callable[[], CountingStorage], commits: int, requests: int
 ) -> None:
     ids = _repo_with_commits(counted, commits)
     repo = zarrlake.Repository.open(counted())
@@ -154,8 +161,9 @@ def test_log_makes_the_same_four_requests_however_long_the_history(
     counts.reset()
     assert [c.id for c in repo.log("main")] == ids
     assert len(ids) == commits + 2  # the repository's initial commit, "create", the commits
-    # The branch head (list + get), the head snapshot (which carries its ancestry), expiry marks.
-    assert _ops(counts) == ["list", "get", "get", "list"]
+    # The branch head (list + get), the head snapshot (which carries the ids of up to 64
+    # ancestors), the expiry marks (list); then one more snapshot per 65 further entries.
+    assert _ops(counts) == ["list", "get", "get", "list"] + ["get"] * (requests - 4)
 
 
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
