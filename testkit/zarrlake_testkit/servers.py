@@ -39,7 +39,8 @@ def free_port() -> int:
 
     Ports come at random from below the ephemeral range: parallel test processes (pytest-xdist
     workers, the e2e scenario) rarely draw the same one, and a server that still loses the race
-    is detected by :func:`spawn_on_free_port` (it exits, or the port is not its own) and started again.
+    is detected by :func:`spawn_on_free_port` (it exits, or the port is not its own) and
+    started again.
     """
     lo, hi = _port_range()
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
