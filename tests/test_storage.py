@@ -891,3 +891,33 @@ def test_storage_is_an_abstract_protocol() -> None:
 
     with pytest.raises(TypeError, match="abstract"):
         Partial()  # type: ignore[abstract]
+
+
+def test_delete_stale_deletes_only_what_was_written_before_the_cutoff(storage: Storage) -> None:
+    storage.put("chunks/aa/old1", b"1")
+    storage.put("chunks/aa/old2", b"22")
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    deleted, kept = storage.delete_stale(["chunks/aa/old1", "chunks/aa/missing"], before)
+    assert deleted == [] and [k.key for k in kept] == ["chunks/aa/old1"]  # too young to go
+    assert storage.get("chunks/aa/old1") == b"1"
+    deleted, kept = storage.delete_stale(["chunks/aa/old1", "chunks/aa/old2"], after)
+    assert sorted((d.key, d.size) for d in deleted) == [
+        ("chunks/aa/old1", 1),
+        ("chunks/aa/old2", 2),
+    ]
+    assert kept == [] and storage.list_keys("chunks/") == []
+
+
+def test_local_delete_stale_puts_back_what_was_rewritten_before_its_turn(tmp_path: Path) -> None:
+    """The file is moved away, then judged: one refreshed since the listing goes back in place,
+    and a key written again meanwhile keeps its newer content."""
+    storage = Storage.local(tmp_path / "s")
+    assert storage.atomic_stale_delete
+    storage.put("chunks/bb/k", b"old")
+    listed = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)  # GC's cutoff at listing time
+    storage.set_modified("chunks/bb/k", listed + dt.timedelta(seconds=1))  # a session's refresh
+    deleted, kept = storage.delete_stale(["chunks/bb/k"], listed)
+    assert deleted == [] and [k.key for k in kept] == ["chunks/bb/k"]
+    assert storage.get("chunks/bb/k") == b"old"
+    assert not any((tmp_path / "s" / ".tmp").iterdir())  # nothing left aside

@@ -305,22 +305,18 @@ def _sweep(
         tally.deleted_bytes += sum(i.size for i in batch)
         return
     storage = core.storage
-    # Re-check right before deleting: a session may have refreshed a deduplicated object. With a
-    # lock, commits that deduplicated wait while we hold it, so the whole batch is checked at once.
-    # Without one, check and delete a few objects at a time: the time between an object's check
-    # and its delete is the window in which a refresh goes unseen, so keep it to one round trip.
-    step = len(batch) if core.lock is not None else max(1, storage.concurrency)
+    # Judge each object again as it is deleted: a session may have refreshed a deduplicated
+    # object since it was listed. Storage that deletes "if still stale" atomically (local, memory)
+    # never loses such a refresh. Elsewhere (S3) the check and the delete are two requests: with a
+    # lock, commits that deduplicated wait while we hold it, so the whole batch goes at once;
+    # without one, a few objects at a time keep the window in which a refresh goes unseen to one
+    # round trip.
+    unguarded = core.lock is None and not storage.atomic_stale_delete
+    step = max(1, storage.concurrency) if unguarded else len(batch)
     for start in range(0, len(batch), step):
         part = batch[start : start + step]
         with core.commits.hold_gc():
-            fresh: list[ObjectInfo | None] = storage.map(lambda i: storage.head(i.key), part)
-            doomed = [
-                i
-                for i, f in zip(part, fresh, strict=True)
-                if f is not None and f.modified <= cutoff
-            ]
-            kept = [f for f in fresh if f is not None and f.modified > cutoff]
-            storage.delete_many(i.key for i in doomed)
+            doomed, kept = storage.delete_stale((i.key for i in part), cutoff)
         for i in doomed:  # this client must not go on serving what it just deleted from cache
             if i.key.startswith(("snapshots/", "txlogs/")):
                 core.objects.forget(_object_id(i.key))

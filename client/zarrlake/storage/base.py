@@ -164,6 +164,11 @@ class Storage(abc.ABC):
     supports_byte_ranges: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
     concurrency: ClassVar[int] = 16
+    #: :meth:`delete_stale` decides and deletes in one atomic step, so an object rewritten
+    #: concurrently is never lost. Where false (S3 has no delete conditional on a modification
+    #: time), a rewrite landing between its check and its delete goes unseen: garbage collection
+    #: closes that window with a lock service instead.
+    atomic_stale_delete: ClassVar[bool] = False
 
     # -- constructors -----------------------------------------------------------------------------
     # Each looks its backend up in the registry (see the module docstring) and calls the class
@@ -252,6 +257,23 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_many(self, keys: Iterable[str]) -> int:
         """Delete the keys (absent keys are fine). Returns how many were requested."""
+
+    def delete_stale(
+        self, keys: Iterable[str], cutoff: dt.datetime
+    ) -> tuple[builtins.list[ObjectInfo], builtins.list[ObjectInfo]]:
+        """Delete each key whose object was last written at or before ``cutoff``; keep the rest.
+
+        Returns (deleted, kept) as the objects were found; absent keys are in neither. Garbage
+        collection's sweep: a session that deduplicated against an old object rewrites it, and
+        a rewritten object must survive. This default checks, then deletes (see
+        :attr:`atomic_stale_delete`); backends that can do both at once override it.
+        """
+        keys = builtins.list(keys)
+        found = self.map(self.head, keys)
+        deleted = [f for f in found if f is not None and f.modified <= cutoff]
+        kept = [f for f in found if f is not None and f.modified > cutoff]
+        self.delete_many(f.key for f in deleted)
+        return deleted, kept
 
     def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
         """Keys starting with ``prefix`` in ascending order, at most ``limit`` of them."""

@@ -51,6 +51,7 @@ class LocalStorage(Storage):
     file system that all of them mount)."""
 
     concurrency: ClassVar[int] = 8
+    atomic_stale_delete: ClassVar[bool] = True
     #: fsync every object before publishing it (durability across power loss, at a cost).
     fsync: ClassVar[bool] = False
 
@@ -189,6 +190,43 @@ class LocalStorage(Storage):
             except FileNotFoundError:
                 pass
         return n
+
+    def delete_stale(
+        self, keys: Iterable[str], cutoff: dt.datetime
+    ) -> tuple[builtins.list[ObjectInfo], builtins.list[ObjectInfo]]:
+        """Atomic per object: the file is first renamed out of its key's place, then judged.
+
+        A writer rewrites a key by renaming a new file onto it. After our rename, a rewrite
+        creates a new file at the key (it survives; we delete the old one). A rewrite that came
+        before our rename left a fresh modification time on the file we moved: it goes back,
+        unless the key has been written again meanwhile. While a file is away its key reads as
+        absent, which a commit checking its deduplicated chunks treats as retryable, never as
+        lost data.
+        """
+        deleted: builtins.list[ObjectInfo] = []
+        kept: builtins.list[ObjectInfo] = []
+        tmpdir = self.root / _TMP
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        for key in keys:
+            path = self._path(key)
+            away = tmpdir / f"stale-{uuid.uuid4().hex}"
+            try:
+                os.rename(path, away)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            st = os.stat(away)
+            info = ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
+            if info.modified <= cutoff:
+                os.unlink(away)
+                deleted.append(info)
+                continue
+            try:
+                os.link(away, path)  # back in place, unless a newer write already is
+            except FileExistsError:
+                pass
+            os.unlink(away)
+            kept.append(info)
+        return deleted, kept
 
     def set_modified(self, key: str, when: dt.datetime) -> None:
         """Backdate an object (tests of grace periods use this)."""

@@ -6,6 +6,7 @@ Not durable and not shared across processes: a pickled copy carries a snapshot o
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 import threading
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,7 @@ class MemoryStorage(Storage):
     durable: ClassVar[bool] = False
     shared_across_processes: ClassVar[bool] = False
     concurrency: ClassVar[int] = 4
+    atomic_stale_delete: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._objects: dict[str, tuple[bytes, dt.datetime]] = {}
@@ -68,6 +70,24 @@ class MemoryStorage(Storage):
         items.sort(key=lambda kv: kv[0])
         for key, (data, mtime) in items:
             yield ObjectInfo(key, len(data), mtime)
+
+    def delete_stale(
+        self, keys: Iterable[str], cutoff: dt.datetime
+    ) -> tuple[builtins.list[ObjectInfo], builtins.list[ObjectInfo]]:
+        deleted: builtins.list[ObjectInfo] = []
+        kept: builtins.list[ObjectInfo] = []
+        with self._lock:  # check and delete under the lock every write takes: atomic
+            for key in keys:
+                entry = self._objects.get(key)
+                if entry is None:
+                    continue
+                info = ObjectInfo(key, len(entry[0]), entry[1])
+                if info.modified <= cutoff:
+                    del self._objects[key]
+                    deleted.append(info)
+                else:
+                    kept.append(info)
+        return deleted, kept
 
     def delete_many(self, keys: Iterable[str]) -> int:
         n = 0
