@@ -470,16 +470,56 @@ def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:
     storage.put(snapshot_key(c), good[: len(good) // 2])
     fresh = zarrlake.Repository.open(storage)
     with pytest.raises(zarrlake.CorruptObject):
-        fresh.readonly_session("main")
+        fresh.readonly_session(c)
+    # The branch's head entry carries its own copy of the snapshot, so the branch still reads;
+    # fsck, which reads every snapshot object, reports the damage.
+    assert read(zarrlake.Repository.open(storage), "main")[0, 0] == 1
+    assert [p.key for p in zarrlake.Repository.open(storage).fsck().problems] == [snapshot_key(c)]
     storage.put(snapshot_key(c), b"PK\x03\x04 not ours")
     with pytest.raises(zarrlake.UnsupportedFormat):
-        zarrlake.Repository.open(storage).readonly_session("main")
+        zarrlake.Repository.open(storage).readonly_session(c)
     storage.put(snapshot_key(c), good)
     assert read(zarrlake.Repository.open(storage), "main")[0, 0] == 1
 
     storage.put("repo", b"ZLAK\x09\x01garbage")
     with pytest.raises(zarrlake.UnsupportedFormat):
         zarrlake.Repository.open(storage)
+
+
+def test_head_entry_carries_its_snapshot_and_a_wrong_copy_is_corrupt(
+    storage: zarrlake.Storage,
+) -> None:
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    write_array(s)
+    first = s.commit("one")
+    s = repo.writable_session()
+    zarr.open_array(s.store, path="a")[:] = 2.0
+    second = s.commit("two")
+    key = branch_entry_key("main", 2)
+    entry = JournalEntry.decode(storage.get(key), key)
+    assert entry.snapshot == second
+    assert entry.snapshot_data == storage.get(snapshot_key(second))
+    # A copy of another snapshot than the one the entry names is corruption, not a silent
+    # switch to other data.
+    wrong = JournalEntry(
+        entry.seq,
+        entry.snapshot,
+        entry.previous,
+        entry.time,
+        entry.writer,
+        entry.token,
+        storage.get(snapshot_key(first)),
+    )
+    storage.put(key, wrong.encode())
+    with pytest.raises(zarrlake.CorruptObject):
+        zarrlake.Repository.open(storage).readonly_session("main")
+    # Without a copy the entry is as valid as before: the snapshot object is read instead.
+    bare = JournalEntry(
+        entry.seq, entry.snapshot, entry.previous, entry.time, entry.writer, entry.token
+    )
+    storage.put(key, bare.encode())
+    assert read(zarrlake.Repository.open(storage), "main")[0, 0] == 2.0
 
 
 def test_async_twins(storage: zarrlake.Storage) -> None:

@@ -129,11 +129,11 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
     counts.reset()
 
     repo = zarrlake.Repository.open(counted())
-    assert _ops(counts) == ["get", "list", "get"]  # the repository record, the branch head
+    assert _ops(counts) == ["get"]  # the repository record
     counts.reset()
     store = repo.readonly_session("main").store
-    # The branch head again (twice), then the snapshot.
-    assert _ops(counts) == ["list", "get", "list", "get", "get"]
+    # The branch head (list + get): its journal entry carries the snapshot.
+    assert _ops(counts) == ["list", "get"]
     counts.reset()
     arr = zarr.open_array(store, path="data", mode="r")
     assert _ops(counts) == []  # array metadata lives in the snapshot
@@ -147,9 +147,9 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
 @pytest.mark.parametrize(
     ("commits", "requests"),
     [
-        (2, 4),
-        pytest.param(63, 4, marks=pytest.mark.slow),
-        pytest.param(64, 5, marks=pytest.mark.slow),
+        (2, 3),
+        pytest.param(63, 3, marks=pytest.mark.slow),
+        pytest.param(64, 4, marks=pytest.mark.slow),
     ],
 )
 def test_log_requests_grow_by_one_per_65_commits_of_history(
@@ -161,9 +161,10 @@ def test_log_requests_grow_by_one_per_65_commits_of_history(
     counts.reset()
     assert [c.id for c in repo.log("main")] == ids
     assert len(ids) == commits + 2  # the repository's initial commit, "create", the commits
-    # The branch head (list + get), the head snapshot (which carries the ids of up to 64
-    # ancestors), the expiry marks (list); then one more snapshot per 65 further entries.
-    assert _ops(counts) == ["list", "get", "get", "list"] + ["get"] * (requests - 4)
+    # The branch head (list + get; the entry carries the head snapshot, which carries the
+    # records of up to 64 ancestors), the expiry marks (list); then one more snapshot per 65
+    # further entries.
+    assert _ops(counts) == ["list", "get", "list"] + ["get"] * (requests - 3)
 
 
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
@@ -176,7 +177,7 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts.reset()
 
     session = repo.writable_session("main")
-    assert _ops(counts) == ["list", "get", "get"]  # the branch head, its snapshot
+    assert _ops(counts) == ["list", "get"]  # the branch head, carrying its snapshot
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
     assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes
@@ -284,7 +285,7 @@ def test_bench_worker_reports_requests_and_peak_rss(tmp_path: Path) -> None:
         timeout=600,
     )
     m = json.loads(out.read_text())["results"]["random"]["zarrlake-local"]
-    assert m["open_first_requests"] == 10  # as pinned above: 3 + 5 + 2
+    assert m["open_first_requests"] == 5  # as pinned above: 1 + 2 + 2
     assert m["read_requests"] == 1.0  # one chunk per read once the manifest is cached
     assert m["peak_rss_mib"] > 0
     assert m["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))

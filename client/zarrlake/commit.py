@@ -177,8 +177,10 @@ class CommitEngine:
         if self.journal.head(branch) is not None:
             return
         snap = Snapshot(new_snapshot_id(), (), _now(), None, "Repository initialized", {}, {}, [])
-        self.objects.put_snapshot(snap, TxLog([], [], [], []), {})
-        self.journal.append(branch, JournalEntry(0, snap.id, None, _now(), new_writer_id()))
+        data = self.objects.put_snapshot(snap, TxLog([], [], [], []), {})
+        self.journal.append(
+            branch, JournalEntry(0, snap.id, None, _now(), new_writer_id(), snapshot_data=data)
+        )
 
     def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:
         """Point branch ``name`` at snapshot ``target``; with ``expected``, only if the head is
@@ -266,9 +268,9 @@ class CommitEngine:
                     relocation=policy.relocates,
                     reshard=reshard,
                 )
-                self.objects.put_snapshot(snap, txlog, shards)
+                data = self.objects.put_snapshot(snap, txlog, shards)
                 entry = JournalEntry(
-                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token
+                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, data
                 )
                 # Chunks we deduplicated against may be old garbage GC is about to sweep: check
                 # they still exist, and (with a lock service) keep GC's deletes out until the

@@ -46,7 +46,7 @@ class RepositoryCore:
         """The core of the repository whose marker object is ``record``, at ``storage``."""
         config = RepositoryConfig.from_dict(record.config)
         objects = ObjectStore(storage)
-        journal = BranchJournal(storage)
+        journal = BranchJournal(storage, adopt=objects.adopt_snapshot)
         tags = Tags(storage)
         expiry = ExpiryLog(storage)
         graph = CommitGraph(objects, journal, tags, expiry)

@@ -166,12 +166,20 @@ class CommitGraph:
 
     def resolve(self, ref: str) -> str:
         """Branch, tag or snapshot id -> snapshot id. Raises :class:`RefNotFound`."""
+        return self.locate(ref)[0]
+
+    def locate(self, ref: str) -> tuple[str, bool]:
+        """(snapshot id, whether ``ref`` names a live branch) of a branch, tag or snapshot id.
+
+        One read of the ref: a branch's head entry carries its snapshot, which lands in the
+        object cache. Raises :class:`RefNotFound`.
+        """
         if not isinstance(ref, str) or not ref:
             raise RefNotFound(str(ref))
         if is_snapshot_id(ref):
             try:
                 self.objects.snapshot(ref)
-                return ref
+                return ref, False
             except RefNotFound:
                 pass
         try:
@@ -180,9 +188,9 @@ class CommitGraph:
             raise RefNotFound(ref) from None
         head = self.journal.head(ref)
         if head is not None and head.snapshot is not None:
-            return head.snapshot
+            return head.snapshot, True
         try:
-            return self.tags.get(ref)
+            return self.tags.get(ref), False
         except RefNotFound:
             raise RefNotFound(ref) from None
 

@@ -103,6 +103,17 @@ class ObjectStore:
             raise CorruptObject(snapshot_key(snapshot_id), f"holds snapshot {snap.id}")
         return snap
 
+    def adopt_snapshot(self, snapshot_id: str, data: bytes) -> None:
+        """Cache snapshot ``snapshot_id`` from ``data``, its encoded object as a branch's journal
+        entry carries it. Raises :class:`CorruptObject` if ``data`` holds another snapshot."""
+        if self._snapshots.get(snapshot_id) is not None:
+            return
+        key = snapshot_key(snapshot_id)
+        snap = Snapshot.decode(data, key)
+        if snap.id != snapshot_id:
+            raise CorruptObject(key, f"the journal entry carries snapshot {snap.id}")
+        self._snapshots.put(snapshot_id, snap)
+
     def is_cached(self, snapshot_id: str) -> bool:
         return self._snapshots.get(snapshot_id) is not None
 
@@ -141,18 +152,27 @@ class ObjectStore:
         :class:`RefNotFound` if one is missing."""
         return self.storage.map(self.txlog, list(snapshot_ids))
 
-    def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> None:
-        """Write a commit's objects; the snapshot goes last so it never points at missing pieces."""
-        writes: list[tuple[str, bytes]] = [(manifest_key(d), b) for d, b in shards.items()]
+    def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> bytes:
+        """Write a commit's objects in one concurrent round; returns the encoded snapshot.
+
+        The snapshot need not wait for its shards and txlog: nothing is reachable until a journal
+        entry names it, and that entry is written only after this returns. A writer that dies
+        midway leaves unreachable objects, which garbage collection removes.
+        """
+        data = snap.encode()
+        writes: list[tuple[str, bytes, bool]] = [
+            (manifest_key(d), b, False) for d, b in shards.items()
+        ]
         if txlog is not None:
-            writes.append((txlog_key(snap.id), txlog.encode()))
-        self.storage.map(lambda kv: self.storage.put(kv[0], kv[1]), writes)
-        self.storage.put(snapshot_key(snap.id), snap.encode(), create_only=True)
+            writes.append((txlog_key(snap.id), txlog.encode(), False))
+        writes.append((snapshot_key(snap.id), data, True))
+        self.storage.map(lambda w: self.storage.put(w[0], w[1], create_only=w[2]), writes)
         self._snapshots.put(snap.id, snap)
         if txlog is not None:
             self._txlogs.put(snap.id, txlog)
-        for digest, data in shards.items():
-            self._written_shards.put(digest, data)
+        for digest, shard_data in shards.items():
+            self._written_shards.put(digest, shard_data)
+        return data
 
     # -- chunks ------------------------------------------------------------------------------------
 

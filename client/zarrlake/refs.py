@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists
 from zarrlake.format.model import (
@@ -64,15 +64,21 @@ class BranchJournal:
     The only mutable state of a repository; everything else is immutable objects.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, adopt: Callable[[str, bytes], None] | None = None) -> None:
         self.storage = storage
+        # Where a head entry's carried snapshot goes (the object store's cache), so whoever reads
+        # the head next finds its snapshot without another request.
+        self._adopt = adopt
 
     def head(self, name: str) -> JournalEntry | None:
         """The newest entry of the branch's journal (None if the branch never existed)."""
         keys = self.storage.list_keys(branch_prefix(name), limit=1)
         if not keys:
             return None
-        return self.read_entry(keys[0])
+        entry = self.read_entry(keys[0])
+        if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
+            self._adopt(entry.snapshot, entry.snapshot_data)
+        return entry
 
     def entry_keys(self, name: str) -> list[str]:
         """Storage keys of the branch's retained journal entries, newest first."""

@@ -94,7 +94,15 @@ class Repository:
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()
-        record = RepoRecord(str(uuid.uuid4()), _now(), config.to_dict())
+        if storage.exists(REPO_KEY):
+            raise RepositoryExists(f"a repository already exists at {storage.url}")
+        record = RepoRecord(str(uuid.uuid4()), _now(), config.to_dict(), initialized=True)
+        repo = cls(storage, record, lock)
+        # ``main`` first, the marker last: a marker then always has a ``main`` beside it, so
+        # opening a repository is one request. A creator that dies in between leaves no marker,
+        # hence no repository (the next create adopts the ``main`` it left); two racing creators
+        # both find one ``main``, and the create-only marker decides between them.
+        repo._core.commits.initialize(MAIN)
         try:
             storage.put(REPO_KEY, record.encode(), create_only=True)
         except PreconditionFailed:
@@ -104,10 +112,6 @@ class Repository:
                 mine = False
             if not mine:
                 raise RepositoryExists(f"a repository already exists at {storage.url}") from None
-        repo = cls(storage, record, lock)
-        # The marker is written first (it decides a creation race); a creator that died before
-        # the first commit leaves a repository that the next open completes.
-        repo._core.commits.initialize(MAIN)
         return repo
 
     @classmethod
@@ -117,8 +121,10 @@ class Repository:
             data = storage.get(REPO_KEY)
         except ObjectNotFound:
             raise RepositoryNotFound(f"no zarrlake repository at {storage.url}") from None
-        repo = cls(storage, RepoRecord.decode(data, REPO_KEY), lock)
-        repo._core.commits.initialize(MAIN)
+        record = RepoRecord.decode(data, REPO_KEY)
+        repo = cls(storage, record, lock)
+        if not record.initialized:
+            repo._core.commits.initialize(MAIN)
         return repo
 
     @classmethod
@@ -366,8 +372,11 @@ class Repository:
     def readonly_session(self, ref: str = MAIN, *, as_of: dt.datetime | None = None) -> Session:
         """A read-only view of ``ref`` (branch, tag, snapshot id), or of it as of ``as_of``."""
         graph = self._core.graph
-        sid = graph.as_of(ref, as_of) if as_of is not None else self.resolve(ref)
-        branch = ref if as_of is None and self._core.journal.is_branch(ref) else None
+        if as_of is not None:
+            sid, branch = graph.as_of(ref, as_of), None
+        else:
+            sid, is_branch = graph.locate(ref)
+            branch = ref if is_branch else None
         return Session(self._core, sid, branch=branch, read_only=True)
 
     def writable_session(self, branch: str = MAIN, *, ttl: dt.timedelta | None = None) -> Session:

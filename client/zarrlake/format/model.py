@@ -362,7 +362,12 @@ class TxLog:
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """One move of a branch. ``snapshot`` None marks the branch deleted."""
+    """One move of a branch. ``snapshot`` None marks the branch deleted.
+
+    ``snapshot_data`` is the encoded snapshot object the entry points at, carried along (when it
+    is small enough) so that reading a branch head costs one object read, not two. It is a copy:
+    the snapshot object itself is always written too, and an entry without it is just as valid.
+    """
 
     seq: int
     snapshot: str | None
@@ -370,19 +375,23 @@ class JournalEntry:
     time: dt.datetime
     writer: str
     token: int | None = None
+    snapshot_data: bytes | None = field(default=None, compare=False, repr=False)
+
+    #: Snapshots larger than this (encoded) are not carried in the entry.
+    CARRY_MAX_BYTES = 256 * 1024
 
     def encode(self) -> bytes:
-        return encode(
-            ObjectType.BRANCH_ENTRY,
-            {
-                "seq": self.seq,
-                "snapshot": self.snapshot,
-                "previous": self.previous,
-                "time": to_micros(self.time),
-                "writer": self.writer,
-                "token": self.token,
-            },
-        )
+        body: dict[str, Any] = {
+            "seq": self.seq,
+            "snapshot": self.snapshot,
+            "previous": self.previous,
+            "time": to_micros(self.time),
+            "writer": self.writer,
+            "token": self.token,
+        }
+        if self.snapshot_data is not None and len(self.snapshot_data) <= self.CARRY_MAX_BYTES:
+            body["snap"] = self.snapshot_data
+        return encode(ObjectType.BRANCH_ENTRY, body)
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<journal entry>") -> JournalEntry:
@@ -397,6 +406,7 @@ class JournalEntry:
             time=_time(_need(obj, "time", key), key, "time"),
             writer=_typed(_need(obj, "writer", key), str, key, "writer"),
             token=_opt(obj.get("token"), int, key, "token"),
+            snapshot_data=_opt(obj.get("snap"), bytes, key, "snap"),
         )
 
 
@@ -440,17 +450,28 @@ class ExpiryRecord:
 
 @dataclass(frozen=True, slots=True)
 class RepoRecord:
-    """The ``repo`` marker object: format version, identity and configuration."""
+    """The ``repo`` marker object: format version, identity and configuration.
+
+    ``initialized``: the ``main`` branch was created before this marker was written, so wherever
+    the marker is, ``main`` is too and opening needs no further check. Markers of repositories
+    created the other way round (older versions) say False: opening one makes sure ``main``
+    exists, completing a repository whose creator died before its first commit.
+    """
 
     id: str
     created: dt.datetime
     config: dict[str, Any]
+    initialized: bool = False
 
     def encode(self) -> bytes:
-        return encode(
-            ObjectType.REPO,
-            {"id": self.id, "created": to_micros(self.created), "config": self.config},
-        )
+        body: dict[str, Any] = {
+            "id": self.id,
+            "created": to_micros(self.created),
+            "config": self.config,
+        }
+        if self.initialized:
+            body["initialized"] = True
+        return encode(ObjectType.REPO, body)
 
     @classmethod
     def decode(cls, data: bytes, key: str = REPO_KEY) -> RepoRecord:
@@ -459,4 +480,5 @@ class RepoRecord:
             _typed(_need(obj, "id", key), str, key, "id"),
             _time(_need(obj, "created", key), key, "created"),
             dict(_typed(obj.get("config") or {}, dict, key, "config")),
+            _typed(obj.get("initialized", False), bool, key, "initialized"),
         )
