@@ -45,7 +45,6 @@ SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test
 SLOW_TESTS = {
     "test_commit_racing_gc_loses_nothing_local",
     "test_commit_racing_gc_loses_nothing_s3",
-    "test_compaction_prunes_journal_within_keep_journal",
     "test_compaction_changes_no_data_and_packs_small_chunks",
     "test_compaction_racing_user_commit_keeps_user_data",
     "test_conflicting_writes_exactly_one_wins_per_chunk",

@@ -54,8 +54,10 @@ from zarrlake.cli import main as cli_main
 from zarrlake.format import manifest
 from zarrlake.format.model import OBJECT, PACKED, branch_prefix, pack_key, snapshot_key
 from zarrlake.maintenance.compact import Relocation
+from zarrlake.maintenance.compact import compact as compact_at
 from zarrlake.maintenance.expire import expire as expire_at
 from zarrlake.maintenance.gc import gc as gc_at
+from zarrlake.refs import PRUNE_FLOOR
 
 ARRAY = "a"
 CHUNK = 128  # float64 elements per chunk: 1 KiB uncompressed, above the 512-byte inline threshold
@@ -68,6 +70,11 @@ WEEK = dt.timedelta(days=7)
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def later() -> dt.datetime:
+    """A clock just past the journal's prune floor: compaction may prune what is here now."""
+    return now() + PRUNE_FLOOR + dt.timedelta(seconds=1)
 
 
 def block(index: int, value: float) -> np.ndarray:
@@ -435,7 +442,8 @@ def run_history(repo: zarrlake.Repository, data: st.DataObject, max_ops: int) ->
             # then on GC can reach older snapshots only through parents and tags.
             branch = data.draw(st.sampled_from(branches), label="branch")
             head = model.heads[branch]
-            report = repo.compact(branch=branch, keep_journal=ZERO)
+            # Compaction's clock past the prune floor (8 days), as if it ran much later.
+            report = compact_at(repo.core, branch=branch, keep_journal=ZERO, now=later())
             if report.snapshot is not None:
                 model.add(repo, report.snapshot, (head,))
                 assert model.content[report.snapshot] == model.content[head]
@@ -560,7 +568,7 @@ def test_gc_marks_through_merge_parents_tags_and_packs(storage: zarrlake.Storage
     b2 = s.commit("b2")
     m = repo.merge("b", "main")
     repo.reset_branch("b", c1)
-    b_packed = repo.compact(branch="b", keep_journal=ZERO)  # packs c1's chunks on b
+    b_packed = compact_at(repo.core, branch="b", keep_journal=ZERO, now=later())  # packs c1
     assert b_packed.snapshot is not None and b_packed.journal_entries_pruned > 0
     (b_pack,) = keys(storage, "packs/")
 
@@ -569,7 +577,7 @@ def test_gc_marks_through_merge_parents_tags_and_packs(storage: zarrlake.Storage
     x1 = s.commit("x1, only a tag will reach it")
     repo.create_tag("t", x1)
     repo.reset_branch("main", m)
-    main_packed = repo.compact(branch="main", keep_journal=ZERO)
+    main_packed = compact_at(repo.core, branch="main", keep_journal=ZERO, now=later())
     assert main_packed.snapshot is not None and main_packed.journal_entries_pruned > 0
     repo.delete_branch("b")
     reads = {sid: read_array(repo, sid) for sid in (b2, m, x1, c1, main_packed.snapshot)}
@@ -1260,11 +1268,9 @@ def test_fsck_checks_what_gc_must_keep(storage: zarrlake.Storage) -> None:
 def test_compaction_prunes_journal_within_keep_journal(storage: zarrlake.Storage) -> None:
     repo = zarrlake.Repository.create(storage)
     ids = linear_history(repo, 2)  # create, c1, c2
-    time.sleep(0.05)
+    time.sleep(0.01)
     middle = now()
-    # The gap between c2 and c3 must exceed the time compaction takes to reach the pruning
-    # (its cutoff is its own now - keep_journal): milliseconds here, seconds under heavy load.
-    time.sleep(3.0)
+    time.sleep(0.01)
     s = repo.writable_session()
     write_blocks(s, {0: 9.0})
     s.commit("c3")
@@ -1276,23 +1282,31 @@ def test_compaction_prunes_journal_within_keep_journal(storage: zarrlake.Storage
     reads = {sid: read_array(repo, sid) for sid in log_before[:-1]}  # init has no array
     assert repo.readonly_session(as_of=times[ids[1]]).base == ids[0]
 
+    # Entries younger than the prune floor (8 days) stay, whatever keep_journal says: a client
+    # that knows a recent head relies on the entries after it.
+    assert repo.compact(keep_journal=ZERO).journal_entries_pruned == 0
+    assert len(storage.list_keys(branch_prefix("main"))) == n_entries + 1  # + compaction's own
+
+    # A clock one prune floor after ``middle``: the window is [middle, now].
     before = objects(storage)
-    dry = repo.compact(keep_journal=now() - middle, dry_run=True)
+    clock = middle + PRUNE_FLOOR
+    dry = compact_at(repo.core, keep_journal=ZERO, now=clock, dry_run=True)
     assert objects(storage) == before
-    report = repo.compact(keep_journal=now() - middle)
+    report = compact_at(repo.core, keep_journal=ZERO, now=clock)
     # Pruned: the entries of init, create and c1; kept: c2 (the head when the window began),
-    # c3 and compaction's own commit.
+    # c3 and the first compaction's commit (this one had nothing left to pack).
     assert report.journal_entries_pruned == dry.journal_entries_pruned == 3
+    assert report.snapshot is None
     assert len(storage.list_keys(branch_prefix("main"))) == n_entries + 1 - 3
     # as_of within the window still resolves, through the entry that was the head at its start.
     assert repo.readonly_session(as_of=middle).base == ids[2]
-    assert repo.readonly_session(as_of=now()).base == report.snapshot
+    assert repo.readonly_session(as_of=now()).base == repo.lookup_branch("main")
     with pytest.raises(zarrlake.RefNotFound):  # before the window: no longer answerable
         repo.readonly_session(as_of=times[ids[1]])
     # Pruning the journal does not touch history or data.
     assert [c.id for c in repo.log()][1:] == log_before
-    # keep_journal=0: the newest entry and the one before it (the head when the window began).
-    repo.compact(keep_journal=ZERO)
+    # keep_journal=0 a prune floor from now: the newest entry and the one before it.
+    compact_at(repo.core, keep_journal=ZERO, now=later())
     assert len(storage.list_keys(branch_prefix("main"))) == 2
     assert repo.readonly_session(as_of=now()).base == repo.lookup_branch("main")
     repo.gc(grace=ZERO, force=True)

@@ -24,6 +24,7 @@ import pytest
 import zarr
 
 import zarrlake
+from zarrlake.format.model import branch_entry_key
 from zarrlake_testkit.counting import CountingStorage, Counts
 from zarrlake_testkit.servers import start_moto, stop
 
@@ -177,7 +178,10 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts.reset()
 
     session = repo.writable_session("main")
-    assert _ops(counts) == ["list", "get"]  # the branch head, carrying its snapshot
+    # Listing the branches showed this client main's head: one read of the key of the entry
+    # after it, absent, proves the head has not moved.
+    assert _ops(counts) == ["get"]
+    assert counts.calls()[0][1] == branch_entry_key("main", 4)
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
     assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes
@@ -185,17 +189,45 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     assert len(counts.calls()) == 1
     counts.reset()
     session.commit("one chunk")
-    # The branch head again, the manifest to rewrite; the new manifest, the transaction log, the
-    # snapshot and the new head entry.
-    assert _ops(counts) == [
-        "list",
-        "get",
-        "get",
-        "put",
-        "put",
-        "put_create_only",
-        "put_create_only",
-    ]
+    # No read of the head: the append of the entry after the session's base decides. The
+    # manifest to rewrite; the new manifest, the transaction log and the snapshot in one
+    # concurrent round; then the new head entry.
+    ops = _ops(counts)
+    assert ops[0] == "get" and ops[-1] == "put_create_only"
+    assert sorted(ops[1:-1]) == ["put", "put", "put_create_only"]
+    assert counts.calls()[-1][1] == branch_entry_key("main", 4)  # the key just found absent
+
+
+def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    _repo_with_commits(counted, 2)
+    mine = zarrlake.Repository.open(counted())
+    other = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    base = mine.writable_session("main")  # learns the head (entry 3)
+    counts.reset()
+    assert mine.readonly_session("main").base == base.base
+    assert _ops(counts) == ["get"]  # entry 4: absent
+
+    # Another client commits twice; this client's knowledge is now stale.
+    for value in (8, 9):
+        s = other.writable_session("main")
+        zarr.open_array(s.store, path="data")[0:C] = value
+        s.commit(f"other {value}")
+    head = other.lookup_branch("main")
+    counts.reset()
+    assert mine.readonly_session("main").base == head
+    # Entries 4 and 5 found one by one (each carrying its snapshot), then a listing confirms
+    # the newest: a branch that moved more than the probes cover is always listed.
+    assert _ops(counts) == ["get", "get", "list", "get"]
+
+    # The stale session commits: its first append (entry 4) fails, then it reads the head and
+    # rebases onto it; nothing is lost.
+    zarr.open_array(base.store, path="data")[C : 2 * C] = 5
+    base.commit("mine, rebased")
+    data = zarr.open_array(mine.readonly_session("main").store, path="data", mode="r")[:]
+    assert list(data[:C]) == [9] * C and list(data[C : 2 * C]) == [5] * C
 
 
 # -- the benchmark's other counters --------------------------------------------------------------

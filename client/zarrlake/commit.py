@@ -238,7 +238,15 @@ class CommitEngine:
         meta = dict(metadata or {})
         with self.hold_branch(branch) as token:
             for attempt in range(MAX_COMMIT_ATTEMPTS):
-                head_entry = self.journal.current(branch)
+                # Without a lock, first try on the head this client last saw (the session's base,
+                # usually): if the branch moved since, the create-only append below fails and the
+                # next attempt reads the head. The append decides either way, so this saves a
+                # read, never a check. Holding the lock, read the head: it cannot move under us,
+                # so the first append always lands (one read of the next entry's key, mostly).
+                known = self.journal.known(branch) if attempt == 0 and token is None else None
+                head_entry = (
+                    known if known is not None and known.snapshot else self.journal.current(branch)
+                )
                 head = head_entry.snapshot
                 assert head is not None
                 if token is not None and head_entry.token is not None and token <= head_entry.token:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists
 from zarrlake.format.model import (
     JournalEntry,
@@ -27,6 +30,22 @@ from zarrlake.format.model import (
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+#: Journal entries younger than this are never pruned. A client that knows a branch's head entry
+#: ``N`` (a session's base, its own last commit) relies on it: entry ``N + 1`` was written after it
+#: learned ``N``, so while that knowledge is younger than this floor, "``N + 1`` is absent" means
+#: "``N`` is still the head", and a create-only write of ``N + 1`` cannot land behind a newer head
+#: whose predecessors were pruned. Sessions live at most :data:`MAX_SESSION_TTL`; a day of margin
+#: absorbs clock skew between the writers that time entries and the compaction that prunes them.
+PRUNE_FLOOR = MAX_SESSION_TTL + dt.timedelta(days=1)
+
+#: How long a client trusts a head it learned before it lists the journal again. Well inside
+#: :data:`PRUNE_FLOOR`; within it, checking that the head has not moved is one read of the next
+#: entry's key (absent: unmoved), where finding the newest entry needs a listing and a read.
+KNOWN_HEAD_TTL_S = 3600.0
+
+#: Entries past a known head to read one by one before listing instead (a branch that moved a lot).
+_PROBES = 2
 
 
 def validate_name(name: object, kind: str = "branch") -> str:
@@ -69,15 +88,50 @@ class BranchJournal:
         # Where a head entry's carried snapshot goes (the object store's cache), so whoever reads
         # the head next finds its snapshot without another request.
         self._adopt = adopt
+        # Branch -> (the head entry this client last saw, time.monotonic() when it was the head).
+        self._known: dict[str, tuple[JournalEntry, float]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What a client learned (and when, on its own monotonic clock) stays with that client.
+        return {"storage": self.storage, "adopt": self._adopt}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["storage"], state["adopt"])  # type: ignore[misc]
+
+    def known(self, name: str) -> JournalEntry | None:
+        """The head entry of ``name`` as this client last saw it (read, or written by its own
+        commit), if that was within :data:`KNOWN_HEAD_TTL_S`; else None. It may have moved since:
+        a create-only append of the entry after it decides (see :data:`PRUNE_FLOOR`)."""
+        seen = self._known.get(name)
+        if seen is None or time.monotonic() - seen[1] > KNOWN_HEAD_TTL_S:
+            return None
+        return seen[0]
+
+    def _learn(self, name: str, entry: JournalEntry, at: float) -> None:
+        self._known[name] = (entry, at)
+        if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
+            self._adopt(entry.snapshot, entry.snapshot_data)
 
     def head(self, name: str) -> JournalEntry | None:
-        """The newest entry of the branch's journal (None if the branch never existed)."""
+        """The newest entry of the branch's journal (None if the branch never existed).
+
+        With a recently known head ``N``, reads the keys of ``N + 1`` (and on) instead of listing:
+        an absent next entry proves the head is the last one found. Otherwise, one listing.
+        """
+        asked = time.monotonic()
+        entry = self.known(name)
+        if entry is not None:
+            for _ in range(_PROBES):
+                try:
+                    entry = self.read_entry(branch_entry_key(name, entry.seq + 1))
+                except ObjectNotFound:
+                    self._learn(name, entry, asked)
+                    return entry
         keys = self.storage.list_keys(branch_prefix(name), limit=1)
         if not keys:
             return None
         entry = self.read_entry(keys[0])
-        if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
-            self._adopt(entry.snapshot, entry.snapshot_data)
+        self._learn(name, entry, asked)
         return entry
 
     def entry_keys(self, name: str) -> list[str]:
@@ -134,16 +188,23 @@ class BranchJournal:
         False means another writer took that sequence number (the caller re-reads and retries).
         """
         key = branch_entry_key(name, entry.seq)
+        asked = time.monotonic()
         try:
             self.storage.put(key, entry.encode(), create_only=True)
-            return True
         except PreconditionFailed:
             try:
                 existing = self.read_entry(key)
             except ObjectNotFound:
-                return False
+                existing = None
             # Our own write whose response was lost still counts as ours.
-            return existing.writer == entry.writer and existing.snapshot == entry.snapshot
+            if existing is None or (existing.writer, existing.snapshot) != (
+                entry.writer,
+                entry.snapshot,
+            ):
+                self._known.pop(name, None)
+                return False
+        self._learn(name, entry, asked)
+        return True
 
     def names(self) -> list[str]:
         """Names of every branch that has a journal (deleted branches included)."""

@@ -121,7 +121,7 @@ def add_compact(commands: Commands) -> None:
         "--keep-journal",
         default="7d",
         metavar="DURATION",
-        help="keep branch-journal entries (as_of) this far back (default 7d)",
+        help="keep branch-journal entries (as_of) this far back (at least 8d, whatever is given)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
     add_json(p)

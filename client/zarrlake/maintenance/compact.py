@@ -4,7 +4,8 @@
   digest stays in the ref, so diffs and rebases see no change of data).
 - The branch head's manifest is re-cut into evenly filled shards (undersized shards merge).
 - Old branch-journal entries are pruned: the newest stays, and every entry ``as_of`` may still
-  need within ``keep_journal``.
+  need within ``keep_journal`` — and never one younger than :data:`zarrlake.refs.PRUNE_FLOOR`
+  (8 days), which clients that know a recent head rely on.
 
 Compaction commits like any writer, with ``UseTheirs`` semantics: a user commit that races it and
 touches a packed chunk keeps its own data, and the relocation is simply dropped for that chunk.
@@ -27,6 +28,7 @@ from zarrlake.format import manifest
 from zarrlake.format.ids import content_hash
 from zarrlake.format.model import OBJECT, PACKED, ChunkRef, Snapshot, pack_key
 from zarrlake.nodes import split_chunk_key
+from zarrlake.refs import PRUNE_FLOOR
 
 DEFAULT_PACK_BELOW = 256 * 1024
 PACK_TARGET_BYTES = 64 * 1024 * 1024
@@ -113,11 +115,14 @@ def compact(
     dry_run: bool = False,
     pack_target_bytes: int = PACK_TARGET_BYTES,
     progress: Callable[[str, int], None] | None = None,
+    now: dt.datetime | None = None,
 ) -> CompactReport:
     """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
 
     Chunk objects under ``pack_below_bytes`` go into packs of about ``pack_target_bytes``; journal
-    entries older than ``keep_journal`` that ``as_of`` cannot need are deleted. Raises
+    entries older than ``keep_journal`` (at least :data:`~zarrlake.refs.PRUNE_FLOOR`) that
+    ``as_of`` cannot need are deleted, their age measured back from ``now`` (default: the clock;
+    tests move it forward). Raises
     :class:`ConflictError` if user commits kept reshaping what it packed three times over, and
     :class:`RefNotFound` for a missing branch.
     """
@@ -132,7 +137,7 @@ def compact(
             # A user commit reshaped what we packed (e.g. resized an array): start over on it.
             if attempt == 2:
                 raise
-    pruned = _prune_journal(core, branch, keep_journal, dry_run)
+    pruned = _prune_journal(core, branch, max(keep_journal, PRUNE_FLOOR), now, dry_run)
     return CompactReport(
         branch=branch,
         dry_run=dry_run,
@@ -219,13 +224,19 @@ def _pack_and_commit(
     return outcome(len(objects.snapshot(new_id).shards), new_id)
 
 
-def _prune_journal(core: RepositoryCore, branch: str, keep: dt.timedelta, dry_run: bool) -> int:
+def _prune_journal(
+    core: RepositoryCore,
+    branch: str,
+    keep: dt.timedelta,
+    now: dt.datetime | None,
+    dry_run: bool,
+) -> int:
     """Delete journal entries nobody can need: all but the newest, those younger than ``keep``,
     and the newest one older than ``keep`` (the head at the start of the window)."""
     entries = core.journal.history(branch)  # newest first
     if len(entries) <= 1:
         return 0
-    cutoff = dt.datetime.now(dt.UTC) - keep
+    cutoff = (now or dt.datetime.now(dt.UTC)) - keep
     doomed: list[int] = []
     boundary_kept = False
     for i, entry in enumerate(entries):
