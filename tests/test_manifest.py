@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zarrlake.format import manifest as manifest_module
 from zarrlake.format.ids import content_hash
 from zarrlake.format.manifest import (
     ManifestUpdate,
@@ -102,6 +103,10 @@ def check_update(old: list[ShardInfo], update: ManifestUpdate, store: ShardStore
     new_digests = {s.digest for s in update.index}
     assert set(update.new_shards) <= new_digests
     assert new_digests - {s.digest for s in old} <= set(update.new_shards)
+    # The shards as values are exactly what was encoded (a writer caches them for its next commit).
+    assert update.built.keys() == update.new_shards.keys()
+    for digest, shard in update.built.items():
+        assert shard == ManifestShard.decode(update.new_shards[digest])
 
 
 # -- strategies ------------------------------------------------------------------------------------
@@ -143,9 +148,25 @@ def draw_commit(data: st.DataObject, model: Model) -> tuple[dict[str, ChunkRef |
 HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.fixture(params=["splice", "merge"])
+def change_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a shard takes its changes: spliced into its sorted lists (few changes), or
+    merged through a dict and a sort (many)."""
+    if request.param == "merge":
+        monkeypatch.setattr(manifest_module, "SPLICE_MAX", 0)
+    return str(request.param)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    # change_path sets a constant for the whole test, the same for every example.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.integers(4, 16), st.integers(1, 8), st.data())
-def test_apply_changes_matches_model(max_refs: int, steps: int, data: st.DataObject) -> None:
+def test_apply_changes_matches_model(
+    change_path: str, max_refs: int, steps: int, data: st.DataObject
+) -> None:
     store = ShardStore()
     index: list[ShardInfo] = []
     model: Model = {}

@@ -36,7 +36,7 @@ from zarrlake.conflicts import (
 from zarrlake.errors import Conflict, ConflictError, MergeConflictError, RefNotFound, ZarrlakeError
 from zarrlake.format import manifest
 from zarrlake.format.ids import new_snapshot_id
-from zarrlake.format.manifest import prefix_matches
+from zarrlake.format.manifest import ManifestUpdate, prefix_matches
 from zarrlake.format.model import (
     AncestorRecord,
     JournalEntry,
@@ -47,7 +47,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.history import CommitGraph
 from zarrlake.nodes import array_paths, meta_key_node
-from zarrlake.objects import ObjectStore
+from zarrlake.objects import CommitObjects, ObjectStore
 from zarrlake.refs import BranchJournal, new_writer_id
 
 #: The lock name garbage collection's sweep and deduplicating commits share.
@@ -177,9 +177,11 @@ class CommitEngine:
         if self.journal.head(branch) is not None:
             return
         snap = Snapshot(new_snapshot_id(), (), _now(), None, "Repository initialized", {}, {}, [])
-        data = self.objects.put_snapshot(snap, TxLog([], [], [], []), {})
+        commit = CommitObjects(snap, snap.encode(), TxLog([], [], [], []), ManifestUpdate([], {}))
+        self.objects.put_commit(commit)
         self.journal.append(
-            branch, JournalEntry(0, snap.id, None, _now(), new_writer_id(), snapshot_data=data)
+            branch,
+            JournalEntry(0, snap.id, None, _now(), new_writer_id(), snapshot_data=commit.encoded),
         )
 
     def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:
@@ -266,7 +268,7 @@ class CommitEngine:
                     changeset = self.rebase(changeset, head, policy)
                     self.stats["rebases"] += 1
                 parent = self.objects.snapshot(head)
-                snap, txlog, shards = self._build_snapshot(
+                built = self._build_snapshot(
                     parent,
                     changeset,
                     message,
@@ -276,9 +278,10 @@ class CommitEngine:
                     relocation=policy.relocates,
                     reshard=reshard,
                 )
-                data = self.objects.put_snapshot(snap, txlog, shards)
+                snap = built.snapshot
+                self.objects.put_commit(built)
                 entry = JournalEntry(
-                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, data
+                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, built.encoded
                 )
                 # Chunks we deduplicated against may be old garbage GC is about to sweep: check
                 # they still exist, and (with a lock service) keep GC's deletes out until the
@@ -416,7 +419,7 @@ class CommitEngine:
         *,
         relocation: bool,
         reshard: bool,
-    ) -> tuple[Snapshot, TxLog, dict[str, bytes]]:
+    ) -> CommitObjects:
         nodes = dict(parent.nodes)
         removed_nodes = []
         for p in cs.deleted_prefixes:
@@ -433,15 +436,17 @@ class CommitEngine:
             parent.shards, cs.chunks, cs.deleted_prefixes, self.objects.shard, max_refs
         )
         if reshard:
-            pending = dict(update.new_shards)
+            pending = update
 
             def load(info: ShardInfo) -> ManifestShard:
-                data = pending.get(info.digest)
-                return ManifestShard.decode(data) if data is not None else self.objects.shard(info)
+                built = pending.built.get(info.digest)
+                return built if built is not None else self.objects.shard(info)
 
             rebuilt = manifest.rebuild(update.index, load, max_refs)
             kept = {s.digest for s in rebuilt.index}
-            rebuilt.new_shards.update({d: b for d, b in pending.items() if d in kept})
+            for digest in kept & pending.new_shards.keys():
+                rebuilt.new_shards[digest] = pending.new_shards[digest]
+                rebuilt.built[digest] = pending.built[digest]
             update = rebuilt
         txlog = TxLog(
             sorted(set(cs.nodes) | set(removed_nodes)),
@@ -463,7 +468,7 @@ class CommitEngine:
             history=_history_for(parent),
         )
         try:
-            snap.encode()
+            encoded = snap.encode()
         except (TypeError, ValueError) as e:
             raise ValueError(f"commit metadata is not serializable: {e}") from None
-        return snap, txlog, update.new_shards
+        return CommitObjects(snap, encoded, txlog, update)

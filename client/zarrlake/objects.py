@@ -8,10 +8,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
 from zarrlake.format.ids import content_hash
+from zarrlake.format.manifest import ManifestUpdate
 from zarrlake.format.model import (
     INLINE,
     OBJECT,
@@ -58,6 +60,17 @@ class LRU(Generic[K, V]):
             self._data.pop(key, None)
 
 
+@dataclass(frozen=True, slots=True)
+class CommitObjects:
+    """What one commit writes before its journal entry: the snapshot (and its encoding, which
+    the entry carries too), the transaction log, and the manifest shards it cut."""
+
+    snapshot: Snapshot
+    encoded: bytes
+    txlog: TxLog | None
+    manifest: ManifestUpdate
+
+
 class ObjectStore:
     """Typed access to a repository's objects. Picklable (caches are not carried along)."""
 
@@ -69,9 +82,6 @@ class ObjectStore:
         self._snapshots: LRU[str, Snapshot] = LRU(512)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
-        # Shards this client wrote, still encoded: the next commit on the branch usually rewrites
-        # one of them, and should not have to fetch back what it just uploaded.
-        self._written_shards: LRU[str, bytes] = LRU(64)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage}
@@ -127,9 +137,6 @@ class ObjectStore:
                 raise CorruptObject(key, "content does not match its digest")
             return ManifestShard.decode(data, key)
 
-        written = self._written_shards.get(info.digest)
-        if written is not None and self._shards.get(info.digest) is None:
-            self._shards.put(info.digest, ManifestShard.decode(written, manifest_key(info.digest)))
         try:
             return self._cached(
                 self._shards, manifest_key(info.digest), info.digest, parse, "manifest"
@@ -152,27 +159,27 @@ class ObjectStore:
         :class:`RefNotFound` if one is missing."""
         return self.storage.map(self.txlog, list(snapshot_ids))
 
-    def put_snapshot(self, snap: Snapshot, txlog: TxLog | None, shards: dict[str, bytes]) -> bytes:
-        """Write a commit's objects in one concurrent round; returns the encoded snapshot.
+    def put_commit(self, commit: CommitObjects) -> None:
+        """Write a commit's objects in one concurrent round, and keep them in the caches.
 
         The snapshot need not wait for its shards and txlog: nothing is reachable until a journal
         entry names it, and that entry is written only after this returns. A writer that dies
         midway leaves unreachable objects, which garbage collection removes.
         """
-        data = snap.encode()
+        snap, txlog = commit.snapshot, commit.txlog
         writes: list[tuple[str, bytes, bool]] = [
-            (manifest_key(d), b, False) for d, b in shards.items()
+            (manifest_key(d), b, False) for d, b in commit.manifest.new_shards.items()
         ]
         if txlog is not None:
             writes.append((txlog_key(snap.id), txlog.encode(), False))
-        writes.append((snapshot_key(snap.id), data, True))
+        writes.append((snapshot_key(snap.id), commit.encoded, True))
         self.storage.map(lambda w: self.storage.put(w[0], w[1], create_only=w[2]), writes)
         self._snapshots.put(snap.id, snap)
         if txlog is not None:
             self._txlogs.put(snap.id, txlog)
-        for digest, shard_data in shards.items():
-            self._written_shards.put(digest, shard_data)
-        return data
+        # The next commit on the branch usually rewrites one of these shards: keep them decoded.
+        for digest, shard in commit.manifest.built.items():
+            self._shards.put(digest, shard)
 
     # -- chunks ------------------------------------------------------------------------------------
 

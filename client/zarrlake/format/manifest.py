@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zarrlake.format.ids import content_hash
 from zarrlake.format.model import ChunkRef, ManifestShard, ShardInfo, ref_identity
@@ -130,16 +130,72 @@ def iter_all(index: list[ShardInfo], load: Loader) -> Iterator[tuple[str, ChunkR
 
 @dataclass(slots=True)
 class ManifestUpdate:
-    """The result of applying changes: the new index and the shards that must be written."""
+    """The result of applying changes: the new index and the shards that must be written.
+
+    ``built`` holds the same new shards as values (digest -> shard), so that a writer can keep
+    them at hand for its next commit without decoding what it just encoded.
+    """
 
     index: list[ShardInfo]
     new_shards: dict[str, bytes]  # digest -> encoded shard
+    built: dict[str, ManifestShard] = field(default_factory=dict)
 
 
-def build_shard(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes]:
-    data = ManifestShard(keys, refs).encode()
-    digest = content_hash(data)
-    return ShardInfo(keys[0], keys[-1], digest, len(keys)), data
+class _Built:
+    """Shards cut so far: digest -> (shard, encoded)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[str, tuple[ManifestShard, bytes]] = {}
+
+    def update(self, index: list[ShardInfo], exclude: set[str] | None = None) -> ManifestUpdate:
+        """The update to ``index`` with those built shards it names (and ``exclude`` does not)."""
+        wanted = {s.digest for s in index} - (exclude or set())
+        kept = {d: v for d, v in self.shards.items() if d in wanted}
+        return ManifestUpdate(
+            index, {d: v[1] for d, v in kept.items()}, {d: v[0] for d, v in kept.items()}
+        )
+
+
+def _build(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes, ManifestShard]:
+    shard = ManifestShard(keys, refs)
+    data = shard.encode()
+    return ShardInfo(keys[0], keys[-1], content_hash(data), len(keys)), data, shard
+
+
+#: Up to this many changes in one shard are spliced into copies of its sorted lists; more are
+#: merged through a dict and a sort.
+SPLICE_MAX = 64
+
+
+def _changed(
+    shard: ManifestShard, keys: list[str], changes: Mapping[str, ChunkRef | None]
+) -> tuple[list[str], list[ChunkRef]]:
+    """The shard's sorted (keys, refs) with ``changes`` (for ``keys``, sorted) applied."""
+    if len(keys) > SPLICE_MAX:
+        merged = dict(zip(shard.keys, shard.refs, strict=True))
+        for k in keys:
+            v = changes[k]
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        ks = sorted(merged)
+        return ks, [merged[k] for k in ks]
+    ks, rs = list(shard.keys), list(shard.refs)
+    for k in keys:
+        v = changes[k]
+        j = bisect.bisect_left(ks, k)
+        present = j < len(ks) and ks[j] == k
+        if v is None:
+            if present:
+                del ks[j]
+                del rs[j]
+        elif present:
+            rs[j] = v
+        else:
+            ks.insert(j, k)
+            rs.insert(j, v)
+    return ks, rs
 
 
 def _emit(
@@ -147,7 +203,7 @@ def _emit(
     refs: list[ChunkRef],
     max_refs: int,
     out: list[ShardInfo],
-    new: dict[str, bytes],
+    new: _Built,
 ) -> None:
     if not keys:
         return
@@ -158,9 +214,9 @@ def _emit(
     start = 0
     for p in range(pieces):
         end = start + size + (p < extra)
-        info, data = build_shard(keys[start:end], refs[start:end])
+        info, data, shard = _build(keys[start:end], refs[start:end])
         out.append(info)
-        new[info.digest] = data
+        new.shards[info.digest] = (shard, data)
         start = end
 
 
@@ -199,16 +255,15 @@ def apply_changes(
                 else:
                     touched.setdefault(i, [])
 
+    new = _Built()
     if not index:
         present = {k: v for k, v in changes.items() if v is not None}
         keys = sorted(present)
         out: list[ShardInfo] = []
-        new: dict[str, bytes] = {}
         _emit(keys, [present[k] for k in keys], max_refs, out, new)
-        return ManifestUpdate(out, new)
+        return new.update(out)
 
     out = []
-    new = {}
     pend_keys: list[str] = []
     pend_refs: list[ChunkRef] = []
     for i, info in enumerate(index):
@@ -219,20 +274,16 @@ def apply_changes(
             continue
         shard = load(info)
         if i in touched:
-            merged = dict(zip(shard.keys, shard.refs, strict=True))
             if deleted:
-                for k in list(merged):
-                    if any(prefix_matches(k, p) for p in deleted):
-                        del merged[k]
-            for k in touched[i]:
-                v = changes[k]
-                if v is None:
-                    merged.pop(k, None)
-                else:
-                    merged[k] = v
-            ks = sorted(merged)
+                kept = [
+                    j
+                    for j, k in enumerate(shard.keys)
+                    if not any(prefix_matches(k, p) for p in deleted)
+                ]
+                shard = ManifestShard([shard.keys[j] for j in kept], [shard.refs[j] for j in kept])
+            ks, rs = _changed(shard, touched[i], changes)
             pend_keys.extend(ks)
-            pend_refs.extend(merged[k] for k in ks)
+            pend_refs.extend(rs)
         else:
             pend_keys.extend(shard.keys)
             pend_refs.extend(shard.refs)
@@ -244,12 +295,12 @@ def apply_changes(
             # An undersized tail joins the shard before it (and _emit splits them evenly if
             # together they exceed the bound).
             prev = out.pop()
-            shard = load(prev) if prev.digest not in new else ManifestShard.decode(new[prev.digest])
+            built = new.shards.get(prev.digest)
+            shard = load(prev) if built is None else built[0]
             pend_keys = shard.keys + pend_keys
             pend_refs = shard.refs + pend_refs
         _emit(pend_keys, pend_refs, max_refs, out, new)
-    kept = {s.digest for s in out}
-    return ManifestUpdate(out, {d: b for d, b in new.items() if d in kept})
+    return new.update(out)
 
 
 def diff_entries(
@@ -287,7 +338,6 @@ def rebuild(index: list[ShardInfo], load: Loader, max_refs: int) -> ManifestUpda
         keys.extend(shard.keys)
         refs.extend(shard.refs)
     out: list[ShardInfo] = []
-    new: dict[str, bytes] = {}
+    new = _Built()
     _emit(keys, refs, max_refs, out, new)
-    old = {s.digest for s in index}
-    return ManifestUpdate(out, {d: b for d, b in new.items() if d not in old})
+    return new.update(out, exclude={s.digest for s in index})
