@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -178,10 +179,14 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts.reset()
 
     session = repo.writable_session("main")
-    # Listing the branches showed this client main's head: one read of the key of the entry
-    # after it, absent, proves the head has not moved.
-    assert _ops(counts) == ["get"]
-    assert counts.calls()[0][1] == branch_entry_key("main", 4)
+    # Listing the branches showed this client main's head: one concurrent round of two reads,
+    # the head's own entry (still the one seen) and the key after it (absent), proves the head
+    # has not moved. Two requests, as the listing and the read were, but one round trip.
+    assert _ops(counts) == ["get", "get"]
+    assert {key for _, key in counts.calls()} == {
+        branch_entry_key("main", 3),
+        branch_entry_key("main", 4),
+    }
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
     assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes
@@ -189,12 +194,14 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     assert len(counts.calls()) == 1
     counts.reset()
     session.commit("one chunk")
-    # No read of the head: the append of the entry after the session's base decides. The
-    # manifest to rewrite; the new manifest, the transaction log and the snapshot in one
-    # concurrent round; then the new head entry.
+    # No listing of the head: the append of the entry after the session's base decides. The
+    # manifest to rewrite; then one concurrent round: the new manifest, the transaction log, the
+    # snapshot, and a read of the base's entry (still there: the repository was not replaced);
+    # then the new head entry.
     ops = _ops(counts)
     assert ops[0] == "get" and ops[-1] == "put_create_only"
-    assert sorted(ops[1:-1]) == ["put", "put", "put_create_only"]
+    assert sorted(ops[1:-1]) == ["get", "put", "put", "put_create_only"]
+    assert ("get", branch_entry_key("main", 3)) in counts.calls()
     assert counts.calls()[-1][1] == branch_entry_key("main", 4)  # the key just found absent
 
 
@@ -208,7 +215,7 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
     base = mine.writable_session("main")  # learns the head (entry 3)
     counts.reset()
     assert mine.readonly_session("main").base == base.base
-    assert _ops(counts) == ["get"]  # entry 4: absent
+    assert _ops(counts) == ["get", "get"]  # entry 3: still there; entry 4: absent
 
     # Another client commits twice; this client's knowledge is now stale.
     for value in (8, 9):
@@ -218,16 +225,55 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
     head = other.lookup_branch("main")
     counts.reset()
     assert mine.readonly_session("main").base == head
-    # Entries 4 and 5 found one by one (each carrying its snapshot), then a listing confirms
-    # the newest: a branch that moved more than the probes cover is always listed.
-    assert _ops(counts) == ["get", "get", "list", "get"]
+    # Entry 3 still there and 4 found, then 5 found (each carrying its snapshot) and 6 absent.
+    assert _ops(counts) == ["get", "get", "get", "get"]
+    for value in (10, 11, 12, 13):
+        s = other.writable_session("main")
+        zarr.open_array(s.store, path="data")[0:C] = value
+        s.commit(f"other {value}")
+    head = other.lookup_branch("main")
+    counts.reset()
+    assert mine.readonly_session("main").base == head
+    # Moved further than the probes cover: listed.
+    assert _ops(counts) == ["get", "get", "get", "get", "list", "get"]
 
     # The stale session commits: its first append (entry 4) fails, then it reads the head and
     # rebases onto it; nothing is lost.
     zarr.open_array(base.store, path="data")[C : 2 * C] = 5
     base.commit("mine, rebased")
     data = zarr.open_array(mine.readonly_session("main").store, path="data", mode="r")[:]
-    assert list(data[:C]) == [9] * C and list(data[C : 2 * C]) == [5] * C
+    assert list(data[:C]) == [13] * C and list(data[C : 2 * C]) == [5] * C
+
+
+def test_a_repository_created_anew_under_a_client_is_never_written_through_old_knowledge(
+    tmp_path: Path,
+) -> None:
+    """The known head of a deleted repository must not be trusted at a new one in its place:
+    not to read (it would show the old data) and never to append (the new repository's branch
+    would name a parent it does not have)."""
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    old = zarrlake.Repository.create(storage)
+    s = old.writable_session("main")
+    zarr.create_array(s.store, name="data", shape=(4,), chunks=(2,), dtype="int64", fill_value=0)
+    s.commit("old 1")
+    s = old.writable_session("main")
+    zarr.open_array(s.store, path="data")[:] = 1
+    s.commit("old 2")
+    stale = old.writable_session("main")  # based on entry 2, which this client knows
+    zarr.open_array(stale.store, path="data")[:] = 7
+
+    shutil.rmtree(tmp_path / "r")  # the repository is deleted, and created anew
+    new = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = new.writable_session("main")
+    zarr.create_array(s.store, name="data", shape=(4,), chunks=(2,), dtype="int64", fill_value=0)
+    s.commit("new 1")  # entry 1 of the new main; entry 2 is free
+    new_head = new.lookup_branch("main")
+
+    assert old.readonly_session("main").base == new_head  # not the old head from memory
+    with pytest.raises(zarrlake.ZarrlakeError):
+        stale.commit("through old knowledge")  # the base is not in this repository's history
+    assert new.lookup_branch("main") == new_head
+    assert new.fsck().ok
 
 
 # -- the benchmark's other counters --------------------------------------------------------------

@@ -826,6 +826,26 @@ def test_capabilities_are_declared(storage: Storage) -> None:
         assert getattr(type(storage), name) == getattr(storage, name)
 
 
+def test_map_inside_map_finishes(storage: Storage) -> None:
+    # An I/O function that maps in turn (reading a branch's head while listing every branch) runs
+    # on the pool it would wait on: with every thread busy, it must not wait forever.
+    for i in range(2):
+        storage.put(f"k{i}", bytes([i]))
+    results: list[list[list[bytes]]] = []
+
+    def outer(_: int) -> list[bytes]:
+        return storage.map(storage.get, ["k0", "k1"])
+
+    worker = threading.Thread(
+        target=lambda: results.append(storage.map(outer, range(storage.concurrency * 2))),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "a nested map waited forever on its own pool"
+    assert results == [[[b"\x00", b"\x01"]] * (storage.concurrency * 2)]
+
+
 def test_shared_across_processes_means_a_copy_sees_the_same_objects(storage: Storage) -> None:
     storage.put("seen", b"1")
     copy = pickle.loads(pickle.dumps(storage))

@@ -44,6 +44,7 @@ from zarrlake.format.model import (
     ShardInfo,
     Snapshot,
     TxLog,
+    branch_entry_key,
 )
 from zarrlake.history import CommitGraph
 from zarrlake.nodes import array_paths, meta_key_node
@@ -241,14 +242,15 @@ class CommitEngine:
         with self.hold_branch(branch) as token:
             for attempt in range(MAX_COMMIT_ATTEMPTS):
                 # Without a lock, first try on the head this client last saw (the session's base,
-                # usually): if the branch moved since, the create-only append below fails and the
+                # usually), checking that its entry is still there alongside writing the commit's
+                # objects: if the branch moved since, the create-only append below fails and the
                 # next attempt reads the head. The append decides either way, so this saves a
-                # read, never a check. Holding the lock, read the head: it cannot move under us,
-                # so the first append always lands (one read of the next entry's key, mostly).
+                # listing and a round trip, never a check. Holding the lock, read the head: it
+                # cannot move under us, so the first append always lands.
                 known = self.journal.known(branch) if attempt == 0 and token is None else None
-                head_entry = (
-                    known if known is not None and known.snapshot else self.journal.current(branch)
-                )
+                if known is not None and known.snapshot is None:
+                    known = None
+                head_entry = known if known is not None else self.journal.current(branch)
                 head = head_entry.snapshot
                 assert head is not None
                 if token is not None and head_entry.token is not None and token <= head_entry.token:
@@ -279,7 +281,12 @@ class CommitEngine:
                     reshard=reshard,
                 )
                 snap = built.snapshot
-                self.objects.put_commit(built)
+                check = branch_entry_key(branch, head_entry.seq) if known is not None else None
+                found = self.objects.put_commit(built, read=check)
+                if known is not None and not self.journal.confirms(branch, found, known):
+                    # Not the entry this client saw: a repository created anew at this location.
+                    self.journal.forget(branch)
+                    continue
                 entry = JournalEntry(
                     head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, built.encoded
                 )

@@ -159,12 +159,14 @@ class ObjectStore:
         :class:`RefNotFound` if one is missing."""
         return self.storage.map(self.txlog, list(snapshot_ids))
 
-    def put_commit(self, commit: CommitObjects) -> None:
+    def put_commit(self, commit: CommitObjects, *, read: str | None = None) -> bytes | None:
         """Write a commit's objects in one concurrent round, and keep them in the caches.
 
         The snapshot need not wait for its shards and txlog: nothing is reachable until a journal
         entry names it, and that entry is written only after this returns. A writer that dies
-        midway leaves unreachable objects, which garbage collection removes.
+        midway leaves unreachable objects, which garbage collection removes. ``read``: a key to
+        read in the same round (the committer's check of the head it builds on); returns its
+        bytes, or None if absent (None too without ``read``).
         """
         snap, txlog = commit.snapshot, commit.txlog
         writes: list[tuple[str, bytes, bool]] = [
@@ -173,13 +175,26 @@ class ObjectStore:
         if txlog is not None:
             writes.append((txlog_key(snap.id), txlog.encode(), False))
         writes.append((snapshot_key(snap.id), commit.encoded, True))
-        self.storage.map(lambda w: self.storage.put(w[0], w[1], create_only=w[2]), writes)
+
+        def step(i: int) -> bytes | None:
+            if i == len(writes):
+                assert read is not None
+                try:
+                    return self.storage.get(read)
+                except ObjectNotFound:
+                    return None
+            key, data, create_only = writes[i]
+            self.storage.put(key, data, create_only=create_only)
+            return None
+
+        found = self.storage.map(step, range(len(writes) + (read is not None)))
         self._snapshots.put(snap.id, snap)
         if txlog is not None:
             self._txlogs.put(snap.id, txlog)
         # The next commit on the branch usually rewrites one of these shards: keep them decoded.
         for digest, shard in commit.manifest.built.items():
             self._shards.put(digest, shard)
+        return found[-1] if read is not None else None
 
     # -- chunks ------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from zarrlake.config import MAX_SESSION_TTL
-from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists
+from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists, ZarrlakeError
 from zarrlake.format.model import (
     JournalEntry,
     TagRecord,
@@ -44,7 +44,8 @@ PRUNE_FLOOR = MAX_SESSION_TTL + dt.timedelta(days=1)
 #: entry's key (absent: unmoved), where finding the newest entry needs a listing and a read.
 KNOWN_HEAD_TTL_S = 3600.0
 
-#: Entries past a known head to read one by one before listing instead (a branch that moved a lot).
+#: Entries past a known head's successor to read one by one before listing instead (a branch
+#: that moved a lot).
 _PROBES = 2
 
 
@@ -100,33 +101,64 @@ class BranchJournal:
 
     def known(self, name: str) -> JournalEntry | None:
         """The head entry of ``name`` as this client last saw it (read, or written by its own
-        commit), if that was within :data:`KNOWN_HEAD_TTL_S`; else None. It may have moved since:
-        a create-only append of the entry after it decides (see :data:`PRUNE_FLOOR`)."""
+        commit), if that was within :data:`KNOWN_HEAD_TTL_S`; else None. It may have moved since,
+        or be gone with a repository deleted and created anew at this location: see
+        :meth:`confirms` and :data:`PRUNE_FLOOR` for what makes it safe to use."""
         seen = self._known.get(name)
         if seen is None or time.monotonic() - seen[1] > KNOWN_HEAD_TTL_S:
             return None
         return seen[0]
+
+    def forget(self, name: str) -> None:
+        """Drop what this client knows of ``name``'s head (the next read lists the journal)."""
+        self._known.pop(name, None)
 
     def _learn(self, name: str, entry: JournalEntry, at: float) -> None:
         self._known[name] = (entry, at)
         if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
             self._adopt(entry.snapshot, entry.snapshot_data)
 
+    def confirms(self, name: str, data: bytes | None, entry: JournalEntry) -> bool:
+        """Whether ``data``, read from the key of ``entry``, is ``entry`` itself: the same
+        sequence number, snapshot and writer id. False for an absent or unreadable object, or
+        another writer's entry (a repository deleted and created anew under this client)."""
+        if data is None:
+            return False
+        try:
+            found = self._parse(branch_entry_key(name, entry.seq), data)
+        except ZarrlakeError:
+            return False
+        return (found.snapshot, found.writer) == (entry.snapshot, entry.writer)
+
+    def _get_optional(self, key: str) -> bytes | None:
+        try:
+            return self.storage.get(key)
+        except ObjectNotFound:
+            return None
+
     def head(self, name: str) -> JournalEntry | None:
         """The newest entry of the branch's journal (None if the branch never existed).
 
-        With a recently known head ``N``, reads the keys of ``N + 1`` (and on) instead of listing:
-        an absent next entry proves the head is the last one found. Otherwise, one listing.
+        With a recently known head ``N``, one concurrent round reads the keys of ``N`` (still
+        the entry this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next
+        key is read too), instead of a listing and a read; otherwise, or if ``N`` is not what it
+        was, the listing.
         """
         asked = time.monotonic()
-        entry = self.known(name)
-        if entry is not None:
-            for _ in range(_PROBES):
-                try:
-                    entry = self.read_entry(branch_entry_key(name, entry.seq + 1))
-                except ObjectNotFound:
+        known = self.known(name)
+        if known is not None:
+            keys = [branch_entry_key(name, known.seq + i) for i in (0, 1)]
+            mine, following = self.storage.map(self._get_optional, keys)
+            if self.confirms(name, mine, known):
+                entry, probes = known, 0
+                while following is not None and probes < _PROBES:
+                    entry = self._parse(branch_entry_key(name, entry.seq + 1), following)
+                    following = self._get_optional(branch_entry_key(name, entry.seq + 1))
+                    probes += 1
+                if following is None:
                     self._learn(name, entry, asked)
                     return entry
+            self.forget(name)
         keys = self.storage.list_keys(branch_prefix(name), limit=1)
         if not keys:
             return None
@@ -145,7 +177,11 @@ class BranchJournal:
         :class:`UnsupportedFormat` if it does not parse or its sequence number disagrees with its
         key.
         """
-        entry = JournalEntry.decode(self.storage.get(key), key)
+        return self._parse(key, self.storage.get(key))
+
+    @staticmethod
+    def _parse(key: str, data: bytes) -> JournalEntry:
+        entry = JournalEntry.decode(data, key)
         if entry.seq != seq_from_entry_key(key):
             raise CorruptObject(key, f"entry claims sequence {entry.seq}")
         return entry

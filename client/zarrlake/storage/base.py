@@ -29,6 +29,7 @@ import builtins
 import datetime as dt
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,15 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: Set in the threads of the I/O pools (see :meth:`Storage.map`).
+_POOL_THREAD = threading.local()
+
+
+def _mark_pool_thread() -> None:
+    _POOL_THREAD.marked = True
+
+
 S = TypeVar("S", bound="Storage")
 
 
@@ -305,15 +315,21 @@ class Storage(abc.ABC):
         pool: ThreadPoolExecutor | None = self.__dict__.get("_pool")
         if pool is None:
             pool = ThreadPoolExecutor(
-                max_workers=self.concurrency, thread_name_prefix="zarrlake-io"
+                max_workers=self.concurrency,
+                thread_name_prefix="zarrlake-io",
+                initializer=_mark_pool_thread,
             )
             self.__dict__["_pool"] = pool
         return pool
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> builtins.list[T]:
-        """Apply an I/O function to many items concurrently, preserving order."""
+        """Apply an I/O function to many items concurrently, preserving order.
+
+        Called from one of the pool's own threads (an I/O function that maps in turn), it runs
+        the items in that thread: waiting on the pool from inside it could wait forever.
+        """
         items = builtins.list(items)
-        if len(items) <= 1:
+        if len(items) <= 1 or getattr(_POOL_THREAD, "marked", False):
             return [fn(x) for x in items]
         return builtins.list(self._executor().map(fn, items))
 
