@@ -146,6 +146,44 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
     assert _ops(counts) == ["get"]  # the manifest is cached: the chunk alone
 
 
+@pytest.mark.parametrize("how", ["create", "reset"])
+def test_a_new_or_reset_branch_reads_like_a_committed_one(
+    counted: Callable[[], CountingStorage], how: str
+) -> None:
+    ids = _repo_with_commits(counted, 2)
+    repo = zarrlake.Repository.open(counted())
+    repo.create_tag("v1", ids[1])  # a tag: resolving it does not read the snapshot
+    if how == "create":
+        repo.create_branch("dev", "v1")
+    else:
+        repo.create_branch("dev", "main")
+        repo.reset_branch("dev", "v1")
+    counts = counted().counts
+    counts.reset()
+
+    store = zarrlake.Repository.open(counted()).readonly_session("dev").store
+    # The repository record; the head (list + get), whose entry carries the tagged snapshot.
+    assert _ops(counts) == ["get", "list", "get"]
+    counts.reset()
+    arr = zarr.open_array(store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[0:C], 1)
+    np.testing.assert_array_equal(arr[C : 2 * C], 0)  # the tag is one commit behind main
+    assert _ops(counts) == ["get", "get"]  # the manifest, the chunk
+
+
+def test_reading_a_tag_costs_one_round_for_the_tag(counted: Callable[[], CountingStorage]) -> None:
+    ids = _repo_with_commits(counted, 2)
+    zarrlake.Repository.open(counted()).create_tag("v1", ids[1])
+    repo = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    repo.readonly_session("v1")
+    ops = _ops(counts)
+    # No branch of that name (list); the record and its tombstone in one round; the snapshot.
+    assert ops[0] == "list" and ops[-1] == "get"
+    assert sorted(ops[1:-1]) == ["get", "head"]
+
+
 @pytest.mark.parametrize(
     ("commits", "requests"),
     [

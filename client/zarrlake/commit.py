@@ -188,6 +188,9 @@ class CommitEngine:
     def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:
         """Point branch ``name`` at snapshot ``target``; with ``expected``, only if the head is
         still that snapshot (else :class:`ConflictError`). Raises :class:`RefNotFound`."""
+        # The entry carries the snapshot, as a commit's does: a fresh reader of the branch then
+        # needs no read of the snapshot object.
+        encoded = self.objects.snapshot(target).encode()
         with self.hold_branch(name) as token:
             while True:
                 cur = self.journal.current(name)
@@ -197,7 +200,7 @@ class CommitEngine:
                         f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
                     )
                 entry = JournalEntry(
-                    cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token
+                    cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token, encoded
                 )
                 if self.journal.append(name, entry):
                     return target

@@ -258,12 +258,20 @@ class Tags:
         self.storage = storage
 
     def get(self, name: str) -> str:
-        """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag)."""
-        try:
-            data = self.storage.get(tag_key(name))
-        except ObjectNotFound:
-            raise RefNotFound(name, "tag") from None
-        if self.storage.exists(tag_tombstone_key(name)):
+        """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag).
+
+        The record and its tombstone are read in one concurrent round."""
+
+        def read(i: int) -> bytes | None:
+            if i == 0:
+                try:
+                    return self.storage.get(tag_key(name))
+                except ObjectNotFound:
+                    return None
+            return b"" if self.storage.exists(tag_tombstone_key(name)) else None
+
+        data, tombstone = self.storage.map(read, (0, 1))
+        if data is None or tombstone is not None:
             raise RefNotFound(name, "tag")
         return TagRecord.decode(data, tag_key(name)).snapshot
 

@@ -222,7 +222,9 @@ class Repository:
         if head is not None and head.snapshot is not None:
             raise BranchExists(f"branch {name!r} already exists")
         seq = 0 if head is None else head.seq + 1
-        entry = JournalEntry(seq, target, None, _now(), new_writer_id())
+        # Carry the snapshot in the entry, as a commit does (a fresh reader then skips its read).
+        encoded = self._core.objects.snapshot(target).encode()
+        entry = JournalEntry(seq, target, None, _now(), new_writer_id(), snapshot_data=encoded)
         if not journal.append(name, entry):
             raise BranchExists(f"branch {name!r} already exists")
         return target
