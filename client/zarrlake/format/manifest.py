@@ -257,10 +257,11 @@ def apply_changes(
 
     new = _Built()
     if not index:
-        present = {k: v for k, v in changes.items() if v is not None}
-        keys = sorted(present)
+        # No copy of ``changes``: a first commit may carry millions of refs.
+        keys = sorted(k for k, v in changes.items() if v is not None)
         out: list[ShardInfo] = []
-        _emit(keys, [present[k] for k in keys], max_refs, out, new)
+        refs = [r for k in keys if (r := changes[k]) is not None]  # every one: keys are those
+        _emit(keys, refs, max_refs, out, new)
         return new.update(out)
 
     out = []
