@@ -251,8 +251,12 @@ def test_conflicting_chunk_and_solvers(repo: zarrlake.Repository) -> None:
     assert read(repo, "main")[0, 0] == 1
     with pytest.raises(zarrlake.ConflictError):
         b.commit("ours", rebase=False)
+    # A failed commit leaves the session its changes, and it takes more.
+    assert b.has_changes and zarr.open_array(b.store, path="a")[0, 0] == 2
+    zarr.open_array(b.store, path="a")[1, 1] = 7
     b.commit("ours", solver=zarrlake.UseOurs())
     assert read(repo, "main")[0, 0] == 2
+    assert read(repo, "main")[1, 1] == 7
 
     b = race(4, 3)
     b.commit("ours", solver=zarrlake.UseTheirs())
