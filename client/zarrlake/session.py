@@ -203,6 +203,11 @@ class Workspace:
             if dedup:
                 top.dedup_chunks.add(ref[1])
 
+    def writes_in_memory(self, key: str, size: int) -> bool:
+        """Whether writing ``size`` bytes to ``key`` stays in this session's memory (a metadata
+        document or an inline chunk) rather than uploading an object."""
+        return is_meta_key(key) or size <= self._config.inline_threshold_bytes
+
     def delete(self, key: str) -> None:
         self._check_writable()
         if not self.exists(key):
