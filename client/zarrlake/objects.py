@@ -170,6 +170,11 @@ class ObjectStore:
         :class:`RefNotFound` if one is missing."""
         return self.storage.map(self.txlog, list(snapshot_ids))
 
+    def put_shards(self, shards: dict[str, bytes]) -> None:
+        """Write encoded manifest shards (digest -> bytes) concurrently; not cached."""
+        items = list(shards.items())
+        self.storage.map(lambda item: self.storage.put(manifest_key(item[0]), item[1]), items)
+
     def put_commit(self, commit: CommitObjects, *, read: str | None = None) -> bytes | None:
         """Write a commit's objects in one concurrent round, and keep them in the caches.
 
