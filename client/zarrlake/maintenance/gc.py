@@ -8,8 +8,10 @@ period, re-checking that time just before each delete (a session that deduplicat
 object rewrote it, so it looks young). With a lock service, the sweep's deletes and a commit's check
 of its deduplicated chunks exclude each other, which closes the last window.
 
-Memory stays bounded: chunk marks go into an exact set up to a limit and into a Bloom filter beyond
-it. A false positive only keeps a garbage object; it can never delete a live one.
+Memory stays bounded: chunk marks are exact (a sorted array of 32-byte digests) up to a limit and a
+Bloom filter beyond it — a false positive only keeps a garbage object; it can never delete a live
+one — shards are read once without filling the client's cache, and the listing is judged a page
+at a time.
 """
 
 from __future__ import annotations
