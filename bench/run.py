@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--systems", default="", help="comma-separated subset, e.g. zarrlake-s3,icechunk-s3"
     )
     p.add_argument("--no-s3", action="store_true", help="skip the S3 backends")
+    p.add_argument(
+        "--commit-sizes",
+        default="",
+        help="repository sizes of the commit benchmark, e.g. 1000,1000000 (default: the profile's)",
+    )
     p.add_argument("--json", type=Path, help="write raw results here")
     p.add_argument("--markdown", type=Path, help="write the Markdown table here")
     p.add_argument(
@@ -117,6 +122,8 @@ def _check_peers(python: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     sizes = Sizes.quick() if args.quick else Sizes()
+    if args.commit_sizes:
+        sizes = replace(sizes, commit_sizes=tuple(int(x) for x in args.commit_sizes.split(",")))
     names = args.only or list(BENCHMARKS)
     if not args.systems or any(n.startswith(ICECHUNK) for n in args.systems):
         if not args.peers_python:

@@ -6,7 +6,8 @@ concurrent-writer benchmark to its writer processes. zarrlake gets every storage
 request counter (``zarrlake_testkit.counting``). Everything a benchmark does goes through
 the same five verbs for every system: ``create``/``open`` a repository, ``begin`` a write
 transaction, ``read_store`` a version, ``log`` the history. Raw Zarr has no versions: its
-transaction writes straight to a ``LocalStore`` and its commit does nothing.
+transaction writes straight to a ``LocalStore`` (or, on S3, to Zarr's ``ObjectStore`` over
+obstore's ``S3Store``) and its commit does nothing.
 """
 
 from __future__ import annotations
@@ -102,6 +103,29 @@ class System:
             from_env=True,
         )
 
+    def _zarr_store(self, where: Any, read_only: bool = False) -> Any:
+        """Raw Zarr's store: a ``LocalStore`` directory, or an obstore ``S3Store`` prefix."""
+        if self.backend == LOCAL:
+            from zarr.storage import LocalStore
+
+            return LocalStore(where, read_only=read_only)
+        from obstore.store import S3Store
+        from zarr.storage import ObjectStore
+
+        from harness import CREDENTIALS
+
+        s3 = S3Store(
+            self.bucket or "",
+            prefix=self._prefix(where),
+            endpoint=self.endpoint,
+            region=REGION,
+            access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            client_options={"allow_http": True},
+            virtual_hosted_style_request=False,
+        )
+        return ObjectStore(s3, read_only=read_only)
+
     # -- the five verbs ----------------------------------------------------------------------
 
     def create(self, label: str) -> Any:
@@ -114,6 +138,8 @@ class System:
             import icechunk
 
             return icechunk.Repository.create(self._icechunk_storage(label))
+        if self.backend == S3:
+            return label  # a prefix: nothing to create
         path = self._path(label)
         path.mkdir(parents=True, exist_ok=False)
         return path
@@ -128,7 +154,7 @@ class System:
             import icechunk
 
             return icechunk.Repository.open(self._icechunk_storage(label))
-        return self._path(label)
+        return label if self.backend == S3 else self._path(label)
 
     def begin(self, repo: Any) -> Txn:
         """A writable session on ``main``."""
@@ -150,9 +176,7 @@ class System:
                 return session.commit(msg)
 
             return Txn(session.store, commit)
-        from zarr.storage import LocalStore
-
-        return Txn(LocalStore(repo), lambda _msg, _concurrent: None)
+        return Txn(self._zarr_store(repo), lambda _msg, _concurrent: None)
 
     def read_store(self, repo: Any, snapshot: str | None = None) -> Any:
         """A read-only store of ``main`` or of one snapshot."""
@@ -162,9 +186,7 @@ class System:
             if snapshot is None:
                 return repo.readonly_session(branch="main").store
             return repo.readonly_session(snapshot_id=snapshot).store
-        from zarr.storage import LocalStore
-
-        return LocalStore(repo, read_only=True)
+        return self._zarr_store(repo, read_only=True)
 
     def log(self, repo: Any) -> list[str]:
         """Ids of every commit reachable from ``main``, newest first."""
@@ -191,6 +213,7 @@ def make_systems(workdir: str, run_id: str, s3: S3Server | None) -> list[System]
     ]
     if s3 is not None:
         out += [
+            System(ZARR, S3, workdir, run_id, s3.endpoint, s3.bucket),
             System(ZARRLAKE, S3, workdir, run_id, s3.endpoint, s3.bucket),
             System(ICECHUNK, S3, workdir, run_id, s3.endpoint, s3.bucket),
         ]

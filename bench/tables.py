@@ -14,10 +14,18 @@ from typing import Any
 
 from workloads import Sizes
 
-COLUMNS = ["zarr-local", "zarrlake-local", "icechunk-local", "zarrlake-s3", "icechunk-s3"]
+COLUMNS = [
+    "zarr-local",
+    "zarrlake-local",
+    "icechunk-local",
+    "zarr-s3",
+    "zarrlake-s3",
+    "icechunk-s3",
+]
 RATIOS = [
     ("zl÷zarr local", "zarrlake-local", "zarr-local"),
     ("zl÷ic local", "zarrlake-local", "icechunk-local"),
+    ("zl÷zarr s3", "zarrlake-s3", "zarr-s3"),
     ("zl÷ic s3", "zarrlake-s3", "icechunk-s3"),
 ]
 RATIO_NOTE = (

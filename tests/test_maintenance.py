@@ -56,6 +56,7 @@ from zarrlake.format.model import OBJECT, PACKED, branch_prefix, pack_key, snaps
 from zarrlake.maintenance.compact import Relocation
 from zarrlake.maintenance.compact import compact as compact_at
 from zarrlake.maintenance.expire import expire as expire_at
+from zarrlake.maintenance.gc import ChunkMarks
 from zarrlake.maintenance.gc import gc as gc_at
 from zarrlake.refs import PRUNE_FLOOR
 
@@ -1510,3 +1511,42 @@ def test_relocation_gives_way_to_what_the_other_side_touched() -> None:
     assert conflicts == []
     assert drop == {"a/c/0", "gone/c/0", "b/c/0"}
     assert Relocation().relocates
+
+
+# -- chunk marks ---------------------------------------------------------------------------------
+
+
+def _digests(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    out = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n)]
+    # Digests ending (or starting) in NUL bytes: fixed-width byte strings must keep them apart.
+    return [*out, b"\0" * 32, b"\1" + b"\0" * 31, b"\0" * 31 + b"\1", b"\1" * 31 + b"\0"]
+
+
+@pytest.mark.parametrize("n", [0, 5, 70_000, 150_000])
+def test_chunk_marks_are_exact_below_the_limit(n: int) -> None:
+    marked = _digests(n, 1)
+    others = _digests(2_000, 2)[:-4]
+    marks = ChunkMarks(len(marked), exact_limit=200_000)
+    for d in marked + marked[: n // 3]:  # duplicates, as shards of several snapshots have
+        marks.add(d)
+    marks.add(b"short")  # not a SHA-256 digest: still exact
+    assert marks.exact
+    assert all(marks.contains_many(marked))
+    assert not any(marks.contains_many(others))
+    assert marks.contains_many([b"short", b"shor", b"", marked[0]]) == [True, False, False, True]
+    assert b"\0" * 32 in marks and b"\0" * 31 not in marks
+    marks.add(others[0])  # adding after lookups works
+    assert others[0] in marks and others[1] not in marks
+
+
+def test_chunk_marks_turn_into_a_bloom_filter_past_the_limit() -> None:
+    marked = _digests(5_000, 3)
+    marks = ChunkMarks(len(marked), exact_limit=1_000)
+    for d in marked:
+        marks.add(d)
+    marks.add(b"short")
+    assert not marks.exact
+    assert all(marks.contains_many([*marked, b"short"]))  # never a false negative
+    others = _digests(5_000, 4)[:-4]
+    assert sum(marks.contains_many(others)) < 50  # 1e-4 false positives, with room to spare

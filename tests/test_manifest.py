@@ -98,11 +98,19 @@ def check_manifest(index: list[ShardInfo], store: ShardStore, model: Model, max_
     assert list(iter_all(index, store.load)) == sorted(model.items())
 
 
-def check_update(old: list[ShardInfo], update: ManifestUpdate, store: ShardStore) -> None:
-    """Only shards the new index needs are written, and every new shard in the index is written."""
+def check_update(
+    old: list[ShardInfo],
+    update: ManifestUpdate,
+    store: ShardStore,
+    spilled: frozenset[str] | set[str] = frozenset(),
+) -> None:
+    """Only shards the new index needs are written, and every new shard in the index is written
+    (in the update, or already handed to a sink: ``spilled``)."""
     new_digests = {s.digest for s in update.index}
     assert set(update.new_shards) <= new_digests
-    assert new_digests - {s.digest for s in old} <= set(update.new_shards)
+    assert spilled <= new_digests, "a shard handed to the sink is not in the new index"
+    assert not spilled & set(update.new_shards), "a shard would be written twice"
+    assert new_digests - {s.digest for s in old} <= set(update.new_shards) | spilled
     # The shards as values are exactly what was encoded (a writer caches them for its next commit).
     assert update.built.keys() == update.new_shards.keys()
     for digest, shard in update.built.items():
@@ -173,8 +181,28 @@ def test_apply_changes_matches_model(
     states: list[tuple[list[ShardInfo], Model]] = [(index, model)]
     for _ in range(steps):
         changes, deleted = draw_commit(data, model)
-        update = apply_changes(index, changes, deleted, store.load, max_refs)
-        check_update(index, update, store)
+        spilled: set[str] = set()
+        sink_batch = data.draw(st.sampled_from([0, 1, 2]))  # 0: no sink
+
+        def sink(
+            shards: dict[str, bytes], sink_batch: int = sink_batch, spilled: set[str] = spilled
+        ) -> None:
+            assert len(shards) == sink_batch
+            for digest, blob in shards.items():
+                assert content_hash(blob) == digest and digest not in spilled
+                store.blobs[digest] = blob
+                spilled.add(digest)
+
+        update = apply_changes(
+            index,
+            changes,
+            deleted,
+            store.load,
+            max_refs,
+            sink=sink if sink_batch else None,
+            sink_batch=sink_batch,
+        )
+        check_update(index, update, store, spilled)
         store.add(update)
         model = model_apply(model, changes, deleted)
         index = update.index

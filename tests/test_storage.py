@@ -271,6 +271,33 @@ def test_list_sorted_with_prefix(storage: Storage) -> None:
         assert storage.list_keys(prefix) == expected, prefix
 
 
+def test_list_orders_nested_folders_as_keys(storage: Storage) -> None:
+    # '-' and '.' sort before '/', '0' after it: a backend that walks folders must still list
+    # in key order at every depth.
+    keys = ["d/x-y", "d/x.z", "d/x/1", "d/x/2/3", "d/x/2-4", "d/x0", "d/y", "e"]
+    fill(storage, keys)
+    assert [i.key for i in storage.list()] == sorted(keys)
+    assert [i.key for i in storage.list("d/x")] == sorted(k for k in keys if k.startswith("d/x"))
+    assert [i.key for i in storage.list("d/x/2")] == ["d/x/2-4", "d/x/2/3"]
+
+
+def test_list_while_deleting(storage: Storage) -> None:
+    # Garbage collection deletes what it has listed while the listing goes on: objects deleted
+    # behind the cursor or ahead of it never make the listing fail or skip a living object (an
+    # object deleted ahead may still be listed, depending on how much the backend read ahead).
+    keys = [f"c/{i:02x}/{j:04d}" for i in range(4) for j in range(50)]
+    fill(storage, keys)
+    seen: list[str] = []
+    for info in storage.list("c/"):
+        seen.append(info.key)
+        if len(seen) == 10:
+            storage.delete_many(keys[100:150])  # ahead: a whole folder's objects
+        storage.delete_many([info.key])
+    assert seen == sorted(seen)
+    assert set(keys) - set(keys[100:150]) <= set(seen) <= set(keys)
+    assert list(storage.list("c/")) == []
+
+
 def test_list_keys_limit(storage: Storage) -> None:
     fill(storage, LIST_KEYS)
     ordered = sorted(LIST_KEYS)

@@ -170,6 +170,22 @@ def test_partial_reads(small_inline_repo: Repository, size: int) -> None:
     check(small_inline_repo.readonly_session(snap).store)  # committed, read through the manifest
 
 
+def test_inline_writes_stay_in_memory_and_read_back(small_inline_repo: Repository) -> None:
+    # The store writes metadata and inline chunks without the I/O pool; objects go through it.
+    s = small_inline_repo.writable_session()
+    assert s.writes_in_memory("a/zarr.json", 10_000)
+    assert s.writes_in_memory("a/c/0", INLINE_LIMIT)
+    assert not s.writes_in_memory("a/c/0", INLINE_LIMIT + 1)
+    sizes = (1, INLINE_LIMIT, INLINE_LIMIT + 1, 1000)
+    for i, n in enumerate(sizes):
+        sync(s.store.set(f"a/c/{i}", Buffer.from_bytes(bytes([i + 1]) * n)))
+    s.commit("mixed")
+    got = small_inline_repo.readonly_session().store
+    for i, n in enumerate(sizes):
+        buf = sync(got.get(f"a/c/{i}", default_buffer_prototype()))
+        assert buf is not None and buf.to_bytes() == bytes([i + 1]) * n
+
+
 def test_get_rejects_bad_byte_range(repo: Repository) -> None:
     session = repo.writable_session()
     session.write("c/0", b"abcd")

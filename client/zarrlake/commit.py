@@ -54,6 +54,8 @@ from zarrlake.refs import BranchJournal, new_writer_id
 #: The lock name garbage collection's sweep and deduplicating commits share.
 GC_LOCK_BRANCH = "__gc__"
 MAX_COMMIT_ATTEMPTS = 200
+#: Chunk changes above which a commit writes manifest shards while it cuts them.
+SPILL_CHANGES = 65_536
 
 
 class BranchLock(Protocol):
@@ -442,8 +444,18 @@ class CommitEngine:
             else:
                 nodes[k] = v
         max_refs = self.config.shard_max_refs
+        # A large change writes its shards as it cuts them rather than holding them all until
+        # the commit's one round of writes (a million refs are ~70 MB of encoded shards). Like
+        # every object of a commit, they are unreachable until the journal entry names them.
+        spill = len(cs.chunks) > SPILL_CHANGES and not reshard
         update = manifest.apply_changes(
-            parent.shards, cs.chunks, cs.deleted_prefixes, self.objects.shard, max_refs
+            parent.shards,
+            cs.chunks,
+            cs.deleted_prefixes,
+            self.objects.shard,
+            max_refs,
+            sink=self.objects.put_shards if spill else None,
+            sink_batch=max(1, self.objects.storage.concurrency) * 2,
         )
         if reshard:
             pending = update

@@ -93,7 +93,13 @@ class ObjectStore:
     # -- immutable metadata ---------------------------------------------------------------------
 
     def _cached(
-        self, cache: LRU[str, V], key: str, ident: str, parse: Callable[[bytes, str], V], kind: str
+        self,
+        cache: LRU[str, V],
+        key: str,
+        ident: str,
+        parse: Callable[[bytes, str], V],
+        kind: str,
+        keep: bool = True,
     ) -> V:
         value = cache.get(ident)
         if value is None:
@@ -102,7 +108,8 @@ class ObjectStore:
             except ObjectNotFound:
                 raise RefNotFound(ident, kind) from None
             value = parse(data, key)
-            cache.put(ident, value)
+            if keep:
+                cache.put(ident, value)
         return value
 
     def snapshot(self, snapshot_id: str) -> Snapshot:
@@ -131,7 +138,11 @@ class ObjectStore:
         """Fetch many snapshots concurrently (history walks)."""
         return self.storage.map(self.snapshot, list(ids))
 
-    def shard(self, info: ShardInfo) -> ManifestShard:
+    def shard(self, info: ShardInfo, *, cache: bool = True) -> ManifestShard:
+        """Manifest shard ``info`` (from the cache if there; kept there unless ``cache`` is
+        false: a pass over every shard, such as GC's mark, would evict what readers use).
+        Raises :class:`CorruptObject` if it is missing or does not match its digest."""
+
         def parse(data: bytes, key: str) -> ManifestShard:
             if content_hash(data) != info.digest:
                 raise CorruptObject(key, "content does not match its digest")
@@ -139,7 +150,7 @@ class ObjectStore:
 
         try:
             return self._cached(
-                self._shards, manifest_key(info.digest), info.digest, parse, "manifest"
+                self._shards, manifest_key(info.digest), info.digest, parse, "manifest", cache
             )
         except RefNotFound:
             raise CorruptObject(manifest_key(info.digest), "missing manifest shard") from None
@@ -158,6 +169,11 @@ class ObjectStore:
         """Fetch many txlogs concurrently (a rebase over many commits). Raises
         :class:`RefNotFound` if one is missing."""
         return self.storage.map(self.txlog, list(snapshot_ids))
+
+    def put_shards(self, shards: dict[str, bytes]) -> None:
+        """Write encoded manifest shards (digest -> bytes) concurrently; not cached."""
+        items = list(shards.items())
+        self.storage.map(lambda item: self.storage.put(manifest_key(item[0]), item[1]), items)
 
     def put_commit(self, commit: CommitObjects, *, read: str | None = None) -> bytes | None:
         """Write a commit's objects in one concurrent round, and keep them in the caches.

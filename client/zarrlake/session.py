@@ -203,6 +203,11 @@ class Workspace:
             if dedup:
                 top.dedup_chunks.add(ref[1])
 
+    def writes_in_memory(self, key: str, size: int) -> bool:
+        """Whether writing ``size`` bytes to ``key`` stays in this session's memory (a metadata
+        document or an inline chunk) rather than uploading an object."""
+        return is_meta_key(key) or size <= self._config.inline_threshold_bytes
+
     def delete(self, key: str) -> None:
         self._check_writable()
         if not self.exists(key):
@@ -322,17 +327,26 @@ class Session(Workspace):
         if not self.has_changes and not allow_empty:
             raise NothingToCommit("no changes to commit (pass allow_empty=True to commit anyway)")
         assert self._branch is not None
+        # The commit works on the changes as they are, not on a copy (millions of refs cost
+        # hundreds of MB to copy); writes made meanwhile land on a layer above them.
         with self._mutex:
-            changeset = self._layers[0].copy()
-        new_id = self._core.commits.commit(
-            self._branch,
-            changeset,
-            message=message,
-            author=author,
-            metadata=metadata or {},
-            rebase=rebase,
-            policy=SolverPolicy(solver),
-        )
+            changeset = self._layers[0]
+            self._layers = [Changeset(self._session_id, self._base_id), changeset]
+        try:
+            new_id = self._core.commits.commit(
+                self._branch,
+                changeset,
+                message=message,
+                author=author,
+                metadata=metadata or {},
+                rebase=rebase,
+                policy=SolverPolicy(solver),
+            )
+        except BaseException:
+            with self._mutex:  # the session keeps its changes, and those made meanwhile
+                changeset.fold(self._layers[0])
+                self._layers = [changeset]
+            raise
         self._committed = new_id
         self._base_id = new_id
         self._layers = [Changeset(self._session_id, new_id)]

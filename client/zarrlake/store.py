@@ -48,6 +48,8 @@ class StoreSession(Protocol):
 
     def write(self, key: str, data: bytes | memoryview) -> None: ...
 
+    def writes_in_memory(self, key: str, size: int) -> bool: ...
+
     def delete(self, key: str) -> None: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
@@ -204,7 +206,13 @@ class ZarrlakeStore(Store):
         await self._ensure_open()
         if not isinstance(value, Buffer):
             raise TypeError(f"ZarrlakeStore.set(): value must be a Buffer, not {type(value)}")
-        await self._io(self._session.write, key, _payload(value))
+        payload = _payload(value)
+        if self._session.writes_in_memory(key, len(payload)):
+            # Metadata and inline chunks touch no storage: a hop to the I/O pool would cost more
+            # than the write (a million one-element chunks are minutes of thread hops).
+            self._session.write(key, payload)
+        else:
+            await self._io(self._session.write, key, payload)
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self._check_writable()

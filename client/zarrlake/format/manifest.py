@@ -141,11 +141,27 @@ class ManifestUpdate:
     built: dict[str, ManifestShard] = field(default_factory=dict)
 
 
-class _Built:
-    """Shards cut so far: digest -> (shard, encoded)."""
+#: Where a large change hands the shards it has cut (digest -> encoded), to be written before the
+#: commit goes on, instead of holding them all until the end.
+Sink = Callable[[dict[str, bytes]], None]
 
-    def __init__(self) -> None:
+
+class _Built:
+    """Shards cut so far: digest -> (shard, encoded). With a sink, every ``batch`` shards but
+    the newest go to it and are forgotten: only the newest can still be merged with what follows
+    (an undersized tail joins the shard before it)."""
+
+    def __init__(self, sink: Sink | None = None, batch: int = 32) -> None:
         self.shards: dict[str, tuple[ManifestShard, bytes]] = {}
+        self.sink = sink
+        self.batch = batch
+
+    def add(self, info: ShardInfo, shard: ManifestShard, data: bytes) -> None:
+        self.shards[info.digest] = (shard, data)
+        if self.sink is not None and len(self.shards) > self.batch:
+            newest = info.digest
+            self.sink({d: v[1] for d, v in self.shards.items() if d != newest})
+            self.shards = {newest: self.shards[newest]}
 
     def update(self, index: list[ShardInfo], exclude: set[str] | None = None) -> ManifestUpdate:
         """The update to ``index`` with those built shards it names (and ``exclude`` does not)."""
@@ -216,7 +232,7 @@ def _emit(
         end = start + size + (p < extra)
         info, data, shard = _build(keys[start:end], refs[start:end])
         out.append(info)
-        new.shards[info.digest] = (shard, data)
+        new.add(info, shard, data)
         start = end
 
 
@@ -226,12 +242,18 @@ def apply_changes(
     deleted_prefixes: Iterable[str],
     load: Loader,
     max_refs: int,
+    *,
+    sink: Sink | None = None,
+    sink_batch: int = 32,
 ) -> ManifestUpdate:
     """Apply chunk sets (ref) and deletes (None), after removing whole subtrees.
 
     ``deleted_prefixes`` act first: a key both under a deleted prefix and in ``changes`` ends up
     with its value from ``changes`` (the changeset records writes made after the delete).
-    Only shards touched by the changes are loaded and rewritten.
+    Only shards touched by the changes are loaded and rewritten. With ``sink``, new shards are
+    handed to it in batches of ``sink_batch`` as they are cut (they are in the new index and not
+    in the update's ``new_shards``), so a change of millions of refs never holds all its encoded
+    shards at once.
     """
     if max_refs < 4:
         raise ValueError("max_refs must be at least 4")
@@ -255,12 +277,13 @@ def apply_changes(
                 else:
                     touched.setdefault(i, [])
 
-    new = _Built()
+    new = _Built(sink, sink_batch)
     if not index:
-        present = {k: v for k, v in changes.items() if v is not None}
-        keys = sorted(present)
+        # No copy of ``changes``: a first commit may carry millions of refs.
+        keys = sorted(k for k, v in changes.items() if v is not None)
         out: list[ShardInfo] = []
-        _emit(keys, [present[k] for k in keys], max_refs, out, new)
+        refs = [r for k in keys if (r := changes[k]) is not None]  # every one: keys are those
+        _emit(keys, refs, max_refs, out, new)
         return new.update(out)
 
     out = []

@@ -8,8 +8,10 @@ period, re-checking that time just before each delete (a session that deduplicat
 object rewrote it, so it looks young). With a lock service, the sweep's deletes and a commit's check
 of its deduplicated chunks exclude each other, which closes the last window.
 
-Memory stays bounded: chunk marks go into an exact set up to a limit and into a Bloom filter beyond
-it. A false positive only keeps a garbage object; it can never delete a live one.
+Memory stays bounded: chunk marks are exact (a sorted array of 32-byte digests) up to a limit and a
+Bloom filter beyond it — a false positive only keeps a garbage object; it can never delete a live
+one — shards are read once without filling the client's cache, and the listing is judged a page
+at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,35 +73,84 @@ class BloomFilter:
 
 
 class ChunkMarks:
-    """Marked chunk digests: exact up to ``exact_limit``, then a Bloom filter (bounded memory)."""
+    """Marked chunk digests: exact up to ``exact_limit``, then a Bloom filter (bounded memory).
+
+    Exact marks are a sorted numpy array of 32-byte digests — 32 bytes a mark, where a Python set
+    of ``bytes`` takes about 150 — plus the digests added since it was last sorted. Digests of
+    another length (not SHA-256; nothing zarrlake writes) are kept in a plain set.
+    """
+
+    WIDTH = 32
+    _MIN_FLUSH = 65_536
 
     def __init__(self, expected: int, exact_limit: int = 1_000_000) -> None:
-        self._exact: set[bytes] | None = set()
+        self._sorted: np.ndarray | None = np.empty(0, dtype=f"S{self.WIDTH}")
+        self._pending = bytearray()
+        self._odd: set[bytes] = set()
         self._bloom: BloomFilter | None = None
         self._limit = exact_limit
         self._expected = max(expected, exact_limit)
 
     def add(self, digest: bytes) -> None:
-        if self._exact is not None:
-            self._exact.add(digest)
-            if len(self._exact) > self._limit:
-                self._bloom = BloomFilter(self._expected * 2)
-                for d in self._exact:
-                    self._bloom.add(d)
-                self._exact = None
-        else:
-            assert self._bloom is not None
+        if self._bloom is not None:
             self._bloom.add(digest)
+        elif len(digest) != self.WIDTH:
+            self._odd.add(digest)
+        else:
+            self._pending += digest
+            assert self._sorted is not None
+            if len(self._pending) >= self.WIDTH * max(self._MIN_FLUSH, len(self._sorted) // 2):
+                self._flush()
+
+    def _flush(self) -> None:
+        """Merge the pending digests into the sorted array; past the limit, become a Bloom
+        filter."""
+        if self._sorted is None or not self._pending:
+            return
+        new = np.frombuffer(self._pending, dtype=self._sorted.dtype).copy()
+        self._pending = bytearray()
+        new.sort()
+        if len(new) > 1:
+            new = new[np.concatenate(([True], new[1:] != new[:-1]))]
+        if len(self._sorted):
+            pos = np.searchsorted(self._sorted, new)
+            hit = pos < len(self._sorted)
+            hit[hit] = self._sorted[pos[hit]] == new[hit]
+            self._sorted = np.insert(self._sorted, pos[~hit], new[~hit])
+        else:
+            self._sorted = new
+        if len(self._sorted) + len(self._odd) > self._limit:
+            self._bloom = BloomFilter(self._expected * 2)
+            for d in self._sorted.tolist():
+                self._bloom.add(d.ljust(self.WIDTH, b"\0"))  # numpy drops trailing NULs
+            for d in self._odd:
+                self._bloom.add(d)
+            self._sorted, self._odd = None, set()
 
     def __contains__(self, digest: bytes) -> bool:
-        if self._exact is not None:
-            return digest in self._exact
-        assert self._bloom is not None
-        return digest in self._bloom
+        return bool(self.contains_many([digest])[0])
+
+    def contains_many(self, digests: list[bytes]) -> list[bool]:
+        """Whether each digest is marked (one vectorized lookup for a page of a listing)."""
+        self._flush()
+        if self._bloom is not None:
+            return [d in self._bloom for d in digests]
+        assert self._sorted is not None
+        out = [d in self._odd for d in digests]
+        even = [i for i, d in enumerate(digests) if len(d) == self.WIDTH]
+        if even and len(self._sorted):
+            q = np.array([digests[i] for i in even], dtype=self._sorted.dtype)
+            pos = np.searchsorted(self._sorted, q)
+            found = pos < len(self._sorted)
+            found[found] = self._sorted[pos[found]] == q[found]
+            for i, f in zip(even, found.tolist(), strict=True):
+                out[i] = f
+        return out
 
     @property
     def exact(self) -> bool:
-        return self._exact is not None
+        self._flush()
+        return self._bloom is None
 
 
 @dataclass(frozen=True)
@@ -236,7 +287,8 @@ def gc(
             if info.digest in shards:
                 continue
             shards.add(info.digest)
-            for ref in objects.shard(info).refs:
+            # Read once, not cached: a GC pass would otherwise fill the client's shard cache.
+            for ref in objects.shard(info, cache=False).refs:
                 if ref[0] == OBJECT:
                     marks.add(ref[1])
                 elif ref[0] == PACKED:
@@ -245,18 +297,23 @@ def gc(
                 progress("mark", 1)
     del loaded
 
-    def live(kind: str, key: str) -> bool:
-        oid = _object_id(key)
+    def live(kind: str, page: list[ObjectInfo]) -> list[bool]:
+        ids = [_object_id(o.key) for o in page]
         if kind in ("snapshots", "txlogs"):
-            return oid in snapshots
+            return [oid in snapshots for oid in ids]
         if kind == "manifests":
-            return oid in shards
+            return [oid in shards for oid in ids]
         if kind == "packs":
-            return oid in packs
-        try:
-            return bytes.fromhex(oid) in marks
-        except ValueError:
-            return True  # not a name we write: leave it alone
+            return [oid in packs for oid in ids]
+        digests: list[bytes] = []
+        odd: set[int] = set()  # not a name we write: leave it alone
+        for i, oid in enumerate(ids):
+            try:
+                digests.append(bytes.fromhex(oid))
+            except ValueError:
+                digests.append(b"")
+                odd.add(i)
+        return [m or i in odd for i, m in enumerate(marks.contains_many(digests))]
 
     # -- sweep -------------------------------------------------------------------------------------
     tallies = {k: _Tally() for k in KINDS}
@@ -264,17 +321,20 @@ def gc(
     for kind in KINDS:
         tally = tallies[kind]
         batch: list[ObjectInfo] = []
-        for obj in core.storage.list(kind + "/"):
-            if live(kind, obj.key) or obj.modified > cutoff:
-                if not live(kind, obj.key):
-                    skipped_young += 1
-                tally.kept += 1
-                tally.kept_bytes += obj.size
-                continue
-            batch.append(obj)
-            if len(batch) >= 1000:
-                _sweep(core, batch, tally, cutoff, dry_run, progress)
-                batch = []
+        # A page of the listing at a time: chunk marks are looked up for a page at once, and no
+        # more of a listing of millions of objects is held than one page.
+        for page in _pages(core.storage.list(kind + "/"), 10_000):
+            for obj, is_live in zip(page, live(kind, page), strict=True):
+                if is_live or obj.modified > cutoff:
+                    if not is_live:
+                        skipped_young += 1
+                    tally.kept += 1
+                    tally.kept_bytes += obj.size
+                    continue
+                batch.append(obj)
+                if len(batch) >= 1000:
+                    _sweep(core, batch, tally, cutoff, dry_run, progress)
+                    batch = []
         if batch:
             _sweep(core, batch, tally, cutoff, dry_run, progress)
 
@@ -290,6 +350,17 @@ def gc(
         skipped_young=skipped_young,
         duration_s=time.monotonic() - started,
     )
+
+
+def _pages(items: Iterator[ObjectInfo], size: int) -> Iterator[list[ObjectInfo]]:
+    page: list[ObjectInfo] = []
+    for item in items:
+        page.append(item)
+        if len(page) >= size:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 def _sweep(

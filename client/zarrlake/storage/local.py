@@ -142,35 +142,35 @@ class LocalStorage(Storage):
         return ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        # Walk only the directory that can hold the prefix, then filter.
+        # Walk only the directory that can hold the prefix, one directory's names in memory at a
+        # time: a listing of a million chunk objects must not hold a million entries.
         base_dir, _, _ = prefix.rpartition("/")
         start = self.root / base_dir if base_dir else self.root
-        if not start.is_dir():
+        return self._walk(start, base_dir + "/" if base_dir else "", prefix)
+
+    def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        try:
+            with os.scandir(path) as it:
+                entries = [(e.name, e.is_dir(), e.is_symlink()) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
             return
-        results: list[ObjectInfo] = []
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-            if rel_dir == "":
-                dirnames[:] = [d for d in dirnames if d != _TMP]
-            # prune directories that cannot match
-            dirnames[:] = [
-                d
-                for d in dirnames
-                if (rel_dir + d + "/").startswith(prefix) or prefix.startswith(rel_dir + d + "/")
-            ]
-            for name in filenames:
-                key = rel_dir + name
-                if key.startswith(prefix):
-                    try:
-                        st = os.stat(os.path.join(dirpath, name))
-                    except FileNotFoundError:
-                        continue
-                    results.append(
-                        ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
-                    )
-        results.sort(key=lambda o: o.key)
-        yield from results
+        # Every key below directory d starts with "d/": ordering a directory's names with "/"
+        # appended to directories yields keys in ascending order, level by level.
+        entries.sort(key=lambda e: e[0] + "/" if e[1] else e[0])
+        for name, is_dir, is_link in entries:
+            key = rel + name
+            if is_dir:
+                sub = key + "/"
+                if is_link or (not rel and name == _TMP):
+                    continue
+                if sub.startswith(prefix) or prefix.startswith(sub):
+                    yield from self._walk(path / name, sub, prefix)
+            elif key.startswith(prefix):
+                try:
+                    st = os.stat(path / name)
+                except FileNotFoundError:
+                    continue  # deleted since the directory was read
+                yield ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         path = self.root / prefix if prefix else self.root
