@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,10 +36,39 @@ V = TypeVar("V")
 
 
 class LRU(Generic[K, V]):
+    """A bounded, thread-safe cache whose loads are single-flight: of threads missing the same
+    key at once, one loads it and the others wait for its value (N readers of one manifest
+    shard fetch it once)."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._data: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
+        self._loading: dict[K, threading.Event] = {}
+
+    def get_or_load(self, key: K, load: Callable[[], V]) -> V:
+        """The cached value, or ``load()``'s (cached). Errors of a load reach its own caller;
+        a thread that waited on a failed load tries it again itself."""
+        while True:
+            with self._lock:
+                value = self._data.get(key)
+                if value is not None:
+                    self._data.move_to_end(key)
+                    return value
+                loading = self._loading.get(key)
+                if loading is None:
+                    done = self._loading[key] = threading.Event()
+            if loading is None:
+                break
+            loading.wait()
+        try:
+            value = load()
+            self.put(key, value)
+            return value
+        finally:
+            with self._lock:
+                del self._loading[key]
+            done.set()
 
     def get(self, key: K) -> V | None:
         with self._lock:
@@ -96,14 +125,17 @@ class ObjectStore:
         self, cache: LRU[str, V], key: str, ident: str, parse: Callable[[bytes, str], V], kind: str
     ) -> V:
         value = cache.get(ident)
-        if value is None:
+        if value is not None:
+            return value
+
+        def load() -> V:
             try:
                 data = self.storage.get(key)
             except ObjectNotFound:
                 raise RefNotFound(ident, kind) from None
-            value = parse(data, key)
-            cache.put(ident, value)
-        return value
+            return parse(data, key)
+
+        return cache.get_or_load(ident, load)
 
     def snapshot(self, snapshot_id: str) -> Snapshot:
         snap = self._cached(
@@ -124,6 +156,10 @@ class ObjectStore:
             raise CorruptObject(key, f"the journal entry carries snapshot {snap.id}")
         self._snapshots.put(snapshot_id, snap)
 
+    def cached_snapshot(self, snapshot_id: str) -> Snapshot | None:
+        """The snapshot if it is in the cache (no I/O), else None."""
+        return self._snapshots.get(snapshot_id)
+
     def is_cached(self, snapshot_id: str) -> bool:
         return self._snapshots.get(snapshot_id) is not None
 
@@ -143,6 +179,10 @@ class ObjectStore:
             )
         except RefNotFound:
             raise CorruptObject(manifest_key(info.digest), "missing manifest shard") from None
+
+    def cached_shard(self, info: ShardInfo) -> ManifestShard | None:
+        """The shard if it is in the cache (no I/O), else None."""
+        return self._shards.get(info.digest)
 
     def forget(self, snapshot_id: str) -> None:
         """Drop a snapshot and its txlog from the caches (garbage collection deleted them)."""
@@ -218,7 +258,10 @@ class ObjectStore:
         return (OBJECT, bytes.fromhex(digest), len(data)), hit
 
     def read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk)."""
+        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk).
+
+        Raises :class:`CorruptObject` if the chunk's object is missing or a pack is shorter than
+        its refs say."""
         kind = ref[0]
         if kind == INLINE:
             data: bytes = ref[1]
@@ -230,17 +273,45 @@ class ObjectStore:
             except ObjectNotFound:
                 raise CorruptObject(key, "chunk object is missing") from None
         if kind == PACKED:
-            pack_id, offset, length = ref[1], ref[2], ref[3]
-            start, end = (0, length) if byte_range is None else byte_range
-            end = min(end, length)
-            key = pack_key(pack_id)
-            if end <= start:
+            read = _packed_read(ref, byte_range)
+            if read is None:
                 return b""
-            try:
-                return self.storage.get(key, (offset + start, offset + end))
-            except ObjectNotFound:
-                raise CorruptObject(key, "pack object is missing") from None
+            return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
+
+    def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
+        """The bytes of many chunks (``(ref, byte range or None)`` each, as :meth:`read_chunk`),
+        in order, fetched concurrently. Ranges of one pack that lie close together are fetched
+        in one ranged request (see :func:`coalesce`) and split; duplicates, overlaps and any
+        order are fine. Raises as :meth:`read_chunk`."""
+        out: list[bytes | None] = [None] * len(reads)
+        wanted: list[tuple[str, int, int]] = []
+        where: list[int] = []
+        singles: list[int] = []
+        for i, (ref, byte_range) in enumerate(reads):
+            if ref[0] == PACKED:
+                read = _packed_read(ref, byte_range)
+                if read is None:
+                    out[i] = b""
+                else:
+                    wanted.append(read)
+                    where.append(i)
+            else:
+                singles.append(i)
+        groups = coalesce(wanted)
+
+        def fetch(job: int) -> None:
+            if job < len(groups):
+                group = groups[job]
+                data = _fetch_range(self.storage, group.key, group.start, group.end)
+                for part, start, end in group.parts:
+                    out[where[part]] = data[start - group.start : end - group.start]
+            else:
+                i = singles[job - len(groups)]
+                out[i] = self.read_chunk(*reads[i])
+
+        self.storage.map(fetch, range(len(groups) + len(singles)))
+        return [b if b is not None else b"" for b in out]
 
     def check_chunks_exist(self, digests: Iterable[bytes]) -> None:
         """Raise :class:`RetryableError` if a deduplicated chunk vanished (collected by GC)."""
@@ -254,3 +325,73 @@ class ObjectStore:
                 f"{len(missing)} deduplicated chunk(s) were garbage-collected during the session "
                 f"(first: {chunk_key(missing[0].hex())}); rewrite them and commit again"
             )
+
+
+#: Ranges of one pack at most this far apart are fetched in one request (the gap's bytes are
+#: read and dropped: on S3 a request costs far more than 64 KiB of transfer).
+COALESCE_GAP = 64 * 1024
+#: A coalesced request spans at most this many bytes.
+COALESCE_MAX = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RangeGroup:
+    """One ranged request ``[start, end)`` of ``key`` serving several wanted ranges:
+    ``parts`` are (index of the wanted range, start, end), offsets in the object."""
+
+    key: str
+    start: int
+    end: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+def coalesce(
+    wanted: Sequence[tuple[str, int, int]],
+    *,
+    max_gap: int = COALESCE_GAP,
+    max_span: int = COALESCE_MAX,
+) -> list[RangeGroup]:
+    """Plan the requests for ``wanted`` ranges ``(key, start, end)``: ranges of one key are
+    merged while the gap between them is at most ``max_gap`` and the request spans at most
+    ``max_span`` bytes (a single range longer than that is its own request). Overlapping and
+    duplicate ranges share a request (one inside a request always joins it). Every wanted
+    range is in exactly one group."""
+    by_key: dict[str, list[int]] = {}
+    for i, (key, _, _) in enumerate(wanted):
+        by_key.setdefault(key, []).append(i)
+    groups: list[RangeGroup] = []
+    for key, idx in by_key.items():
+        idx.sort(key=lambda i: (wanted[i][1], wanted[i][2]))
+        parts: list[tuple[int, int, int]] = []
+        start = end = 0
+        for i in idx:
+            _, s, e = wanted[i]
+            if parts and (e <= end or (s - end <= max_gap and e - start <= max_span)):
+                end = max(end, e)
+            else:
+                if parts:
+                    groups.append(RangeGroup(key, start, end, tuple(parts)))
+                parts, start, end = [], s, e
+            parts.append((i, s, e))
+        groups.append(RangeGroup(key, start, end, tuple(parts)))
+    return groups
+
+
+def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:
+    """(pack key, start, end) in the pack for ``byte_range`` of a packed chunk; None if empty."""
+    pack_id, offset, length = ref[1], ref[2], ref[3]
+    start, end = (0, length) if byte_range is None else byte_range
+    end = min(end, length)
+    if end <= start:
+        return None
+    return pack_key(pack_id), offset + start, offset + end
+
+
+def _fetch_range(storage: Storage, key: str, start: int, end: int) -> bytes:
+    try:
+        data = storage.get(key, (start, end))
+    except ObjectNotFound:
+        raise CorruptObject(key, "pack object is missing") from None
+    if len(data) != end - start:
+        raise CorruptObject(key, f"pack ends before byte {end} that a chunk ref names")
+    return data
