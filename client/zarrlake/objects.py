@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
@@ -279,39 +280,37 @@ class ObjectStore:
             return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
-    def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
-        """The bytes of many chunks (``(ref, byte range or None)`` each, as :meth:`read_chunk`),
-        in order, fetched concurrently. Ranges of one pack that lie close together are fetched
-        in one ranged request (see :func:`coalesce`) and split; duplicates, overlaps and any
-        order are fine. Raises as :meth:`read_chunk`."""
-        out: list[bytes | None] = [None] * len(reads)
+    def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
+        """The requests that read many chunks (``(ref, byte range or None)`` each, as
+        :meth:`read_chunk`): ranges of one pack that lie close together share one ranged
+        request (see :func:`coalesce`); every other read is a job of its own. Each read is
+        served by exactly one job; duplicates, overlaps and any order are fine."""
+        jobs: list[ReadJob] = []
         wanted: list[tuple[str, int, int]] = []
         where: list[int] = []
-        singles: list[int] = []
         for i, (ref, byte_range) in enumerate(reads):
-            if ref[0] == PACKED:
-                read = _packed_read(ref, byte_range)
-                if read is None:
-                    out[i] = b""
-                else:
-                    wanted.append(read)
-                    where.append(i)
+            read = _packed_read(ref, byte_range) if ref[0] == PACKED else None
+            if read is None:
+                jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range)))
             else:
-                singles.append(i)
-        groups = coalesce(wanted)
+                wanted.append(read)
+                where.append(i)
+        for group in coalesce(wanted):
+            targets = tuple(where[part] for part, _, _ in group.parts)
+            jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
+        return jobs
 
-        def fetch(job: int) -> None:
-            if job < len(groups):
-                group = groups[job]
-                data = _fetch_range(self.storage, group.key, group.start, group.end)
-                for part, start, end in group.parts:
-                    out[where[part]] = data[start - group.start : end - group.start]
-            else:
-                i = singles[job - len(groups)]
-                out[i] = self.read_chunk(*reads[i])
+    def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
+        """The bytes of many chunks, in order, fetched concurrently with the requests of
+        :meth:`plan_reads`. Raises as :meth:`read_chunk`."""
+        out: list[bytes] = [b""] * len(reads)
 
-        self.storage.map(fetch, range(len(groups) + len(singles)))
-        return [b if b is not None else b"" for b in out]
+        def run(job: ReadJob) -> None:
+            for i, data in zip(job.targets, job.fetch(), strict=True):
+                out[i] = data
+
+        self.storage.map(run, self.plan_reads(reads))
+        return out
 
     def check_chunks_exist(self, digests: Iterable[bytes]) -> None:
         """Raise :class:`RetryableError` if a deduplicated chunk vanished (collected by GC)."""
@@ -375,6 +374,24 @@ def coalesce(
             parts.append((i, s, e))
         groups.append(RangeGroup(key, start, end, tuple(parts)))
     return groups
+
+
+@dataclass(frozen=True, slots=True)
+class ReadJob:
+    """One request of a planned batch of chunk reads: ``fetch()`` makes it and returns the
+    bytes of the reads at ``targets`` (indices into the batch), in that order."""
+
+    targets: tuple[int, ...]
+    fetch: Callable[[], list[bytes]]
+
+
+def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None) -> list[bytes]:
+    return [objects.read_chunk(ref, byte_range)]
+
+
+def _split(storage: Storage, group: RangeGroup) -> list[bytes]:
+    data = _fetch_range(storage, group.key, group.start, group.end)
+    return [data[start - group.start : end - group.start] for _, start, end in group.parts]
 
 
 def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:

@@ -7,7 +7,7 @@ backend's I/O thread pool, so many chunk reads or uploads are in flight at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from zarr.abc.store import (
@@ -21,7 +21,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from zarrlake.errors import ReadOnlyError
 from zarrlake.format.model import INLINE, ChunkRef, ref_size
-from zarrlake.objects import ObjectStore
+from zarrlake.objects import ObjectStore, ReadJob
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ def _payload(value: Buffer) -> bytes | memoryview:
 
 
 class _PendingReads:
-    """Chunk reads asked for during one turn of an event loop, to be fetched together."""
+    """Chunk reads asked for during one turn of an event loop, planned together."""
 
     __slots__ = ("futures", "loop", "reads")
 
@@ -103,28 +103,33 @@ class _PendingReads:
 _SETTLING: set[asyncio.Task[None]] = set()
 
 
-async def _settle(work: Awaitable[Any], batch: _PendingReads, objects: ObjectStore) -> None:
-    """Hand each waiting read of ``batch`` its bytes, or its own error: when a batch fails, its
-    reads are made again one by one, so a bad chunk fails only the reads of that chunk."""
-    futures = batch.futures
+async def _settle(
+    job: ReadJob,
+    reads: list[tuple[ChunkRef, tuple[int, int] | None]],
+    futures: list[asyncio.Future[bytes]],
+    objects: ObjectStore,
+) -> None:
+    """Make one request and hand each of its reads its bytes, or its own error: when a request
+    serving several reads fails, they are made again one by one, so a ref pointing past the
+    end of a pack fails only the reads of that ref."""
+    run = objects.storage.run_async
+    found: list[bytes | Exception]
     try:
-        result = await work
-        found = [result] if len(futures) == 1 else result
+        found = list(await run(job.fetch))
     except asyncio.CancelledError:
         for f in futures:
             f.cancel()
         raise
     except Exception as e:
-        if len(futures) == 1:
-            if not futures[0].done():
-                futures[0].set_exception(e)
-            return
-        found = []
-        for read in batch.reads:
-            try:
-                found.append(await objects.storage.run_async(objects.read_chunk, *read))
-            except Exception as one:
-                found.append(one)
+        if len(reads) == 1:
+            found = [e]
+        else:
+            found = []
+            for read in reads:
+                try:
+                    found.append(await run(objects.read_chunk, *read))
+                except Exception as one:
+                    found.append(one)
     for f, data in zip(futures, found, strict=True):
         if f.done():
             continue
@@ -246,15 +251,14 @@ class ZarrlakeStore(Store):
         if self._pending is batch:
             self._pending = None
         objects = self._session.objects
-        work: Awaitable[Any]
-        if len(batch.reads) == 1:
-            work = objects.storage.run_async(objects.read_chunk, *batch.reads[0])
-        else:
-            # Off the I/O pool (read_chunks fans its requests out onto it).
-            work = asyncio.to_thread(objects.read_chunks, batch.reads)
-        task = batch.loop.create_task(_settle(work, batch, objects))
-        _SETTLING.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(_SETTLING.discard)
+        for job in objects.plan_reads(batch.reads):
+            # Each request settles its own reads as it completes: Zarr starts the next read as
+            # soon as one is done, and a slow request must not hold up the others.
+            futures = [batch.futures[i] for i in job.targets]
+            reads = [batch.reads[i] for i in job.targets]
+            task = batch.loop.create_task(_settle(job, reads, futures, objects))
+            _SETTLING.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(_SETTLING.discard)
 
     async def get(
         self,
