@@ -1,7 +1,10 @@
 """The Zarr store adapter: ``zarr.abc.store.Store`` over a session.
 
 Zarr's async machinery calls these methods concurrently; the blocking object-store calls run on the
-backend's I/O thread pool, so many chunk reads or uploads are in flight at once.
+backend's I/O thread pool, so many chunk reads or uploads are in flight at once. Two exceptions on
+the read path (see "reads" below): finding a chunk's ref needs no thread once its manifest shard is
+cached, and a small chunk of a local or memory storage is read right on the event loop, because
+the hand-off to a thread and back costs more than the read itself.
 """
 
 from __future__ import annotations
