@@ -279,3 +279,16 @@ def test_local_get_reads_whole_objects_and_ranges(tmp_path: Path) -> None:
     for bad in ("", "/etc/passwd", "a/../../x"):
         with pytest.raises(StorageError):
             storage.get(bad)
+
+
+def test_local_storage_unpickled_without_its_read_prefix_still_reads(tmp_path: Path) -> None:
+    import pickle
+
+    storage = zarrlake.Storage.local(tmp_path)
+    storage.put("k", b"v")
+    state = dict(storage.__dict__)
+    del state["_root_slash"]  # as a client before this field pickled it
+    old = object.__new__(type(storage))
+    old.__setstate__(state)
+    assert old.get("k") == b"v"
+    assert pickle.loads(pickle.dumps(storage)).get("k", (0, 1)) == b"v"

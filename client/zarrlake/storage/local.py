@@ -15,7 +15,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 from urllib.parse import SplitResult, unquote
 
 from zarrlake.storage.base import (
@@ -72,6 +72,11 @@ class LocalStorage(Storage):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path).expanduser().absolute()
         # Reads join strings: building a Path per read costs more than the read of a small file.
+        self._root_slash = os.path.join(str(self.root), "")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # A copy pickled by an older client carries no read prefix: derive it again.
         self._root_slash = os.path.join(str(self.root), "")
 
     @classmethod
