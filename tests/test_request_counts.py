@@ -283,6 +283,64 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
     assert list(data[:C]) == [13] * C and list(data[C : 2 * C]) == [5] * C
 
 
+def _packed_array(make: Callable[[], CountingStorage], chunks: int) -> np.ndarray:
+    """``data``: ``chunks`` 1 KiB chunks written in one commit, then compacted into one pack
+    (in key order, so chunks 0..9 lie side by side). Returns the array's values."""
+    repo = zarrlake.Repository.create(make())
+    values = np.arange(C * chunks, dtype="int64")
+    with repo.transaction("main", message="write") as store:
+        zarr.create_array(
+            store, name="data", shape=values.shape, chunks=(C,), dtype="int64", compressors=None
+        )[:] = values
+    report = repo.compact(branch="main")
+    assert report.packed_chunks == chunks and report.packs_written == 1
+    return values
+
+
+def test_a_batch_of_adjacent_packed_chunks_is_one_ranged_get(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    values = _packed_array(counted, 8)
+    repo = zarrlake.Repository.open(counted())
+    store = repo.readonly_session("main").store
+    arr = zarr.open_array(store, path="data", mode="r")
+    counts = counted().counts
+    counts.reset()
+    np.testing.assert_array_equal(arr[:C], values[:C])
+    assert _ops(counts) == ["get", "get_range"]  # the manifest, the first chunk
+    counts.reset()
+
+    # Zarr reads the other seven chunks of this call together (its concurrency is 10).
+    np.testing.assert_array_equal(arr[C:], values[C:])
+    if counted().inner.inline_read_bytes:
+        # A local pack is read on the event loop, chunk by chunk: a read of 1 KiB of a file
+        # costs less than batching it would.
+        assert _ops(counts) == ["get_range"] * 7
+    else:
+        # On S3, the seven ranges of one pack are fetched in one request.
+        assert _ops(counts) == ["get_range"]
+        assert counts.calls()[0][1].startswith("packs/")
+    counts.reset()
+
+    # A batch the store sees as one (get_partial_values) is one request on every backend,
+    # in any order, with duplicates, partial ranges and a gap.
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    nbytes = C * 8
+    keys = [("data/c/5", None), ("data/c/1", None), ("data/c/5", RangeByteRequest(8, 24))]
+    keys.append(("data/c/3", RangeByteRequest(0, 16)))
+    got = zarr.core.sync.sync(store.get_partial_values(default_buffer_prototype(), keys))
+    raw = values.tobytes()
+    assert [b.to_bytes() if b is not None else None for b in got] == [
+        raw[5 * nbytes : 6 * nbytes],
+        raw[1 * nbytes : 2 * nbytes],
+        raw[5 * nbytes + 8 : 5 * nbytes + 24],
+        raw[3 * nbytes : 3 * nbytes + 16],
+    ]
+    assert _ops(counts) == ["get_range"]
+
+
 def test_a_repository_created_anew_under_a_client_is_never_written_through_old_knowledge(
     tmp_path: Path,
 ) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
@@ -36,10 +37,39 @@ V = TypeVar("V")
 
 
 class LRU(Generic[K, V]):
+    """A bounded, thread-safe cache whose loads are single-flight: of threads missing the same
+    key at once, one loads it and the others wait for its value (N readers of one manifest
+    shard fetch it once)."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._data: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
+        self._loading: dict[K, threading.Event] = {}
+
+    def get_or_load(self, key: K, load: Callable[[], V]) -> V:
+        """The cached value, or ``load()``'s (cached). Errors of a load reach its own caller;
+        a thread that waited on a failed load tries it again itself."""
+        while True:
+            with self._lock:
+                value = self._data.get(key)
+                if value is not None:
+                    self._data.move_to_end(key)
+                    return value
+                loading = self._loading.get(key)
+                if loading is None:
+                    done = self._loading[key] = threading.Event()
+            if loading is None:
+                break
+            loading.wait()
+        try:
+            value = load()
+            self.put(key, value)
+            return value
+        finally:
+            with self._lock:
+                del self._loading[key]
+            done.set()
 
     def get(self, key: K) -> V | None:
         with self._lock:
@@ -102,15 +132,19 @@ class ObjectStore:
         keep: bool = True,
     ) -> V:
         value = cache.get(ident)
-        if value is None:
+        if value is not None:
+            return value
+
+        def load() -> V:
             try:
                 data = self.storage.get(key)
             except ObjectNotFound:
                 raise RefNotFound(ident, kind) from None
-            value = parse(data, key)
-            if keep:
-                cache.put(ident, value)
-        return value
+            return parse(data, key)
+
+        if not keep:
+            return load()
+        return cache.get_or_load(ident, load)
 
     def snapshot(self, snapshot_id: str) -> Snapshot:
         snap = self._cached(
@@ -130,6 +164,10 @@ class ObjectStore:
         if snap.id != snapshot_id:
             raise CorruptObject(key, f"the journal entry carries snapshot {snap.id}")
         self._snapshots.put(snapshot_id, snap)
+
+    def cached_snapshot(self, snapshot_id: str) -> Snapshot | None:
+        """The snapshot if it is in the cache (no I/O), else None."""
+        return self._snapshots.get(snapshot_id)
 
     def is_cached(self, snapshot_id: str) -> bool:
         return self._snapshots.get(snapshot_id) is not None
@@ -154,6 +192,10 @@ class ObjectStore:
             )
         except RefNotFound:
             raise CorruptObject(manifest_key(info.digest), "missing manifest shard") from None
+
+    def cached_shard(self, info: ShardInfo) -> ManifestShard | None:
+        """The shard if it is in the cache (no I/O), else None."""
+        return self._shards.get(info.digest)
 
     def forget(self, snapshot_id: str) -> None:
         """Drop a snapshot and its txlog from the caches (garbage collection deleted them)."""
@@ -234,7 +276,10 @@ class ObjectStore:
         return (OBJECT, bytes.fromhex(digest), len(data)), hit
 
     def read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk)."""
+        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk).
+
+        Raises :class:`CorruptObject` if the chunk's object is missing or a pack is shorter than
+        its refs say."""
         kind = ref[0]
         if kind == INLINE:
             data: bytes = ref[1]
@@ -246,17 +291,43 @@ class ObjectStore:
             except ObjectNotFound:
                 raise CorruptObject(key, "chunk object is missing") from None
         if kind == PACKED:
-            pack_id, offset, length = ref[1], ref[2], ref[3]
-            start, end = (0, length) if byte_range is None else byte_range
-            end = min(end, length)
-            key = pack_key(pack_id)
-            if end <= start:
+            read = _packed_read(ref, byte_range)
+            if read is None:
                 return b""
-            try:
-                return self.storage.get(key, (offset + start, offset + end))
-            except ObjectNotFound:
-                raise CorruptObject(key, "pack object is missing") from None
+            return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
+
+    def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
+        """The requests that read many chunks (``(ref, byte range or None)`` each, as
+        :meth:`read_chunk`): ranges of one pack that lie close together share one ranged
+        request (see :func:`coalesce`); every other read is a job of its own. Each read is
+        served by exactly one job; duplicates, overlaps and any order are fine."""
+        jobs: list[ReadJob] = []
+        wanted: list[tuple[str, int, int]] = []
+        where: list[int] = []
+        for i, (ref, byte_range) in enumerate(reads):
+            read = _packed_read(ref, byte_range) if ref[0] == PACKED else None
+            if read is None:
+                jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range)))
+            else:
+                wanted.append(read)
+                where.append(i)
+        for group in coalesce(wanted):
+            targets = tuple(where[part] for part, _, _ in group.parts)
+            jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
+        return jobs
+
+    def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
+        """The bytes of many chunks, in order, fetched concurrently with the requests of
+        :meth:`plan_reads`. Raises as :meth:`read_chunk`."""
+        out: list[bytes] = [b""] * len(reads)
+
+        def run(job: ReadJob) -> None:
+            for i, data in zip(job.targets, job.fetch(), strict=True):
+                out[i] = data
+
+        self.storage.map(run, self.plan_reads(reads))
+        return out
 
     def check_chunks_exist(self, digests: Iterable[bytes]) -> None:
         """Raise :class:`RetryableError` if a deduplicated chunk vanished (collected by GC)."""
@@ -270,3 +341,91 @@ class ObjectStore:
                 f"{len(missing)} deduplicated chunk(s) were garbage-collected during the session "
                 f"(first: {chunk_key(missing[0].hex())}); rewrite them and commit again"
             )
+
+
+#: Ranges of one pack at most this far apart are fetched in one request (the gap's bytes are
+#: read and dropped: on S3 a request costs far more than 64 KiB of transfer).
+COALESCE_GAP = 64 * 1024
+#: A coalesced request spans at most this many bytes.
+COALESCE_MAX = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RangeGroup:
+    """One ranged request ``[start, end)`` of ``key`` serving several wanted ranges:
+    ``parts`` are (index of the wanted range, start, end), offsets in the object."""
+
+    key: str
+    start: int
+    end: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+def coalesce(
+    wanted: Sequence[tuple[str, int, int]],
+    *,
+    max_gap: int = COALESCE_GAP,
+    max_span: int = COALESCE_MAX,
+) -> list[RangeGroup]:
+    """Plan the requests for ``wanted`` ranges ``(key, start, end)``: ranges of one key are
+    merged while the gap between them is at most ``max_gap`` and the request spans at most
+    ``max_span`` bytes (a single range longer than that is its own request). Overlapping and
+    duplicate ranges share a request (one inside a request always joins it). Every wanted
+    range is in exactly one group."""
+    by_key: dict[str, list[int]] = {}
+    for i, (key, _, _) in enumerate(wanted):
+        by_key.setdefault(key, []).append(i)
+    groups: list[RangeGroup] = []
+    for key, idx in by_key.items():
+        idx.sort(key=lambda i: (wanted[i][1], wanted[i][2]))
+        parts: list[tuple[int, int, int]] = []
+        start = end = 0
+        for i in idx:
+            _, s, e = wanted[i]
+            if parts and (e <= end or (s - end <= max_gap and e - start <= max_span)):
+                end = max(end, e)
+            else:
+                if parts:
+                    groups.append(RangeGroup(key, start, end, tuple(parts)))
+                parts, start, end = [], s, e
+            parts.append((i, s, e))
+        groups.append(RangeGroup(key, start, end, tuple(parts)))
+    return groups
+
+
+@dataclass(frozen=True, slots=True)
+class ReadJob:
+    """One request of a planned batch of chunk reads: ``fetch()`` makes it and returns the
+    bytes of the reads at ``targets`` (indices into the batch), in that order."""
+
+    targets: tuple[int, ...]
+    fetch: Callable[[], list[bytes]]
+
+
+def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None) -> list[bytes]:
+    return [objects.read_chunk(ref, byte_range)]
+
+
+def _split(storage: Storage, group: RangeGroup) -> list[bytes]:
+    data = _fetch_range(storage, group.key, group.start, group.end)
+    return [data[start - group.start : end - group.start] for _, start, end in group.parts]
+
+
+def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:
+    """(pack key, start, end) in the pack for ``byte_range`` of a packed chunk; None if empty."""
+    pack_id, offset, length = ref[1], ref[2], ref[3]
+    start, end = (0, length) if byte_range is None else byte_range
+    end = min(end, length)
+    if end <= start:
+        return None
+    return pack_key(pack_id), offset + start, offset + end
+
+
+def _fetch_range(storage: Storage, key: str, start: int, end: int) -> bytes:
+    try:
+        data = storage.get(key, (start, end))
+    except ObjectNotFound:
+        raise CorruptObject(key, "pack object is missing") from None
+    if len(data) != end - start:
+        raise CorruptObject(key, f"pack ends before byte {end} that a chunk ref names")
+    return data

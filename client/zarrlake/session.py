@@ -136,6 +136,27 @@ class Workspace:
             return snap.nodes.get(key)
         return manifest.lookup(snap.shards, key, self._objects.shard)
 
+    def resolve_cached(self, key: str) -> tuple[bool, bytes | ChunkRef | None]:
+        """(found, value): :meth:`resolve`'s answer if it needs no I/O (the snapshot and the
+        key's manifest shard are cached), else (False, None). The store's read path asks this
+        on the event loop before handing anything to a thread."""
+        meta = is_meta_key(key)
+        decided, value = self._layer_value(key, meta)
+        if decided:
+            return True, value
+        snap = self._objects.cached_snapshot(self._base_id)
+        if snap is None:
+            return False, None
+        if meta:
+            return True, snap.nodes.get(key)
+        info = manifest.shard_of(snap.shards, key)
+        if info is None:
+            return True, None
+        shard = self._objects.cached_shard(info)
+        if shard is None:
+            return False, None
+        return True, shard.get(key)
+
     def read(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
         value = self.resolve(key)
         if value is None:

@@ -1,7 +1,10 @@
 """The Zarr store adapter: ``zarr.abc.store.Store`` over a session.
 
 Zarr's async machinery calls these methods concurrently; the blocking object-store calls run on the
-backend's I/O thread pool, so many chunk reads or uploads are in flight at once.
+backend's I/O thread pool, so many chunk reads or uploads are in flight at once. Two exceptions on
+the read path (see "reads" below): finding a chunk's ref needs no thread once its manifest shard is
+cached, and a small chunk of a local or memory storage is read right on the event loop, because
+the hand-off to a thread and back costs more than the read itself.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from zarrlake.errors import ReadOnlyError
-from zarrlake.format.model import ChunkRef, ref_size
-from zarrlake.objects import ObjectStore
+from zarrlake.format.model import INLINE, ChunkRef, ref_size
+from zarrlake.objects import ObjectStore, ReadJob
 
 T = TypeVar("T")
 
@@ -43,6 +46,8 @@ class StoreSession(Protocol):
     def objects(self) -> ObjectStore: ...
 
     def resolve(self, key: str) -> bytes | ChunkRef | None: ...
+
+    def resolve_cached(self, key: str) -> tuple[bool, bytes | ChunkRef | None]: ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -89,6 +94,56 @@ def _payload(value: Buffer) -> bytes | memoryview:
     return view.cast("B") if view.c_contiguous else value.to_bytes()
 
 
+class _PendingReads:
+    """Chunk reads asked for during one turn of an event loop, planned together."""
+
+    __slots__ = ("futures", "loop", "reads")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.reads: list[tuple[ChunkRef, tuple[int, int] | None]] = []
+        self.futures: list[asyncio.Future[bytes]] = []
+
+
+_SETTLING: set[asyncio.Task[None]] = set()
+
+
+async def _settle(
+    job: ReadJob,
+    reads: list[tuple[ChunkRef, tuple[int, int] | None]],
+    futures: list[asyncio.Future[bytes]],
+    objects: ObjectStore,
+) -> None:
+    """Make one request and hand each of its reads its bytes, or its own error: when a request
+    serving several reads fails, they are made again one by one, so a ref pointing past the
+    end of a pack fails only the reads of that ref."""
+    run = objects.storage.run_async
+    found: list[bytes | Exception]
+    try:
+        found = list(await run(job.fetch))
+    except asyncio.CancelledError:
+        for f in futures:
+            f.cancel()
+        raise
+    except Exception as e:
+        if len(reads) == 1:
+            found = [e]
+        else:
+            found = []
+            for read in reads:
+                try:
+                    found.append(await run(objects.read_chunk, *read))
+                except Exception as one:
+                    found.append(one)
+    for f, data in zip(futures, found, strict=True):
+        if f.done():
+            continue
+        if isinstance(data, Exception):
+            f.set_exception(data)
+        else:
+            f.set_result(data)
+
+
 class ZarrlakeStore(Store):
     """Zarr's view of a zarrlake session. Obtain it as ``session.store``."""
 
@@ -100,6 +155,7 @@ class ZarrlakeStore(Store):
     def __init__(self, session: StoreSession, *, read_only: bool | None = None) -> None:
         super().__init__(read_only=session.read_only if read_only is None else read_only)
         self._session = session
+        self._pending: _PendingReads | None = None
 
     @property
     def session(self) -> StoreSession:
@@ -140,12 +196,19 @@ class ZarrlakeStore(Store):
         self._session = state["session"]
         self._read_only = state["read_only"]
         self._is_open = state["is_open"]
+        self._pending = None
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking ``fn`` on the storage backend's I/O pool."""
         return await self._session.objects.storage.run_async(fn, *args)
 
     # -- reads ---------------------------------------------------------------------------------
+    # A read resolves its key on the event loop when that needs no I/O (the snapshot and the
+    # key's manifest shard are cached: every read after the first few), then reads small chunks
+    # of a local or memory storage right there too: the hand-off to a thread and back costs more
+    # than such a read. Network reads go to the I/O pool; those of one turn of the event loop
+    # (Zarr starts a batch of chunk reads together) are fetched together, ranges of one pack
+    # coalesced into one request.
 
     def _get_blocking(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
         _check_byte_range(byte_range)
@@ -158,6 +221,50 @@ class ZarrlakeStore(Store):
         rng = _range(byte_range, ref_size(value))
         return self._session.objects.read_chunk(value, rng)
 
+    async def _read_value(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+        _check_byte_range(byte_range)
+        found, value = self._session.resolve_cached(key)
+        objects = self._session.objects
+        if not found:
+            if objects.storage.inline_read_bytes:
+                return await self._io(self._get_blocking, key, byte_range)
+            # Resolve on the pool (it reads a manifest shard), then join the batch of reads.
+            value = await self._io(self._session.resolve, key)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            rng = _range(byte_range, len(value))
+            return value if rng is None else value[rng[0] : rng[1]]
+        size = ref_size(value)
+        rng = _range(byte_range, size)
+        if value[0] == INLINE or size <= objects.storage.inline_read_bytes:
+            return objects.read_chunk(value, rng)
+        return await self._batched_read(value, rng)
+
+    async def _batched_read(self, ref: ChunkRef, rng: tuple[int, int] | None) -> bytes:
+        loop = asyncio.get_running_loop()
+        batch = self._pending
+        if batch is None or batch.loop is not loop:
+            batch = self._pending = _PendingReads(loop)
+            loop.call_soon(self._flush, batch)
+        future: asyncio.Future[bytes] = loop.create_future()
+        batch.reads.append((ref, rng))
+        batch.futures.append(future)
+        return await future
+
+    def _flush(self, batch: _PendingReads) -> None:
+        if self._pending is batch:
+            self._pending = None
+        objects = self._session.objects
+        for job in objects.plan_reads(batch.reads):
+            # Each request settles its own reads as it completes: Zarr starts the next read as
+            # soon as one is done, and a slow request must not hold up the others.
+            futures = [batch.futures[i] for i in job.targets]
+            reads = [batch.reads[i] for i in job.targets]
+            task = batch.loop.create_task(_settle(job, reads, futures, objects))
+            _SETTLING.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(_SETTLING.discard)
+
     async def get(
         self,
         key: str,
@@ -168,7 +275,7 @@ class ZarrlakeStore(Store):
             prototype = default_buffer_prototype()
         if not self._is_open:
             await self._open()
-        data = await self._io(self._get_blocking, key, byte_range)
+        data = await self._read_value(key, byte_range)
         return None if data is None else prototype.buffer.from_bytes(data)
 
     def get_sync(
@@ -183,12 +290,37 @@ class ZarrlakeStore(Store):
         data = self._get_blocking(key, byte_range)
         return None if data is None else prototype.buffer.from_bytes(data)
 
+    def _get_many_blocking(
+        self, key_ranges: list[tuple[str, ByteRequest | None]]
+    ) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(key_ranges)
+        reads: list[tuple[ChunkRef, tuple[int, int] | None]] = []
+        where: list[int] = []
+        for i, (key, byte_range) in enumerate(key_ranges):
+            _check_byte_range(byte_range)
+            value = self._session.resolve(key)
+            if isinstance(value, bytes):
+                rng = _range(byte_range, len(value))
+                out[i] = value if rng is None else value[rng[0] : rng[1]]
+            elif value is not None:
+                reads.append((value, _range(byte_range, ref_size(value))))
+                where.append(i)
+        for i, data in zip(where, self._session.objects.read_chunks(reads), strict=True):
+            out[i] = data
+        return out
+
     async def get_partial_values(
         self,
         prototype: BufferPrototype,
         key_ranges: Iterable[tuple[str, ByteRequest | None]],
     ) -> list[Buffer | None]:
-        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+        """Many reads at once: ranges inside one pack are fetched together (one request for
+        ranges close to each other), every other chunk concurrently."""
+        if not self._is_open:
+            await self._open()
+        # Off the I/O pool: read_chunks fans its requests out onto it.
+        found = await asyncio.to_thread(self._get_many_blocking, list(key_ranges))
+        return [None if d is None else prototype.buffer.from_bytes(d) for d in found]
 
     async def exists(self, key: str) -> bool:
         return await self._io(self._session.exists, key)

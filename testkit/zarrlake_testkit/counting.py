@@ -86,6 +86,7 @@ class CountingStorage(Storage):
             "supports_conditional_writes",
             "supports_byte_ranges",
             "concurrency",
+            "inline_read_bytes",
         ):
             self.__dict__[cap] = getattr(inner, cap)
 

@@ -46,19 +46,20 @@ def _shard_for(firsts: list[str], key: str) -> int:
     return max(0, bisect.bisect_right(firsts, key) - 1)
 
 
-def lookup(index: list[ShardInfo], key: str, load: Loader) -> ChunkRef | None:
-    """The ref stored for ``key``, or None."""
+def shard_of(index: list[ShardInfo], key: str) -> ShardInfo | None:
+    """The shard whose key range holds ``key``, or None (no shard can hold it)."""
     if not index:
         return None
-    i = max(0, bisect.bisect_right(index, key, key=_first) - 1)
-    info = index[i]
+    info = index[max(0, bisect.bisect_right(index, key, key=_first) - 1)]
     if key < info.first or key > info.last:
         return None
-    shard = load(info)
-    j = bisect.bisect_left(shard.keys, key)
-    if j < len(shard.keys) and shard.keys[j] == key:
-        return shard.refs[j]
-    return None
+    return info
+
+
+def lookup(index: list[ShardInfo], key: str, load: Loader) -> ChunkRef | None:
+    """The ref stored for ``key``, or None."""
+    info = shard_of(index, key)
+    return None if info is None else load(info).get(key)
 
 
 def shards_in_subtree(index: list[ShardInfo], prefix: str) -> list[ShardInfo]:

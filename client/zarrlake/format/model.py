@@ -5,6 +5,7 @@ Everything here is pure: encoding and decoding between dataclasses and bytes. No
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import re
 from dataclasses import dataclass, field
@@ -211,6 +212,12 @@ class ManifestShard:
         if len(keys) != len(refs):
             raise CorruptObject(key, "keys and refs differ in length")
         return cls(keys, [tuple(r) for r in refs])
+
+    def get(self, key: str) -> ChunkRef | None:
+        """The ref stored for ``key``, or None (a binary search over the sorted keys)."""
+        keys = self.keys
+        j = bisect.bisect_left(keys, key)
+        return self.refs[j] if j < len(keys) and keys[j] == key else None
 
 
 # -- snapshots -------------------------------------------------------------------------------------

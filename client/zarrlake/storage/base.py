@@ -157,7 +157,7 @@ class Storage(abc.ABC):
 
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
-    :attr:`supports_byte_ranges` and :attr:`concurrency`.
+    :attr:`supports_byte_ranges`, :attr:`concurrency` and :attr:`inline_read_bytes`.
     """
 
     #: The objects outlive the process that wrote them (false for memory).
@@ -174,6 +174,10 @@ class Storage(abc.ABC):
     supports_byte_ranges: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
     concurrency: ClassVar[int] = 16
+    #: Reads of at most this many bytes cost less made right on the calling thread (the event
+    #: loop of Zarr's async machinery) than the hand-off to the I/O pool: a file in the page
+    #: cache, a dict in memory. 0 where every read waits on a network (S3).
+    inline_read_bytes: ClassVar[int] = 0
     #: :meth:`delete_stale` decides and deletes in one atomic step, so an object rewritten
     #: concurrently is never lost. Where false (S3 has no delete conditional on a modification
     #: time), a rewrite landing between its check and its delete goes unseen: garbage collection

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -28,6 +29,7 @@ class MemoryStorage(Storage):
     durable: ClassVar[bool] = False
     shared_across_processes: ClassVar[bool] = False
     concurrency: ClassVar[int] = 4
+    inline_read_bytes: ClassVar[int] = sys.maxsize  # a dict lookup and a slice
     atomic_stale_delete: ClassVar[bool] = True
 
     def __init__(self) -> None:
