@@ -319,7 +319,8 @@ def apply_changes(
             # An undersized tail joins the shard before it (and _emit splits them evenly if
             # together they exceed the bound).
             prev = out.pop()
-            built = new.shards.get(prev.digest)
+            # Forgotten now, or a sink could be handed a shard the new index no longer names.
+            built = new.shards.pop(prev.digest, None)
             shard = load(prev) if built is None else built[0]
             pend_keys = shard.keys + pend_keys
             pend_refs = shard.refs + pend_refs
