@@ -155,6 +155,9 @@ def test_fsck_verifies_content_with_the_recorded_hash(tmp_path: Path, content_ha
     report = zarrlake.Repository.open(storage).fsck(verify_content=True)
     assert [(p.kind, p.key) for p in report.problems] == [("corrupt", chunk_key(digest))]
     assert content_hash in report.problems[0].detail
+    url = storage.url
+    assert cli_main(["fsck", url]) == 0
+    assert cli_main(["fsck", url, "--verify-content"]) == 1
 
 
 def test_forked_and_pickled_sessions_honour_the_setting(tmp_path: Path) -> None:
