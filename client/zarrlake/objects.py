@@ -75,11 +75,11 @@ class ObjectStore:
     """Typed access to a repository's objects. Picklable (caches are not carried along).
 
     ``content_hash``: the name of the hash that names chunk and pack objects, as the repository's
-    marker records it. An unknown name (a newer version's) still reads; hashing raises
-    :class:`UnsupportedFormat`.
+    marker records it (required: a default would silently name chunks by the wrong hash). An
+    unknown name (a newer version's) still reads; hashing raises :class:`UnsupportedFormat`.
     """
 
-    def __init__(self, storage: Storage, content_hash: str = LEGACY_CONTENT_HASH) -> None:
+    def __init__(self, storage: Storage, content_hash: str) -> None:
         self.storage = storage
         self.content_hash = content_hash
         self._init_caches()

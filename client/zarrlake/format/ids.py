@@ -74,7 +74,7 @@ def _blake3(data: Bytes) -> str:
 
 #: The hashes a repository may name its chunk and pack objects with, by their recorded name.
 CONTENT_HASHES: dict[str, ContentHash] = {"blake3": _blake3, "sha256": content_hash}
-#: What new repositories use: about 2.5x SHA-256's speed on one core.
+#: What new repositories use: several times faster than SHA-256 on one core.
 DEFAULT_CONTENT_HASH = "blake3"
 #: What a repository marker without a recorded hash means (every repository made before hashes
 #: were a setting).
