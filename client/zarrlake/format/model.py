@@ -451,7 +451,8 @@ class ExpiryRecord:
 
 #: Format features this version implements. A repository marker lists the features a client must
 #: implement to write to it (``features``); one that lists a feature this version does not know
-#: can still be read, but every write refuses with :class:`UnsupportedFormat`.
+#: can still be read, but every write refuses with :class:`UnsupportedFormat`. A change that this
+#: version would misread, not just miswrite, raises the marker's format version instead.
 #:
 #: ``content-hash``: chunk and pack objects are named by the hash the marker records
 #: (``content_hash``), not always SHA-256.
