@@ -23,10 +23,20 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from zarrlake.errors import CorruptObject, InvalidName, UnsupportedFormat
-from zarrlake.format.codec import FORMAT_VERSION, HEADER_LEN, MAGIC, ObjectType, decode, encode
+from zarrlake.format.codec import (
+    FORMAT_VERSION,
+    HEADER_LEN,
+    MAGIC,
+    ObjectType,
+    decode,
+    encode,
+    newest_version,
+)
 from zarrlake.format.ids import (
+    CONTENT_HASHES,
     SNAPSHOT_ID_LEN,
     content_hash,
+    content_hasher,
     is_snapshot_id,
     new_snapshot_id,
     snapshot_id_millis,
@@ -154,6 +164,18 @@ def test_content_hash_is_sha256_hex() -> None:
     assert len(content_hash(b"abc")) == 64
 
 
+def test_content_hashers_match_their_published_vectors() -> None:
+    # BLAKE3's test vector for empty input (its specification), and SHA-256's.
+    assert content_hasher("blake3")(b"") == (
+        "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    )
+    assert content_hasher("sha256")(b"abc") == hashlib.sha256(b"abc").hexdigest()
+    for name, hasher in CONTENT_HASHES.items():  # the shape object keys need: 64 hex digits
+        assert len(hasher(memoryview(b"xyz"))) == 64, name
+    with pytest.raises(UnsupportedFormat, match="'md5'"):
+        content_hasher("md5")
+
+
 # -- values for round trips ------------------------------------------------------------------------
 
 texts = st.text(max_size=20)
@@ -239,6 +261,9 @@ repo_records = st.builds(
     id=texts,
     created=aware_times,
     config=st.dictionaries(texts, json_like, max_size=4),
+    initialized=st.booleans(),
+    content_hash=st.sampled_from(["sha256", "blake3", "a-future-hash"]),
+    features=st.lists(texts, max_size=3).map(tuple),
 )
 
 
@@ -302,6 +327,64 @@ def test_repo_record_round_trip(rec: RepoRecord) -> None:
     assert RepoRecord.decode(rec.encode()) == rec
 
 
+def old_marker(rec: RepoRecord) -> bytes:
+    """The marker exactly as zarrlake wrote it before content hashes were a setting."""
+    body: dict[str, Any] = {"id": rec.id, "created": to_micros(rec.created), "config": rec.config}
+    if rec.initialized:
+        body["initialized"] = True
+    return (
+        MAGIC
+        + bytes([1, ObjectType.REPO])
+        + zstandard.ZstdCompressor().compress(msgpack.packb(body, use_bin_type=True))
+    )
+
+
+def test_sha256_marker_stays_version_1_and_byte_identical_to_old_ones() -> None:
+    now = dt.datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.UTC)
+    rec = RepoRecord("r", now, {"shard_max_refs": 16}, initialized=True)
+    data = rec.encode()
+    assert data[4] == FORMAT_VERSION == 1
+    assert data == old_marker(rec)
+    back = RepoRecord.decode(old_marker(rec))
+    assert back == rec and back.content_hash == "sha256" and back.features == ()
+    assert back.write_blocker() is None
+
+
+def test_marker_with_a_setting_is_version_2_which_version_1_readers_refuse() -> None:
+    now = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
+    rec = RepoRecord("r", now, {}, True, content_hash="blake3", features=("content-hash",))
+    data = rec.encode()
+    assert data[4] == 2 == newest_version(ObjectType.REPO)
+    assert decode(data, ObjectType.REPO)["content_hash"] == "blake3"
+    assert RepoRecord.decode(data).write_blocker() is None
+    # Only the marker has a version 2: every other object type still refuses it.
+    for kind in ObjectType:
+        if kind != ObjectType.REPO:
+            with pytest.raises(UnsupportedFormat, match="version 2"):
+                decode(MAGIC + bytes([2, kind]) + data[HEADER_LEN:], kind)
+
+
+@pytest.mark.parametrize(
+    ("content_hash_name", "features", "blocked"),
+    [
+        ("blake3", ("content-hash",), None),
+        ("sha256", ("content-hash", "a-future-feature"), "a-future-feature"),
+        ("a-future-hash", ("content-hash",), "a-future-hash"),
+    ],
+)
+def test_marker_write_blocker_names_what_this_version_lacks(
+    content_hash_name: str, features: tuple[str, ...], blocked: str | None
+) -> None:
+    rec = RepoRecord(
+        "r", dt.datetime(2026, 1, 2, tzinfo=dt.UTC), {}, True, content_hash_name, features
+    )
+    reason = RepoRecord.decode(rec.encode()).write_blocker()
+    if blocked is None:
+        assert reason is None
+    else:
+        assert reason is not None and blocked in reason
+
+
 def test_envelope_header() -> None:
     data = TagRecord("0" * 26, dt.datetime.now(dt.UTC)).encode()
     assert data[:4] == MAGIC
@@ -358,7 +441,7 @@ def test_bad_magic_is_unsupported_format(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_newer_format_version_is_unsupported_format(name: str) -> None:
     data, dec = SAMPLES[name]
-    for version in (FORMAT_VERSION + 1, 255):
+    for version in (newest_version(ObjectType(data[5])) + 1, 255):
         with pytest.raises(UnsupportedFormat, match=str(version)):
             dec(data[:4] + bytes([version]) + data[5:])
 

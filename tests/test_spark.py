@@ -173,6 +173,49 @@ def test_partitions_write_one_commit(spark: Any, spark_repo: zarrlake.Repository
     np.testing.assert_array_equal(got, expected_grid())
 
 
+def create_raw_grid(store: Any) -> None:
+    """The grid uncompressed: every (8, 10) float chunk is 640 bytes, a chunk object."""
+    zarr.create_array(
+        store,
+        name="g/temp",
+        shape=(ROWS, COLS),
+        chunks=CHUNKS,
+        dtype="f8",
+        fill_value=0,
+        compressors=None,
+    )
+
+
+@pytest.mark.parametrize("content_hash", ["blake3", "sha256"])
+def test_partitions_name_chunks_by_the_repository_hash(
+    spark: Any, tmp_path: Path, content_hash: str
+) -> None:
+    # Executors hash what they write: with the repository's recorded hash, not a default.
+    import hashlib
+
+    import blake3
+
+    from zarrlake.format import manifest
+    from zarrlake.format.model import OBJECT, chunk_key
+
+    digest = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[content_hash]
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage, content_hash=content_hash)
+    rdd = spark.sparkContext.parallelize(range(NBLOCKS), 4)
+    write_partitions(
+        rdd, repo, writer=write_row_blocks, setup=create_raw_grid, message="hashed by executors"
+    )
+    np.testing.assert_array_equal(read_grid(repo), expected_grid())
+    objects = repo.core.objects
+    snap = objects.snapshot(repo.lookup_branch("main"))
+    refs = [r for _, r in manifest.iter_all(snap.shards, objects.shard) if r[0] == OBJECT]
+    assert len(refs) == NBLOCKS * 3
+    for ref in refs:
+        assert digest(storage.get(chunk_key(ref[1].hex()))).digest() == ref[1]
+    report = repo.fsck(verify_content=True)
+    assert report.ok, report.problems
+
+
 def test_dataframe_input(spark: Any, spark_repo: zarrlake.Repository) -> None:
     repo = spark_repo
     commit_grid(repo)

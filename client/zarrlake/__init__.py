@@ -40,6 +40,7 @@ from zarrlake.errors import (
     SparkWriteError,
     TagExists,
     TransientStorageError,
+    UnknownContentHash,
     UnsupportedFormat,
     ZarrlakeError,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "StorageError",
     "TagExists",
     "TransientStorageError",
+    "UnknownContentHash",
     "UnsupportedFormat",
     "UseOurs",
     "UseTheirs",

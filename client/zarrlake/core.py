@@ -14,6 +14,7 @@ from typing import Any
 
 from zarrlake.commit import BranchLock, CommitEngine
 from zarrlake.config import RepositoryConfig
+from zarrlake.errors import UnsupportedFormat
 from zarrlake.format.model import RepoRecord
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
@@ -45,7 +46,7 @@ class RepositoryCore:
     ) -> RepositoryCore:
         """The core of the repository whose marker object is ``record``, at ``storage``."""
         config = RepositoryConfig.from_dict(record.config)
-        objects = ObjectStore(storage)
+        objects = ObjectStore(storage, record.content_hash)
         journal = BranchJournal(storage, adopt=objects.adopt_snapshot)
         tags = Tags(storage)
         expiry = ExpiryLog(storage)
@@ -57,6 +58,16 @@ class RepositoryCore:
     def id(self) -> str:
         """The repository id (a UUID, stable for the repository's life)."""
         return self.record.id
+
+    def check_writable(self) -> None:
+        """Raise :class:`UnsupportedFormat` if this version must not write to the repository
+        (its marker records a feature or content hash only a newer version implements)."""
+        blocker = self.record.write_blocker()
+        if blocker is not None:
+            raise UnsupportedFormat(
+                f"the repository at {self.storage.url} is read-only for this zarrlake: {blocker}; "
+                "upgrade zarrlake to write to it"
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RepositoryCore.build, (self.storage, self.record, self.lock))

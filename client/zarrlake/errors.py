@@ -217,3 +217,12 @@ class GraceTooShort(ZarrlakeError, ValueError):
 
 class InvalidRetentionRules(ZarrlakeError, ValueError):
     """Retention rules that do not parse or make no sense; the message says where."""
+
+
+class UnknownContentHash(ZarrlakeError, ValueError):
+    """``Repository.create(content_hash=...)`` names a hash zarrlake does not implement."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown content hash {name!r}; choose one of {', '.join(known)}")
+        self.name = name
+        self.known = known

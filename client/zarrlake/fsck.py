@@ -2,6 +2,8 @@
 
 Walks every branch journal and tag, every snapshot reachable from them, and checks that each
 snapshot, txlog, manifest shard (digest included) and chunk object or pack range exists and parses.
+With ``verify_content``, it also reads every chunk object and packed chunk and checks its bytes
+against its name, with the content hash the repository's marker records.
 Problems are reported precisely (which object, what is wrong), never raised one at a time.
 """
 
@@ -12,10 +14,13 @@ from typing import Any
 
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import CorruptObject, RefNotFound, UnsupportedFormat
+from zarrlake.format.ids import CONTENT_HASHES
 from zarrlake.format.model import (
     INLINE,
     OBJECT,
     PACKED,
+    REPO_KEY,
+    ChunkRef,
     chunk_key,
     pack_key,
     snapshot_key,
@@ -74,8 +79,11 @@ class FsckReport:
         }
 
 
-def fsck(core: RepositoryCore, *, check_chunks: bool = True) -> FsckReport:
-    """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks.
+def fsck(
+    core: RepositoryCore, *, check_chunks: bool = True, verify_content: bool = False
+) -> FsckReport:
+    """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks,
+    ``verify_content=True`` reads every chunk and checks its bytes against its name.
 
     Never raises for what it finds: every problem is in the report (storage errors propagate).
     """
@@ -83,7 +91,9 @@ def fsck(core: RepositoryCore, *, check_chunks: bool = True) -> FsckReport:
     refs = snapshots = shards = chunks = 0
     storage = core.storage
     # A fresh object store: the repository's caches may still hold objects that are gone.
-    objects = ObjectStore(storage)
+    objects = ObjectStore(storage, core.record.content_hash)
+    # Every chunk ref in an object the content check reads: chunk objects and pack ranges.
+    content_refs: dict[str, set[ChunkRef]] = {}
 
     def problem(kind: str, key: str, detail: str) -> None:
         problems.append(Problem(kind, key, detail))
@@ -159,10 +169,15 @@ def fsck(core: RepositoryCore, *, check_chunks: bool = True) -> FsckReport:
                 elif ref[0] == PACKED:
                     key = pack_key(ref[1])
                     chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]) + int(ref[3]))
-                elif ref[0] != INLINE:
+                elif ref[0] == INLINE:
+                    continue
+                else:
                     problem(
                         "corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}"
                     )
+                    continue
+                if verify_content:
+                    content_refs.setdefault(key, set()).add(ref)
         stack.extend(p for p in snap.parents if p not in seen and p not in expired)
 
     if check_chunks and chunk_refs:
@@ -178,4 +193,44 @@ def fsck(core: RepositoryCore, *, check_chunks: bool = True) -> FsckReport:
                 problem("missing", key, "chunk object referenced by a manifest is absent")
             elif size < need:
                 problem("corrupt", key, f"object has {size} bytes, references need {need}")
+        if verify_content:
+            verify = [k for k in sorted(content_refs) if present.get(k, -1) >= chunk_refs[k]]
+            _verify_content(objects, verify, content_refs, problem)
     return FsckReport(problems, refs, snapshots, shards, chunks)
+
+
+def _verify_content(
+    objects: ObjectStore,
+    keys: list[str],
+    refs: dict[str, set[ChunkRef]],
+    problem: Any,
+) -> None:
+    """Read each object in ``keys`` and check the bytes of every chunk ``refs`` has in it against
+    the chunk's name: a chunk object's name is its digest; a packed chunk's ref keeps its digest."""
+    name = objects.content_hash
+    if name not in CONTENT_HASHES:
+        problem(
+            "unsupported",
+            REPO_KEY,
+            f"content hash {name!r} is unknown to this zarrlake: chunk contents not verified",
+        )
+        return
+
+    def check(key: str) -> list[str]:
+        data = objects.storage.get(key)
+        bad = []
+        for ref in sorted(refs[key], key=repr):
+            if ref[0] == OBJECT:
+                if objects.hash_data(data) != ref[1].hex():
+                    bad.append(f"content does not match its name ({name})")
+            elif len(ref) > 4:
+                start, length = int(ref[2]), int(ref[3])
+                part = memoryview(data)[start : start + length]
+                if objects.hash_data(part) != ref[4].hex():
+                    end = start + length
+                    bad.append(f"bytes {start}..{end} do not match chunk {ref[4].hex()} ({name})")
+        return bad
+
+    for key, bad in zip(keys, objects.storage.map(check, keys), strict=True):
+        for detail in bad:
+            problem("corrupt", key, detail)

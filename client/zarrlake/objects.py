@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
-from zarrlake.format.ids import content_hash
+from zarrlake.format.ids import LEGACY_CONTENT_HASH, ContentHash, content_hash, content_hasher
 from zarrlake.format.manifest import ManifestUpdate
 from zarrlake.format.model import (
     INLINE,
@@ -102,10 +102,16 @@ class CommitObjects:
 
 
 class ObjectStore:
-    """Typed access to a repository's objects. Picklable (caches are not carried along)."""
+    """Typed access to a repository's objects. Picklable (caches are not carried along).
 
-    def __init__(self, storage: Storage) -> None:
+    ``content_hash``: the name of the hash that names chunk and pack objects, as the repository's
+    marker records it (required: a default would silently name chunks by the wrong hash). An
+    unknown name (a newer version's) still reads; hashing raises :class:`UnsupportedFormat`.
+    """
+
+    def __init__(self, storage: Storage, content_hash: str) -> None:
         self.storage = storage
+        self.content_hash = content_hash
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -114,11 +120,21 @@ class ObjectStore:
         self._txlogs: LRU[str, TxLog] = LRU(512)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage}
+        return {"storage": self.storage, "content_hash": self.content_hash}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.storage = state["storage"]
+        # Pickles from before the hash was a setting carry none: they were SHA-256.
+        self.content_hash = state.get("content_hash", LEGACY_CONTENT_HASH)
         self._init_caches()
+
+    def hash_data(self, data: bytes | memoryview) -> str:
+        """The name (hex digest) of chunk or pack bytes ``data`` in this repository.
+
+        Raises :class:`UnsupportedFormat` if the repository's hash is unknown to this version.
+        """
+        hasher: ContentHash = content_hasher(self.content_hash)
+        return hasher(data)
 
     # -- immutable metadata ---------------------------------------------------------------------
 
@@ -265,7 +281,7 @@ class ObjectStore:
         """
         if len(data) <= inline_threshold:
             return (INLINE, bytes(data)), False
-        digest = content_hash(data)
+        digest = self.hash_data(data)
         key = chunk_key(digest)
         try:
             self.storage.put(key, data, create_only=True)

@@ -26,8 +26,10 @@ from zarrlake.errors import (
     BranchExists,
     RepositoryExists,
     RepositoryNotFound,
+    UnknownContentHash,
     ZarrlakeError,
 )
+from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH, LEGACY_CONTENT_HASH
 from zarrlake.format.model import REPO_KEY, JournalEntry, RepoRecord
 from zarrlake.fsck import FsckReport, fsck
 from zarrlake.history import History
@@ -86,17 +88,30 @@ class Repository:
         *,
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
+        content_hash: str = DEFAULT_CONTENT_HASH,
     ) -> Repository:
         """Initialize a repository with an empty ``main`` branch.
 
-        Raises :class:`RepositoryExists`.
+        ``content_hash``: the hash that names chunk objects, recorded for the repository's life:
+        ``"blake3"`` (the default, fastest) or ``"sha256"`` (what every earlier version used; such a
+        repository stays readable and writable by those older versions, a BLAKE3 one is refused
+        by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`.
         """
+        if content_hash not in CONTENT_HASHES:
+            raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()
         if storage.exists(REPO_KEY):
             raise RepositoryExists(f"a repository already exists at {storage.url}")
-        record = RepoRecord(str(uuid.uuid4()), _now(), config.to_dict(), initialized=True)
+        record = RepoRecord(
+            str(uuid.uuid4()),
+            _now(),
+            config.to_dict(),
+            initialized=True,
+            content_hash=content_hash,
+            features=() if content_hash == LEGACY_CONTENT_HASH else ("content-hash",),
+        )
         repo = cls(storage, record, lock)
         # ``main`` first, the marker last: a marker then always has a ``main`` beside it, so
         # opening a repository is one request. A creator that dies in between leaves no marker,
@@ -134,13 +149,15 @@ class Repository:
         *,
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
+        content_hash: str = DEFAULT_CONTENT_HASH,
     ) -> Repository:
-        """Open the repository at ``storage``, creating it (with ``config``) if there is none."""
+        """Open the repository at ``storage``, creating it (with ``config`` and ``content_hash``)
+        if there is none."""
         try:
             return cls.open(storage, lock=lock)
         except RepositoryNotFound:
             try:
-                return cls.create(storage, config=config, lock=lock)
+                return cls.create(storage, config=config, lock=lock, content_hash=content_hash)
             except RepositoryExists:
                 return cls.open(storage, lock=lock)
 
@@ -216,6 +233,7 @@ class Repository:
         Raises :class:`BranchExists`, :class:`InvalidName`, :class:`RefNotFound`.
         """
         validate_name(name)
+        self._core.check_writable()
         target = self.resolve(from_ref)
         journal = self._core.journal
         head = journal.head(name)
@@ -233,6 +251,7 @@ class Repository:
         """Point ``name`` at ``to_ref``. With ``expected``, only if the head is still that snapshot
         (else :class:`ConflictError`). Returns the new head."""
         validate_name(name)
+        self._core.check_writable()
         target = self.resolve(to_ref)
         return self._core.commits.reset_branch(name, target, expected=expected)
 
@@ -241,6 +260,7 @@ class Repository:
         validate_name(name)
         if name == MAIN:
             raise ZarrlakeError("the main branch cannot be deleted")
+        self._core.check_writable()
         self._core.commits.delete_branch(name)
 
     # -- tags --------------------------------------------------------------------------------------
@@ -257,6 +277,7 @@ class Repository:
     def create_tag(self, name: str, ref: str) -> str:
         """Tag ``ref``. Raises :class:`TagExists`, also for names of deleted tags."""
         validate_name(name, "tag")
+        self._core.check_writable()
         target = self.resolve(ref)
         self._core.tags.create(name, target)
         return target
@@ -264,6 +285,7 @@ class Repository:
     def delete_tag(self, name: str) -> None:
         """Delete tag ``name``; the name is never reused. Raises :class:`RefNotFound`."""
         validate_name(name, "tag")
+        self._core.check_writable()
         self._core.tags.delete(name)
 
     # -- refs and history --------------------------------------------------------------------------
@@ -306,6 +328,7 @@ class Repository:
                 f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
             )
         validate_name(into)
+        self._core.check_writable()
         src_id = self.resolve(source)
         return self._core.commits.merge(
             src_id,
@@ -327,6 +350,7 @@ class Repository:
             rules = RetentionRules.from_dict(rules)
         if not isinstance(rules, RetentionRules):
             raise TypeError("rules must be a zarrlake.RetentionRules (or its dict form)")
+        self._core.check_writable()
         return expire(self._core, rules, dry_run=dry_run)
 
     def gc(
@@ -342,6 +366,7 @@ class Repository:
         A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
         ``force``: a running session's uploads must outlive it.
         """
+        self._core.check_writable()  # a newer format's objects may look unreachable here
         return gc(self._core, grace=grace, dry_run=dry_run, force=force, progress=progress)
 
     def compact(
@@ -356,6 +381,7 @@ class Repository:
         """Pack small chunks, merge undersized shards and prune old journal entries of ``branch``
         without changing what any snapshot reads; a :class:`CompactReport`."""
         validate_name(branch)
+        self._core.check_writable()
         return compact(
             self._core,
             branch=branch,
@@ -365,9 +391,13 @@ class Repository:
             progress=progress,
         )
 
-    def fsck(self, *, check_chunks: bool = True) -> FsckReport:
-        """Check that everything reachable from the refs exists and parses; a ``FsckReport``."""
-        return fsck(self._core, check_chunks=check_chunks)
+    def fsck(self, *, check_chunks: bool = True, verify_content: bool = False) -> FsckReport:
+        """Check that everything reachable from the refs exists and parses; a ``FsckReport``.
+
+        ``verify_content``: also read every chunk and check its bytes against its name (the
+        repository's content hash); slow, it reads all the data.
+        """
+        return fsck(self._core, check_chunks=check_chunks, verify_content=verify_content)
 
     # -- sessions ----------------------------------------------------------------------------------
 
@@ -386,6 +416,7 @@ class Repository:
         validate_name(branch)
         if ttl is not None and not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
             raise ValueError("session ttl must be positive and at most 7 days")
+        self._core.check_writable()
         head = self._core.journal.current(branch).snapshot
         assert head is not None
         return Session(self._core, head, branch=branch, read_only=False, ttl=ttl)
@@ -416,9 +447,12 @@ class Repository:
         *,
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
+        content_hash: str = DEFAULT_CONTENT_HASH,
     ) -> Repository:
         """Async twin of :meth:`create`."""
-        return await asyncio.to_thread(cls.create, storage, config=config, lock=lock)
+        return await asyncio.to_thread(
+            cls.create, storage, config=config, lock=lock, content_hash=content_hash
+        )
 
     @classmethod
     async def open_async(cls, storage: Storage, *, lock: LockSpec = None) -> Repository:
@@ -432,9 +466,12 @@ class Repository:
         *,
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
+        content_hash: str = DEFAULT_CONTENT_HASH,
     ) -> Repository:
         """Async twin of :meth:`open_or_create`."""
-        return await asyncio.to_thread(cls.open_or_create, storage, config=config, lock=lock)
+        return await asyncio.to_thread(
+            cls.open_or_create, storage, config=config, lock=lock, content_hash=content_hash
+        )
 
     @staticmethod
     async def exists_async(storage: Storage) -> bool:
@@ -555,6 +592,10 @@ class Repository:
             progress=progress,
         )
 
-    async def fsck_async(self, *, check_chunks: bool = True) -> FsckReport:
+    async def fsck_async(
+        self, *, check_chunks: bool = True, verify_content: bool = False
+    ) -> FsckReport:
         """Async twin of :meth:`fsck`."""
-        return await asyncio.to_thread(self.fsck, check_chunks=check_chunks)
+        return await asyncio.to_thread(
+            self.fsck, check_chunks=check_chunks, verify_content=verify_content
+        )

@@ -78,6 +78,7 @@ import numpy as np
 
 from zarrlake.changeset import Changeset
 from zarrlake.errors import SparkWriteError, ZarrlakeError
+from zarrlake.format.ids import LEGACY_CONTENT_HASH
 from zarrlake.objects import ObjectStore
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession
@@ -182,10 +183,14 @@ def _shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
         return value
 
 
-def _shared_object_store(storage_bytes: bytes) -> ObjectStore:
-    """This process's ObjectStore for the pickled storage (what a pickled fork's store becomes)."""
+def _shared_object_store(
+    storage_bytes: bytes, content_hash: str = LEGACY_CONTENT_HASH
+) -> ObjectStore:
+    """This process's ObjectStore for the pickled storage and the repository's content hash (what
+    a pickled fork's store becomes)."""
     return _shared_instance(
-        b"objects:" + storage_bytes, lambda: ObjectStore(pickle.loads(storage_bytes))
+        b"objects:" + content_hash.encode() + b":" + storage_bytes,
+        lambda: ObjectStore(pickle.loads(storage_bytes), content_hash),
     )
 
 
@@ -193,7 +198,7 @@ class _ForkPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, ObjectStore) and obj.storage.shared_across_processes:
             storage_bytes = pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL)
-            return _shared_object_store, (storage_bytes,)
+            return _shared_object_store, (storage_bytes, obj.content_hash)
         return NotImplemented
 
 

@@ -4,7 +4,7 @@ shell or a CronJob.
 Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain path, ``memory://``,
 ``s3://bucket/prefix?endpoint_url=...&region=...``)::
 
-    zarrlake init URL
+    zarrlake init URL [--content-hash blake3|sha256]
     zarrlake log URL [--ref main] [-n N] [--json]
     zarrlake branch URL [list [--json] | create NAME [--from REF] | delete NAME
                          | reset NAME REF [--expected SNAPSHOT]]
@@ -17,7 +17,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake gc URL [--rules RULES] [--grace 7d] [--dry-run] [--force] [--json]
     zarrlake compact URL [--branch main] [--pack-below BYTES] [--keep-journal 7d] [--dry-run]
                          [--json]
-    zarrlake fsck URL [--skip-chunks] [--json]
+    zarrlake fsck URL [--skip-chunks] [--verify-content] [--json]
     zarrlake lock status URL --lock URL [--json]
 
 Commands that move refs (``branch create|delete|reset``, ``tag create|delete``, ``merge``,

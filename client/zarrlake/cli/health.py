@@ -16,6 +16,11 @@ from zarrlake.errors import ZarrlakeError
 def add_fsck(commands: Commands) -> None:
     p = commands.add("fsck", run_fsck, "check that every reachable object exists and parses")
     p.add_argument("--skip-chunks", action="store_true", help="do not check chunk objects")
+    p.add_argument(
+        "--verify-content",
+        action="store_true",
+        help="read every chunk and check its bytes against its name (reads all the data)",
+    )
     add_json(p)
 
 
@@ -26,7 +31,9 @@ class FsckFailed(ZarrlakeError):
 def run_fsck(args: argparse.Namespace) -> None:
     """Print the report (problems one per line), then fail with :class:`FsckFailed` (exit
     status 1) if there is any problem."""
-    report = open_repository(args).fsck(check_chunks=not args.skip_chunks)
+    report = open_repository(args).fsck(
+        check_chunks=not args.skip_chunks, verify_content=args.verify_content
+    )
     if args.json:
         print_json(report.to_json())
     else:

@@ -11,6 +11,7 @@ from zarrlake.cli.args import MAIN, Commands, add_json, add_lock, count
 from zarrlake.cli.connect import open_repository, open_storage
 from zarrlake.cli.output import print_json, print_table, say, short_time
 from zarrlake.errors import MergeConflictError
+from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH
 from zarrlake.listing import commit_to_json, tree_key
 from zarrlake.repository import Repository
 from zarrlake.types import Diff
@@ -21,11 +22,20 @@ STRATEGIES = ("source-wins", "dest-wins")
 
 
 def add_init(commands: Commands) -> None:
-    commands.add("init", run_init, "create a repository with an empty main branch")
+    p = commands.add("init", run_init, "create a repository with an empty main branch")
+    p.add_argument(
+        "--content-hash",
+        choices=sorted(CONTENT_HASHES),
+        default=DEFAULT_CONTENT_HASH,
+        help=(
+            f"the hash that names chunk objects (default: {DEFAULT_CONTENT_HASH}); sha256 keeps "
+            "the repository writable by zarrlake versions before this setting"
+        ),
+    )
 
 
 def run_init(args: argparse.Namespace) -> None:
-    repo = Repository.create(open_storage(args.url))
+    repo = Repository.create(open_storage(args.url), content_hash=args.content_hash)
     say(repo.id)
 
 

@@ -3,6 +3,11 @@
 Header: 4-byte magic ``ZLAK``, one byte format version, one byte object type. A reader refuses a
 wrong magic or a newer version with :class:`UnsupportedFormat`, and undecodable bodies with
 :class:`CorruptObject`; it never crashes on bad bytes.
+
+Objects are written at the lowest version that describes them, so older readers keep reading
+them. Only the repository marker has a version 2: a marker that records settings older clients
+would silently ignore (see :class:`~zarrlake.format.model.RepoRecord`), which a client reading
+up to version 1 must refuse instead.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import zstandard
 from zarrlake.errors import CorruptObject, UnsupportedFormat
 
 MAGIC = b"ZLAK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # every object's version unless it needs a newer one
 HEADER_LEN = 6
 
 
@@ -32,6 +37,14 @@ class ObjectType(enum.IntEnum):
     EXPIRY = 8
 
 
+#: The newest version this code reads, per object type (FORMAT_VERSION for the others).
+NEWEST_VERSION = {ObjectType.REPO: 2}
+
+
+def newest_version(kind: ObjectType) -> int:
+    return NEWEST_VERSION.get(kind, FORMAT_VERSION)
+
+
 _local = threading.local()
 
 
@@ -43,9 +56,10 @@ def _zc() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     return pair
 
 
-def encode(kind: ObjectType, payload: Any) -> bytes:
+def encode(kind: ObjectType, payload: Any, version: int = FORMAT_VERSION) -> bytes:
+    assert FORMAT_VERSION <= version <= newest_version(kind)
     body = msgpack.packb(payload, use_bin_type=True)
-    return MAGIC + bytes((FORMAT_VERSION, int(kind))) + _zc()[0].compress(body)
+    return MAGIC + bytes((version, int(kind))) + _zc()[0].compress(body)
 
 
 def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:
@@ -55,9 +69,10 @@ def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:
     if data[:4] != MAGIC:
         raise UnsupportedFormat(f"{key} is not a zarrlake object (bad magic {data[:4]!r})")
     version, kind = data[4], data[5]
-    if version > FORMAT_VERSION:
+    newest = newest_version(expected)
+    if version > newest:
         raise UnsupportedFormat(
-            f"{key} has format version {version}; this zarrlake reads up to {FORMAT_VERSION}"
+            f"{key} has format version {version}; this zarrlake reads up to {newest}"
         )
     if kind != int(expected):
         raise CorruptObject(key, f"expected a {expected.name.lower()} object, found type {kind}")

@@ -6,6 +6,11 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
+
+import blake3
+
+from zarrlake.errors import UnsupportedFormat
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _DECODE = {c: i for i, c in enumerate(_CROCKFORD)}
@@ -52,6 +57,37 @@ def snapshot_id_millis(snapshot_id: str) -> int:
     return value >> 80
 
 
-def content_hash(data: bytes | bytearray | memoryview) -> str:
-    """Hex SHA-256: the name of content-addressed chunks and manifest shards."""
+Bytes = bytes | bytearray | memoryview
+#: A content hash: bytes -> 64 lowercase hex digits (the object's name).
+ContentHash = Callable[[Bytes], str]
+
+
+def content_hash(data: Bytes) -> str:
+    """Hex SHA-256: the name of manifest shards (and of chunks in repositories that use it)."""
     return hashlib.sha256(data).hexdigest()
+
+
+def _blake3(data: Bytes) -> str:
+    # 32-byte output (64 hex digits), the same shape as SHA-256's; the hashing releases the GIL.
+    return blake3.blake3(data).hexdigest()
+
+
+#: The hashes a repository may name its chunk and pack objects with, by their recorded name.
+CONTENT_HASHES: dict[str, ContentHash] = {"blake3": _blake3, "sha256": content_hash}
+#: What new repositories use: several times faster than SHA-256 on one core.
+DEFAULT_CONTENT_HASH = "blake3"
+#: What a repository marker without a recorded hash means (every repository made before hashes
+#: were a setting).
+LEGACY_CONTENT_HASH = "sha256"
+
+
+def content_hasher(name: str) -> ContentHash:
+    """The hash function recorded as ``name``. Raises :class:`UnsupportedFormat` for a name this
+    version does not know (a repository made by a newer one)."""
+    try:
+        return CONTENT_HASHES[name]
+    except KeyError:
+        raise UnsupportedFormat(
+            f"content hash {name!r} is not supported by this zarrlake "
+            f"(it knows {', '.join(sorted(CONTENT_HASHES))})"
+        ) from None

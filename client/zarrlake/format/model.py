@@ -13,7 +13,8 @@ from typing import Any, TypeAlias
 from urllib.parse import quote, unquote
 
 from zarrlake.errors import CorruptObject
-from zarrlake.format.codec import ObjectType, decode, encode
+from zarrlake.format.codec import FORMAT_VERSION, ObjectType, decode, encode
+from zarrlake.format.ids import CONTENT_HASHES, LEGACY_CONTENT_HASH
 
 # -- object keys ---------------------------------------------------------------------------------
 
@@ -455,6 +456,16 @@ class ExpiryRecord:
         return cls(_time(_need(obj, "time", key), key, "time"), tuple(snaps))
 
 
+#: Format features this version implements. A repository marker lists the features a client must
+#: implement to write to it (``features``); one that lists a feature this version does not know
+#: can still be read, but every write refuses with :class:`UnsupportedFormat`. A change that this
+#: version would misread, not just miswrite, raises the marker's format version instead.
+#:
+#: ``content-hash``: chunk and pack objects are named by the hash the marker records
+#: (``content_hash``), not always SHA-256.
+KNOWN_FEATURES = frozenset({"content-hash"})
+
+
 @dataclass(frozen=True, slots=True)
 class RepoRecord:
     """The ``repo`` marker object: format version, identity and configuration.
@@ -463,12 +474,36 @@ class RepoRecord:
     the marker is, ``main`` is too and opening needs no further check. Markers of repositories
     created the other way round (older versions) say False: opening one makes sure ``main``
     exists, completing a repository whose creator died before its first commit.
+
+    ``content_hash``: the name of the hash that names the repository's chunk and pack objects
+    (see :data:`zarrlake.format.ids.CONTENT_HASHES`); a marker without one means SHA-256.
+    ``features``: format features a client must implement to write (see :data:`KNOWN_FEATURES`).
+
+    A marker with either is written as format version 2, which clients from before these settings
+    refuse to open (they would write SHA-256 chunks into the repository, and report its other
+    chunks as corrupt); a SHA-256 marker without features stays version 1, readable by all.
     """
 
     id: str
     created: dt.datetime
     config: dict[str, Any]
     initialized: bool = False
+    content_hash: str = LEGACY_CONTENT_HASH
+    features: tuple[str, ...] = ()
+
+    @property
+    def format_version(self) -> int:
+        return 2 if self.content_hash != LEGACY_CONTENT_HASH or self.features else FORMAT_VERSION
+
+    def write_blocker(self) -> str | None:
+        """Why this version must not write to the repository (None if it may): a feature or a
+        content hash it does not implement, which a newer version recorded."""
+        unknown = [f for f in self.features if f not in KNOWN_FEATURES]
+        if unknown:
+            return f"it uses format feature(s) {', '.join(unknown)} this zarrlake does not know"
+        if self.content_hash not in CONTENT_HASHES:
+            return f"it names chunks with content hash {self.content_hash!r}, unknown here"
+        return None
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {
@@ -478,7 +513,11 @@ class RepoRecord:
         }
         if self.initialized:
             body["initialized"] = True
-        return encode(ObjectType.REPO, body)
+        version = self.format_version
+        if version > FORMAT_VERSION:
+            body["content_hash"] = self.content_hash
+            body["features"] = list(self.features)
+        return encode(ObjectType.REPO, body, version)
 
     @classmethod
     def decode(cls, data: bytes, key: str = REPO_KEY) -> RepoRecord:
@@ -488,4 +527,6 @@ class RepoRecord:
             _time(_need(obj, "created", key), key, "created"),
             dict(_typed(obj.get("config") or {}, dict, key, "config")),
             _typed(obj.get("initialized", False), bool, key, "initialized"),
+            _typed(obj.get("content_hash", LEGACY_CONTENT_HASH), str, key, "content_hash"),
+            tuple(_strs(obj.get("features") or [], key, "features")),
         )

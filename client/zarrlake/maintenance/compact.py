@@ -25,7 +25,6 @@ from zarrlake.conflicts import ChangeSummary
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import Conflict, ConflictError
 from zarrlake.format import manifest
-from zarrlake.format.ids import content_hash
 from zarrlake.format.model import OBJECT, PACKED, ChunkRef, Snapshot, pack_key
 from zarrlake.nodes import split_chunk_key
 from zarrlake.refs import PRUNE_FLOOR
@@ -201,7 +200,7 @@ def _pack_and_commit(
     for group in groups:
         datas: list[bytes] = core.storage.map(lambda kv: objects.read_chunk(kv[1]), group)
         pack = b"".join(datas)
-        pack_id = content_hash(pack)
+        pack_id = objects.hash_data(pack)
         core.storage.put(pack_key(pack_id), pack)
         offset = 0
         for (key, ref), data in zip(group, datas, strict=True):
