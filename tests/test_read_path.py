@@ -16,6 +16,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 import zarrlake
 from zarrlake.errors import CorruptObject, ObjectNotFound, StorageError
+from zarrlake.format.ids import LEGACY_CONTENT_HASH
 from zarrlake.format.model import INLINE, OBJECT, PACKED, chunk_key, pack_key
 from zarrlake.objects import COALESCE_GAP, LRU, ObjectStore, RangeGroup, coalesce
 from zarrlake_testkit.counting import CountingStorage, Counts
@@ -74,7 +75,7 @@ def test_read_chunks_returns_exact_bytes_with_gaps_duplicates_and_any_order(
     storage: zarrlake.Storage,
 ) -> None:
     counted = CountingStorage(storage, Counts(record_keys=True))
-    objects = ObjectStore(counted)
+    objects = ObjectStore(counted, LEGACY_CONTENT_HASH)
     pack, refs = _pack(storage, [100, 37, 1000, 1, 64], gap=11)
     lone = b"a chunk object of its own"
     storage.put(chunk_key(hashlib.sha256(lone).hexdigest()), lone)
@@ -115,13 +116,13 @@ def test_read_chunks_returns_exact_bytes_with_gaps_duplicates_and_any_order(
 def test_read_chunks_splits_ranges_further_apart_than_the_gap(storage: zarrlake.Storage) -> None:
     counted = CountingStorage(storage, Counts(record_keys=True))
     pack, refs = _pack(storage, [10, 10, 10], gap=COALESCE_GAP + 1)
-    got = ObjectStore(counted).read_chunks([(r, None) for r in reversed(refs)])
+    got = ObjectStore(counted, LEGACY_CONTENT_HASH).read_chunks([(r, None) for r in reversed(refs)])
     assert got == [pack[r[2] : r[2] + r[3]] for r in reversed(refs)]
     assert counted.counts.by_op() == {"get_range": 3}
 
 
 def test_a_pack_shorter_than_its_refs_or_missing_is_corrupt(storage: zarrlake.Storage) -> None:
-    objects = ObjectStore(storage)
+    objects = ObjectStore(storage, LEGACY_CONTENT_HASH)
     pack, refs = _pack(storage, [50, 50], gap=0)
     beyond = (PACKED, refs[1][1], 60, 50, b"")  # ends 10 bytes after the pack does
     with pytest.raises(CorruptObject, match="pack ends before"):
