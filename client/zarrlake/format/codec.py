@@ -30,6 +30,7 @@ class ObjectType(enum.IntEnum):
     TAG = 6
     TAG_TOMBSTONE = 7
     EXPIRY = 8
+    HISTORY_PAGE = 9
 
 
 _local = threading.local()
