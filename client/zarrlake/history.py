@@ -19,6 +19,7 @@ from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
 from zarrlake.format.model import (
     AncestorRecord,
     ExpiryRecord,
+    HistoryIndex,
     HistoryPage,
     Snapshot,
     expiry_key,
@@ -110,7 +111,9 @@ class History(Iterator[CommitInfo]):
         # The expiry marks and, unless the head's own records cover the limit, the newest history
         # pages: one concurrent round.
         prefetch = (limit is None or limit > len(records.known)) and not records.complete()
-        expired = records.fetch_pages(expiry, expiry_only=not prefetch)
+        # With a limit, only the pages it can reach (each holds up to PAGE records).
+        wanted = None if limit is None else -(-(limit - len(records.known)) // HistoryIndex.PAGE)
+        expired = records.fetch_pages(expiry, expiry_only=not prefetch, at_most=wanted)
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
         produced = 0
@@ -183,13 +186,17 @@ class CommitRecords:
         return None
 
     def fetch_pages(
-        self, expiry: ExpiryLog | None = None, *, expiry_only: bool = False
+        self,
+        expiry: ExpiryLog | None = None,
+        *,
+        expiry_only: bool = False,
+        at_most: int | None = None,
     ) -> frozenset[str]:
-        """Read every queued page in one concurrent round — with ``expiry``, the expiry marks
-        too, and return them (empty without). ``expiry_only``: read no pages."""
-        digests = [] if expiry_only else self._pending
-        if not expiry_only:
-            self._pending = []
+        """Read the queued pages (the newest ``at_most`` of them, default all) in one concurrent
+        round — with ``expiry``, the expiry marks too, and return them (empty without).
+        ``expiry_only``: read no pages."""
+        take = 0 if expiry_only else len(self._pending) if at_most is None else max(at_most, 0)
+        digests, self._pending = self._pending[:take], self._pending[take:]
         expired: frozenset[str] = frozenset()
 
         def step(i: int) -> HistoryPage | None:
