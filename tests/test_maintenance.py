@@ -1434,7 +1434,7 @@ def test_cli_gc(cli: Cli, cli_repo: tuple[zarrlake.Repository, str]) -> None:
     assert code == 0
     dry = json.loads(out)
     assert dry["dry_run"] is True and dry["deleted_objects"] > 0
-    assert set(dry["by_kind"]) == {"snapshots", "txlogs", "manifests", "chunks", "packs"}
+    assert set(dry["by_kind"]) == {"snapshots", "txlogs", "history", "manifests", "chunks", "packs"}
     assert objects(storage) == before
     code, out, _ = cli("gc", url, "--grace", "0", "--force", "--json")
     assert code == 0
@@ -1498,6 +1498,7 @@ def test_reports_are_frozen_values_with_a_json_form(storage: zarrlake.Storage) -
     assert set(gc_report.to_json()["by_kind"]) == {
         "snapshots",
         "txlogs",
+        "history",
         "manifests",
         "chunks",
         "packs",

@@ -185,15 +185,16 @@ def test_reading_a_tag_costs_one_round_for_the_tag(counted: Callable[[], Countin
 
 
 @pytest.mark.parametrize(
-    ("commits", "requests"),
+    ("commits", "pages"),
     [
-        (2, 3),
-        pytest.param(63, 3, marks=pytest.mark.slow),
-        pytest.param(64, 4, marks=pytest.mark.slow),
+        (2, 0),
+        pytest.param(63, 0, marks=pytest.mark.slow),
+        pytest.param(64, 1, marks=pytest.mark.slow),
+        pytest.param(300, 4, marks=pytest.mark.slow),
     ],
 )
-def test_log_requests_grow_by_one_per_65_commits_of_history(
-    counted: Callable[[], CountingStorage], commits: int, requests: int
+def test_log_reads_the_head_then_one_round_of_history_pages(
+    counted: Callable[[], CountingStorage], commits: int, pages: int
 ) -> None:
     ids = _repo_with_commits(counted, commits)
     repo = zarrlake.Repository.open(counted())
@@ -202,9 +203,13 @@ def test_log_requests_grow_by_one_per_65_commits_of_history(
     assert [c.id for c in repo.log("main")] == ids
     assert len(ids) == commits + 2  # the repository's initial commit, "create", the commits
     # The branch head (list + get; the entry carries the head snapshot, which carries the
-    # records of up to 64 ancestors), the expiry marks (list); then one more snapshot per 65
-    # further entries.
-    assert _ops(counts) == ["list", "get", "list"] + ["get"] * (requests - 3)
+    # records of up to 64 ancestors); then one concurrent round: the expiry marks (list) and,
+    # when the head's records do not reach the root, the history pages its index names (63
+    # commits each, up to 16 of them: 1,008 commits).
+    ops = _ops(counts)
+    assert ops[:2] == ["list", "get"]
+    assert sorted(ops[2:]) == ["get"] * pages + ["list"]
+    assert all(key.startswith("history/") for op, key in counts.calls()[2:] if op == "get")
 
 
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:

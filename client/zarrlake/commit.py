@@ -35,10 +35,12 @@ from zarrlake.conflicts import (
 )
 from zarrlake.errors import Conflict, ConflictError, MergeConflictError, RefNotFound, ZarrlakeError
 from zarrlake.format import manifest
-from zarrlake.format.ids import new_snapshot_id
+from zarrlake.format.ids import content_hash, new_snapshot_id
 from zarrlake.format.manifest import ManifestUpdate, prefix_matches
 from zarrlake.format.model import (
     AncestorRecord,
+    HistoryIndex,
+    HistoryPage,
     JournalEntry,
     ManifestShard,
     ShardInfo,
@@ -135,6 +137,44 @@ def _history_for(parent: Snapshot) -> list[AncestorRecord]:
     return records
 
 
+def _open_records(snap: Snapshot) -> list[tuple[str, AncestorRecord]]:
+    """``snap``'s own record and those of its ancestors no history page holds yet, newest first.
+
+    A snapshot from before the index has no pages: all its inline records are open, so the first
+    page sealed on top of old history covers as much of it as the snapshot knows.
+    """
+    own = AncestorRecord(snap.parents, snap.time, snap.author, snap.message, snap.metadata)
+    unsealed = snap.index.unsealed if snap.index is not None else len(snap.history)
+    return [(snap.id, own), *zip(snap.ancestry, snap.history[:unsealed], strict=False)]
+
+
+def _index_for(
+    parent: Snapshot, extra: list[Snapshot], inline: int
+) -> tuple[HistoryIndex, tuple[str, bytes] | None]:
+    """The history index of a child of ``parent`` (and of ``extra`` merge parents) that carries
+    ``inline`` history records, and the page it seals, if any (digest, encoded).
+
+    The open records grow by one per commit; at :attr:`HistoryIndex.PAGE` of them (or when the
+    child's inline records could no longer hold them all, or at a merge, whose other line must
+    become reachable) they are sealed into one page naming the pages before it. Bytes per commit
+    stay bounded: a page of records every ``PAGE`` commits, ``WINDOW`` digests in the snapshot.
+    """
+    pages = parent.index.pages if parent.index is not None else ()
+    opened = (parent.index.unsealed if parent.index is not None else 0) + 1
+    if not extra and parent.index is not None and opened < HistoryIndex.PAGE and opened <= inline:
+        return HistoryIndex(opened, pages), None
+    records = _open_records(parent)
+    older = list(pages)
+    for snap in extra:
+        records += _open_records(snap)
+        older += snap.index.pages if snap.index is not None else ()
+    page = HistoryPage(
+        tuple(i for i, _ in records), tuple(r for _, r in records), tuple(dict.fromkeys(older))
+    ).encode()
+    digest = content_hash(page)
+    return HistoryIndex(0, (digest, *pages)[: HistoryIndex.WINDOW]), (digest, page)
+
+
 class CommitEngine:
     """Publishes changesets as commits and moves branches, under the journal's create-only rule.
 
@@ -179,7 +219,17 @@ class CommitEngine:
         """Give ``branch`` an empty root commit if it has no journal yet (a new repository)."""
         if self.journal.head(branch) is not None:
             return
-        snap = Snapshot(new_snapshot_id(), (), _now(), None, "Repository initialized", {}, {}, [])
+        snap = Snapshot(
+            new_snapshot_id(),
+            (),
+            _now(),
+            None,
+            "Repository initialized",
+            {},
+            {},
+            [],
+            index=HistoryIndex(0, ()),
+        )
         commit = CommitObjects(snap, snap.encode(), TxLog([], [], [], []), ManifestUpdate([], {}))
         self.objects.put_commit(commit)
         self.journal.append(
@@ -477,6 +527,10 @@ class CommitEngine:
             sorted(resized_arrays(parent.nodes, cs.nodes)),
             sorted(cs.chunks) if relocation else [],
         )
+        history = _history_for(parent)
+        index, sealed = _index_for(
+            parent, [self.objects.snapshot(p) for p in extra_parents], len(history)
+        )
         snap = Snapshot(
             id=new_snapshot_id(),
             parents=(parent.id, *extra_parents),
@@ -487,10 +541,11 @@ class CommitEngine:
             nodes=nodes,
             shards=update.index,
             ancestry=[parent.id, *parent.ancestry[: Snapshot.ANCESTRY - 1]],
-            history=_history_for(parent),
+            history=history,
+            index=index,
         )
         try:
             encoded = snap.encode()
         except (TypeError, ValueError) as e:
             raise ValueError(f"commit metadata is not serializable: {e}") from None
-        return CommitObjects(snap, encoded, txlog, update)
+        return CommitObjects(snap, encoded, txlog, update, sealed)

@@ -1,9 +1,11 @@
 """Consistency check: is everything reachable from the refs present and well-formed?
 
 Walks every branch journal and tag, every snapshot reachable from them, and checks that each
-snapshot, txlog, manifest shard (digest included) and chunk object or pack range exists and parses.
-With ``verify_content``, it also reads every chunk object and packed chunk and checks its bytes
-against its name, with the content hash the repository's marker records.
+snapshot, txlog, manifest shard (digest included), history page (digest included) and chunk object
+or pack range exists and parses. A missing or corrupt history page loses nothing (``log()`` reads
+the snapshots instead) but is reported, as any damaged object is. With ``verify_content``, it also
+reads every chunk object and packed chunk and checks its bytes against its name, with the content
+hash the repository's marker records.
 Problems are reported precisely (which object, what is wrong), never raised one at a time.
 """
 
@@ -22,10 +24,12 @@ from zarrlake.format.model import (
     REPO_KEY,
     ChunkRef,
     chunk_key,
+    history_page_key,
     pack_key,
     snapshot_key,
     txlog_key,
 )
+from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
 
 
@@ -121,6 +125,7 @@ def fsck(
     roots.extend(tags.values())
 
     seen: set[str] = set()
+    page_roots: list[str] = []
     shard_seen: set[str] = set()
     chunk_refs: dict[str, int] = {}  # object key -> minimum size the refs need
     stack = list(dict.fromkeys(roots))
@@ -140,6 +145,8 @@ def fsck(
             problem("corrupt", snapshot_key(sid), str(e))
             continue
         snapshots += 1
+        if snap.index is not None:
+            page_roots.extend(snap.index.pages)
         try:
             objects.txlog(sid)
         except RefNotFound:
@@ -179,6 +186,12 @@ def fsck(
                 if verify_content:
                     content_refs.setdefault(key, set()).add(ref)
         stack.extend(p for p in snap.parents if p not in seen and p not in expired)
+
+    for digest, _, error in index_pages(objects, page_roots, seen):
+        if isinstance(error, RefNotFound):
+            problem("missing", history_page_key(digest), "history page is absent")
+        elif error is not None:
+            problem("corrupt", history_page_key(digest), str(error))
 
     if check_chunks and chunk_refs:
         present: dict[str, int] = {}

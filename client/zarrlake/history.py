@@ -10,13 +10,21 @@ from __future__ import annotations
 import datetime as dt
 import heapq
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from typing import Any
 
-from zarrlake.errors import InvalidName, RefNotFound
+from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, UnsupportedFormat
 from zarrlake.format import manifest
 from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
-from zarrlake.format.model import ExpiryRecord, Snapshot, expiry_key, to_micros
+from zarrlake.format.model import (
+    AncestorRecord,
+    ExpiryRecord,
+    HistoryIndex,
+    HistoryPage,
+    Snapshot,
+    expiry_key,
+    to_micros,
+)
 from zarrlake.nodes import array_paths, meta_key_node, node_paths, split_chunk_key
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import BranchJournal, Tags, validate_name
@@ -98,31 +106,20 @@ class History(Iterator[CommitInfo]):
         log.info("history ends at %s: its parent %s was expired", child, parent)
 
     def _walk(self, expiry: ExpiryLog, first: Snapshot, limit: int | None) -> Iterator[CommitInfo]:
-        expired = expiry.expired(refresh=True)
-        # Each snapshot carries the commit records of its recent first-parent ancestors, so a
-        # page of history costs one fetch, not one dependent round trip per commit.
-        known: dict[str, CommitInfo] = {}
-
-        def learn(snap: Snapshot) -> None:
-            known[snap.id] = commit_info(snap)
-            for aid, rec in zip(snap.ancestry, snap.history, strict=False):
-                if aid not in known:
-                    known[aid] = CommitInfo(
-                        aid, rec.parents, rec.message, rec.author, rec.time, dict(rec.metadata)
-                    )
-
-        def info(sid: str) -> CommitInfo:
-            if sid not in known:
-                learn(self._objects.snapshot(sid))  # RefNotFound if it is gone
-            return known[sid]
-
-        learn(first)
+        records = CommitRecords(self._objects)
+        records.learn(first)
+        # The expiry marks and, unless the head's own records cover the limit, the newest history
+        # pages: one concurrent round.
+        prefetch = (limit is None or limit > len(records.known)) and not records.complete()
+        # With a limit, only the pages it can reach (each holds up to PAGE records).
+        wanted = None if limit is None else -(-(limit - len(records.known)) // HistoryIndex.PAGE)
+        expired = records.fetch_pages(expiry, expiry_only=not prefetch, at_most=wanted)
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
         produced = 0
         while heap and (limit is None or produced < limit):
             _, sid = heapq.heappop(heap)
-            commit = info(sid)
+            commit = records.info(sid)
             yield commit
             produced += 1
             for parent in commit.parents:
@@ -133,11 +130,125 @@ class History(Iterator[CommitInfo]):
                     self._truncated_at(sid, parent)
                     continue
                 try:
-                    parent_time = info(parent).time
+                    parent_time = records.info(parent).time
                 except RefNotFound:
                     self._truncated_at(sid, parent)
                     continue
                 heapq.heappush(heap, (-to_micros(parent_time), parent))
+
+
+class CommitRecords:
+    """Commit records by snapshot id, learned from snapshots and history pages.
+
+    A record is a copy of an immutable snapshot's header, so a record from anywhere is as good
+    as the snapshot's own: the history index only decides how few reads find them. A commit the
+    pages do not hold (history older than the index, a missing or corrupt page) is read from its
+    snapshot, exactly as a walk without an index would, so the answer never depends on the index.
+    """
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+        self.known: dict[str, CommitInfo] = {}
+        self._pending: list[str] = []  # page digests named but not read yet, newest first
+        self._asked: set[str] = set()
+
+    def learn(self, snap: Snapshot) -> None:
+        """Take the records ``snap`` carries, and queue the pages its index names."""
+        self.known[snap.id] = commit_info(snap)
+        self._add(snap.ancestry, snap.history)
+        if snap.index is not None:
+            self._queue(snap.index.pages)
+
+    def complete(self) -> bool:
+        """Whether every parent of every known record is known (a short history read whole)."""
+        return all(p in self.known for c in self.known.values() for p in c.parents)
+
+    def _add(self, ids: Iterable[str], records: Iterable[AncestorRecord]) -> None:
+        for aid, rec in zip(ids, records, strict=False):
+            if aid not in self.known:
+                self.known[aid] = CommitInfo(
+                    aid, rec.parents, rec.message, rec.author, rec.time, dict(rec.metadata)
+                )
+
+    def _queue(self, digests: Iterable[str]) -> None:
+        for digest in digests:
+            if digest not in self._asked:
+                self._asked.add(digest)
+                self._pending.append(digest)
+
+    def _page(self, digest: str) -> HistoryPage | None:
+        try:
+            return self.objects.history_page(digest)
+        except RefNotFound:
+            log.warning("history page %s is missing: reading snapshots instead", digest)
+        except (CorruptObject, UnsupportedFormat) as e:
+            log.warning("history page %s is unreadable (%s): reading snapshots instead", digest, e)
+        return None
+
+    def fetch_pages(
+        self,
+        expiry: ExpiryLog | None = None,
+        *,
+        expiry_only: bool = False,
+        at_most: int | None = None,
+    ) -> frozenset[str]:
+        """Read the queued pages (the newest ``at_most`` of them, default all) in one concurrent
+        round — with ``expiry``, the expiry marks too, and return them (empty without).
+        ``expiry_only``: read no pages."""
+        take = 0 if expiry_only else len(self._pending) if at_most is None else max(at_most, 0)
+        digests, self._pending = self._pending[:take], self._pending[take:]
+        expired: frozenset[str] = frozenset()
+
+        def step(i: int) -> HistoryPage | None:
+            nonlocal expired
+            if i == len(digests):
+                assert expiry is not None
+                expired = expiry.expired(refresh=True)
+                return None
+            return self._page(digests[i])
+
+        pages = self.objects.storage.map(step, range(len(digests) + (expiry is not None)))
+        for page in pages:
+            if page is not None:
+                self._add(page.ids, page.records)
+                self._queue(page.older)
+        return expired
+
+    def info(self, sid: str) -> CommitInfo:
+        """The record of snapshot ``sid``: known already, else from the pages queued so far
+        (one concurrent round), else from its snapshot. Raises :class:`RefNotFound`."""
+        if sid not in self.known and self._pending:
+            self.fetch_pages()
+        if sid not in self.known:
+            self.learn(self.objects.snapshot(sid))  # RefNotFound if it is gone
+        return self.known[sid]
+
+
+def index_pages(
+    objects: ObjectStore, roots: Iterable[str], keep: Set[str]
+) -> Iterator[tuple[str, HistoryPage | None, Exception | None]]:
+    """Every history page reachable from the pages ``roots`` names, for GC and fsck: yields
+    (digest, page or None, the error that made it None). A page's older pages are followed only
+    when the page holds a commit in ``keep`` — past that, history was expired and its pages are
+    garbage."""
+    todo = list(dict.fromkeys(roots))
+    seen = set(todo)
+    while todo:
+        batch, todo = todo, []
+
+        def read(digest: str) -> tuple[str, HistoryPage | None, Exception | None]:
+            try:
+                return digest, objects.history_page(digest), None
+            except (RefNotFound, CorruptObject, UnsupportedFormat) as e:
+                return digest, None, e
+
+        for digest, page, error in objects.storage.map(read, batch):
+            yield digest, page, error
+            if page is not None and any(i in keep for i in page.ids):
+                for older in page.older:
+                    if older not in seen:
+                        seen.add(older)
+                        todo.append(older)
 
 
 def diff_nodes(

@@ -20,11 +20,13 @@ from zarrlake.format.model import (
     OBJECT,
     PACKED,
     ChunkRef,
+    HistoryPage,
     ManifestShard,
     ShardInfo,
     Snapshot,
     TxLog,
     chunk_key,
+    history_page_key,
     manifest_key,
     pack_key,
     snapshot_key,
@@ -99,6 +101,8 @@ class CommitObjects:
     encoded: bytes
     txlog: TxLog | None
     manifest: ManifestUpdate
+    # A history page the commit sealed: (digest, encoded page).
+    history_page: tuple[str, bytes] | None = None
 
 
 class ObjectStore:
@@ -118,6 +122,7 @@ class ObjectStore:
         self._snapshots: LRU[str, Snapshot] = LRU(512)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
+        self._pages: LRU[str, HistoryPage] = LRU(1024)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage, "content_hash": self.content_hash}
@@ -213,6 +218,17 @@ class ObjectStore:
         """The shard if it is in the cache (no I/O), else None."""
         return self._shards.get(info.digest)
 
+    def history_page(self, digest: str) -> HistoryPage:
+        """The history page ``digest``, its content checked against its name. Raises
+        :class:`RefNotFound` if it is absent, :class:`CorruptObject` if it does not match."""
+
+        def parse(data: bytes, key: str) -> HistoryPage:
+            if content_hash(data) != digest:
+                raise CorruptObject(key, "content does not match its digest")
+            return HistoryPage.decode(data, key)
+
+        return self._cached(self._pages, history_page_key(digest), digest, parse, "history page")
+
     def forget(self, snapshot_id: str) -> None:
         """Drop a snapshot and its txlog from the caches (garbage collection deleted them)."""
         self._snapshots.discard(snapshot_id)
@@ -248,6 +264,9 @@ class ObjectStore:
         ]
         if txlog is not None:
             writes.append((txlog_key(snap.id), txlog.encode(), False))
+        if commit.history_page is not None:
+            digest, page = commit.history_page
+            writes.append((history_page_key(digest), page, False))
         writes.append((snapshot_key(snap.id), commit.encoded, True))
 
         def step(i: int) -> bytes | None:

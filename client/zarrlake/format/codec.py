@@ -35,6 +35,7 @@ class ObjectType(enum.IntEnum):
     TAG = 6
     TAG_TOMBSTONE = 7
     EXPIRY = 8
+    HISTORY_PAGE = 9
 
 
 #: The newest version this code reads, per object type (FORMAT_VERSION for the others).

@@ -22,11 +22,20 @@ REPO_KEY = "repo"
 # Every key a repository writes is REPO_KEY or starts with one of these, and has the exact shape
 # LAYOUT_KEY describes: deleting a repository removes exactly such keys, never other objects that
 # share its bucket or prefix (not even a second repository nested under a layout prefix).
-LAYOUT_PREFIXES = ("refs/", "snapshots/", "txlogs/", "manifests/", "chunks/", "packs/", "expired/")
+LAYOUT_PREFIXES = (
+    "refs/",
+    "snapshots/",
+    "txlogs/",
+    "manifests/",
+    "chunks/",
+    "packs/",
+    "expired/",
+    "history/",
+)
 _ID = "[0-9A-HJKMNP-TV-Z]{26}"
 _HEX = "[0-9a-f]{64}"
 LAYOUT_KEY = re.compile(
-    rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}"
+    rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
     r"|refs/branch\.[^/]+/[0-9a-f]{16}|refs/tag\.[^/]+|refs/tagdel\.[^/]+)$"
 )
@@ -43,6 +52,10 @@ def pack_key(pack_id: str) -> str:
 
 def manifest_key(digest: str) -> str:
     return f"manifests/{digest}"
+
+
+def history_page_key(digest: str) -> str:
+    return f"history/{digest}"
 
 
 def snapshot_key(snapshot_id: str) -> str:
@@ -255,6 +268,69 @@ def _history(items: Any, ancestry: list[str], key: str) -> list[AncestorRecord]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class HistoryIndex:
+    """Where a snapshot's older history is, so that ``log()`` need not walk snapshot by snapshot.
+
+    ``unsealed``: how many of the snapshot's inline ``history`` records (its newest first-parent
+    ancestors) are in no history page yet. ``pages``: digests of the newest sealed
+    :class:`HistoryPage` objects of its history (at most ``WINDOW``), newest first; each page names
+    the pages before it, so everything older is reachable too. It is an index, never the truth:
+    a reader that misses a commit in it (a missing or corrupt page, history from before the index
+    existed) reads the snapshots instead.
+    """
+
+    unsealed: int
+    pages: tuple[str, ...]
+
+    PAGE = 63  # records per page; a page is sealed from inline records, of which there are 64
+    WINDOW = 16  # pages a snapshot names: one concurrent round lists 1,008 older commits
+
+
+def _index(obj: dict[str, Any], history_len: int, key: str) -> HistoryIndex | None:
+    if "hu" not in obj:
+        return None
+    unsealed = _typed(obj["hu"], int, key, "hu")
+    pages = _strs(obj.get("hp") or [], key, "hp")
+    if not 0 <= unsealed <= history_len:
+        return None  # an index that does not fit the records: not trusted, history is walked
+    return HistoryIndex(unsealed, tuple(pages))
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryPage:
+    """Commit records of up to :attr:`HistoryIndex.PAGE` commits (a merge's page holds those of
+    both lines), newest first, and the digests of the pages before them. Immutable and
+    content-addressed (``history/<sha256>``); written in a commit's concurrent round."""
+
+    ids: tuple[str, ...]
+    records: tuple[AncestorRecord, ...]
+    older: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return encode(
+            ObjectType.HISTORY_PAGE,
+            {
+                "ids": list(self.ids),
+                "records": [
+                    [list(r.parents), to_micros(r.time), r.author, r.message, r.metadata]
+                    for r in self.records
+                ],
+                "older": list(self.older),
+            },
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "<history page>") -> HistoryPage:
+        obj = decode(data, ObjectType.HISTORY_PAGE, key)
+        ids = _strs(_need(obj, "ids", key), key, "ids")
+        records = _history(_need(obj, "records", key), ids, key)
+        if len(records) != len(ids):
+            raise CorruptObject(key, "ids and records differ in length")
+        older = _strs(_need(obj, "older", key), key, "older")
+        return cls(tuple(ids), tuple(records), tuple(older))
+
+
 @dataclass(slots=True)
 class Snapshot:
     """A commit: who, when, why, its parents, the Zarr metadata documents and the shard index."""
@@ -272,29 +348,33 @@ class Snapshot:
     # The commit records of the first len(history) of those ancestors (see AncestorRecord): log()
     # lists a page of history from one snapshot instead of fetching every commit in turn.
     history: list[AncestorRecord] = field(default_factory=list)
+    # The history index (see HistoryIndex); None in snapshots written before it existed.
+    index: HistoryIndex | None = None
 
     ANCESTRY = 64
     HISTORY_BYTES = 32 * 1024  # records are dropped from the end beyond this (long messages)
 
     def encode(self) -> bytes:
-        return encode(
-            ObjectType.SNAPSHOT,
-            {
-                "id": self.id,
-                "parents": list(self.parents),
-                "time": to_micros(self.time),
-                "author": self.author,
-                "message": self.message,
-                "metadata": self.metadata,
-                "nodes": self.nodes,
-                "shards": [[s.first, s.last, s.digest, s.count] for s in self.shards],
-                "ancestry": self.ancestry,
-                "history": [
-                    [list(h.parents), to_micros(h.time), h.author, h.message, h.metadata]
-                    for h in self.history
-                ],
-            },
-        )
+        body: dict[str, Any] = {
+            "id": self.id,
+            "parents": list(self.parents),
+            "time": to_micros(self.time),
+            "author": self.author,
+            "message": self.message,
+            "metadata": self.metadata,
+            "nodes": self.nodes,
+            "shards": [[s.first, s.last, s.digest, s.count] for s in self.shards],
+            "ancestry": self.ancestry,
+            "history": [
+                [list(h.parents), to_micros(h.time), h.author, h.message, h.metadata]
+                for h in self.history
+            ],
+        }
+        if self.index is not None:
+            # New keys only: readers that predate the index ignore them.
+            body["hu"] = self.index.unsealed
+            body["hp"] = list(self.index.pages)
+        return encode(ObjectType.SNAPSHOT, body)
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<snapshot>") -> Snapshot:
@@ -319,7 +399,8 @@ class Snapshot:
             nodes=nodes,
             shards=shards,
             ancestry=(ancestry := _strs(obj.get("ancestry") or [], key, "ancestry")),
-            history=_history(obj.get("history") or [], ancestry, key),
+            history=(history := _history(obj.get("history") or [], ancestry, key)),
+            index=_index(obj, len(history), key),
         )
 
     @property

@@ -31,6 +31,7 @@ from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import GraceTooShort, RefNotFound
 from zarrlake.format.model import OBJECT, PACKED, Snapshot
+from zarrlake.history import index_pages
 from zarrlake.storage.base import ObjectInfo
 from zarrlake.units import format_bytes
 
@@ -46,7 +47,8 @@ __all__ = [
     "gc_roots",
 ]
 
-KINDS = ("snapshots", "txlogs", "manifests", "chunks", "packs")  # sweep order: roots first
+# Sweep order: roots first. ``history``: history pages (the index log() reads).
+KINDS = ("snapshots", "txlogs", "history", "manifests", "chunks", "packs")
 
 
 class BloomFilter:
@@ -281,6 +283,11 @@ def gc(
         snapshots.add(sid)
         loaded.append(snap)
         stack.extend(p for p in snap.parents if p not in snapshots and p not in expired)
+    # History pages the retained snapshots name, and the older pages those name while they still
+    # hold retained commits. A missing or unreadable page is not GC's concern (log() reads the
+    # snapshots instead; fsck reports it).
+    roots = [d for snap in loaded if snap.index is not None for d in snap.index.pages]
+    pages = {digest for digest, _, _ in index_pages(objects, roots, snapshots)}
     marks = ChunkMarks(sum(s.count for snap in loaded for s in snap.shards))
     for snap in loaded:
         for info in snap.shards:
@@ -303,6 +310,8 @@ def gc(
             return [oid in snapshots for oid in ids]
         if kind == "manifests":
             return [oid in shards for oid in ids]
+        if kind == "history":
+            return [oid in pages for oid in ids]
         if kind == "packs":
             return [oid in packs for oid in ids]
         digests: list[bytes] = []

@@ -1,0 +1,163 @@
+"""The history index: log() read through history pages answers exactly what a walk of the
+snapshots answers — over random histories with branches, merges and expiry, and when pages are
+missing or corrupt (fsck reports those) — and GC keeps the pages retained history needs.
+
+Pages are made tiny here (3 records, windows of 2) so that a few dozen commits exercise sealing,
+windows, pages naming older pages, and merges.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+from collections.abc import Iterator
+
+import hypothesis.strategies as st
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+
+import zarrlake
+from zarrlake.format.model import HistoryIndex, history_page_key, to_micros
+from zarrlake.objects import ObjectStore
+
+
+@pytest.fixture(autouse=True)
+def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(HistoryIndex, "PAGE", 3)
+    monkeypatch.setattr(HistoryIndex, "WINDOW", 2)
+    yield
+
+
+def walked(repo: zarrlake.Repository, head: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The log of ``head`` by reading every snapshot, ignoring every index: the reference."""
+    objects = ObjectStore(repo.core.storage)
+    expired = repo.core.expiry.expired(refresh=True)
+    first = objects.snapshot(head)
+    heap, seen, out, truncated = [(-to_micros(first.time), head)], {head}, [], []
+    while heap:
+        _, sid = heapq.heappop(heap)
+        out.append(sid)
+        for p in objects.snapshot(sid).parents:
+            if p in seen:
+                continue
+            seen.add(p)
+            if p in expired:
+                truncated.append((sid, p))
+                continue
+            heapq.heappush(heap, (-to_micros(objects.snapshot(p).time), p))
+    return out, truncated
+
+
+def indexed(repo: zarrlake.Repository, ref: str) -> tuple[list[str], list[tuple[str, str]]]:
+    fresh = zarrlake.Repository.open(repo.core.storage)  # nothing cached
+    history = fresh.log(ref)
+    return [c.id for c in history], history.truncated
+
+
+def commit(repo: zarrlake.Repository, branch: str, i: int) -> str:
+    session = repo.writable_session(branch)
+    zarr.open_array(session.store, path="a")[i % 8] = i + 1
+    return session.commit(f"{branch} {i}", metadata={"i": i})
+
+
+def new_repo() -> zarrlake.Repository:
+    repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+    session = repo.writable_session("main")
+    zarr.create_array(session.store, name="a", shape=(8,), chunks=(1,), dtype="i8", fill_value=0)
+    session.commit("create")
+    return repo
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("commit"), st.sampled_from(["main", "b1", "b2"])),
+        st.tuples(st.just("merge"), st.sampled_from(["b1", "b2"])),
+        st.tuples(st.just("branch"), st.sampled_from(["b1", "b2"])),
+        st.tuples(st.just("expire"), st.integers(1, 12)),
+    ),
+    min_size=5,
+    max_size=40,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_indexed_log_equals_the_walk_of_snapshots(script: list[tuple[str, object]]) -> None:
+    repo = new_repo()
+    branches = {"main"}
+    for i, (op, arg) in enumerate(script):
+        if op == "commit" and arg in branches:
+            commit(repo, str(arg), i)
+        elif op == "branch" and arg not in branches:
+            repo.create_branch(str(arg), "main")
+            branches.add(str(arg))
+        elif op == "merge" and arg in branches:
+            try:
+                repo.merge(str(arg), "main", strategy="source-wins")
+            except zarrlake.ZarrlakeError:
+                pass
+        elif op == "expire":
+            repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=int(str(arg)))))
+    for branch in sorted(branches):
+        head = repo.lookup_branch(branch)
+        assert indexed(repo, branch) == walked(repo, head)
+        for limit in (1, 5):
+            assert [c.id for c in repo.log(branch, limit=limit)] == walked(repo, head)[0][:limit]
+
+
+def test_a_missing_or_corrupt_page_gives_the_same_log_and_fsck_reports_it() -> None:
+    repo = new_repo()
+    for i in range(20):
+        commit(repo, "main", i)
+    repo.create_branch("side", "main")
+    for i in range(5):
+        commit(repo, "side", 100 + i)
+        commit(repo, "main", 200 + i)
+    repo.merge("side", "main", strategy="source-wins")
+    commit(repo, "main", 300)
+    head = repo.lookup_branch("main")
+    expected = walked(repo, head)
+    assert indexed(repo, "main") == expected
+    assert repo.fsck().ok
+    storage = repo.core.storage
+    pages = sorted(storage.list_keys("history/"))
+    assert len(pages) >= 4
+    storage.delete_many([pages[0]])
+    storage.put(pages[1], b"not a page")
+    assert indexed(repo, "main") == expected
+    problems = {(p.kind, p.key) for p in repo.fsck().problems}
+    assert ("missing", pages[0]) in problems or ("corrupt", pages[1]) in problems
+    assert all(key.startswith("history/") for _, key in problems)
+    assert ("corrupt", pages[1]) in problems
+
+
+def test_gc_keeps_the_pages_retained_history_names_and_sweeps_expired_ones() -> None:
+    repo = new_repo()
+    for i in range(30):
+        commit(repo, "main", i)
+    head = repo.lookup_branch("main")
+    repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=8)))
+    expected = walked(repo, head)
+    assert expected[1]  # truncated
+    before = set(repo.core.storage.list_keys("history/"))
+    report = repo.gc(grace=dt.timedelta(0), force=True)
+    after = set(repo.core.storage.list_keys("history/"))
+    assert report.by_kind["history"].deleted == len(before - after) > 0
+    snap = repo.core.objects.snapshot(head)
+    assert snap.index is not None
+    assert {history_page_key(d) for d in snap.index.pages} <= after
+    assert indexed(repo, "main") == expected
+    assert repo.fsck().ok
+
+
+def test_losing_every_page_of_early_history_still_reads_and_later_pages_build_on_it() -> None:
+    repo = new_repo()
+    for i in range(10):
+        commit(repo, "main", i)
+    storage = repo.core.storage
+    storage.delete_many(storage.list_keys("history/"))
+    for i in range(10, 20):
+        commit(repo, "main", i)
+    head = repo.lookup_branch("main")
+    assert indexed(repo, "main") == walked(repo, head)
