@@ -31,7 +31,7 @@ def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def walked(repo: zarrlake.Repository, head: str) -> tuple[list[str], list[tuple[str, str]]]:
     """The log of ``head`` by reading every snapshot, ignoring every index: the reference."""
-    objects = ObjectStore(repo.core.storage)
+    objects = ObjectStore(repo.core.storage, repo.core.record.content_hash)
     expired = repo.core.expiry.expired(refresh=True)
     first = objects.snapshot(head)
     heap, seen, out, truncated = [(-to_micros(first.time), head)], {head}, [], []
