@@ -873,6 +873,25 @@ def test_map_inside_map_finishes(storage: Storage) -> None:
     assert results == [[[b"\x00", b"\x01"]] * (storage.concurrency * 2)]
 
 
+def test_map_reads_runs_in_place_where_reads_are_cheap_and_keeps_order(storage: Storage) -> None:
+    # Small reads of a local or memory storage cost less than a thread hand-off: map_reads runs
+    # them in the caller's thread; over a network it fans them out as map does. Same results.
+    keys = [f"r{i}" for i in range(12)]
+    for i, k in enumerate(keys):
+        storage.put(k, bytes([i]))
+    threads: set[int] = set()
+
+    def read(key: str) -> bytes:
+        threads.add(threading.get_ident())
+        return storage.get(key)
+
+    assert storage.map_reads(read, reversed(keys)) == [bytes([i]) for i in reversed(range(12))]
+    if storage.inline_read_bytes:
+        assert threads == {threading.get_ident()}
+    else:
+        assert threading.get_ident() not in threads
+
+
 def test_shared_across_processes_means_a_copy_sees_the_same_objects(storage: Storage) -> None:
     storage.put("seen", b"1")
     copy = pickle.loads(pickle.dumps(storage))

@@ -207,7 +207,7 @@ class CommitRecords:
                 return None
             return self._page(digests[i])
 
-        pages = self.objects.storage.map(step, range(len(digests) + (expiry is not None)))
+        pages = self.objects.storage.map_reads(step, range(len(digests) + (expiry is not None)))
         for page in pages:
             if page is not None:
                 self._add(page.ids, page.records)
