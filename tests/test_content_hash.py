@@ -207,6 +207,14 @@ def test_unknown_content_hash_is_refused(tmp_path: Path) -> None:
     assert isinstance(info.value, ValueError) and info.value.name == "md5"
     assert not zarrlake.Repository.exists(storage)
     assert list(storage.list("")) == []  # nothing written
+    # open_or_create refuses it too, whether or not the repository exists yet.
+    with pytest.raises(zarrlake.UnknownContentHash):
+        zarrlake.Repository.open_or_create(storage, content_hash="md5")
+    assert list(storage.list("")) == []
+    zarrlake.Repository.create(storage, content_hash="sha256")
+    with pytest.raises(zarrlake.UnknownContentHash):
+        zarrlake.Repository.open_or_create(storage, content_hash="md5")
+    assert zarrlake.Repository.open_or_create(storage).record.content_hash == "sha256"
 
 
 def test_cli_init_chooses_the_hash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

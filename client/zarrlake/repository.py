@@ -152,7 +152,11 @@ class Repository:
         content_hash: str = DEFAULT_CONTENT_HASH,
     ) -> Repository:
         """Open the repository at ``storage``, creating it (with ``config`` and ``content_hash``)
-        if there is none."""
+        if there is none. An existing repository keeps its own hash; a name zarrlake does not
+        know raises :class:`UnknownContentHash` either way, so a typo is not noticed only on the
+        day the repository is first created."""
+        if content_hash not in CONTENT_HASHES:
+            raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
         try:
             return cls.open(storage, lock=lock)
         except RepositoryNotFound:
