@@ -6,6 +6,8 @@ import datetime as dt
 import pickle
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -618,3 +620,63 @@ def test_large_commit_writes_its_shards_as_it_cuts_them(repo: zarrlake.Repositor
     zarr.open_array(s.store, path="x")[5] = -1
     s.commit("one")
     assert zarr.open_array(fresh.readonly_session().store, path="x", mode="r")[5] == -1
+
+
+def test_a_write_during_a_commit_is_refused_not_lost(tmp_path: Path) -> None:
+    """The commit reads the session's changes in place: a write (or delete, discard, second
+    commit) arriving while it runs is refused with ReadOnlyError, instead of landing where neither
+    the new snapshot nor the (then read-only) session keeps it."""
+    from zarrlake.storage.local import LocalStorage
+
+    at_snapshot, release = threading.Event(), threading.Event()
+
+    class SnapshotWaits(LocalStorage):
+        # A real local directory whose snapshot write waits: the commit is held mid-flight.
+        def put(self, key: str, data: Any, *, create_only: bool = False) -> None:
+            if key.startswith("snapshots/") and not release.is_set():
+                at_snapshot.set()
+                release.wait(30)
+            super().put(key, data, create_only=create_only)
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    repo = zarrlake.Repository.open(SnapshotWaits(tmp_path / "r"))
+    session = repo.writable_session("main")
+    arr = zarr.create_array(session.store, name="a", shape=(4,), chunks=(1,), dtype="i8")
+    arr[0] = 1
+    out: list[str] = []
+    committer = threading.Thread(target=lambda: out.append(session.commit("first")))
+    committer.start()
+    try:
+        assert at_snapshot.wait(30), "the commit never reached its snapshot write"
+        with pytest.raises(zarrlake.ReadOnlyError, match="committing"):
+            session.write("a/c/1", b"\x02" + bytes(7))
+        with pytest.raises(zarrlake.ReadOnlyError, match="committing"):
+            session.delete_prefix("a")
+        with pytest.raises(zarrlake.ReadOnlyError, match="committing"):
+            session.discard()
+        with pytest.raises(zarrlake.ReadOnlyError, match="committing"):
+            session.commit("second")
+    finally:
+        release.set()
+        committer.join(30)
+    assert out and not committer.is_alive()
+    got = zarr.open_array(repo.readonly_session("main").store, path="a")[:]
+    np.testing.assert_array_equal(got, [1, 0, 0, 0])
+    with pytest.raises(zarrlake.ReadOnlyError):  # read-only once committed, as before
+        session.write("a/c/1", b"\x02" + bytes(7))
+
+
+def test_a_failed_commit_keeps_the_changes_and_the_session_writable(tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    one = repo.writable_session("main")
+    two = repo.writable_session("main")
+    for s, v in ((one, 1), (two, 2)):
+        zarr.create_array(s.store, name="a", shape=(2,), chunks=(1,), dtype="i8", overwrite=True)[
+            0
+        ] = v
+    one.commit("one")
+    with pytest.raises(zarrlake.ConflictError):
+        two.commit("two", rebase=True)
+    assert two.has_changes
+    zarr.open_array(two.store, path="a")[1] = 5  # still writable after the failure
+    np.testing.assert_array_equal(zarr.open_array(two.store, path="a")[:], [2, 5])

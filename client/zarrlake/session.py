@@ -56,6 +56,8 @@ class Workspace:
     _expires_at: dt.datetime | None
     _session_id: str
     _branch: str | None
+    #: A commit of these changes is running (set and read under ``_mutex``).
+    _committing: bool = False
 
     def _init_workspace(self) -> None:
         self._mutex = threading.Lock()
@@ -211,15 +213,26 @@ class Workspace:
 
     # -- writes ---------------------------------------------------------------------------------
 
+    def _top(self) -> Changeset:
+        """The changes writes go to; call with ``_mutex`` held. Raises :class:`ReadOnlyError`
+        while a commit of them runs: the commit reads them as they are, and a write landing now
+        would be in neither the new snapshot nor the session (read-only once committed)."""
+        if self._committing:
+            raise ReadOnlyError(
+                "this session is committing: a write made now would not be in the commit "
+                "(finish every write before commit())"
+            )
+        return self._layers[0]
+
     def write(self, key: str, data: bytes | memoryview) -> None:
         self._check_writable()
-        top = self._layers[0]
         if is_meta_key(key):
             with self._mutex:
-                top.nodes[key] = bytes(data)
+                self._top().nodes[key] = bytes(data)
             return
         ref, dedup = self._objects.write_chunk(data, self._config.inline_threshold_bytes)
         with self._mutex:
+            top = self._top()
             top.chunks[key] = ref
             if dedup:
                 top.dedup_chunks.add(ref[1])
@@ -234,14 +247,14 @@ class Workspace:
         if not self.exists(key):
             return
         with self._mutex:
-            layer = self._layers[0]
+            layer = self._top()
             (layer.nodes if is_meta_key(key) else layer.chunks)[key] = None
 
     def delete_prefix(self, prefix: str) -> None:
         """Remove a whole subtree ('' removes everything)."""
         self._check_writable()
         with self._mutex:
-            self._layers[0].delete_prefix(prefix)
+            self._top().delete_prefix(prefix)
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -349,10 +362,12 @@ class Session(Workspace):
             raise NothingToCommit("no changes to commit (pass allow_empty=True to commit anyway)")
         assert self._branch is not None
         # The commit works on the changes as they are, not on a copy (millions of refs cost
-        # hundreds of MB to copy); writes made meanwhile land on a layer above them.
+        # hundreds of MB to copy): until it ends, writes are refused (a second commit() too)
+        # rather than landing where neither the commit nor the session would keep them. If it
+        # fails, the session keeps its changes as they were.
         with self._mutex:
-            changeset = self._layers[0]
-            self._layers = [Changeset(self._session_id, self._base_id), changeset]
+            changeset = self._top()
+            self._committing = True
         try:
             new_id = self._core.commits.commit(
                 self._branch,
@@ -363,15 +378,14 @@ class Session(Workspace):
                 rebase=rebase,
                 policy=SolverPolicy(solver),
             )
-        except BaseException:
-            with self._mutex:  # the session keeps its changes, and those made meanwhile
-                changeset.fold(self._layers[0])
-                self._layers = [changeset]
-            raise
-        self._committed = new_id
-        self._base_id = new_id
-        self._layers = [Changeset(self._session_id, new_id)]
-        self._read_only = True
+            with self._mutex:
+                self._committed = new_id
+                self._base_id = new_id
+                self._layers = [Changeset(self._session_id, new_id)]
+                self._read_only = True
+        finally:
+            with self._mutex:
+                self._committing = False
         if self._store is not None:
             self._store.make_read_only()
         return new_id
@@ -401,6 +415,7 @@ class Session(Workspace):
         """Drop every uncommitted change (uploaded chunks become garbage for GC)."""
         self._check_writable()
         with self._mutex:
+            self._top()  # not while a commit of these changes runs
             self._layers = [Changeset(self._session_id, self._base_id)]
             self._merged.clear()
 
@@ -437,9 +452,10 @@ class Session(Workspace):
                 raise ZarrlakeError("changeset comes from a fork of a different session")
         conflicts = []
         with self._mutex:
+            top = self._top()
             snap_nodes = self._snapshot().nodes
             arrays = array_paths(snap_nodes) | array_paths(
-                {k: v for k, v in self._layers[0].nodes.items() if v is not None}
+                {k: v for k, v in top.nodes.items() if v is not None}
             )
             # Check each changeset against earlier merges and the changesets before it in this
             # call (forks merged together must not overwrite each other silently either).
@@ -458,7 +474,7 @@ class Session(Workspace):
                 raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
             self._merged = seen
             for cs in changesets:
-                self._layers[0].fold(cs)
+                top.fold(cs)
 
     async def merge_async(self, *changesets: Changeset) -> None:
         """Async twin of :meth:`merge`: runs it on a worker thread."""
