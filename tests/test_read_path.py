@@ -135,6 +135,24 @@ def test_a_pack_shorter_than_its_refs_or_missing_is_corrupt(storage: zarrlake.St
         objects.read_chunks([(refs[0], None), (missing, None)])
 
 
+def test_a_chunk_object_shorter_than_its_ref_is_corrupt(storage: zarrlake.Storage) -> None:
+    # A truncated chunk object must not reach the codec as if it were whole.
+    objects = ObjectStore(storage, LEGACY_CONTENT_HASH)
+    data = bytes(range(100))
+    digest = hashlib.sha256(data).digest()
+    storage.put(chunk_key(digest.hex()), data[:60])
+    ref = (OBJECT, digest, 100)
+    with pytest.raises(CorruptObject, match="holds 60 bytes"):
+        objects.read_chunk(ref)
+    with pytest.raises(CorruptObject, match="holds 10 bytes"):  # of the 30 asked for
+        objects.read_chunk(ref, (50, 80))
+    with pytest.raises(CorruptObject, match="holds 60 bytes"):
+        objects.read_chunks([(ref, None)])
+    assert objects.read_chunk(ref, (10, 40)) == data[10:40]  # what does exist reads fine
+    storage.put(chunk_key(digest.hex()), data)
+    assert objects.read_chunk(ref) == data and objects.read_chunk(ref, (90, 200)) == data[90:]
+
+
 # -- single-flight loads -------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from zarrlake.format.model import (
     history_page_key,
     manifest_key,
     pack_key,
+    ref_size,
     snapshot_key,
     txlog_key,
 )
@@ -322,9 +323,14 @@ class ObjectStore:
         if kind == OBJECT:
             key = chunk_key(ref[1].hex())
             try:
-                return self.storage.get(key, byte_range)
+                got = self.storage.get(key, byte_range)
             except ObjectNotFound:
                 raise CorruptObject(key, "chunk object is missing") from None
+            size = ref_size(ref)
+            start, end = (0, size) if byte_range is None else byte_range
+            if len(got) != max(0, min(end, size) - start):
+                raise CorruptObject(key, f"holds {len(got)} bytes where its ref needs them")
+            return got
         if kind == PACKED:
             read = _packed_read(ref, byte_range)
             if read is None:

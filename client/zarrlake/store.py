@@ -115,30 +115,30 @@ async def _settle(
     objects: ObjectStore,
 ) -> None:
     """Make one request and hand each of its reads its bytes, or its own error: when a request
-    serving several reads fails, they are made again one by one, so a ref pointing past the
-    end of a pack fails only the reads of that ref."""
+    serving several reads fails, each is made again on its own (concurrently), so a ref pointing
+    past the end of a pack fails only the reads of that ref. Cancelled, it cancels its reads."""
     run = objects.storage.run_async
-    found: list[bytes | Exception]
+    found: list[bytes | BaseException]
     try:
-        found = list(await run(job.fetch))
+        try:
+            found = list(await run(job.fetch))
+        except Exception as e:
+            if len(reads) == 1:
+                found = [e]
+            else:
+                found = list(
+                    await asyncio.gather(
+                        *(run(objects.read_chunk, *read) for read in reads), return_exceptions=True
+                    )
+                )
     except asyncio.CancelledError:
         for f in futures:
             f.cancel()
         raise
-    except Exception as e:
-        if len(reads) == 1:
-            found = [e]
-        else:
-            found = []
-            for read in reads:
-                try:
-                    found.append(await run(objects.read_chunk, *read))
-                except Exception as one:
-                    found.append(one)
     for f, data in zip(futures, found, strict=True):
         if f.done():
             continue
-        if isinstance(data, Exception):
+        if isinstance(data, BaseException):
             f.set_exception(data)
         else:
             f.set_result(data)
@@ -256,7 +256,14 @@ class ZarrlakeStore(Store):
         if self._pending is batch:
             self._pending = None
         objects = self._session.objects
-        for job in objects.plan_reads(batch.reads):
+        try:
+            jobs = objects.plan_reads(batch.reads)
+        except Exception as e:  # a callback's error would reach no one: every read waits on it
+            for f in batch.futures:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for job in jobs:
             # Each request settles its own reads as it completes: Zarr starts the next read as
             # soon as one is done, and a slow request must not hold up the others.
             futures = [batch.futures[i] for i in job.targets]
