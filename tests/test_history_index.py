@@ -121,15 +121,19 @@ def test_a_missing_or_corrupt_page_gives_the_same_log_and_fsck_reports_it() -> N
     assert indexed(repo, "main") == expected
     assert repo.fsck().ok
     storage = repo.core.storage
-    pages = sorted(storage.list_keys("history/"))
-    assert len(pages) >= 4
-    storage.delete_many([pages[0]])
-    storage.put(pages[1], b"not a page")
+    assert len(list(storage.list_keys("history/"))) >= 4
+    index = repo.core.objects.snapshot(head).index
+    assert index is not None and len(index.pages) >= 2
+    # Two pages the head names (so fsck must reach them): one gone, one garbage.
+    gone, bad = (f"history/{d}" for d in index.pages[:2])
+    storage.delete_many([gone])
+    storage.put(bad, b"not a page")
+    repo = zarrlake.Repository.open(storage)  # no page left in a cache
     assert indexed(repo, "main") == expected
     problems = {(p.kind, p.key) for p in repo.fsck().problems}
-    assert ("missing", pages[0]) in problems or ("corrupt", pages[1]) in problems
+    assert ("missing", gone) in problems
+    assert ("corrupt", bad) in problems
     assert all(key.startswith("history/") for _, key in problems)
-    assert ("corrupt", pages[1]) in problems
 
 
 def test_gc_keeps_the_pages_retained_history_names_and_sweeps_expired_ones() -> None:
@@ -161,3 +165,32 @@ def test_losing_every_page_of_early_history_still_reads_and_later_pages_build_on
         commit(repo, "main", i)
     head = repo.lookup_branch("main")
     assert indexed(repo, "main") == walked(repo, head)
+
+
+def test_an_index_naming_no_object_is_not_trusted_and_never_becomes_a_path() -> None:
+    # Digests are object names: one that is not 64 hex digits (a path, say) must never reach the
+    # storage. In a snapshot the index is dropped (the snapshot reads, log() walks); a page that
+    # names one is corrupt (log() falls back to the snapshots).
+    import dataclasses
+
+    from zarrlake.errors import CorruptObject
+    from zarrlake.format.model import HistoryPage, Snapshot
+
+    repo = new_repo()
+    for i in range(8):
+        commit(repo, "main", i)
+    head = repo.lookup_branch("main")
+    snap = repo.core.objects.snapshot(head)
+    assert snap.index is not None
+    bad = dataclasses.replace(snap, index=HistoryIndex(0, ("../../refs/branch.main",)))
+    assert Snapshot.decode(bad.encode()).index is None
+    page = HistoryPage((), (), ("../x",)).encode()
+    with pytest.raises(CorruptObject, match="not a content digest"):
+        HistoryPage.decode(page)
+    # Stored under its own digest, it is still refused as corrupt (which log() falls back from).
+    from zarrlake.format.ids import content_hash
+
+    digest = content_hash(page)
+    repo.core.storage.put(history_page_key(digest), page)
+    with pytest.raises(CorruptObject, match="not a content digest"):
+        repo.core.objects.history_page(digest)

@@ -168,9 +168,9 @@ def _index_for(
     for snap in extra:
         records += _open_records(snap)
         older += snap.index.pages if snap.index is not None else ()
-    page = HistoryPage(
-        tuple(i for i, _ in records), tuple(r for _, r in records), tuple(dict.fromkeys(older))
-    ).encode()
+    # A merge soon after a fork: both lines carry the commits before it; each record once.
+    unique = dict(records)
+    page = HistoryPage(tuple(unique), tuple(unique.values()), tuple(dict.fromkeys(older))).encode()
     digest = content_hash(page)
     return HistoryIndex(0, (digest, *pages)[: HistoryIndex.WINDOW]), (digest, page)
 

@@ -181,6 +181,20 @@ def _strs(value: Any, key: str, name: str) -> list[str]:
     return strings
 
 
+_DIGEST = re.compile(_HEX)
+
+
+def _digest(value: Any, key: str, name: str) -> str:
+    """A content digest (64 lowercase hex digits): what names objects, so never a path."""
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise CorruptObject(key, f"field {name!r} holds {value!r}, not a content digest")
+    return value
+
+
+def _digests(value: Any, key: str, name: str) -> list[str]:
+    return [_digest(item, key, name) for item in _typed(value, list, key, name)]
+
+
 def _time(value: Any, key: str, name: str) -> dt.datetime:
     try:
         return from_micros(_typed(value, int, key, name))
@@ -292,8 +306,10 @@ def _index(obj: dict[str, Any], history_len: int, key: str) -> HistoryIndex | No
         return None
     unsealed = _typed(obj["hu"], int, key, "hu")
     pages = _strs(obj.get("hp") or [], key, "hp")
-    if not 0 <= unsealed <= history_len:
-        return None  # an index that does not fit the records: not trusted, history is walked
+    if not 0 <= unsealed <= history_len or not all(_DIGEST.fullmatch(p) for p in pages):
+        # An index that does not fit the records or names no object: not trusted, history is
+        # walked (the snapshot itself stays readable).
+        return None
     return HistoryIndex(unsealed, tuple(pages))
 
 
@@ -327,7 +343,7 @@ class HistoryPage:
         records = _history(_need(obj, "records", key), ids, key)
         if len(records) != len(ids):
             raise CorruptObject(key, "ids and records differ in length")
-        older = _strs(_need(obj, "older", key), key, "older")
+        older = _digests(_need(obj, "older", key), key, "older")
         return cls(tuple(ids), tuple(records), tuple(older))
 
 
@@ -387,7 +403,8 @@ class Snapshot:
         for s in _typed(_need(obj, "shards", key), list, key, "shards"):
             if not isinstance(s, list) or len(s) != 4:
                 raise CorruptObject(key, f"bad shard index entry {s!r}")
-            first, last, digest = (_typed(x, str, key, "shards") for x in s[:3])
+            first, last = (_typed(x, str, key, "shards") for x in s[:2])
+            digest = _digest(s[2], key, "shards")
             shards.append(ShardInfo(first, last, digest, _typed(s[3], int, key, "shards")))
         return cls(
             id=_typed(_need(obj, "id", key), str, key, "id"),
