@@ -79,7 +79,8 @@ class ChunkMarks:
 
     Exact marks are a sorted numpy array of 32-byte digests — 32 bytes a mark, where a Python set
     of ``bytes`` takes about 150 — plus the digests added since it was last sorted. Digests of
-    another length (not SHA-256; nothing zarrlake writes) are kept in a plain set.
+    another length (not 32 bytes: neither SHA-256 nor BLAKE3, nothing zarrlake writes) are kept
+    in a plain set.
     """
 
     WIDTH = 32
