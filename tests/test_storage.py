@@ -815,10 +815,15 @@ def test_local_temp_files_are_invisible(tmp_path: Path) -> None:
 
 def test_local_rejects_escaping_keys(tmp_path: Path) -> None:
     store = Storage.local(tmp_path / "repo")
-    for key in ["../outside", "a/../../outside", "/abs", ""]:
+    (tmp_path / "outside").write_bytes(b"secret")
+    for key in ["../outside", "a/../../outside", "/abs", "", "a\0b"]:
         with pytest.raises(StorageError):
             store.put(key, b"x")
-    assert not (tmp_path / "outside").exists()
+        with pytest.raises(StorageError):  # reads take another path to the file: checked alike
+            store.get(key)
+        with pytest.raises(StorageError):
+            store.get(key, (0, 2))
+    assert (tmp_path / "outside").read_bytes() == b"secret"
 
 
 def test_zarrlake_exports_storage() -> None:

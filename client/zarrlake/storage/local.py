@@ -87,14 +87,18 @@ class LocalStorage(Storage):
     def url(self) -> str:
         return self.root.as_uri()
 
-    def _path(self, key: str) -> Path:
-        if not key or key.startswith("/") or ".." in key.split("/"):
+    @staticmethod
+    def _check_key(key: str) -> None:
+        """A key names a file below the root, nothing else (no escape, no NUL for the OS)."""
+        if not key or key[0] == "/" or "\0" in key or ".." in key.split("/"):
             raise StorageError(f"invalid object key: {key!r}")
+
+    def _path(self, key: str) -> Path:
+        self._check_key(key)
         return self.root / key
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
-        if not key or key[0] == "/" or ".." in key.split("/"):
-            raise StorageError(f"invalid object key: {key!r}")
+        self._check_key(key)  # reads join strings (cheaper than a Path), checked alike
         try:
             fd = os.open(self._root_slash + key, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
