@@ -46,7 +46,6 @@ from zarrlake.format.model import (
     ShardInfo,
     Snapshot,
     TxLog,
-    branch_entry_key,
 )
 from zarrlake.history import CommitGraph
 from zarrlake.nodes import array_paths, meta_key_node
@@ -336,7 +335,7 @@ class CommitEngine:
                     reshard=reshard,
                 )
                 snap = built.snapshot
-                check = branch_entry_key(branch, head_entry.seq) if known is not None else None
+                check = None if known is None else self.journal.entry_key(branch, head_entry.seq)
                 found = self.objects.put_commit(built, read=check)
                 if known is not None and not self.journal.confirms(branch, found, known):
                     # Not the entry this client saw: a repository created anew at this location.

@@ -14,8 +14,8 @@ from typing import Any
 
 from zarrlake.commit import BranchLock, CommitEngine
 from zarrlake.config import RepositoryConfig
-from zarrlake.errors import UnsupportedFormat
-from zarrlake.format.model import RepoRecord
+from zarrlake.errors import ReadOnlyError, UnsupportedFormat
+from zarrlake.format.model import MIRROR_PREFIX, RepoRecord
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import BranchJournal, Tags
@@ -44,11 +44,15 @@ class RepositoryCore:
     def build(
         cls, storage: Storage, record: RepoRecord, lock: BranchLock | None = None
     ) -> RepositoryCore:
-        """The core of the repository whose marker object is ``record``, at ``storage``."""
+        """The core of the repository whose marker object is ``record``, at ``storage``.
+
+        A mirror's (``record.mirror_of``) refs are its own, under ``mirror/``: the source's
+        journal and tags that replication copies beside them are never read."""
         config = RepositoryConfig.from_dict(record.config)
         objects = ObjectStore(storage, record.content_hash)
-        journal = BranchJournal(storage, adopt=objects.adopt_snapshot)
-        tags = Tags(storage)
+        root = MIRROR_PREFIX if record.mirror_of is not None else ""
+        journal = BranchJournal(storage, adopt=objects.adopt_snapshot, root=root)
+        tags = Tags(storage, root=root)
         expiry = ExpiryLog(storage)
         graph = CommitGraph(objects, journal, tags, expiry)
         commits = CommitEngine(record.id, config, objects, journal, graph, lock)
@@ -59,9 +63,20 @@ class RepositoryCore:
         """The repository id (a UUID, stable for the repository's life)."""
         return self.record.id
 
+    @property
+    def is_mirror(self) -> bool:
+        """Whether this is a read-only mirror (its refs move only by the mirror's promoter)."""
+        return self.record.mirror_of is not None
+
     def check_writable(self) -> None:
-        """Raise :class:`UnsupportedFormat` if this version must not write to the repository
-        (its marker records a feature or content hash only a newer version implements)."""
+        """Raise :class:`ReadOnlyError` for a mirror, which only its promoter writes, and
+        :class:`UnsupportedFormat` if this version must not write to the repository (its marker
+        records a feature or content hash only a newer version implements)."""
+        if self.record.mirror_of is not None:
+            raise ReadOnlyError(
+                f"the repository at {self.storage.url} is a read-only mirror of "
+                f"{self.record.mirror_of}: write to the source, the mirror follows it"
+            )
         blocker = self.record.write_blocker()
         if blocker is not None:
             raise UnsupportedFormat(

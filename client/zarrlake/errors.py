@@ -36,6 +36,21 @@ class RefNotFound(ZarrlakeError, KeyError):
         return f"{self.kind} not found: {self.ref!r}"
 
 
+class NotMirrored(RefNotFound):
+    """A snapshot a mirror knows as history but never showed: it skipped the commit (it only
+    ever shows the newest complete head), so the commit's data is not there to read."""
+
+    def __init__(self, snapshot_id: str, mirror_of: str) -> None:
+        super().__init__(snapshot_id, "snapshot")
+        self.mirror_of = mirror_of
+
+    def __str__(self) -> str:
+        return (
+            f"snapshot {self.ref!r} is in this mirror's history but its data was not mirrored "
+            f"(a mirror shows only the commits its refs moved to); read it at {self.mirror_of}"
+        )
+
+
 class InvalidName(ZarrlakeError, ValueError):
     """A branch or tag name that breaks the naming rules."""
 

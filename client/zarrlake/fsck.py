@@ -124,6 +124,9 @@ def fsck(
     refs += len(tags)
     roots.extend(tags.values())
 
+    # A mirror holds the data (shards, chunks) of the snapshots its refs have pointed at, and
+    # only the history (snapshot objects, txlogs, pages) of the commits it skipped.
+    data_roots = set(roots) if core.is_mirror else None
     seen: set[str] = set()
     page_roots: list[str] = []
     shard_seen: set[str] = set()
@@ -153,7 +156,7 @@ def fsck(
             problem("missing", txlog_key(sid), "transaction log is absent")
         except (CorruptObject, UnsupportedFormat) as e:
             problem("corrupt", txlog_key(sid), str(e))
-        for info in snap.shards:
+        for info in snap.shards if data_roots is None or sid in data_roots else ():
             if info.digest in shard_seen:
                 continue
             shard_seen.add(info.digest)

@@ -84,8 +84,16 @@ class BranchJournal:
     The only mutable state of a repository; everything else is immutable objects.
     """
 
-    def __init__(self, storage: Storage, adopt: Callable[[str, bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        adopt: Callable[[str, bytes], None] | None = None,
+        *,
+        root: str = "",
+    ) -> None:
         self.storage = storage
+        # Prepended to every key: "" for a repository, ``mirror/`` for a mirror's own refs.
+        self.root = root
         # Where a head entry's carried snapshot goes (the object store's cache), so whoever reads
         # the head next finds its snapshot without another request.
         self._adopt = adopt
@@ -94,10 +102,14 @@ class BranchJournal:
 
     def __getstate__(self) -> dict[str, Any]:
         # What a client learned (and when, on its own monotonic clock) stays with that client.
-        return {"storage": self.storage, "adopt": self._adopt}
+        return {"storage": self.storage, "adopt": self._adopt, "root": self.root}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"], state["adopt"])  # type: ignore[misc]
+        self.__init__(state["storage"], state["adopt"], root=state["root"])  # type: ignore[misc]
+
+    def entry_key(self, name: str, seq: int) -> str:
+        """The storage key of journal entry ``seq`` of branch ``name``."""
+        return self.root + branch_entry_key(name, seq)
 
     def known(self, name: str) -> JournalEntry | None:
         """The head entry of ``name`` as this client last saw it (read, or written by its own
@@ -125,7 +137,7 @@ class BranchJournal:
         if data is None:
             return False
         try:
-            found = self._parse(branch_entry_key(name, entry.seq), data)
+            found = self._parse(self.entry_key(name, entry.seq), data)
         except ZarrlakeError:
             return False
         return (found.snapshot, found.writer) == (entry.snapshot, entry.writer)
@@ -147,19 +159,19 @@ class BranchJournal:
         asked = time.monotonic()
         known = self.known(name)
         if known is not None:
-            keys = [branch_entry_key(name, known.seq + i) for i in (0, 1)]
+            keys = [self.entry_key(name, known.seq + i) for i in (0, 1)]
             mine, following = self.storage.map(self._get_optional, keys)
             if self.confirms(name, mine, known):
                 entry, probes = known, 0
                 while following is not None and probes < _PROBES:
-                    entry = self._parse(branch_entry_key(name, entry.seq + 1), following)
-                    following = self._get_optional(branch_entry_key(name, entry.seq + 1))
+                    entry = self._parse(self.entry_key(name, entry.seq + 1), following)
+                    following = self._get_optional(self.entry_key(name, entry.seq + 1))
                     probes += 1
                 if following is None:
                     self._learn(name, entry, asked)
                     return entry
             self.forget(name)
-        keys = self.storage.list_keys(branch_prefix(name), limit=1)
+        keys = self.storage.list_keys(self.root + branch_prefix(name), limit=1)
         if not keys:
             return None
         entry = self.read_entry(keys[0])
@@ -168,7 +180,7 @@ class BranchJournal:
 
     def entry_keys(self, name: str) -> list[str]:
         """Storage keys of the branch's retained journal entries, newest first."""
-        return self.storage.list_keys(branch_prefix(name))
+        return self.storage.list_keys(self.root + branch_prefix(name))
 
     def read_entry(self, key: str) -> JournalEntry:
         """The journal entry stored under ``key`` (one of :meth:`entry_keys`).
@@ -216,14 +228,14 @@ class BranchJournal:
 
     def prune(self, name: str, seqs: Iterable[int]) -> None:
         """Delete the entries ``seqs`` of the branch (compaction; never the head's)."""
-        self.storage.delete_many(branch_entry_key(name, seq) for seq in seqs)
+        self.storage.delete_many(self.entry_key(name, seq) for seq in seqs)
 
     def append(self, name: str, entry: JournalEntry) -> bool:
         """Create-only write of ``entry``. True if it is now the branch's newest entry.
 
         False means another writer took that sequence number (the caller re-reads and retries).
         """
-        key = branch_entry_key(name, entry.seq)
+        key = self.entry_key(name, entry.seq)
         asked = time.monotonic()
         try:
             self.storage.put(key, entry.encode(), create_only=True)
@@ -246,7 +258,7 @@ class BranchJournal:
         """Names of every branch that has a journal (deleted branches included)."""
         return [
             ref_name_from_key(d[len("branch.") :])
-            for d in self.storage.list_dirs("refs/")
+            for d in self.storage.list_dirs(self.root + "refs/")
             if d.startswith("branch.")
         ]
 
@@ -254,8 +266,9 @@ class BranchJournal:
 class Tags:
     """Create-only tags; a deleted tag leaves a tombstone and its name is never reused."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, root: str = "") -> None:
         self.storage = storage
+        self.root = root  # prepended to every key, as BranchJournal.root
 
     def get(self, name: str) -> str:
         """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag).
@@ -265,26 +278,27 @@ class Tags:
         def read(i: int) -> bytes | None:
             if i == 0:
                 try:
-                    return self.storage.get(tag_key(name))
+                    return self.storage.get(self.root + tag_key(name))
                 except ObjectNotFound:
                     return None
-            return b"" if self.storage.exists(tag_tombstone_key(name)) else None
+            return b"" if self.storage.exists(self.root + tag_tombstone_key(name)) else None
 
         data, tombstone = self.storage.map(read, (0, 1))
         if data is None or tombstone is not None:
             raise RefNotFound(name, "tag")
-        return TagRecord.decode(data, tag_key(name)).snapshot
+        return TagRecord.decode(data, self.root + tag_key(name)).snapshot
 
     def create(self, name: str, snapshot_id: str) -> None:
-        if self.storage.exists(tag_tombstone_key(name)):
+        if self.storage.exists(self.root + tag_tombstone_key(name)):
             raise TagExists(f"tag {name!r} was deleted; tag names are never reused")
         record = TagRecord(snapshot_id, dt.datetime.now(dt.UTC))
+        key = self.root + tag_key(name)
         try:
-            self.storage.put(tag_key(name), record.encode(), create_only=True)
+            self.storage.put(key, record.encode(), create_only=True)
         except PreconditionFailed:
             # A retried write whose first response was lost finds its own record: not a clash.
             try:
-                if TagRecord.decode(self.storage.get(tag_key(name)), tag_key(name)) == record:
+                if TagRecord.decode(self.storage.get(key), key) == record:
                     return
             except ObjectNotFound:
                 pass
@@ -294,7 +308,7 @@ class Tags:
         self.get(name)  # RefNotFound if absent or already deleted
         try:
             self.storage.put(
-                tag_tombstone_key(name),
+                self.root + tag_tombstone_key(name),
                 TagRecord("", dt.datetime.now(dt.UTC)).encode(),
                 create_only=True,
             )
@@ -304,12 +318,10 @@ class Tags:
     def all(self) -> dict[str, str]:
         """Every live tag: name -> snapshot id."""
         live: dict[str, str] = {}
-        deleted = {
-            ref_name_from_key(k[len("refs/tagdel.") :])
-            for k in self.storage.list_keys("refs/tagdel.")
-        }
-        keys = [k for k in self.storage.list_keys("refs/tag.")]
-        names = [ref_name_from_key(k[len("refs/tag.") :]) for k in keys]
+        dead, live_prefix = self.root + "refs/tagdel.", self.root + "refs/tag."
+        deleted = {ref_name_from_key(k[len(dead) :]) for k in self.storage.list_keys(dead)}
+        keys = self.storage.list_keys(live_prefix)
+        names = [ref_name_from_key(k[len(live_prefix) :]) for k in keys]
         records: list[TagRecord] = self.storage.map(
             lambda k: TagRecord.decode(self.storage.get(k), k), keys
         )

@@ -24,13 +24,14 @@ from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchExists,
+    NotMirrored,
     RepositoryExists,
     RepositoryNotFound,
     UnknownContentHash,
     ZarrlakeError,
 )
 from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH, LEGACY_CONTENT_HASH
-from zarrlake.format.model import REPO_KEY, JournalEntry, RepoRecord
+from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, JournalEntry, RepoRecord
 from zarrlake.fsck import FsckReport, fsck
 from zarrlake.history import History
 from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, compact
@@ -57,6 +58,16 @@ Progress = Callable[[str, int], None]
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
+    def get(key: str) -> bytes | None:
+        try:
+            return storage.get(key)
+        except ObjectNotFound:
+            return None
+
+    return get
 
 
 class Repository:
@@ -102,7 +113,7 @@ class Repository:
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()
-        if storage.exists(REPO_KEY):
+        if any(storage.map(storage.exists, (REPO_KEY, MIRROR_REPO_KEY))):
             raise RepositoryExists(f"a repository already exists at {storage.url}")
         record = RepoRecord(
             str(uuid.uuid4()),
@@ -131,11 +142,16 @@ class Repository:
 
     @classmethod
     def open(cls, storage: Storage, *, lock: LockSpec = None) -> Repository:
-        """Open an existing repository. Raises :class:`RepositoryNotFound`."""
-        try:
-            data = storage.get(REPO_KEY)
-        except ObjectNotFound:
-            raise RepositoryNotFound(f"no zarrlake repository at {storage.url}") from None
+        """Open an existing repository, or a mirror (read-only: see :mod:`zarrlake.mirror`).
+        Raises :class:`RepositoryNotFound`.
+
+        The two markers are read in one round: a mirror's is under ``mirror/``, since bucket
+        replication may copy its source's ``repo`` marker beside it, and wins."""
+        data, mirror = storage.map_reads(_get_optional(storage), (REPO_KEY, MIRROR_REPO_KEY))
+        if mirror is not None:
+            return cls(storage, RepoRecord.decode(mirror, MIRROR_REPO_KEY), lock)
+        if data is None:
+            raise RepositoryNotFound(f"no zarrlake repository at {storage.url}")
         record = RepoRecord.decode(data, REPO_KEY)
         repo = cls(storage, record, lock)
         if not record.initialized:
@@ -185,8 +201,8 @@ class Repository:
 
     @staticmethod
     def exists(storage: Storage) -> bool:
-        """Whether a repository's marker object is at ``storage``."""
-        return storage.exists(REPO_KEY)
+        """Whether a repository's (or a mirror's) marker object is at ``storage``."""
+        return any(storage.map(storage.exists, (REPO_KEY, MIRROR_REPO_KEY)))
 
     @property
     def id(self) -> str:
@@ -413,7 +429,18 @@ class Repository:
         else:
             sid, is_branch = graph.locate(ref)
             branch = ref if is_branch else None
+        mirror_of = self._core.record.mirror_of
+        if mirror_of is not None and branch is None and sid not in self._shown_by_mirror():
+            raise NotMirrored(sid, mirror_of)
         return Session(self._core, sid, branch=branch, read_only=True)
+
+    def _shown_by_mirror(self) -> set[str]:
+        """A mirror's snapshots whose data it holds: every one its refs have pointed at."""
+        journal = self._core.journal
+        shown = set(self._core.tags.all().values())
+        for name in journal.names():
+            shown.update(e.snapshot for e in journal.history(name) if e.snapshot is not None)
+        return shown
 
     def writable_session(self, branch: str = MAIN, *, ttl: dt.timedelta | None = None) -> Session:
         """A transaction on ``branch``, expiring after ``ttl`` (default: config; at most 7 days)."""

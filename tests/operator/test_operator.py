@@ -565,9 +565,18 @@ def test_delete_refuses_a_location_that_holds_another_repository(k8s: Env) -> No
         allow_http=True,
     )
     other = zarrlake.Repository.create(storage)
-    # The resource keeps meaning its own repository: the newcomer is reported, not adopted.
-    obj = k8s.wait_condition("Repository", "repo", "Initialized", "False")
-    assert condition(obj, "Initialized")["reason"] == "RepositoryReplaced"
+    # The resource keeps meaning its own repository: the newcomer is reported, not adopted. (A
+    # resync between the deletes and the create reports RepositoryMissing first: wait past it.)
+    obj = wait_for(
+        "Initialized=False for RepositoryReplaced",
+        lambda: (
+            o
+            if condition(o := k8s.get("Repository", "repo"), "Initialized").get("reason")
+            == "RepositoryReplaced"
+            else None
+        ),
+    )
+    assert condition(obj, "Initialized")["status"] == "False"
     assert other.id in condition(obj, "Initialized")["message"]
     assert obj["status"]["repositoryID"] != other.id
     k8s.delete("Repository", "repo")

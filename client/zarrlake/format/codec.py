@@ -36,6 +36,7 @@ class ObjectType(enum.IntEnum):
     TAG_TOMBSTONE = 7
     EXPIRY = 8
     HISTORY_PAGE = 9
+    MIRROR_PRESENCE = 10
 
 
 #: The newest version this code reads, per object type (FORMAT_VERSION for the others).

@@ -19,6 +19,12 @@ from zarrlake.format.ids import CONTENT_HASHES, LEGACY_CONTENT_HASH
 # -- object keys ---------------------------------------------------------------------------------
 
 REPO_KEY = "repo"
+#: A mirror's own objects live under this prefix, which a source repository never writes: its
+#: marker (:data:`MIRROR_REPO_KEY`), its refs (``mirror/refs/``, written only by the promoter) and
+#: its presence records (``mirror/present/``). Bucket replication copies a source's ``repo`` and
+#: ``refs/`` into a mirror too; they are never read there.
+MIRROR_PREFIX = "mirror/"
+MIRROR_REPO_KEY = MIRROR_PREFIX + REPO_KEY
 # Every key a repository writes is REPO_KEY or starts with one of these, and has the exact shape
 # LAYOUT_KEY describes: deleting a repository removes exactly such keys, never other objects that
 # share its bucket or prefix (not even a second repository nested under a layout prefix).
@@ -31,13 +37,15 @@ LAYOUT_PREFIXES = (
     "packs/",
     "expired/",
     "history/",
+    MIRROR_PREFIX,
 )
 _ID = "[0-9A-HJKMNP-TV-Z]{26}"
 _HEX = "[0-9a-f]{64}"
 LAYOUT_KEY = re.compile(
     rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
-    r"|refs/branch\.[^/]+/[0-9a-f]{16}|refs/tag\.[^/]+|refs/tagdel\.[^/]+)$"
+    r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+"
+    rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID})$"
 )
 SEQ_MAX = (1 << 64) - 1
 
@@ -554,6 +562,43 @@ class ExpiryRecord:
         return cls(_time(_need(obj, "time", key), key, "time"), tuple(snaps))
 
 
+def presence_key(record_id: str) -> str:
+    return f"{MIRROR_PREFIX}present/{record_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceRecord:
+    """What a mirror's promoter found present at its destination in one pass (immutable, under
+    ``mirror/present/``), so that a restarted promoter checks only objects it has not seen:
+    ``keys`` of objects, ``shards``: digests of manifest shards whose every chunk and pack object
+    is present too, ``snapshots``: ids of commits whose history (snapshot, txlog, ancestors) is
+    present."""
+
+    time: dt.datetime
+    keys: tuple[str, ...]
+    shards: tuple[str, ...] = ()
+    snapshots: tuple[str, ...] = ()
+
+    def encode(self) -> bytes:
+        body = {
+            "time": to_micros(self.time),
+            "keys": list(self.keys),
+            "shards": list(self.shards),
+            "snapshots": list(self.snapshots),
+        }
+        return encode(ObjectType.MIRROR_PRESENCE, body)
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "<presence>") -> PresenceRecord:
+        obj = decode(data, ObjectType.MIRROR_PRESENCE, key)
+        return cls(
+            _time(_need(obj, "time", key), key, "time"),
+            tuple(_strs(_need(obj, "keys", key), key, "keys")),
+            tuple(_digests(obj.get("shards") or [], key, "shards")),
+            tuple(_strs(obj.get("snapshots") or [], key, "snapshots")),
+        )
+
+
 #: Format features this version implements. A repository marker lists the features a client must
 #: implement to write to it (``features``); one that lists a feature this version does not know
 #: can still be read, but every write refuses with :class:`UnsupportedFormat`. A change that this
@@ -576,6 +621,8 @@ class RepoRecord:
     ``content_hash``: the name of the hash that names the repository's chunk and pack objects
     (see :data:`zarrlake.format.ids.CONTENT_HASHES`); a marker without one means SHA-256.
     ``features``: format features a client must implement to write (see :data:`KNOWN_FEATURES`).
+    ``mirror_of``: set in a mirror's marker (:data:`MIRROR_REPO_KEY`, never ``repo``): the URL
+    of the source repository it mirrors; the id and content hash are the source's.
 
     A marker with either is written as format version 2, which clients from before these settings
     refuse to open (they would write SHA-256 chunks into the repository, and report its other
@@ -588,6 +635,7 @@ class RepoRecord:
     initialized: bool = False
     content_hash: str = LEGACY_CONTENT_HASH
     features: tuple[str, ...] = ()
+    mirror_of: str | None = None
 
     @property
     def format_version(self) -> int:
@@ -615,6 +663,8 @@ class RepoRecord:
         if version > FORMAT_VERSION:
             body["content_hash"] = self.content_hash
             body["features"] = list(self.features)
+        if self.mirror_of is not None:
+            body["mirror_of"] = self.mirror_of
         return encode(ObjectType.REPO, body, version)
 
     @classmethod
@@ -627,4 +677,5 @@ class RepoRecord:
             _typed(obj.get("initialized", False), bool, key, "initialized"),
             _typed(obj.get("content_hash", LEGACY_CONTENT_HASH), str, key, "content_hash"),
             tuple(_strs(obj.get("features") or [], key, "features")),
+            _opt(obj.get("mirror_of"), str, key, "mirror_of"),
         )

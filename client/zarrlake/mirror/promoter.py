@@ -1,0 +1,508 @@
+"""The mirror: copy (or wait for) a source repository's objects, then promote its refs.
+
+One :meth:`Mirror.step` does, for every mirrored branch and tag:
+
+1. read the source's head ``H`` (a branch's newest journal entry, a tag's record);
+2. if the destination's ref already points at ``H``, nothing; otherwise compute what ``H`` needs
+   (:func:`~zarrlake.mirror.closure.closure`) that the destination is not known to hold;
+3. ask the destination about those objects only (one ``head`` each, concurrently), and with
+   ``copy=True`` copy the missing ones from the source;
+4. when every one is there, move the destination's ref to ``H`` with the same create-only
+   journal write a commit uses (a tag: its create-only record).
+
+Only the newest head is ever validated: commits made in between are skipped, so the mirror's lag
+does not grow with the source's commit rate. The destination's refs live under ``mirror/refs/``
+and are written only here; a source's journal and tags that bucket replication copies beside
+them are never read, so a replicated entry can never make an incomplete commit visible.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fnmatch
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zarrlake.errors import RepositoryExists, ZarrlakeError
+from zarrlake.format.model import (
+    MIRROR_REPO_KEY,
+    REPO_KEY,
+    JournalEntry,
+    RepoRecord,
+    expiry_key,
+)
+from zarrlake.mirror.closure import Needs, closure
+from zarrlake.mirror.presence import Presence
+from zarrlake.refs import new_writer_id
+from zarrlake.repository import Repository
+from zarrlake.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    with_retries,
+)
+
+log = logging.getLogger("zarrlake.mirror")
+
+#: ``progress(copied, to_copy)`` callbacks of the copier, called as objects land.
+CopyProgress = Callable[[int, int], None]
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True)
+class RefStatus:
+    """Where one mirrored ref stands after a pass.
+
+    ``kind`` is ``"branch"`` or ``"tag"``. ``source_head``: the source's snapshot (None: the
+    ref was deleted there). ``mirrored_head``: what the destination's ref points at (None: not
+    yet, or deleted). ``commits_behind``: first-parent commits of the source the mirror does not
+    show yet; ``seconds_behind``: how long the oldest of them has been waiting (0 when up to
+    date). ``missing_objects``: objects the source head needs that have not reached the
+    destination. ``error``: why the last pass could not finish this ref, if it could not.
+    """
+
+    kind: str
+    name: str
+    source_head: str | None
+    mirrored_head: str | None
+    commits_behind: int
+    seconds_behind: float
+    missing_objects: int
+    last_promotion: dt.datetime | None
+    error: str | None = None
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.source_head == self.mirrored_head and self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "source_head": self.source_head,
+            "mirrored_head": self.mirrored_head,
+            "commits_behind": self.commits_behind,
+            "seconds_behind": round(self.seconds_behind, 3),
+            "missing_objects": self.missing_objects,
+            "last_promotion": None
+            if self.last_promotion is None
+            else self.last_promotion.isoformat(),
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class MirrorStatus:
+    """One pass of a :class:`Mirror`: every mirrored ref's :class:`RefStatus`, and what the pass
+    did (objects checked at the destination, copied, bytes copied, refs promoted)."""
+
+    source: str
+    destination: str
+    time: dt.datetime
+    refs: tuple[RefStatus, ...]
+    checked_objects: int = 0
+    copied_objects: int = 0
+    copied_bytes: int = 0
+    promoted: tuple[str, ...] = ()
+
+    @property
+    def up_to_date(self) -> bool:
+        """Every mirrored ref shows its source's head."""
+        return all(r.up_to_date for r in self.refs)
+
+    @property
+    def missing_objects(self) -> int:
+        return sum(r.missing_objects for r in self.refs)
+
+    def ref(self, name: str, kind: str = "branch") -> RefStatus:
+        """The status of branch (or tag) ``name``. Raises :class:`KeyError`."""
+        for r in self.refs:
+            if (r.kind, r.name) == (kind, name):
+                return r
+        raise KeyError(f"{kind} {name!r} is not mirrored")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "time": self.time.isoformat(),
+            "up_to_date": self.up_to_date,
+            "checked_objects": self.checked_objects,
+            "copied_objects": self.copied_objects,
+            "copied_bytes": self.copied_bytes,
+            "promoted": list(self.promoted),
+            "refs": [r.to_json() for r in self.refs],
+        }
+
+
+@dataclass
+class _Pass:
+    """Counters of one pass."""
+
+    checked: int = 0
+    copied: int = 0
+    copied_bytes: int = 0
+    promoted: list[str] = field(default_factory=list)
+
+
+class Mirror:
+    """A read-only replica of ``source`` at ``destination`` that shows only complete commits.
+
+    ``branches``: names or globs of the branches to mirror (default: all); ``tags``: mirror
+    every tag too. ``copy=True``: copy missing objects from the source (any two backends: local
+    directory, another S3 endpoint or cloud); ``copy=False`` ("external"): objects arrive by
+    bucket replication, and the mirror only waits for them and promotes.
+
+    The destination is initialized as a mirror on first use (its marker ``mirror/repo`` names the
+    source) and opens with :meth:`Repository.open` like any repository, read-only: every write
+    raises :class:`ReadOnlyError`. Raises :class:`RepositoryExists` if the destination holds
+    another repository or mirrors another one.
+    """
+
+    def __init__(
+        self,
+        source: Repository,
+        destination: Storage | str,
+        *,
+        branches: Sequence[str] | None = None,
+        tags: bool = True,
+        copy: bool = True,
+        progress: CopyProgress | None = None,
+    ) -> None:
+        self.source = source
+        self.destination = (
+            Storage.from_url(destination) if isinstance(destination, str) else destination
+        )
+        self.branches = tuple(branches) if branches is not None else ("*",)
+        self.tags = tags
+        self.copy = copy
+        self.progress = progress
+        self.mirror = self._open_destination()
+        self.presence = Presence(self.destination)
+        self.presence.load()
+        self._writer = new_writer_id()
+        self._last_promotion: dict[tuple[str, str], dt.datetime] = {}
+        self._status: MirrorStatus | None = None
+
+    def __repr__(self) -> str:
+        return f"<zarrlake.mirror.Mirror {self.source.storage.url} -> {self.destination.url}>"
+
+    # -- the destination ---------------------------------------------------------------------------
+
+    def _open_destination(self) -> Repository:
+        dest, source = self.destination, self.source.record
+
+        def marker(key: str) -> RepoRecord | None:
+            try:
+                return RepoRecord.decode(dest.get(key), key)
+            except ObjectNotFound:
+                return None
+
+        # Read directly, not by opening: opening a repository may complete it (write refs).
+        plain, mirror = dest.map(marker, (REPO_KEY, MIRROR_REPO_KEY))
+        if mirror is None and plain is not None and plain.id != source.id:
+            raise RepositoryExists(
+                f"{dest.url} holds repository {plain.id}, not a mirror of {source.id}"
+            )
+        if mirror is None:
+            # No marker, or the source's own brought by replication: make the destination a
+            # mirror. Its marker is the source's, plus where the source is.
+            record = RepoRecord(
+                source.id,
+                _now(),
+                dict(source.config),
+                initialized=True,
+                content_hash=source.content_hash,
+                features=source.features,
+                mirror_of=self.source.storage.url,
+            )
+            try:
+                dest.put(MIRROR_REPO_KEY, record.encode(), create_only=True)
+            except PreconditionFailed:
+                pass  # another promoter made it first (or our own write's response was lost)
+        opened = Repository.open(dest)
+        if opened.id != source.id or opened.record.mirror_of is None:
+            raise RepositoryExists(
+                f"{dest.url} mirrors repository {opened.id} ({opened.record.mirror_of}), "
+                f"not {source.id}"
+            )
+        return opened
+
+    # -- one pass ----------------------------------------------------------------------------------
+
+    def step(self) -> MirrorStatus:
+        """One pass: for every mirrored ref, copy (with ``copy=True``) what the source's newest
+        head needs, and promote it once all of it is at the destination. Returns the status.
+
+        A ref whose pass fails (a storage outage, a source object gone) keeps its mirrored head
+        and reports the error in its :class:`RefStatus`; the other refs carry on."""
+        counters = _Pass()
+        refs: list[RefStatus] = []
+        if self.copy:
+            self._copy_expiry_records()
+        for name, entry in self._source_branches():
+            refs.append(self._step_branch(name, entry, counters))
+        if self.tags:
+            refs.extend(self._step_tags(counters))
+        self.presence.save()
+        self._status = MirrorStatus(
+            self.source.storage.url,
+            self.destination.url,
+            _now(),
+            tuple(refs),
+            counters.checked,
+            counters.copied,
+            counters.copied_bytes,
+            tuple(counters.promoted),
+        )
+        return self._status
+
+    def status(self) -> MirrorStatus:
+        """Where every mirrored ref stands now: a pass that neither copies nor promotes (it
+        asks the destination about objects not known to be there)."""
+        counters = _Pass()
+        refs = [
+            self._step_branch(n, e, counters, promote=False) for n, e in self._source_branches()
+        ]
+        if self.tags:
+            refs.extend(self._step_tags(counters, promote=False))
+        return MirrorStatus(
+            self.source.storage.url, self.destination.url, _now(), tuple(refs), counters.checked
+        )
+
+    @property
+    def last_status(self) -> MirrorStatus | None:
+        """The status the last :meth:`step` returned (None before the first)."""
+        return self._status
+
+    def run(
+        self,
+        interval: float = 10.0,
+        *,
+        stop: threading.Event | None = None,
+        on_status: Callable[[MirrorStatus], None] | None = None,
+    ) -> None:
+        """:meth:`step` every ``interval`` seconds until ``stop`` is set (forever without one).
+
+        A pass that fails as a whole (the source unreachable) is logged and retried at the
+        next interval; nothing a failed pass did is lost, since objects are immutable."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            try:
+                status = self.step()
+            except ZarrlakeError as e:
+                log.warning("mirror pass failed, retrying in %.1f s: %s", interval, e)
+            else:
+                if on_status is not None:
+                    on_status(status)
+            stop.wait(interval)
+
+    # -- branches ----------------------------------------------------------------------------------
+
+    def _mirrored(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in self.branches)
+
+    def _source_branches(self) -> list[tuple[str, JournalEntry | None]]:
+        """Every mirrored branch of the source, and of the destination (a branch deleted at the
+        source whose journal is gone must still go): name -> source head entry (None if gone)."""
+        names = sorted(
+            {n for n in self.source.core.journal.names() if self._mirrored(n)}
+            | {n for n in self.mirror.core.journal.names() if self._mirrored(n)}
+        )
+        entries = self.source.storage.map(self.source.core.journal.head, names)
+        return list(zip(names, entries, strict=True))
+
+    def _step_branch(
+        self, name: str, entry: JournalEntry | None, counters: _Pass, *, promote: bool = True
+    ) -> RefStatus:
+        source_head = None if entry is None else entry.snapshot
+        dest_journal = self.mirror.core.journal
+        try:
+            dest_entry = dest_journal.head(name)
+            mirrored = None if dest_entry is None else dest_entry.snapshot
+            if source_head is None:  # deleted at the source: delete here too
+                if mirrored is not None and promote:
+                    assert dest_entry is not None
+                    self._append(name, dest_entry, None, None)
+                    counters.promoted.append(f"branch {name} (deleted)")
+                    mirrored = None
+                return self._ref_status("branch", name, None, mirrored, None, 0)
+            if source_head == mirrored:
+                return self._ref_status("branch", name, source_head, mirrored, None, 0)
+            needs, missing = self._validate(source_head, counters, promote=promote)
+            if not missing and promote:
+                self._append(name, dest_entry, source_head, entry)
+                counters.promoted.append(f"branch {name}")
+                mirrored = source_head
+            return self._ref_status("branch", name, source_head, mirrored, needs, len(missing))
+        except ZarrlakeError as e:
+            log.warning("mirror: branch %s not promoted: %s", name, e)
+            known = dest_journal.known(name)
+            return self._ref_status(
+                "branch",
+                name,
+                source_head,
+                None if known is None else known.snapshot,
+                None,
+                0,
+                error=f"{type(e).__name__}: {e}",
+            )
+
+    def _append(
+        self,
+        name: str,
+        dest_entry: JournalEntry | None,
+        snapshot: str | None,
+        source_entry: JournalEntry | None,
+    ) -> None:
+        """Move the destination's branch: the create-only journal write of a commit."""
+        journal = self.mirror.core.journal
+        seq = 0 if dest_entry is None else dest_entry.seq + 1
+        previous = None if dest_entry is None else dest_entry.snapshot
+        carried = None
+        if source_entry is not None and source_entry.snapshot == snapshot:
+            carried = source_entry.snapshot_data
+        new = JournalEntry(seq, snapshot, previous, _now(), self._writer, None, carried)
+        if not journal.append(name, new):
+            # Another promoter moved it since we read it: ours is not newer than what it saw.
+            raise _Raced(f"branch {name} moved at the destination while promoting; retrying")
+        self._last_promotion[("branch", name)] = _now()
+        log.info("mirror: branch %s -> %s", name, snapshot)
+
+    # -- tags ------------------------------------------------------------------------------------
+
+    def _step_tags(self, counters: _Pass, *, promote: bool = True) -> list[RefStatus]:
+        source_tags = self.source.core.tags.all()
+        dest_tags_store = self.mirror.core.tags
+        dest_tags = dest_tags_store.all()
+        out: list[RefStatus] = []
+        for name in sorted(set(source_tags) | set(dest_tags)):
+            want, have = source_tags.get(name), dest_tags.get(name)
+            try:
+                if want is None:  # deleted at the source
+                    if have is not None and promote:
+                        dest_tags_store.delete(name)
+                        counters.promoted.append(f"tag {name} (deleted)")
+                        have = None
+                    out.append(self._ref_status("tag", name, None, have, None, 0))
+                    continue
+                if want == have:
+                    out.append(self._ref_status("tag", name, want, have, None, 0))
+                    continue
+                needs, missing = self._validate(want, counters, promote=promote)
+                if not missing and promote:
+                    dest_tags_store.create(name, want)
+                    self._last_promotion[("tag", name)] = _now()
+                    counters.promoted.append(f"tag {name}")
+                    have = want
+                out.append(self._ref_status("tag", name, want, have, needs, len(missing)))
+            except ZarrlakeError as e:
+                log.warning("mirror: tag %s not promoted: %s", name, e)
+                out.append(self._ref_status("tag", name, want, have, None, 0, error=f"{e}"))
+        return out
+
+    # -- validation and copying ----------------------------------------------------------------
+
+    def _validate(self, head: str, counters: _Pass, *, promote: bool) -> tuple[Needs, list[str]]:
+        """What ``head`` needs, checked at the destination (and copied there with ``copy``):
+        the keys still missing. With none, ``head`` is recorded as complete."""
+        needs = closure(self.source.core, head, self.presence)
+        keys = sorted(needs.sizes)
+        found = self.destination.map(self._head, keys)
+        counters.checked += len(keys)
+        present = [k for k, info in zip(keys, found, strict=True) if _fits(info, needs.sizes[k])]
+        self.presence.add(present)
+        missing = [k for k in keys if k not in self.presence.keys]
+        if missing and self.copy and promote:
+            copied = self._copy(missing, counters)
+            self.presence.add(copied)
+            missing = [k for k in missing if k not in self.presence.keys]
+        if not missing:
+            self.presence.add(shards=needs.shards, snapshots=[c.id for c in needs.chain])
+        return needs, missing
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        return with_retries(lambda: self.destination.head(key))
+
+    def _copy(self, keys: list[str], counters: _Pass) -> list[str]:
+        """Copy ``keys`` from the source to the destination, concurrently; the keys copied.
+        An object the source no longer has (its GC took it: the head moved on) is skipped."""
+        done = 0
+        lock = threading.Lock()
+        src, dst = self.source.storage, self.destination
+
+        def copy_one(key: str) -> tuple[str, int] | None:
+            nonlocal done
+            try:
+                data = with_retries(lambda: src.get(key))
+            except ObjectNotFound:
+                log.warning("mirror: %s is gone from the source", key)
+                return None
+            with_retries(lambda: dst.put(key, data))
+            with lock:
+                done += 1
+                if self.progress is not None:
+                    self.progress(done, len(keys))
+            return key, len(data)
+
+        results = [r for r in dst.map(copy_one, keys) if r is not None]
+        counters.copied += len(results)
+        counters.copied_bytes += sum(n for _, n in results)
+        return [k for k, _ in results]
+
+    def _copy_expiry_records(self) -> None:
+        """Copy the source's expiry records (small, immutable) so that history on the mirror ends
+        where the source's does, and says so."""
+        have = set(self.destination.list_keys(expiry_key("")))
+        todo = [k for k in self.source.storage.list_keys(expiry_key("")) if k not in have]
+        if todo:
+            self._copy(todo, _Pass())
+
+    # -- status ------------------------------------------------------------------------------------
+
+    def _ref_status(
+        self,
+        kind: str,
+        name: str,
+        source_head: str | None,
+        mirrored: str | None,
+        needs: Needs | None,
+        missing: int,
+        *,
+        error: str | None = None,
+    ) -> RefStatus:
+        behind, waiting = 0, 0.0
+        if needs is not None and source_head != mirrored:
+            chain = needs.chain
+            ids = [c.id for c in chain]
+            behind = ids.index(mirrored) if mirrored in ids else len(chain)
+            if behind:
+                waiting = max(0.0, (_now() - chain[behind - 1].time).total_seconds())
+        elif source_head != mirrored and source_head is not None:
+            behind = 1
+        return RefStatus(
+            kind,
+            name,
+            source_head,
+            mirrored,
+            behind,
+            waiting,
+            missing,
+            self._last_promotion.get((kind, name)),
+            error,
+        )
+
+
+class _Raced(ZarrlakeError):
+    """Another promoter moved a destination ref while this one was promoting it."""
+
+
+def _fits(info: ObjectInfo | None, size: int) -> bool:
+    return info is not None and info.size >= size

@@ -1,0 +1,262 @@
+"""Transactional mirroring: the promoter, the copier and the read-only destination.
+
+Local directories as source and destination here (S3 → S3 across two servers, adversarial
+replication and faults are in their own modules). Every assertion about what a mirror shows is
+checked against the source's data for the same snapshot.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+import zarrlake as zl
+from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, RepoRecord
+from zarrlake.mirror import Mirror
+from zarrlake_testkit.counting import CountingStorage, Counts
+
+
+def _write(repo: zl.Repository, branch: str, value: int, message: str, n: int = 64) -> str:
+    """Commit array ``a``: ``n`` chunks of 4 KiB of random numbers (so every chunk is an object,
+    not inlined) drawn from seed ``value``."""
+    with repo.transaction(branch, message=message) as store:
+        try:
+            arr = zarr.open_array(store, path="a", mode="r+")
+        except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):
+            arr = zarr.create_array(store, name="a", shape=(n * 1024,), chunks=(1024,), dtype="i4")
+        arr[:] = np.random.default_rng(value).integers(0, 2**31, n * 1024, dtype="i4")
+    return repo.lookup_branch(branch)
+
+
+def _read(repo: zl.Repository, ref: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(repo.readonly_session(ref).store, path="a", mode="r")[:])
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> zl.Repository:
+    return zl.Repository.create(zl.Storage.local(tmp_path / "source"))
+
+
+@pytest.fixture
+def dest(tmp_path: Path) -> zl.Storage:
+    return zl.Storage.local(tmp_path / "dest")
+
+
+def test_copy_mode_mirrors_branches_tags_and_history(source: zl.Repository, dest: zl.Storage):
+    first = _write(source, "main", 0, "one")
+    source.create_tag("v1", "main")
+    source.create_branch("dev", "main")
+    _write(source, "dev", 100, "on dev")
+
+    status = Mirror(source, dest).step()
+
+    assert status.up_to_date
+    assert status.copied_objects > 64
+    mirror = zl.Repository.open(dest)
+    assert mirror.record.mirror_of == source.storage.url
+    assert mirror.id == source.id
+    assert mirror.list_branches() == source.list_branches()
+    assert mirror.list_tags() == {"v1": first}
+    for ref in ("main", "dev", "v1"):
+        np.testing.assert_array_equal(_read(mirror, ref), _read(source, ref))
+    assert [c.id for c in mirror.log("dev")] == [c.id for c in source.log("dev")]
+    assert mirror.fsck().ok
+
+
+def test_every_write_to_a_mirror_is_refused_naming_the_source(
+    source: zl.Repository, dest: zl.Storage
+):
+    _write(source, "main", 0, "one")
+    source.create_tag("v1", "main")
+    source.create_branch("dev", "main")
+    Mirror(source, dest).step()
+    mirror = zl.Repository.open(dest)
+    attempts = {
+        "writable_session": lambda: mirror.writable_session("main"),
+        "transaction": lambda: mirror.transaction("main", message="m").__enter__(),
+        "create_branch": lambda: mirror.create_branch("x", "main"),
+        "reset_branch": lambda: mirror.reset_branch("main", "v1"),
+        "delete_branch": lambda: mirror.delete_branch("dev"),
+        "create_tag": lambda: mirror.create_tag("v2", "main"),
+        "delete_tag": lambda: mirror.delete_tag("v1"),
+        "merge": lambda: mirror.merge("main", "main"),
+        "expire": lambda: mirror.expire(zl.RetentionRules(default=zl.Keep(last=1))),
+        "gc": lambda: mirror.gc(),
+        "compact": lambda: mirror.compact(),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(zl.ReadOnlyError, match=r"read-only mirror of .*source") as caught:
+            attempt()
+        assert source.storage.url in str(caught.value), what
+    # Nothing moved: the mirror still shows exactly the source.
+    assert mirror.list_branches() == source.list_branches()
+    assert mirror.list_tags() == source.list_tags()
+    assert zarr.open_array(mirror.readonly_session("main").store, path="a", mode="r").read_only
+
+
+def test_a_pass_promotes_only_the_newest_head_and_history_stays_whole(
+    source: zl.Repository, dest: zl.Storage
+):
+    m = Mirror(source, dest)
+    _write(source, "main", 0, "c0")
+    m.step()
+    heads = [_write(source, "main", i, f"c{i}") for i in range(1, 6)]
+
+    before = m.status().ref("main")
+    assert (before.source_head, before.commits_behind) == (heads[-1], 5)
+    status = m.step()
+
+    assert status.promoted == ("branch main",)
+    mirror = zl.Repository.open(dest)
+    assert mirror.lookup_branch("main") == heads[-1]
+    # One promotion: the destination's journal moved once, from c0's head to c5's.
+    entries = mirror.core.journal.history("main")
+    assert [e.snapshot for e in entries[:2]] == [heads[-1], list(source.log("main"))[5].id]
+    # log() on the mirror walks every commit, intermediate ones included.
+    assert [c.message for c in mirror.log("main")] == [c.message for c in source.log("main")]
+    np.testing.assert_array_equal(_read(mirror, "main"), _read(source, "main"))
+
+
+def test_only_the_branches_asked_for_are_mirrored(source: zl.Repository, dest: zl.Storage):
+    _write(source, "main", 0, "one")
+    for name in ("release/1", "release/2", "scratch"):
+        source.create_branch(name, "main")
+    status = Mirror(source, dest, branches=["release/*"], tags=False).step()
+    assert {r.name for r in status.refs} == {"release/1", "release/2"}
+    assert set(zl.Repository.open(dest).list_branches()) == {"release/1", "release/2"}
+
+
+def test_deleted_branches_and_tags_go_from_the_mirror(source: zl.Repository, dest: zl.Storage):
+    _write(source, "main", 0, "one")
+    source.create_branch("dev", "main")
+    source.create_tag("v1", "main")
+    m = Mirror(source, dest)
+    m.step()
+    source.delete_branch("dev")
+    source.delete_tag("v1")
+
+    status = m.step()
+
+    assert set(status.promoted) == {"branch dev (deleted)", "tag v1 (deleted)"}
+    mirror = zl.Repository.open(dest)
+    assert set(mirror.list_branches()) == {"main"}
+    assert mirror.list_tags() == {}
+    with pytest.raises(zl.RefNotFound):
+        mirror.lookup_tag("v1")
+    assert m.step().promoted == ()  # nothing left to do: deletes are not repeated
+
+
+def _replicate(source: zl.Storage, dest: zl.Storage, keep=lambda key: True) -> list[str]:
+    """What bucket replication does: copy every object under the prefix (journal and marker
+    included), here all at once; returns the keys withheld by ``keep``."""
+    withheld = []
+    for info in source.list(""):
+        if keep(info.key):
+            dest.put(info.key, source.get(info.key))
+        else:
+            withheld.append(info.key)
+    return withheld
+
+
+def test_external_mode_waits_for_every_object_and_never_reads_replicated_refs(
+    source: zl.Repository, dest: zl.Storage
+):
+    _write(source, "main", 0, "one")
+    m = Mirror(source, dest, copy=False)
+    assert m.step().ref("main").missing_objects > 64  # nothing has arrived yet
+
+    # Replication brings everything but one chunk object: the source's journal and marker too.
+    chunk = next(k for k in source.storage.list_keys("chunks/"))
+    withheld = _replicate(source.storage, dest, keep=lambda k: k != chunk)
+    assert withheld == [chunk]
+    assert RepoRecord.decode(dest.get(REPO_KEY)).mirror_of is None  # the source's marker
+    status = m.step()
+    assert status.ref("main").missing_objects == 1
+    assert status.ref("main").mirrored_head is None
+    mirror = zl.Repository.open(dest)
+    assert mirror.record.mirror_of is not None
+    assert mirror.list_branches() == {}  # the replicated journal is not the mirror's
+    with pytest.raises(zl.RefNotFound):
+        mirror.readonly_session("main")
+
+    dest.put(chunk, source.storage.get(chunk))
+    status = m.step()
+    assert status.up_to_date and status.checked_objects == 1 and status.copied_objects == 0
+    np.testing.assert_array_equal(_read(zl.Repository.open(dest), "main"), _read(source, "main"))
+
+
+def test_a_restarted_mirror_checks_only_objects_it_has_not_seen(
+    source: zl.Repository, tmp_path: Path
+):
+    counts = Counts()
+    dest = CountingStorage(zl.Storage.local(tmp_path / "dest"), counts)
+    _write(source, "main", 0, "one", n=200)
+    Mirror(source, dest).step()
+
+    # A new promoter (a restart) reads the presence records, then checks nothing old.
+    m = Mirror(source, dest)
+    counts.reset()
+    assert m.step().checked_objects == 0
+    assert counts.by_op().get("head", 0) == 0
+
+    # A commit that changes 3 chunks: a pass checks those 3, the new snapshot, its txlog and
+    # the new manifest shard, not the 200 chunks already there.
+    with source.transaction("main", message="three chunks") as store:
+        zarr.open_array(store, path="a", mode="r+")[:3072] = np.arange(3072, dtype="i4") * 7919
+    counts.reset()
+    status = m.step()
+    assert status.up_to_date
+    assert status.checked_objects == 3 + 3
+    assert counts.by_op().get("head", 0) == status.checked_objects
+
+
+def test_a_destination_holding_another_repository_is_refused(source: zl.Repository, tmp_path: Path):
+    other = zl.Repository.create(zl.Storage.local(tmp_path / "other"))
+    with pytest.raises(zl.RepositoryExists, match="holds repository"):
+        Mirror(source, other.storage)
+    assert not other.storage.exists(MIRROR_REPO_KEY)
+
+    dest = zl.Storage.local(tmp_path / "dest")
+    Mirror(other, dest).step()
+    with pytest.raises(zl.RepositoryExists, match="mirrors repository"):
+        Mirror(source, dest)
+
+
+def test_a_crashed_copy_resumes_and_loses_nothing(source: zl.Repository, dest: zl.Storage):
+    _write(source, "main", 0, "one", n=100)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_30(done: int, total: int) -> None:
+        if done >= 30:
+            raise Crash
+
+    with pytest.raises(Crash):
+        Mirror(source, dest, progress=crash_after_30).step()
+    mirror = zl.Repository.open(dest)
+    assert mirror.list_branches() == {}  # nothing promoted mid-copy
+
+    status = Mirror(source, dest).step()
+    assert status.up_to_date
+    assert status.copied_objects < 100  # what the crashed pass copied stays copied
+    np.testing.assert_array_equal(_read(zl.Repository.open(dest), "main"), _read(source, "main"))
+
+
+def test_status_reports_lag_in_commits_and_seconds(source: zl.Repository, dest: zl.Storage):
+    _write(source, "main", 0, "one")
+    m = Mirror(source, dest, copy=False)
+    status = m.step().ref("main")
+    assert status.commits_behind == 2  # "one" and the initial commit
+    assert status.seconds_behind >= 0
+    assert status.last_promotion is None
+    _replicate(source.storage, dest)
+    done = m.step().ref("main")
+    assert (done.commits_behind, done.seconds_behind, done.missing_objects) == (0, 0.0, 0)
+    assert done.last_promotion is not None
+    assert dt.datetime.now(dt.UTC) - done.last_promotion < dt.timedelta(minutes=1)
+    assert m.status().to_json()["refs"][0]["mirrored_head"] == source.lookup_branch("main")
