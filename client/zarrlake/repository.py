@@ -25,6 +25,7 @@ from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchExists,
     NotMirrored,
+    ReadOnlyError,
     RepositoryExists,
     RepositoryNotFound,
     UnknownContentHash,
@@ -386,6 +387,12 @@ class Repository:
         A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
         ``force``: a running session's uploads must outlive it.
         """
+        if self._core.is_mirror:
+            raise ReadOnlyError(
+                f"{self.storage.url} is a read-only mirror of {self._core.record.mirror_of}: "
+                "garbage collection runs with its promoter (zarrlake.mirror.Mirror.gc, or "
+                "Mirror.run(gc_every=...)), which must know what it deletes"
+            )
         self._core.check_writable()  # a newer format's objects may look unreachable here
         return gc(self._core, grace=grace, dry_run=dry_run, force=force, progress=progress)
 

@@ -271,7 +271,11 @@ def gc(
     snapshots: set[str] = set()
     shards: set[str] = set()
     packs: set[str] = set()
-    stack = list(gc_roots(core, cutoff, expired))
+    retained = gc_roots(core, cutoff, expired)
+    # A mirror holds the data of the snapshots its refs showed, and only the history of the
+    # commits it skipped: their shards were never there to mark.
+    data_roots = retained if core.is_mirror else None
+    stack = list(retained)
     loaded: list[Snapshot] = []
     while stack:
         sid = stack.pop()
@@ -289,8 +293,9 @@ def gc(
     # snapshots instead; fsck reports it).
     roots = [d for snap in loaded if snap.index is not None for d in snap.index.pages]
     pages = {digest for digest, _, _ in index_pages(objects, roots, snapshots)}
-    marks = ChunkMarks(sum(s.count for snap in loaded for s in snap.shards))
-    for snap in loaded:
+    with_data = [s for s in loaded if data_roots is None or s.id in data_roots]
+    marks = ChunkMarks(sum(s.count for snap in with_data for s in snap.shards))
+    for snap in with_data:
         for info in snap.shards:
             if info.digest in shards:
                 continue
@@ -303,7 +308,7 @@ def gc(
                     packs.add(ref[1])
             if progress:
                 progress("mark", 1)
-    del loaded
+    del loaded, with_data
 
     def live(kind: str, page: list[ObjectInfo]) -> list[bool]:
         ids = [_object_id(o.key) for o in page]

@@ -22,6 +22,7 @@ import datetime as dt
 import fnmatch
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from zarrlake.format.model import (
     RepoRecord,
     expiry_key,
 )
+from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.mirror.closure import Needs, closure
 from zarrlake.mirror.presence import Presence
 from zarrlake.refs import new_writer_id
@@ -288,21 +290,51 @@ class Mirror:
         *,
         stop: threading.Event | None = None,
         on_status: Callable[[MirrorStatus], None] | None = None,
+        gc_every: float | None = None,
+        gc_grace: dt.timedelta = dt.timedelta(days=7),
     ) -> None:
-        """:meth:`step` every ``interval`` seconds until ``stop`` is set (forever without one).
+        """:meth:`step` every ``interval`` seconds until ``stop`` is set (forever without one);
+        with ``gc_every`` (seconds), also :meth:`gc` that often, between passes.
 
         A pass that fails as a whole (the source unreachable) is logged and retried at the
         next interval; nothing a failed pass did is lost, since objects are immutable."""
         stop = stop or threading.Event()
+        next_gc = None if gc_every is None else time.monotonic() + gc_every
         while not stop.is_set():
             try:
                 status = self.step()
+                if next_gc is not None and gc_every is not None and time.monotonic() >= next_gc:
+                    report = self.gc(grace=gc_grace)
+                    log.info("mirror gc: %s", report.summary())
+                    next_gc = time.monotonic() + gc_every
             except ZarrlakeError as e:
                 log.warning("mirror pass failed, retrying in %.1f s: %s", interval, e)
             else:
                 if on_status is not None:
                     on_status(status)
             stop.wait(interval)
+
+    def gc(
+        self,
+        *,
+        grace: dt.timedelta = dt.timedelta(days=7),
+        dry_run: bool = False,
+        force: bool = False,
+    ) -> GCReport:
+        """Garbage-collect the destination: delete objects older than ``grace`` that no
+        destination ref reaches (what the source deleted, data of skipped commits that
+        replication brought), exactly as :meth:`Repository.gc` on a repository; nothing a
+        destination ref reaches is deleted. The mirror runs no retention of its own: history
+        ends where the source's expiry ended it.
+
+        Run it here, in the promoter's process (or with ``run(gc_every=...)``), never beside a
+        promoter elsewhere: the promoter trusts what it found present, and GC is what makes
+        that stale. This promoter forgets everything it knew afterwards and checks again.
+        """
+        report = gc(self.mirror.core, grace=grace, dry_run=dry_run, force=force)
+        if report.deleted_objects and not dry_run:
+            self.presence.forget()
+        return report
 
     # -- branches ----------------------------------------------------------------------------------
 
