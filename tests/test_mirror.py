@@ -290,7 +290,7 @@ def test_mirror_gc_deletes_what_no_mirror_ref_reaches_and_keeps_the_rest(
     m.step()  # brings the expiry records: history at the mirror ends where the source's does
 
     mirror = zl.Repository.open(dest)
-    with pytest.raises(zl.ReadOnlyError, match="Mirror.gc"):
+    with pytest.raises(zl.ReadOnlyError, match=r"Mirror\.gc"):
         mirror.gc(grace=dt.timedelta(0), force=True)
     dry = m.gc(grace=dt.timedelta(0), force=True, dry_run=True)
     assert dry.by_kind["chunks"].deleted == 64 and _chunk_keys(dest) >= old_chunks
