@@ -91,7 +91,8 @@ def closure(source: RepositoryCore, head: str, presence: Presence) -> Needs:
     todo = [info for info in snap.shards if info.digest not in presence.shards]
 
     def read(info: ShardInfo) -> ManifestShard:
-        return source.objects.shard(info, cache=False)
+        # Cached: a pass may weigh several heads of one branch, which share most shards.
+        return source.objects.shard(info)
 
     for info, shard in zip(todo, source.storage.map(read, todo), strict=True):
         needs.shards.append(info.digest)

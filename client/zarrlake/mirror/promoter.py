@@ -191,7 +191,14 @@ class Mirror:
         self.presence.load()
         self._writer = new_writer_id()
         self._last_promotion: dict[tuple[str, str], dt.datetime] = {}
+        # Branch -> source heads earlier passes saw and did not promote, oldest first.
+        self._seen: dict[str, list[str]] = {}
+        # Keys found missing in the current pass: not asked about twice in one pass.
+        self._absent: set[str] = set()
         self._status: MirrorStatus | None = None
+
+    #: Earlier heads per branch a pass may fall back to when the newest is incomplete.
+    CANDIDATES = 64
 
     def __repr__(self) -> str:
         return f"<zarrlake.mirror.Mirror {self.source.storage.url} -> {self.destination.url}>"
@@ -247,6 +254,7 @@ class Mirror:
         and reports the error in its :class:`RefStatus`; the other refs carry on."""
         counters = _Pass()
         refs: list[RefStatus] = []
+        self._absent = set()
         if self.copy:
             self._copy_expiry_records()
         for name, entry in self._source_branches():
@@ -270,6 +278,7 @@ class Mirror:
         """Where every mirrored ref stands now: a pass that neither copies nor promotes (it
         asks the destination about objects not known to be there)."""
         counters = _Pass()
+        self._absent = set()
         refs = [
             self._step_branch(n, e, counters, promote=False) for n, e in self._source_branches()
         ]
@@ -369,10 +378,21 @@ class Mirror:
             if source_head == mirrored:
                 return self._ref_status("branch", name, source_head, mirrored, None, 0)
             needs, missing = self._validate(source_head, counters, promote=promote)
-            if not missing and promote:
-                self._append(name, dest_entry, source_head, entry)
+            target = None if missing else source_head
+            if target is None:
+                target = self._newest_complete(name, needs, mirrored, counters, promote)
+            if promote:
+                seen = self._seen.setdefault(name, [])
+                if not seen or seen[-1] != source_head:
+                    seen.append(source_head)
+                del seen[: -self.CANDIDATES]
+            if target is not None and promote:
+                carried = entry if target == source_head else None
+                self._append(name, dest_entry, target, carried)
                 counters.promoted.append(f"branch {name}")
-                mirrored = source_head
+                mirrored = target
+                seen = self._seen[name]
+                del seen[: seen.index(target) + 1 if target in seen else 0]
             return self._ref_status("branch", name, source_head, mirrored, needs, len(missing))
         except ZarrlakeError as e:
             log.warning("mirror: branch %s not promoted: %s", name, e)
@@ -386,6 +406,26 @@ class Mirror:
                 0,
                 error=f"{type(e).__name__}: {e}",
             )
+
+    def _newest_complete(
+        self, name: str, needs: Needs, mirrored: str | None, counters: _Pass, promote: bool
+    ) -> str | None:
+        """The newest earlier head of ``name`` (seen by an earlier pass, an ancestor of the
+        source's head and newer than the mirrored one) whose objects are all here, if any.
+
+        When the source commits more often than replication delivers, the newest head is never
+        complete when a pass looks: a head seen a replication delay ago is, and promoting it
+        keeps the lag near that delay instead of stalling until the source pauses."""
+        ancestors = {c.id for c in needs.chain}
+        for candidate in reversed(self._seen.get(name, [])):
+            if candidate == mirrored:
+                break
+            if candidate not in ancestors:
+                continue
+            _, missing = self._validate(candidate, counters, promote=promote)
+            if not missing:
+                return candidate
+        return None
 
     def _append(
         self,
@@ -446,18 +486,19 @@ class Mirror:
         """What ``head`` needs, checked at the destination (and copied there with ``copy``):
         the keys still missing. With none, ``head`` is recorded as complete."""
         needs = closure(self.source.core, head, self.presence)
-        keys = sorted(needs.sizes)
+        keys = sorted(k for k in needs.sizes if k not in self._absent)
         found = self.destination.map(self._head, keys)
         counters.checked += len(keys)
         present = [k for k, info in zip(keys, found, strict=True) if _fits(info, needs.sizes[k])]
         self.presence.add(present)
-        missing = [k for k in keys if k not in self.presence.keys]
+        missing = [k for k in needs.sizes if k not in self.presence.keys]
         if missing and self.copy and promote:
             copied = self._copy(missing, counters)
             self.presence.add(copied)
             missing = [k for k in missing if k not in self.presence.keys]
         if not missing:
             self.presence.add(shards=needs.shards, snapshots=[c.id for c in needs.chain])
+        self._absent.update(missing)
         return needs, missing
 
     def _head(self, key: str) -> ObjectInfo | None:
