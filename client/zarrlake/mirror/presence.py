@@ -30,7 +30,7 @@ class Presence:
     ancestors (down to where the source's history ends).
     """
 
-    #: Merge the records into one when a load finds more than this many.
+    #: Merge the records into one when there are more than this many.
     MERGE_ABOVE = 32
 
     def __init__(self, storage: Storage) -> None:
@@ -38,7 +38,8 @@ class Presence:
         self.keys: set[str] = set()
         self.shards: set[str] = set()
         self.snapshots: set[str] = set()
-        self._pending = PresenceRecord(dt.datetime.now(dt.UTC), ())
+        # Learned since the last save (lists: the copier adds one key at a time).
+        self._new: tuple[list[str], list[str], list[str]] = ([], [], [])
         self._record_keys: list[str] = []
 
     def load(self) -> None:
@@ -72,28 +73,36 @@ class Presence:
         snapshots: Iterable[str] = (),
     ) -> None:
         """Learn objects (and complete shards and snapshots); :meth:`save` persists them."""
-        keys, shards, snapshots = (
-            tuple(k for k in keys if k not in self.keys),
-            tuple(s for s in shards if s not in self.shards),
-            tuple(s for s in snapshots if s not in self.snapshots),
-        )
-        self.keys.update(keys)
-        self.shards.update(shards)
-        self.snapshots.update(snapshots)
-        p = self._pending
-        self._pending = PresenceRecord(
-            p.time, p.keys + keys, p.shards + shards, p.snapshots + snapshots
-        )
+        for new, known, items in zip(
+            self._new,
+            (self.keys, self.shards, self.snapshots),
+            (keys, shards, snapshots),
+            strict=True,
+        ):
+            for item in items:
+                if item not in known:
+                    known.add(item)
+                    new.append(item)
+
+    @property
+    def unsaved(self) -> int:
+        """How many objects were learned since the last :meth:`save`."""
+        return len(self._new[0])
 
     def save(self) -> None:
         """Write what was learned since the last save as one record (nothing if nothing was)."""
-        p = self._pending
-        if not (p.keys or p.shards or p.snapshots):
+        keys, shards, snapshots = self._new
+        if not (keys or shards or snapshots):
             return
+        record = PresenceRecord(
+            dt.datetime.now(dt.UTC), tuple(keys), tuple(shards), tuple(snapshots)
+        )
         key = presence_key(new_snapshot_id())
-        self.storage.put(key, PresenceRecord(dt.datetime.now(dt.UTC), *_fields(p)).encode())
+        self.storage.put(key, record.encode())
         self._record_keys.append(key)
-        self._pending = PresenceRecord(dt.datetime.now(dt.UTC), ())
+        self._new = ([], [], [])
+        if len(self._record_keys) > self.MERGE_ABOVE:
+            self._merge()
 
     def _merge(self) -> None:
         """Replace the records by one holding everything known (written first, then the old
@@ -117,8 +126,4 @@ class Presence:
         self.shards.clear()
         self.snapshots.clear()
         self._record_keys = []
-        self._pending = PresenceRecord(dt.datetime.now(dt.UTC), ())
-
-
-def _fields(p: PresenceRecord) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    return p.keys, p.shards, p.snapshots
+        self._new = ([], [], [])

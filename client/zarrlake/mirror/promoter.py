@@ -199,6 +199,8 @@ class Mirror:
 
     #: Earlier heads per branch a pass may fall back to when the newest is incomplete.
     CANDIDATES = 64
+    #: The copier saves what it learned after this many objects (or a 16th of all it knows).
+    SAVE_EVERY = 64
 
     def __repr__(self) -> str:
         return f"<zarrlake.mirror.Mirror {self.source.storage.url} -> {self.destination.url}>"
@@ -487,15 +489,19 @@ class Mirror:
         the keys still missing. With none, ``head`` is recorded as complete."""
         needs = closure(self.source.core, head, self.presence)
         keys = sorted(k for k in needs.sizes if k not in self._absent)
-        found = self.destination.map(self._head, keys)
         counters.checked += len(keys)
-        present = [k for k, info in zip(keys, found, strict=True) if _fits(info, needs.sizes[k])]
-        self.presence.add(present)
+        if self.copy and promote:
+            # The copier writes what it does not know to be there, without asking first: a
+            # write of an immutable object that is already there changes nothing, and asking
+            # would cost one more request per object of a first copy.
+            self._copy(keys, counters)
+        else:
+            found = self.destination.map(self._head, keys)
+            sizes = needs.sizes
+            self.presence.add(
+                k for k, info in zip(keys, found, strict=True) if _fits(info, sizes[k])
+            )
         missing = [k for k in needs.sizes if k not in self.presence.keys]
-        if missing and self.copy and promote:
-            copied = self._copy(missing, counters)
-            self.presence.add(copied)
-            missing = [k for k in missing if k not in self.presence.keys]
         if not missing:
             self.presence.add(shards=needs.shards, snapshots=[c.id for c in needs.chain])
         self._absent.update(missing)
@@ -505,8 +511,10 @@ class Mirror:
         return with_retries(lambda: self.destination.head(key))
 
     def _copy(self, keys: list[str], counters: _Pass) -> list[str]:
-        """Copy ``keys`` from the source to the destination, concurrently; the keys copied.
-        An object the source no longer has (its GC took it: the head moved on) is skipped."""
+        """Copy ``keys`` from the source to the destination, concurrently, learning each as
+        present as it lands (and saving what was learned every so often, so a copier killed
+        midway copies again only its last few objects); the keys copied. An object the source
+        no longer has (its GC took it: the head moved on) is skipped."""
         done = 0
         lock = threading.Lock()
         src, dst = self.source.storage, self.destination
@@ -521,6 +529,9 @@ class Mirror:
             with_retries(lambda: dst.put(key, data))
             with lock:
                 done += 1
+                self.presence.add([key])
+                if self.presence.unsaved >= max(self.SAVE_EVERY, len(self.presence.keys) // 16):
+                    self.presence.save()
                 if self.progress is not None:
                     self.progress(done, len(keys))
             return key, len(data)
