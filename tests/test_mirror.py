@@ -394,3 +394,44 @@ def test_when_the_newest_head_is_never_complete_an_earlier_complete_one_is_promo
     assert [e.snapshot for e in mirror.core.journal.history("main")] == [third, second, first]
     for sid in (first, second, third):
         np.testing.assert_array_equal(_read(mirror, sid), _read(source, sid))
+
+
+def test_metrics_follow_every_pass_and_are_served_over_http(
+    source: zl.Repository, dest: zl.Storage
+):
+    import socket
+    import urllib.request
+
+    from zarrlake.mirror.metrics import MirrorMetrics
+
+    metrics = MirrorMetrics(source.id)
+    _write(source, "main", 1, "one")
+    source.create_branch("dev", "main")
+    m = Mirror(source, dest, copy=False)
+    metrics.update(m.step())
+
+    def value(name: str, ref: str | None = None) -> float | None:
+        labels = {"repository": source.id} | ({"ref": ref} if ref else {})
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("zarrlake_mirror_commits_behind", "branch/main") == 2
+    assert value("zarrlake_mirror_missing_objects", "branch/main") > 64
+    assert value("zarrlake_mirror_last_promotion_timestamp_seconds", "branch/main") == 0
+    _replicate(source.storage, dest)
+    source.delete_branch("dev")
+    status = m.step()
+    metrics.update(status)
+    assert value("zarrlake_mirror_lag_seconds", "branch/main") == 0
+    assert value("zarrlake_mirror_missing_objects", "branch/main") == 0
+    assert value("zarrlake_mirror_last_promotion_timestamp_seconds", "branch/main") > 0
+    assert value("zarrlake_mirror_promotions_total") == len(status.promoted) == 1
+    assert value("zarrlake_mirror_passes_total") == 2
+    # "dev" was never shown at the mirror, and is gone at the source: it drops out.
+    assert value("zarrlake_mirror_commits_behind", "branch/dev") is None
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics.serve(port, addr="127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f'zarrlake_mirror_lag_seconds{{ref="branch/main",repository="{source.id}"}} 0.0' in text

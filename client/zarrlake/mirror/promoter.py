@@ -84,6 +84,11 @@ class RefStatus:
     def up_to_date(self) -> bool:
         return self.source_head == self.mirrored_head and self.error is None
 
+    @property
+    def gone(self) -> bool:
+        """Deleted at the source and at the mirror, with nothing to report: not listed."""
+        return self.source_head is None and self.mirrored_head is None and self.error is None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -263,6 +268,7 @@ class Mirror:
             refs.append(self._step_branch(name, entry, counters))
         if self.tags:
             refs.extend(self._step_tags(counters))
+        refs = [r for r in refs if not r.gone]
         self.presence.save()
         self._status = MirrorStatus(
             self.source.storage.url,
@@ -286,6 +292,7 @@ class Mirror:
         ]
         if self.tags:
             refs.extend(self._step_tags(counters, promote=False))
+        refs = [r for r in refs if not r.gone]
         return MirrorStatus(
             self.source.storage.url, self.destination.url, _now(), tuple(refs), counters.checked
         )
