@@ -196,8 +196,9 @@ class Mirror:
         self.presence.load()
         self._writer = new_writer_id()
         self._last_promotion: dict[tuple[str, str], dt.datetime] = {}
-        # Branch -> source heads earlier passes saw and did not promote, oldest first.
-        self._seen: dict[str, list[str]] = {}
+        # Branch -> (snapshot, source entry seq) of heads earlier passes saw and did not
+        # promote, oldest first.
+        self._seen: dict[str, list[tuple[str, int]]] = {}
         # Keys found missing in the current pass: not asked about twice in one pass.
         self._absent: set[str] = set()
         self._status: MirrorStatus | None = None
@@ -378,28 +379,35 @@ class Mirror:
             dest_entry = dest_journal.head(name)
             mirrored = None if dest_entry is None else dest_entry.snapshot
             if source_head is None:  # deleted at the source: delete here too
-                if mirrored is not None and promote:
+                if mirrored is not None and promote and entry is not None:
                     assert dest_entry is not None
-                    self._append(name, dest_entry, None, None)
-                    counters.promoted.append(f"branch {name} (deleted)")
-                    mirrored = None
+                    if self._append(name, dest_entry, None, entry.seq, None):
+                        counters.promoted.append(f"branch {name} (deleted)")
+                        mirrored = None
+                elif mirrored is not None and promote:
+                    # No source journal at all (its entries were pruned away): gone there.
+                    assert dest_entry is not None
+                    if self._append(name, dest_entry, None, None, None):
+                        counters.promoted.append(f"branch {name} (deleted)")
+                        mirrored = None
                 return self._ref_status("branch", name, None, mirrored, None, 0)
             if source_head == mirrored:
                 return self._ref_status("branch", name, source_head, mirrored, None, 0)
+            assert entry is not None
             needs, missing = self._validate(source_head, counters, promote=promote)
-            target = None if missing else source_head
+            target = None if missing else (source_head, entry.seq)
             if target is None:
                 target = self._newest_complete(name, needs, mirrored, counters, promote)
             if promote:
                 seen = self._seen.setdefault(name, [])
-                if not seen or seen[-1] != source_head:
-                    seen.append(source_head)
+                if not seen or seen[-1] != (source_head, entry.seq):
+                    seen.append((source_head, entry.seq))
                 del seen[: -self.CANDIDATES]
             if target is not None and promote:
-                carried = entry if target == source_head else None
-                self._append(name, dest_entry, target, carried)
-                counters.promoted.append(f"branch {name}")
-                mirrored = target
+                carried = entry if target[0] == source_head else None
+                if self._append(name, dest_entry, target[0], target[1], carried):
+                    counters.promoted.append(f"branch {name}")
+                    mirrored = target[0]
                 seen = self._seen[name]
                 del seen[: seen.index(target) + 1 if target in seen else 0]
             return self._ref_status("branch", name, source_head, mirrored, needs, len(missing))
@@ -418,7 +426,7 @@ class Mirror:
 
     def _newest_complete(
         self, name: str, needs: Needs, mirrored: str | None, counters: _Pass, promote: bool
-    ) -> str | None:
+    ) -> tuple[str, int] | None:
         """The newest earlier head of ``name`` (seen by an earlier pass, an ancestor of the
         source's head and newer than the mirrored one) whose objects are all here, if any.
 
@@ -427,11 +435,11 @@ class Mirror:
         keeps the lag near that delay instead of stalling until the source pauses."""
         ancestors = {c.id for c in needs.chain}
         for candidate in reversed(self._seen.get(name, [])):
-            if candidate == mirrored:
+            if candidate[0] == mirrored:
                 break
-            if candidate not in ancestors:
+            if candidate[0] not in ancestors:
                 continue
-            _, missing = self._validate(candidate, counters, promote=promote)
+            _, missing = self._validate(candidate[0], counters, promote=promote)
             if not missing:
                 return candidate
         return None
@@ -441,21 +449,32 @@ class Mirror:
         name: str,
         dest_entry: JournalEntry | None,
         snapshot: str | None,
+        source_seq: int | None,
         source_entry: JournalEntry | None,
-    ) -> None:
-        """Move the destination's branch: the create-only journal write of a commit."""
+    ) -> bool:
+        """Move the destination's branch with the create-only journal write of a commit.
+
+        A mirror's entry carries, as its token, the sequence number of the source's journal
+        entry it shows; a move to an older source entry than the destination already shows is
+        refused (False): a second promoter working from an older view of the source can never
+        move a ref back. Raises :class:`_Raced` if the destination moved since it was read."""
         journal = self.mirror.core.journal
+        shown = None if dest_entry is None else dest_entry.token
+        if shown is not None and source_seq is not None and source_seq <= shown:
+            log.info("mirror: branch %s already shows a newer source entry", name)
+            return False
         seq = 0 if dest_entry is None else dest_entry.seq + 1
         previous = None if dest_entry is None else dest_entry.snapshot
         carried = None
         if source_entry is not None and source_entry.snapshot == snapshot:
             carried = source_entry.snapshot_data
-        new = JournalEntry(seq, snapshot, previous, _now(), self._writer, None, carried)
+        new = JournalEntry(seq, snapshot, previous, _now(), self._writer, source_seq, carried)
         if not journal.append(name, new):
-            # Another promoter moved it since we read it: ours is not newer than what it saw.
+            # Another promoter moved it since we read it: the next pass looks again.
             raise _Raced(f"branch {name} moved at the destination while promoting; retrying")
         self._last_promotion[("branch", name)] = _now()
         log.info("mirror: branch %s -> %s", name, snapshot)
+        return True
 
     # -- tags ------------------------------------------------------------------------------------
 
