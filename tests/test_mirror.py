@@ -16,6 +16,7 @@ import zarr
 
 import zarrlake as zl
 from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, RepoRecord
+from zarrlake.locks import LocalLock
 from zarrlake.mirror import Mirror
 from zarrlake_testkit.counting import CountingStorage, Counts
 
@@ -435,3 +436,64 @@ def test_metrics_follow_every_pass_and_are_served_over_http(
     metrics.serve(port, addr="127.0.0.1")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert f'zarrlake_mirror_lag_seconds{{ref="branch/main",repository="{source.id}"}} 0.0' in text
+
+
+def test_a_mirror_of_itself_is_refused(source: zl.Repository):
+    with pytest.raises(zl.RepositoryExists, match="source itself"):
+        Mirror(source, source.storage)
+
+
+def test_without_create_nothing_is_written_until_the_destination_is_a_mirror(
+    source: zl.Repository, dest: zl.Storage
+):
+    _write(source, "main", 0, "one")
+    with pytest.raises(zl.RepositoryNotFound, match="not \\(yet\\) a mirror"):
+        Mirror(source, dest, create=False)
+    assert list(dest.list("")) == []
+
+    Mirror(source, dest).step()
+    head = _write(source, "main", 1, "two")
+    status = Mirror(source, dest, create=False).status()
+    assert (status.ref("main").source_head, status.ref("main").commits_behind) == (head, 1)
+    assert zl.Repository.open(dest).lookup_branch("main") != head  # status() promotes nothing
+
+
+def test_of_two_promoters_sharing_a_lock_one_acts_and_the_other_stands_by(
+    source: zl.Repository, dest: zl.Storage, tmp_path: Path
+):
+    import threading
+
+    _write(source, "main", 0, "one")
+    lock = LocalLock(tmp_path / "locks", wait_s=0.2)
+    first, second = Mirror(source, dest, lock=lock), Mirror(source, dest, lock=lock)
+    passes: dict[str, int] = {"first": 0, "second": 0}
+    stop_first, stop_second = threading.Event(), threading.Event()
+
+    def count(who: str):
+        def on_status(_status):
+            passes[who] += 1
+
+        return on_status
+
+    a = threading.Thread(
+        target=first.run, args=(0.02,), kwargs={"stop": stop_first, "on_status": count("first")}
+    )
+    a.start()
+    while passes["first"] == 0:
+        threading.Event().wait(0.01)
+    b = threading.Thread(
+        target=second.run, args=(0.02,), kwargs={"stop": stop_second, "on_status": count("second")}
+    )
+    b.start()
+    threading.Event().wait(0.5)
+    assert passes["second"] == 0  # standing by while the first holds the lock
+    head = _write(source, "main", 1, "two")
+    stop_first.set()
+    a.join()
+    deadline = dt.datetime.now() + dt.timedelta(seconds=10)
+    while zl.Repository.open(dest).lookup_branch("main") != head:
+        assert dt.datetime.now() < deadline, "the standby never took over"
+        threading.Event().wait(0.05)
+    stop_second.set()
+    b.join()
+    assert passes["second"] > 0

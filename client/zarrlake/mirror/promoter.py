@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zarrlake.errors import RepositoryExists, ZarrlakeError
+from zarrlake.errors import LockTimeout, RepositoryExists, RepositoryNotFound, ZarrlakeError
 from zarrlake.format.model import (
     MIRROR_REPO_KEY,
     REPO_KEY,
@@ -47,6 +47,9 @@ from zarrlake.storage.base import (
     Storage,
     with_retries,
 )
+
+if TYPE_CHECKING:
+    from zarrlake.locks import LocalLock, RedisLock
 
 log = logging.getLogger("zarrlake.mirror")
 
@@ -170,7 +173,15 @@ class Mirror:
     The destination is initialized as a mirror on first use (its marker ``mirror/repo`` names the
     source) and opens with :meth:`Repository.open` like any repository, read-only: every write
     raises :class:`ReadOnlyError`. Raises :class:`RepositoryExists` if the destination holds
-    another repository or mirrors another one.
+    another repository or mirrors another one (or is the source itself). With ``create=False``
+    nothing is written there: a destination that is not yet a mirror of ``source`` raises
+    :class:`RepositoryNotFound` (what ``zarrlake mirror status`` wants).
+
+    ``lock`` (a lock service or its URL, as for :class:`Repository`): :meth:`run` acts only while
+    it holds the lock named after the destination, so of several promoters of one mirror (a
+    replicator restarted while the old one still runs) one works and the others wait. Safety
+    never rests on it: every promotion is a create-only journal write that refuses to show an
+    older source entry than the destination already shows.
     """
 
     def __init__(
@@ -182,6 +193,8 @@ class Mirror:
         tags: bool = True,
         copy: bool = True,
         progress: CopyProgress | None = None,
+        create: bool = True,
+        lock: RedisLock | LocalLock | str | None = None,
     ) -> None:
         self.source = source
         self.destination = (
@@ -191,7 +204,12 @@ class Mirror:
         self.tags = tags
         self.copy = copy
         self.progress = progress
-        self.mirror = self._open_destination()
+        if isinstance(lock, str):
+            from zarrlake.locks import lock_from_url
+
+            lock = lock_from_url(lock)
+        self.lock = lock
+        self.mirror = self._open_destination(create)
         self.presence = Presence(self.destination)
         self.presence.load()
         self._writer = new_writer_id()
@@ -213,8 +231,10 @@ class Mirror:
 
     # -- the destination ---------------------------------------------------------------------------
 
-    def _open_destination(self) -> Repository:
+    def _open_destination(self, create: bool) -> Repository:
         dest, source = self.destination, self.source.record
+        if dest.url == self.source.storage.url:
+            raise RepositoryExists(f"{dest.url} is the source itself: a mirror needs another place")
 
         def marker(key: str) -> RepoRecord | None:
             try:
@@ -228,6 +248,8 @@ class Mirror:
             raise RepositoryExists(
                 f"{dest.url} holds repository {plain.id}, not a mirror of {source.id}"
             )
+        if mirror is None and not create:
+            raise RepositoryNotFound(f"{dest.url} is not (yet) a mirror of {source.id}")
         if mirror is None:
             # No marker, or the source's own brought by replication: make the destination a
             # mirror. Its marker is the source's, plus where the source is.
@@ -318,6 +340,31 @@ class Mirror:
         A pass that fails as a whole (the source unreachable) is logged and retried at the
         next interval; nothing a failed pass did is lost, since objects are immutable."""
         stop = stop or threading.Event()
+        if self.lock is None:
+            self._run(interval, stop, on_status, gc_every, gc_grace)
+            return
+        while not stop.is_set():
+            try:
+                with self.lock.hold(self.source.id, self.lock_name):
+                    log.info("mirror: promoting (holding the lock %s)", self.lock_name)
+                    self._run(interval, stop, on_status, gc_every, gc_grace)
+            except LockTimeout:
+                log.info("mirror: another promoter holds %s; standing by", self.lock_name)
+                stop.wait(min(interval, 1.0))
+
+    @property
+    def lock_name(self) -> str:
+        """The name of the lock :meth:`run` holds (per source repository and destination)."""
+        return f"mirror:{self.destination.url}"
+
+    def _run(
+        self,
+        interval: float,
+        stop: threading.Event,
+        on_status: Callable[[MirrorStatus], None] | None,
+        gc_every: float | None,
+        gc_grace: dt.timedelta,
+    ) -> None:
         next_gc = None if gc_every is None else time.monotonic() + gc_every
         while not stop.is_set():
             try:
