@@ -72,11 +72,13 @@ bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/latest.md
 	$(BIN)/python bench/contention.py --markdown bench/results/contention.md
 	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
+	$(BIN)/python bench/mirror.py --markdown bench/results/mirror.md
 
 bench-quick: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --quick --peers-python $(PEERS_VENV)/bin/python
 	$(BIN)/python bench/contention.py --quick
 	$(BIN)/python bench/maintenance.py --quick
+	$(BIN)/python bench/mirror.py --quick
 
 ## lint: ruff, the import-layer contracts (import-linter) and strict type checking (mypy)
 lint: $(VENV)/.dev-installed
