@@ -324,11 +324,18 @@ class Repository:
         return self._core.graph.log(self.resolve(ref), limit=limit)
 
     def diff(self, from_ref: str, to_ref: str) -> Diff:
-        """Nodes added/removed/changed and chunks changed going from ``from_ref`` to ``to_ref``."""
+        """Nodes added/removed/changed and chunks changed going from ``from_ref`` to ``to_ref``.
+
+        On a mirror both must be snapshots it holds the data of (:class:`NotMirrored`)."""
         objects = self._core.objects
-        a = objects.snapshot(self.resolve(from_ref))
-        b = objects.snapshot(self.resolve(to_ref))
-        return self._core.graph.diff(a, b)
+        ids = self.resolve(from_ref), self.resolve(to_ref)
+        mirror_of = self._core.record.mirror_of
+        if mirror_of is not None:
+            shown = self._shown_by_mirror()
+            for sid in ids:
+                if sid not in shown:
+                    raise NotMirrored(sid, mirror_of)
+        return self._core.graph.diff(objects.snapshot(ids[0]), objects.snapshot(ids[1]))
 
     def merge(
         self,
