@@ -30,7 +30,7 @@ from zarrlake.commit import GC_LOCK_BRANCH
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import GraceTooShort, RefNotFound
-from zarrlake.format.model import OBJECT, PACKED, Snapshot
+from zarrlake.format.model import OBJECT, PACKED, ShardInfo, Snapshot
 from zarrlake.history import index_pages
 from zarrlake.storage.base import ObjectInfo
 from zarrlake.units import format_bytes
@@ -43,8 +43,15 @@ __all__ = [
     "GCReport",
     "GraceTooShort",
     "KindCount",
+    "MarkPlan",
+    "Tally",
     "gc",
     "gc_roots",
+    "object_id",
+    "plan_mark",
+    "report",
+    "shard_marks",
+    "sweep",
 ]
 
 # Sweep order: roots first. ``history``: history pages (the index log() reads).
@@ -167,7 +174,7 @@ class KindCount:
 
 
 @dataclass
-class _Tally:
+class Tally:
     """A :class:`KindCount` while the sweep is still counting."""
 
     deleted: int = 0
@@ -218,7 +225,8 @@ class GCReport:
         )
 
 
-def _object_id(key: str) -> str:
+def object_id(key: str) -> str:
+    """The id (digest or snapshot id) an object's key ends in."""
     return key.rsplit("/", 1)[1]
 
 
@@ -240,37 +248,43 @@ def gc_roots(core: RepositoryCore, cutoff: dt.datetime, expired: Set[str]) -> se
     return roots
 
 
-def gc(
+@dataclass
+class MarkPlan:
+    """What the driver of a GC run decides before any chunk is marked: the time line, the
+    retained snapshots, their history pages, and the manifest shards whose references are live
+    (each once). Small: it grows with snapshots and shards, never with chunks."""
+
+    now: dt.datetime
+    cutoff: dt.datetime
+    snapshots: set[str]
+    pages: set[str]
+    shards: list[ShardInfo]
+
+    @property
+    def shard_ids(self) -> set[str]:
+        return {info.digest for info in self.shards}
+
+
+def plan_mark(
     core: RepositoryCore,
     *,
-    grace: dt.timedelta = dt.timedelta(days=7),
-    dry_run: bool = False,
+    grace: dt.timedelta,
     force: bool = False,
     now: dt.datetime | None = None,
-    progress: Callable[[str, int], None] | None = None,
-) -> GCReport:
-    """Collect garbage (see the module docstring) and report what went and what stayed.
-
-    ``now`` is the time the grace period is measured back from (default: the clock);
-    ``progress(phase, count)`` is called as shards are marked and objects swept. Raises
-    :class:`GraceTooShort` for a ``grace`` under the longest session lifetime unless ``force``.
-    """
+) -> MarkPlan:
+    """The first phase of every GC engine. Raises :class:`GraceTooShort` for a ``grace`` under
+    the longest session lifetime unless ``force``."""
     if grace < MAX_SESSION_TTL and not force:
         raise GraceTooShort(
             f"grace period {grace} is shorter than the longest session lifetime "
             f"({MAX_SESSION_TTL}); a running session could lose its uploads "
             "(force it with force=True or --force)"
         )
-    started = time.monotonic()
     now = now or dt.datetime.now(dt.UTC)
     cutoff = now - grace
     expired = core.expiry.expired(refresh=True)
     objects = core.objects
-
-    # -- mark ------------------------------------------------------------------------------------
     snapshots: set[str] = set()
-    shards: set[str] = set()
-    packs: set[str] = set()
     retained = gc_roots(core, cutoff, expired)
     # A mirror holds the data of the snapshots its refs showed, and only the history of the
     # commits it skipped: their shards were never there to mark.
@@ -293,25 +307,59 @@ def gc(
     # snapshots instead; fsck reports it).
     roots = [d for snap in loaded if snap.index is not None for d in snap.index.pages]
     pages = {digest for digest, _, _ in index_pages(objects, roots, snapshots)}
-    with_data = [s for s in loaded if data_roots is None or s.id in data_roots]
-    marks = ChunkMarks(sum(s.count for snap in with_data for s in snap.shards))
-    for snap in with_data:
-        for info in snap.shards:
-            if info.digest in shards:
-                continue
-            shards.add(info.digest)
-            # Read once, not cached: a GC pass would otherwise fill the client's shard cache.
-            for ref in objects.shard(info, cache=False).refs:
-                if ref[0] == OBJECT:
-                    marks.add(ref[1])
-                elif ref[0] == PACKED:
-                    packs.add(ref[1])
-            if progress:
-                progress("mark", 1)
-    del loaded, with_data
+    shards: dict[str, ShardInfo] = {}
+    for snap in loaded:
+        if data_roots is None or snap.id in data_roots:
+            for info in snap.shards:
+                shards.setdefault(info.digest, info)
+    return MarkPlan(now, cutoff, snapshots, pages, list(shards.values()))
+
+
+def shard_marks(core: RepositoryCore, info: ShardInfo) -> Iterator[tuple[int, bytes | str]]:
+    """The live references one manifest shard holds: ``(OBJECT, digest)`` for a chunk object,
+    ``(PACKED, pack id)`` for a pack. Read once, not cached: a GC pass would otherwise fill the
+    client's shard cache."""
+    for ref in core.objects.shard(info, cache=False).refs:
+        if ref[0] == OBJECT or ref[0] == PACKED:
+            yield ref[0], ref[1]
+
+
+def gc(
+    core: RepositoryCore,
+    *,
+    grace: dt.timedelta = dt.timedelta(days=7),
+    dry_run: bool = False,
+    force: bool = False,
+    now: dt.datetime | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> GCReport:
+    """Collect garbage (see the module docstring) and report what went and what stayed.
+
+    ``now`` is the time the grace period is measured back from (default: the clock);
+    ``progress(phase, count)`` is called as shards are marked and objects swept. Raises
+    :class:`GraceTooShort` for a ``grace`` under the longest session lifetime unless ``force``.
+    """
+    started = time.monotonic()
+    plan = plan_mark(core, grace=grace, force=force, now=now)
+    cutoff, snapshots, pages = plan.cutoff, plan.snapshots, plan.pages
+    shards = plan.shard_ids
+
+    # -- mark ------------------------------------------------------------------------------------
+    packs: set[str] = set()
+    marks = ChunkMarks(sum(info.count for info in plan.shards))
+    for info in plan.shards:
+        for what, ref in shard_marks(core, info):
+            if what == OBJECT:
+                assert isinstance(ref, bytes)
+                marks.add(ref)
+            else:
+                assert isinstance(ref, str)
+                packs.add(ref)
+        if progress:
+            progress("mark", 1)
 
     def live(kind: str, page: list[ObjectInfo]) -> list[bool]:
-        ids = [_object_id(o.key) for o in page]
+        ids = [object_id(o.key) for o in page]
         if kind in ("snapshots", "txlogs"):
             return [oid in snapshots for oid in ids]
         if kind == "manifests":
@@ -331,7 +379,7 @@ def gc(
         return [m or i in odd for i, m in enumerate(marks.contains_many(digests))]
 
     # -- sweep -------------------------------------------------------------------------------------
-    tallies = {k: _Tally() for k in KINDS}
+    tallies = {k: Tally() for k in KINDS}
     skipped_young = 0
     for kind in KINDS:
         tally = tallies[kind]
@@ -347,13 +395,28 @@ def gc(
                     tally.kept_bytes += obj.size
                     continue
                 batch.append(obj)
-                if len(batch) >= 1000:
-                    _sweep(core, batch, tally, cutoff, dry_run, progress)
+                if len(batch) >= SWEEP_BATCH:
+                    sweep(core, batch, tally, cutoff, dry_run, progress)
                     batch = []
         if batch:
-            _sweep(core, batch, tally, cutoff, dry_run, progress)
+            sweep(core, batch, tally, cutoff, dry_run, progress)
 
-    by_kind = {k: t.count() for k, t in tallies.items()}
+    return report(tallies, dry_run, len(snapshots), skipped_young, time.monotonic() - started)
+
+
+#: Objects deleted per sweep batch (one ``delete_stale`` call under the GC lease).
+SWEEP_BATCH = 1000
+
+
+def report(
+    tallies: dict[str, Tally],
+    dry_run: bool,
+    marked_snapshots: int,
+    skipped_young: int,
+    duration_s: float,
+) -> GCReport:
+    """The :class:`GCReport` of a sweep's tallies (either engine)."""
+    by_kind = {k: tallies.get(k, Tally()).count() for k in KINDS}
     return GCReport(
         deleted_objects=sum(c.deleted for c in by_kind.values()),
         deleted_bytes=sum(c.deleted_bytes for c in by_kind.values()),
@@ -361,9 +424,9 @@ def gc(
         dry_run=dry_run,
         kept_bytes=sum(c.kept_bytes for c in by_kind.values()),
         by_kind=by_kind,
-        marked_snapshots=len(snapshots),
+        marked_snapshots=marked_snapshots,
         skipped_young=skipped_young,
-        duration_s=time.monotonic() - started,
+        duration_s=duration_s,
     )
 
 
@@ -378,14 +441,16 @@ def _pages(items: Iterator[ObjectInfo], size: int) -> Iterator[list[ObjectInfo]]
         yield page
 
 
-def _sweep(
+def sweep(
     core: RepositoryCore,
     batch: list[ObjectInfo],
-    tally: _Tally,
+    tally: Tally,
     cutoff: dt.datetime,
     dry_run: bool,
     progress: Callable[[str, int], None] | None,
 ) -> None:
+    """Delete the objects of ``batch`` that are still stale (older than ``cutoff``), counting
+    into ``tally``; with ``dry_run``, only count."""
     if dry_run:
         tally.deleted += len(batch)
         tally.deleted_bytes += sum(i.size for i in batch)
@@ -405,7 +470,7 @@ def _sweep(
             doomed, kept = storage.delete_stale((i.key for i in part), cutoff)
         for i in doomed:  # this client must not go on serving what it just deleted from cache
             if i.key.startswith(("snapshots/", "txlogs/")):
-                core.objects.forget(_object_id(i.key))
+                core.objects.forget(object_id(i.key))
         tally.deleted += len(doomed)
         tally.deleted_bytes += sum(i.size for i in doomed)
         tally.kept += len(kept)
