@@ -128,6 +128,34 @@ class MotoS3:
 
 
 @pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One local[2] SparkSession for the whole test session (it takes ~10 s to start)."""
+    import shutil
+    import sys
+
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("PySpark needs a Java runtime")
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("zarrlake-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "4")
+        .getOrCreate()
+    )
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+@pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
     import boto3
 

@@ -38,29 +38,15 @@ CHUNKS = (8, 10)
 NBLOCKS = ROWS // CHUNKS[0]
 
 
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+@pytest.fixture(scope="module", autouse=True)
+def _writers_by_value() -> Iterator[None]:
+    """The writers below live in this test module, which executors cannot import: ship them by
+    value."""
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
 
-    # The writers below live in this test module, which executors cannot import: ship them by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("zarrlake-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "4")
-        .getOrCreate()
-    )
-    try:
-        yield session
-    finally:
-        session.stop()
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

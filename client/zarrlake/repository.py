@@ -388,12 +388,19 @@ class Repository:
         dry_run: bool = False,
         force: bool = False,
         progress: Progress | None = None,
+        engine: str = "local",
+        spark: Any = None,
     ) -> GCReport:
         """Delete objects no retained snapshot needs and older than ``grace``; a :class:`GCReport`.
 
         A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
-        ``force``: a running session's uploads must outlive it.
+        ``force``: a running session's uploads must outlive it. ``engine="spark"`` marks and
+        sweeps in Spark tasks (:mod:`zarrlake.maintenance.spark_gc`) with the SparkSession
+        ``spark`` (default: the active one, or a new one as ``spark-submit`` configured it):
+        the same rules, the same deletions, the same report.
         """
+        if engine not in ("local", "spark"):
+            raise ValueError(f"unknown gc engine {engine!r} (use 'local' or 'spark')")
         if self._core.is_mirror:
             raise ReadOnlyError(
                 f"{self.storage.url} is a read-only mirror of {self._core.record.mirror_of}: "
@@ -401,6 +408,14 @@ class Repository:
                 "Mirror.run(gc_every=...)), which must know what it deletes"
             )
         self._core.check_writable()  # a newer format's objects may look unreachable here
+        if engine == "spark":
+            from zarrlake.maintenance.spark_gc import gc_spark
+
+            if spark is None:
+                from pyspark.sql import SparkSession
+
+                spark = SparkSession.builder.appName("zarrlake-gc").getOrCreate()
+            return gc_spark(self._core, spark, grace=grace, dry_run=dry_run, force=force)
         return gc(self._core, grace=grace, dry_run=dry_run, force=force, progress=progress)
 
     def compact(

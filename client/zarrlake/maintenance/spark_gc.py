@@ -1,0 +1,229 @@
+"""Garbage collection as a Spark job: the local engine's rules, at any size.
+
+The phases are the local engine's (:mod:`zarrlake.maintenance.gc`), spread over executors:
+
+1. **Plan** (driver): retained snapshots, their history pages and the manifest shards whose
+   references are live (:func:`~zarrlake.maintenance.gc.plan_mark`). This grows with snapshots
+   and shards, never with chunks.
+2. **Mark** (executors): each task reads a slice of those shards and emits the chunk objects and
+   packs they reference; Spark deduplicates them. The marks stay a distributed dataset: nothing
+   that grows with the number of chunks is collected on the driver.
+3. **Sweep** (executors), one kind at a time in the local engine's order (roots first, so a run
+   that dies mid-sweep never leaves a snapshot whose data is gone while the snapshot stays): the
+   kind's prefixes are listed in parallel partitions (``chunks/00/`` … ``chunks/ff/`` are 256),
+   joined with the marks, and every task deletes its unmarked objects older than the grace
+   period in batches, each re-checked just before its delete and under the GC lease against
+   deduplicating commits (:func:`~zarrlake.maintenance.gc.sweep`), exactly as locally.
+
+Only small per-task tallies come back to the driver, summed into the same :class:`GCReport`.
+
+Executors must reach the repository's storage (S3, or a directory every executor shares) and,
+if the repository uses one, its lock service; both travel with the pickled storage and lock.
+pyspark is imported lazily.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import pickle
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from zarrlake.commit import BranchLock
+from zarrlake.core import RepositoryCore
+from zarrlake.format.model import OBJECT, RepoRecord, ShardInfo
+from zarrlake.maintenance.gc import (
+    KINDS,
+    SWEEP_BATCH,
+    GCReport,
+    Tally,
+    object_id,
+    plan_mark,
+    report,
+    shard_marks,
+    sweep,
+)
+from zarrlake.storage.base import ObjectInfo, Storage
+
+__all__ = ["gc_spark"]
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+# (storage, record, lock), pickled: what every task rebuilds its repository core from.
+_Shipped = bytes
+
+_cores: dict[bytes, RepositoryCore] = {}
+_cores_lock = threading.Lock()
+
+
+def _core(shipped: _Shipped) -> RepositoryCore:
+    """This executor process's core for the shipped repository (built once per process)."""
+    with _cores_lock:
+        core = _cores.get(shipped)
+        if core is None:
+            storage, record, lock = pickle.loads(shipped)
+            core = _cores[shipped] = RepositoryCore.build(storage, record, lock)
+            while len(_cores) > 8:
+                _cores.pop(next(iter(_cores)))
+        return core
+
+
+def _ship(storage: Storage, record: RepoRecord, lock: BranchLock | None) -> _Shipped:
+    if not storage.shared_across_processes:
+        raise ValueError(
+            f"{storage.url} cannot be collected by Spark: executors would each see their own "
+            "copy (use S3 or a directory every executor shares)"
+        )
+    return pickle.dumps((storage, record, lock), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _mark_task(shipped: _Shipped, infos: Iterable[ShardInfo]) -> Iterator[tuple[str, str]]:
+    """A mark task: ``(kind, id)`` of every chunk object and pack its shards reference."""
+    core = _core(shipped)
+    for info in infos:
+        for what, ref in shard_marks(core, info):
+            if what == OBJECT:
+                assert isinstance(ref, bytes)
+                yield "chunks", ref.hex()
+            else:
+                assert isinstance(ref, str)
+                yield "packs", ref
+
+
+def _list_task(shipped: _Shipped, prefixes: Iterable[str]) -> Iterator[tuple[str, str, int, int]]:
+    """A listing task: ``(id, key, size, modified µs since the epoch)`` of every object under
+    its prefixes. A chunk's id is its normalized hex digest; a name that is not hex (nothing
+    zarrlake writes) gets an empty id and is kept, as the local engine keeps it."""
+    core = _core(shipped)
+    for prefix in prefixes:
+        chunks = prefix.startswith("chunks/")
+        for obj in core.storage.list(prefix):
+            oid = object_id(obj.key)
+            if chunks:
+                try:
+                    oid = bytes.fromhex(oid).hex()
+                except ValueError:
+                    oid = ""
+            micros = (obj.modified - _EPOCH) // dt.timedelta(microseconds=1)
+            yield oid, obj.key, obj.size, micros
+
+
+def _sweep_task(
+    shipped: _Shipped, cutoff: dt.datetime, dry_run: bool, rows: Iterable[Any]
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """A sweep task over ``(id, key, size, modified, live)`` rows: keep the live and the young,
+    delete the rest in batches; yields one ``(deleted, deleted_bytes, kept, kept_bytes,
+    skipped_young)`` tally."""
+    core = _core(shipped)
+    tally = Tally()
+    young = 0
+    batch: list[ObjectInfo] = []
+    for oid, key, size, micros, live in rows:
+        modified = _EPOCH + dt.timedelta(microseconds=micros)
+        is_live = bool(live) or oid == ""
+        if is_live or modified > cutoff:
+            young += not is_live
+            tally.kept += 1
+            tally.kept_bytes += size
+            continue
+        batch.append(ObjectInfo(key, size, modified))
+        if len(batch) >= SWEEP_BATCH:
+            sweep(core, batch, tally, cutoff, dry_run, None)
+            batch = []
+    if batch:
+        sweep(core, batch, tally, cutoff, dry_run, None)
+    yield tally.deleted, tally.deleted_bytes, tally.kept, tally.kept_bytes, young
+
+
+def _prefixes(storage: Storage, kind: str) -> list[str]:
+    """The prefixes one sweep job lists in parallel: the fan-out directories of chunk objects
+    (``chunks/<2 hex>/``), one prefix for the other kinds."""
+    if kind != "chunks":
+        return [kind + "/"]
+    return [f"chunks/{d}/" for d in storage.list_dirs("chunks/")]
+
+
+def gc_spark(
+    core: RepositoryCore,
+    spark: Any,
+    *,
+    grace: dt.timedelta = dt.timedelta(days=7),
+    dry_run: bool = False,
+    force: bool = False,
+    now: dt.datetime | None = None,
+    partitions: int | None = None,
+) -> GCReport:
+    """Collect garbage of ``core``'s repository with the SparkSession ``spark``; the same
+    :class:`GCReport` (and the same deletions) as :func:`zarrlake.maintenance.gc.gc`.
+
+    ``partitions``: tasks per mark job (default: twice the default parallelism). Raises
+    :class:`GraceTooShort` like the local engine, and :class:`ValueError` for storage that
+    executors cannot share (memory)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    started = time.monotonic()
+    shipped = _ship(core.storage, core.record, core.lock)
+    plan = plan_mark(core, grace=grace, force=force, now=now)
+    sc = spark.sparkContext
+    width = partitions or max(2, 2 * sc.defaultParallelism)
+
+    ids = StructType([StructField("kind", StringType()), StructField("id", StringType())])
+    shards = plan.shards
+    marked = spark.createDataFrame(
+        sc.parallelize(shards, max(1, min(width, len(shards)))).mapPartitions(
+            lambda infos: _mark_task(shipped, infos)
+        ),
+        ids,
+    )
+    known = (
+        [("snapshots", s) for s in plan.snapshots]
+        + [("txlogs", s) for s in plan.snapshots]
+        + [("history", p) for p in plan.pages]
+        + [("manifests", info.digest) for info in shards]
+    )
+    live = (
+        marked.unionByName(spark.createDataFrame(known, ids))
+        .distinct()
+        .withColumn("live", F.lit(True))
+        .persist()
+    )
+    listed = StructType(
+        [
+            StructField("id", StringType()),
+            StructField("key", StringType()),
+            StructField("size", LongType()),
+            StructField("modified", LongType()),
+        ]
+    )
+    tallies: dict[str, Tally] = {}
+    skipped_young = 0
+    cutoff = plan.cutoff
+    try:
+        for kind in KINDS:  # one job per kind, roots first
+            prefixes = _prefixes(core.storage, kind)
+            tally = tallies[kind] = Tally()
+            if not prefixes:
+                continue
+            listing = spark.createDataFrame(
+                sc.parallelize(prefixes, len(prefixes)).mapPartitions(
+                    lambda ps: _list_task(shipped, ps)
+                ),
+                listed,
+            )
+            judged = listing.join(
+                live.where(F.col("kind") == kind).select("id", "live"), on="id", how="left"
+            ).select("id", "key", "size", "modified", "live")
+            for d, db, k, kb, y in judged.rdd.mapPartitions(
+                lambda rows: _sweep_task(shipped, cutoff, dry_run, rows)
+            ).collect():
+                tally.deleted += d
+                tally.deleted_bytes += db
+                tally.kept += k
+                tally.kept_bytes += kb
+                skipped_young += y
+    finally:
+        live.unpersist()
+    return report(tallies, dry_run, len(plan.snapshots), skipped_young, time.monotonic() - started)

@@ -1,0 +1,277 @@
+"""GC as a Spark job (real local[2] Spark): it deletes exactly what the local engine deletes.
+
+Each scenario is built once and copied (modification times preserved), then the local engine
+collects one copy and Spark the other, with the same clock; what remains must be the same set of
+objects, and the reports must agree. Writers during a Spark GC and a driver killed mid-sweep are
+covered too.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zarrlake
+from test_maintenance import (
+    WEEK,
+    ZERO,
+    block,
+    clock_margin,
+    compact_at,
+    create_array,
+    keys,
+    later,
+    now,
+    read_array,
+    write_blocks,
+)
+from zarrlake.maintenance.gc import gc as gc_at
+from zarrlake.maintenance.spark_gc import gc_spark
+
+pytestmark = [pytest.mark.spark]
+
+N = 12  # chunks of the array
+
+
+def build(storage: zarrlake.Storage) -> tuple[zarrlake.Repository, dt.datetime, dict[str, Any]]:
+    """A repository with branches, a tag, expired snapshots, packs, a deleted branch, an
+    abandoned session's uploads (all older than the returned cutoff) and a running session's
+    uploads (younger). Returns the repository, the cutoff and what every retained ref reads."""
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    create_array(s, N)
+    s.commit("create")
+    for i in range(1, 5):
+        s = repo.writable_session()
+        write_blocks(s, {j: float(i * 10 + j % 3) for j in range(N)})
+        s.commit(f"c{i}")
+    repo.create_tag("v1", "main")
+    repo.create_branch("dev")
+    s = repo.writable_session("dev")
+    write_blocks(s, {0: 99.0, 1: 98.0})
+    s.commit("on dev")
+    repo.create_branch("tmp")
+    s = repo.writable_session("tmp")
+    write_blocks(s, {2: 77.0})
+    s.commit("only tmp had this")
+    repo.delete_branch("tmp")
+    s = repo.writable_session()
+    write_blocks(s, {j: float(50 + j) for j in range(N)})
+    s.commit("c5")
+    packed = compact_at(
+        repo.core, branch="main", pack_below_bytes=4096, keep_journal=ZERO, now=later()
+    )
+    assert packed.snapshot is not None
+    abandoned = repo.writable_session()
+    write_blocks(abandoned, {3: 1234.0, 4: 4321.0})
+    abandoned.discard()
+    repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=1)))
+    clock_margin(storage)
+    cutoff = now()
+    clock_margin(storage)
+    running = repo.writable_session("dev")
+    write_blocks(running, {5: 5555.0})  # uploaded after the cutoff: young, kept
+    reads = {ref: read_array(repo, ref) for ref in ("main", "dev", "v1")}
+    return repo, cutoff, reads
+
+
+def _copy(src: Path, dst: Path) -> zarrlake.Repository:
+    shutil.copytree(src, dst, copy_function=shutil.copy2)  # modification times preserved
+    return zarrlake.Repository.open(zarrlake.Storage.local(dst))
+
+
+def test_spark_and_local_gc_delete_the_same_objects(spark: Any, tmp_path: Path) -> None:
+    _, cutoff, reads = build(zarrlake.Storage.local(tmp_path / "built"))
+    local = _copy(tmp_path / "built", tmp_path / "local")
+    distributed = _copy(tmp_path / "built", tmp_path / "spark")
+    before = keys(local.storage, "")
+
+    dry = gc_spark(distributed.core, spark, grace=WEEK, now=cutoff + WEEK, dry_run=True)
+    assert keys(distributed.storage, "") == before  # a dry run deletes nothing
+    mine = gc_at(local.core, grace=WEEK, now=cutoff + WEEK)
+    theirs = gc_spark(distributed.core, spark, grace=WEEK, now=cutoff + WEEK, partitions=3)
+
+    assert keys(distributed.storage, "") == keys(local.storage, "")
+    deleted = before - keys(local.storage, "")
+    kinds = {k.split("/", 1)[0] for k in deleted}
+    assert {"chunks", "snapshots", "txlogs", "manifests"} <= kinds, kinds
+    for report in (theirs, dry):
+        assert report.by_kind == mine.by_kind
+        assert (report.deleted_objects, report.kept_objects) == (
+            mine.deleted_objects,
+            mine.kept_objects,
+        )
+        assert report.skipped_young == mine.skipped_young > 0
+        assert report.marked_snapshots == mine.marked_snapshots
+    assert dry.dry_run and not theirs.dry_run
+    for ref, content in reads.items():
+        np.testing.assert_array_equal(read_array(distributed, ref), content)
+    assert distributed.fsck().ok
+    # A second run finds nothing left to delete, with either engine.
+    assert gc_spark(distributed.core, spark, grace=WEEK, now=cutoff + WEEK).deleted_objects == 0
+    assert gc_at(distributed.core, grace=WEEK, now=cutoff + WEEK).deleted_objects == 0
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_spark_gc_on_s3_deletes_what_the_local_engine_would(spark: Any, moto_s3: Any) -> None:
+    repo, cutoff, reads = build(moto_s3.storage())
+    would = gc_at(repo.core, grace=WEEK, now=cutoff + WEEK, dry_run=True)
+    assert would.deleted_objects > 0
+
+    # Through the public call, with the real clock: everything is younger than a week.
+    public = repo.gc(engine="spark", spark=spark, dry_run=True)
+    assert public.deleted_objects == 0 and public.kept_objects > 0
+    assert public.by_kind == gc_at(repo.core, grace=WEEK, dry_run=True).by_kind
+    done = gc_spark(repo.core, spark, grace=WEEK, now=cutoff + WEEK)
+    assert done.by_kind == would.by_kind and not done.dry_run
+    again = gc_at(repo.core, grace=WEEK, now=cutoff + WEEK, dry_run=True)
+    assert again.deleted_objects == 0
+    for ref, content in reads.items():
+        np.testing.assert_array_equal(read_array(repo, ref), content)
+    assert repo.fsck().ok
+
+
+def test_the_public_call_refuses_what_the_local_engine_refuses(spark: Any, tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    with pytest.raises(zarrlake.GraceTooShort):
+        repo.gc(engine="spark", spark=spark, grace=ZERO)
+    with pytest.raises(ValueError, match="unknown gc engine"):
+        repo.gc(engine="hadoop")
+    memory = zarrlake.Repository.create(zarrlake.Storage.memory())
+    with pytest.raises(ValueError, match="executors"):
+        memory.gc(engine="spark", spark=spark, grace=WEEK)
+
+
+def test_a_writer_committing_during_a_spark_gc_loses_nothing(spark: Any, tmp_path: Path) -> None:
+    """The writer rewrites values that expired commits held, so its commits deduplicate against
+    exactly the objects the sweep is deleting."""
+    repo, cutoff, _ = build(zarrlake.Storage.local(tmp_path / "r"))
+    committed: dict[str, np.ndarray] = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            values = {j: float(((i % 4) + 1) * 10 + j % 3) for j in range(N)}  # c1..c4's bytes
+            try:
+                s = repo.writable_session("dev")
+                write_blocks(s, values)
+                sid = s.commit(f"w{i}")
+            except zarrlake.ConflictError:
+                continue
+            except BaseException as e:
+                if "retry" in str(e).lower():
+                    continue
+                errors.append(e)
+                return
+            committed[sid] = np.concatenate([block(j, v) for j, v in values.items()])
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        report = gc_spark(repo.core, spark, grace=WEEK, now=cutoff + WEEK)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert report.by_kind["chunks"].deleted > 0
+    assert committed
+    for sid, content in committed.items():
+        got = read_array(repo, sid)
+        np.testing.assert_array_equal(got[: len(content)], content)
+    fsck = repo.fsck()
+    assert fsck.ok, fsck.problems
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_a_spark_gc_killed_mid_sweep_leaves_a_sound_repository(
+    spark: Any, moto_s3: Any, tmp_path: Path
+) -> None:
+    """kill -9 of the driver (its JVM and Python workers with it) while chunk objects are being
+    deleted: fsck accepts what is left, every ref reads as before, and a second run finishes."""
+    storage = moto_s3.storage()
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session()
+    create_array(s, 8)
+    write_blocks(s, {j: float(j + 1) for j in range(8)})
+    s.commit("kept")
+    reads = {"main": read_array(repo, "main")}
+    abandoned = repo.writable_session()
+    create_array(abandoned, 1500, path="big")
+    write_blocks(abandoned, {j: 3.0 for j in range(1500)}, path="big")
+    abandoned.discard()  # 1,500 chunk objects nothing refers to
+    garbage = len(keys(storage, "chunks/"))
+    assert garbage >= 1500
+    when = now() + dt.timedelta(days=30)  # everything unreferenced is past the grace period
+    shipped = tmp_path / "storage.pickle"
+    shipped.write_bytes(pickle.dumps(storage))
+    script = textwrap.dedent(
+        f"""
+        import datetime as dt, os, pickle
+        from pyspark.sql import SparkSession
+        import zarrlake
+        from zarrlake.maintenance.spark_gc import gc_spark
+        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+                 .config("spark.driver.bindAddress", "127.0.0.1")
+                 .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+        storage = pickle.loads(open({str(shipped)!r}, "rb").read())
+        repo = zarrlake.Repository.open(storage)
+        gc_spark(repo.core, spark, grace=dt.timedelta(days=7),
+                 now=dt.datetime.fromisoformat({when.isoformat()!r}))
+        print("finished", flush=True)
+        """
+    )
+    env = dict(
+        os.environ,
+        SPARK_LOCAL_IP="127.0.0.1",
+        PYSPARK_PYTHON=sys.executable,
+        PYSPARK_DRIVER_PYTHON=sys.executable,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(keys(storage, "chunks/")) > garbage - 50:
+            assert proc.poll() is None, "the Spark GC ended before it could be killed"
+            assert time.monotonic() < deadline, "the Spark GC never started sweeping chunks"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its JVM and its Python workers
+        out, _ = proc.communicate()
+    left = len(keys(storage, "chunks/"))
+    assert "finished" not in out and 8 < left < garbage - 50, (left, garbage)
+    reopened = zarrlake.Repository.open(storage)
+    fsck = reopened.fsck()
+    assert fsck.ok, fsck.problems
+    np.testing.assert_array_equal(read_array(reopened, "main"), reads["main"])
+
+    second = gc_spark(reopened.core, spark, grace=WEEK, now=when)
+    assert second.by_kind["chunks"].deleted == left - 8
+    assert len(keys(storage, "chunks/")) == 8
+    assert gc_at(reopened.core, grace=WEEK, now=when, dry_run=True).deleted_objects == 0
+    np.testing.assert_array_equal(read_array(reopened, "main"), reads["main"])
+    assert reopened.fsck().ok
