@@ -71,7 +71,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from zarrlake.cli import browse, health, history, maintenance, refs
+from zarrlake.cli import browse, health, history, maintenance, mirror, refs
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidName, ZarrlakeError
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     maintenance.add_compact(commands)
     health.add_fsck(commands)
     health.add_lock_status(commands)
+    mirror.add_mirror(commands)
     return parser
 
 
