@@ -44,7 +44,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
 SLOW_TESTS = {
     "test_a_standby_stops_on_sigterm_too",
-    "test_append_region_and_time_travel",
     "test_commit_racing_gc_loses_nothing_local",
     "test_commit_racing_gc_loses_nothing_s3",
     "test_compaction_changes_no_data_and_packs_small_chunks",
@@ -55,6 +54,7 @@ SLOW_TESTS = {
     "test_crash_consistency_s3",
     "test_expire_log_ends_cleanly_and_gc_frees",
     "test_gc_spares_a_running_session",
+    "test_append_region_and_time_travel",
     "test_lease_expires_after_holder_is_sigkilled",
     "test_lease_is_renewed_through_a_long_critical_section",
     "test_lock_container_command_really_sets_the_password",
