@@ -43,6 +43,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # leaves them out. Chosen from `--durations` (each took over ~2.5 s on 2 loaded cores).
 SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
 SLOW_TESTS = {
+    "test_a_standby_stops_on_sigterm_too",
     "test_commit_racing_gc_loses_nothing_local",
     "test_commit_racing_gc_loses_nothing_s3",
     "test_compaction_changes_no_data_and_packs_small_chunks",
@@ -58,6 +59,7 @@ SLOW_TESTS = {
     "test_lease_is_renewed_through_a_long_critical_section",
     "test_lock_container_command_really_sets_the_password",
     "test_many_processes_commit_disjoint_chunks",
+    "test_metrics_endpoint_serves_the_lag",
     "test_more_than_a_thousand_keys",
     "test_mutual_exclusion_and_fencing_8_processes",
     "test_one_chunk_commit_rewrites_one_shard",
@@ -66,7 +68,9 @@ SLOW_TESTS = {
     "test_python_m_zarrlake",
     "test_random_histories_survive_expiry_and_gc_memory",
     "test_redis_restarted_mid_run_loses_no_commit",
+    "test_run_promotes_new_commits_and_stops_on_sigterm",
     "test_session_expiry",
+    "test_two_promoters_one_lock_only_one_acts",
     "test_valid_envelope_with_random_payload_is_corrupt_or_well_formed",
 }
 

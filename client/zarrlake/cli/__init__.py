@@ -19,12 +19,17 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                          [--json]
     zarrlake fsck URL [--skip-chunks] [--verify-content] [--json]
     zarrlake lock status URL --lock URL [--json]
+    zarrlake mirror run SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--copy|--external]
+                        [--interval 10] [--once] [--json] [--metrics-port P] [--metrics-addr A]
+                        [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
+    zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
 
 Commands that move refs (``branch create|delete|reset``, ``tag create|delete``, ``merge``,
-``expire``, ``gc``, ``compact``) take ``--lock URL`` (also accepted before the command name, where
-it applies to those commands only): the branch lock is built with
+``expire``, ``gc``, ``compact``, ``mirror run``) take ``--lock URL`` (also accepted before the
+command name, where it applies to those commands only): the branch lock is built with
 ``zarrlake.locks.lock_from_url``. Without ``--lock`` they run optimistically, which is always
-safe; the lock only spares writers from retry storms.
+safe; the lock only spares writers from retry storms (``mirror run``: of several promoters of one
+mirror, only the one holding the lock acts; the others stand by).
 
 Environment: ``ZARRLAKE_LOCK`` (a ``--lock`` URL), ``ZARRLAKE_LOCK_PASSWORD`` (the Redis
 password, kept out of command lines), ``ZARRLAKE_REPORT_FILE`` (where ``expire``, ``gc`` and
@@ -33,7 +38,10 @@ password, kept out of command lines), ``ZARRLAKE_REPORT_FILE`` (where ``expire``
 Exit status: 0 on success; 1 when the operation failed (no repository, unknown ref, merge
 conflict, storage failure, fsck found problems, ...); 2 for bad input (unknown option, invalid
 branch or tag name, unsupported URL scheme, bad ``--strategy``, bad duration or retention rules,
-locks unavailable). Every failure prints exactly one line, ``zarrlake: error: <message>``, to
+locks unavailable, ``--metrics-port`` without ``zarrlake[mirror]``). ``mirror run --once`` and
+``mirror status`` print their status and then exit 1 if any ref reported an error; ``mirror run``
+without ``--once`` runs until SIGTERM or SIGINT, finishes the pass under way and exits 0. Every
+failure prints exactly one line, ``zarrlake: error: <message>``, to
 stderr, and nothing to stdout. Set ``ZARRLAKE_DEBUG=1`` to get the traceback of an unexpected
 (internal) error instead.
 
@@ -53,14 +61,23 @@ stderr, and nothing to stdout. Set ``ZARRLAKE_DEBUG=1`` to get the traceback of 
   sharded array, whose shard shape is ``shards``).
 - ``expire``, ``gc``, ``compact``, ``fsck``: the report's ``to_json()``; ``gc --rules`` nests the
   expiry's under ``"expire"``.
+- ``mirror run``: JSON lines, one compact document per pass (flushed as it ends), each
+  :meth:`zarrlake.mirror.MirrorStatus.to_json` — ``{"source": url, "destination": url,
+  "time": str, "up_to_date": bool, "checked_objects": int, "copied_objects": int,
+  "copied_bytes": int, "promoted": [str], "refs": [{"kind": "branch" | "tag", "name": str,
+  "source_head": id | null, "mirrored_head": id | null, "commits_behind": int,
+  "seconds_behind": float, "missing_objects": int, "last_promotion": str | null,
+  "error": str | null}, ...]}``; ``promoted`` entries read ``"branch main"``, ``"tag v1"``,
+  ``"branch dev (deleted)"``. ``mirror status``: one (indented) document of the same shape, with
+  nothing copied or promoted.
 
 Human output uses rich tables when ``rich`` is installed and aligned plain text otherwise.
 
 One module per command group: :mod:`~zarrlake.cli.history` (init, log, diff, merge),
 :mod:`~zarrlake.cli.refs` (branch, tag), :mod:`~zarrlake.cli.browse` (ls),
 :mod:`~zarrlake.cli.maintenance` (expire, gc, compact), :mod:`~zarrlake.cli.health` (fsck, lock
-status); they share :mod:`~zarrlake.cli.args`, :mod:`~zarrlake.cli.connect` and
-:mod:`~zarrlake.cli.output`.
+status), :mod:`~zarrlake.cli.mirror` (mirror run, mirror status); they share
+:mod:`~zarrlake.cli.args`, :mod:`~zarrlake.cli.connect` and :mod:`~zarrlake.cli.output`.
 """
 
 from __future__ import annotations
@@ -71,7 +88,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from zarrlake.cli import browse, health, history, maintenance, refs
+from zarrlake.cli import browse, health, history, maintenance, mirror, refs
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidName, ZarrlakeError
@@ -139,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     maintenance.add_compact(commands)
     health.add_fsck(commands)
     health.add_lock_status(commands)
+    mirror.add_mirror(commands)
     return parser
 
 

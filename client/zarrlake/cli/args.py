@@ -4,8 +4,12 @@ errors, the way a command module adds its command, and the ``--json``/``--lock``
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 from collections.abc import Callable
 from typing import NoReturn
+
+from zarrlake.durations import parse_duration
+from zarrlake.errors import InvalidDuration
 
 PROG = "zarrlake"
 MAIN = "main"
@@ -75,3 +79,13 @@ def count(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {n}")
     return n
+
+
+def duration(text: str, flag: str | None = None) -> dt.timedelta:
+    """A duration flag (``7d``, ``12h``, ``90s``, plain seconds; see
+    :func:`zarrlake.durations.parse_duration`); a bad one is a :class:`UsageError` (one line,
+    exit 2) that names ``flag`` when given."""
+    try:
+        return parse_duration(text)
+    except InvalidDuration as e:
+        raise UsageError(f"{flag}: {e}" if flag else str(e)) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from zarrlake.cli.args import UsageError
@@ -43,8 +43,9 @@ def open_storage(url: str) -> Storage:
         raise UsageError(str(e)) from None
 
 
-def open_lock(url: str | None) -> RedisLock | LocalLock | None:
-    """The branch lock service at ``url`` (else ``$ZARRLAKE_LOCK``), or None when neither is set.
+def open_lock(url: str | None, **options: Any) -> RedisLock | LocalLock | None:
+    """The branch lock service at ``url`` (else ``$ZARRLAKE_LOCK``), or None when neither is set;
+    ``options`` go to the lock (``wait_s=...``).
 
     The locks module is imported only here, so that a build without it (or without the Redis
     client) runs every command that takes no lock. Raises :class:`UsageError` when locks are
@@ -64,7 +65,7 @@ def open_lock(url: str | None) -> RedisLock | LocalLock | None:
         detail = "" if e.name == "zarrlake.locks" else f" (cannot import {e.name or e})"
         raise UsageError(f"locks are not available in this build{detail}") from None
     try:
-        return lock_from_url(url)
+        return lock_from_url(url, **options)
     except ValueError as e:
         safe = redact_password(url)  # the message may quote the URL too
         raise UsageError(f"bad --lock URL {safe!r}: {str(e).replace(url, safe)}") from None

@@ -10,15 +10,12 @@ each run's result.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 
-from zarrlake.cli.args import MAIN, Commands, UsageError, add_json, add_lock, count
+from zarrlake.cli.args import MAIN, Commands, add_json, add_lock, count, duration
 from zarrlake.cli.connect import open_repository
 from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say, warn
-from zarrlake.durations import parse_duration
-from zarrlake.errors import InvalidDuration
 from zarrlake.jobreport import JobReport, job_document
 from zarrlake.maintenance import InvalidRetentionRules, RetentionRules
 from zarrlake.units import format_bytes
@@ -78,7 +75,7 @@ def add_gc(commands: Commands) -> None:
 
 
 def run_gc(args: argparse.Namespace) -> None:
-    grace = _duration(args.grace)
+    grace = duration(args.grace)
     rules = _rules(args.rules) if args.rules else None
     repo = open_repository(args, locked=True)
     expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
@@ -129,7 +126,7 @@ def add_compact(commands: Commands) -> None:
 
 
 def run_compact(args: argparse.Namespace) -> None:
-    keep = _duration(args.keep_journal)
+    keep = duration(args.keep_journal)
     repo = open_repository(args, locked=True)
     with ProgressDisplay(not args.json) as progress:
         report = repo.compact(
@@ -147,14 +144,6 @@ def run_compact(args: argparse.Namespace) -> None:
 
 
 # -- shared --------------------------------------------------------------------------------------
-
-
-def _duration(text: str) -> dt.timedelta:
-    """A duration flag; a bad one is a usage error (one line, exit 2)."""
-    try:
-        return parse_duration(text)
-    except InvalidDuration as e:
-        raise UsageError(str(e)) from None
 
 
 def _write_job_report(report: JobReport) -> None:
