@@ -9,6 +9,7 @@ covered too.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import pickle
 import shutil
@@ -275,3 +276,27 @@ def test_a_spark_gc_killed_mid_sweep_leaves_a_sound_repository(
     assert gc_at(reopened.core, grace=WEEK, now=when, dry_run=True).deleted_objects == 0
     np.testing.assert_array_equal(read_array(reopened, "main"), reads["main"])
     assert reopened.fsck().ok
+
+
+def test_the_cli_runs_gc_on_spark(spark: Any, tmp_path: Path, cli: Any) -> None:
+    """``zarrlake gc --engine spark`` (the active session here; spark-submit's on a cluster)
+    reports what the local engine reports for the same repository and clock."""
+    _, _, reads = build(zarrlake.Storage.local(tmp_path / "built"))
+    local = _copy(tmp_path / "built", tmp_path / "local")
+    distributed = _copy(tmp_path / "built", tmp_path / "spark")
+    time.sleep(1.2)  # every object is now older than the 1 s grace, for both runs
+    mine = gc_at(local.core, grace=dt.timedelta(seconds=1), force=True)
+
+    r = cli(
+        "gc", str(tmp_path / "spark"), "--engine", "spark", "--grace", "1s", "--force", "--json"
+    )
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    assert doc["deleted_objects"] == mine.deleted_objects > 0
+    assert doc["by_kind"]["chunks"]["deleted"] == mine.by_kind["chunks"].deleted
+    assert keys(distributed.storage, "") == keys(local.storage, "")
+    for ref, content in reads.items():
+        np.testing.assert_array_equal(read_array(distributed, ref), content)
+
+    r = cli("gc", str(tmp_path / "spark"), "--spark-master", "local[1]")
+    assert r.code == 2 and r.err.count("\n") == 1 and "--engine spark" in r.err

@@ -15,6 +15,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake ls URL [--ref main] [PATH] [--json]
     zarrlake expire URL --rules RULES [--dry-run] [--json]
     zarrlake gc URL [--rules RULES] [--grace 7d] [--dry-run] [--force] [--json]
+                    [--engine local|spark] [--spark-master URL]
     zarrlake compact URL [--branch main] [--pack-below BYTES] [--keep-journal 7d] [--dry-run]
                          [--json]
     zarrlake fsck URL [--skip-chunks] [--verify-content] [--json]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
-from zarrlake.cli.args import MAIN, Commands, add_json, add_lock, count, duration
+from zarrlake.cli.args import MAIN, Commands, UsageError, add_json, add_lock, count, duration
 from zarrlake.cli.connect import open_repository
 from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say, warn
 from zarrlake.jobreport import JobReport, job_document
@@ -70,17 +71,50 @@ def add_gc(commands: Commands) -> None:
     p.add_argument(
         "--force", action="store_true", help="allow a grace shorter than the session lifetime"
     )
+    p.add_argument(
+        "--engine",
+        choices=("local", "spark"),
+        default="local",
+        help="local: this process; spark: mark and sweep as a Spark job (default local)",
+    )
+    p.add_argument(
+        "--spark-master",
+        default=None,
+        metavar="URL",
+        help="with --engine spark: the master (default: what spark-submit configured)",
+    )
     add_json(p)
     add_lock(p)
+
+
+def _spark_session(master: str | None) -> Any:
+    """The SparkSession ``--engine spark`` runs on: the one ``spark-submit`` configured (its
+    ``--master``), or ``master``."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise UsageError("--engine spark needs pyspark (pip install 'zarrlake[spark]')") from None
+    builder = SparkSession.builder.appName("zarrlake-gc")
+    if master:
+        builder = builder.master(master)
+    return builder.getOrCreate()
 
 
 def run_gc(args: argparse.Namespace) -> None:
     grace = duration(args.grace)
     rules = _rules(args.rules) if args.rules else None
+    if args.spark_master and args.engine != "spark":
+        raise UsageError("--spark-master goes with --engine spark")
     repo = open_repository(args, locked=True)
     expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
-    with ProgressDisplay(not args.json) as progress:
-        report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
+    if args.engine == "spark":
+        spark = _spark_session(args.spark_master)
+        report = repo.gc(
+            grace=grace, dry_run=args.dry_run, force=args.force, engine="spark", spark=spark
+        )
+    else:
+        with ProgressDisplay(not args.json) as progress:
+            report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
     _write_job_report(JobReport.from_reports(report, expired))
     if args.json:
         print_json(job_document(report, expired))
