@@ -395,26 +395,21 @@ class Repository:
 
         A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
         ``force``: a running session's uploads must outlive it. ``engine="spark"`` marks and
-        sweeps in Spark tasks (:mod:`zarrlake.maintenance.spark_gc`) with the SparkSession
+        sweeps in Spark tasks (:mod:`zarrlake.maintenance.spark_jobs`) with the SparkSession
         ``spark`` (default: the active one, or a new one as ``spark-submit`` configured it):
         the same rules, the same deletions, the same report.
         """
-        if engine not in ("local", "spark"):
-            raise ValueError(f"unknown gc engine {engine!r} (use 'local' or 'spark')")
         if self._core.is_mirror:
             raise ReadOnlyError(
                 f"{self.storage.url} is a read-only mirror of {self._core.record.mirror_of}: "
                 "garbage collection runs with its promoter (zarrlake.mirror.Mirror.gc, or "
                 "Mirror.run(gc_every=...)), which must know what it deletes"
             )
+        spark = self._spark_for(engine, spark, "gc")
         self._core.check_writable()  # a newer format's objects may look unreachable here
-        if engine == "spark":
-            from zarrlake.maintenance.spark_gc import gc_spark
+        if spark is not None:
+            from zarrlake.maintenance.spark_jobs import gc_spark
 
-            if spark is None:
-                from pyspark.sql import SparkSession
-
-                spark = SparkSession.builder.appName("zarrlake-gc").getOrCreate()
             return gc_spark(self._core, spark, grace=grace, dry_run=dry_run, force=force)
         return gc(self._core, grace=grace, dry_run=dry_run, force=force, progress=progress)
 
@@ -426,19 +421,51 @@ class Repository:
         keep_journal: dt.timedelta = dt.timedelta(days=7),
         dry_run: bool = False,
         progress: Progress | None = None,
+        engine: str = "local",
+        spark: Any = None,
     ) -> CompactReport:
         """Pack small chunks, merge undersized shards and prune old journal entries of ``branch``
-        without changing what any snapshot reads; a :class:`CompactReport`."""
+        without changing what any snapshot reads; a :class:`CompactReport`.
+
+        ``engine="spark"`` writes the packs in Spark tasks (see :meth:`gc` for ``spark``); the
+        same rules and one commit, as locally."""
         validate_name(branch)
+        spark = self._spark_for(engine, spark, "compaction")
         self._core.check_writable()
+        below = DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes
+        if spark is not None:
+            from zarrlake.maintenance.spark_jobs import compact_spark
+
+            return compact_spark(
+                self._core,
+                spark,
+                branch=branch,
+                pack_below_bytes=below,
+                keep_journal=keep_journal,
+                dry_run=dry_run,
+            )
         return compact(
             self._core,
             branch=branch,
-            pack_below_bytes=DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes,
+            pack_below_bytes=below,
             keep_journal=keep_journal,
             dry_run=dry_run,
             progress=progress,
         )
+
+    @staticmethod
+    def _spark_for(engine: str, spark: Any, what: str) -> Any:
+        """The SparkSession a maintenance call with ``engine`` runs on (None: the local engine):
+        ``spark`` if given, else the active one or a new one as ``spark-submit`` configured it."""
+        if engine not in ("local", "spark"):
+            raise ValueError(f"unknown {what} engine {engine!r} (use 'local' or 'spark')")
+        if engine == "local":
+            return None
+        if spark is None:
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.builder.appName(f"zarrlake-{what}").getOrCreate()
+        return spark
 
     def fsck(self, *, check_chunks: bool = True, verify_content: bool = False) -> FsckReport:
         """Check that everything reachable from the refs exists and parses; a ``FsckReport``.

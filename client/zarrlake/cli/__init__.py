@@ -17,7 +17,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake gc URL [--rules RULES] [--grace 7d] [--dry-run] [--force] [--json]
                     [--engine local|spark] [--spark-master URL]
     zarrlake compact URL [--branch main] [--pack-below BYTES] [--keep-journal 7d] [--dry-run]
-                         [--json]
+                         [--json] [--engine local|spark] [--spark-master URL]
     zarrlake fsck URL [--skip-chunks] [--verify-content] [--json]
     zarrlake lock status URL --lock URL [--json]
     zarrlake mirror run SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--copy|--external]

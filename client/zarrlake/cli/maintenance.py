@@ -71,11 +71,17 @@ def add_gc(commands: Commands) -> None:
     p.add_argument(
         "--force", action="store_true", help="allow a grace shorter than the session lifetime"
     )
+    _add_engine(p)
+    add_json(p)
+    add_lock(p)
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         choices=("local", "spark"),
         default="local",
-        help="local: this process; spark: mark and sweep as a Spark job (default local)",
+        help="local: in this process; spark: as a Spark job (default local)",
     )
     p.add_argument(
         "--spark-master",
@@ -83,18 +89,21 @@ def add_gc(commands: Commands) -> None:
         metavar="URL",
         help="with --engine spark: the master (default: what spark-submit configured)",
     )
-    add_json(p)
-    add_lock(p)
 
 
-def _spark_session(master: str | None) -> Any:
+def _spark_session(args: argparse.Namespace) -> Any:
     """The SparkSession ``--engine spark`` runs on: the one ``spark-submit`` configured (its
-    ``--master``), or ``master``."""
+    ``--master``), or ``--spark-master``; None for ``--engine local``."""
+    if args.engine != "spark":
+        if args.spark_master:
+            raise UsageError("--spark-master goes with --engine spark")
+        return None
+    master = args.spark_master
     try:
         from pyspark.sql import SparkSession
     except ImportError:
         raise UsageError("--engine spark needs pyspark (pip install 'zarrlake[spark]')") from None
-    builder = SparkSession.builder.appName("zarrlake-gc")
+    builder = SparkSession.builder.appName(f"zarrlake-{args.command}")
     if master:
         builder = builder.master(master)
     return builder.getOrCreate()
@@ -103,12 +112,10 @@ def _spark_session(master: str | None) -> Any:
 def run_gc(args: argparse.Namespace) -> None:
     grace = duration(args.grace)
     rules = _rules(args.rules) if args.rules else None
-    if args.spark_master and args.engine != "spark":
-        raise UsageError("--spark-master goes with --engine spark")
+    spark = _spark_session(args)
     repo = open_repository(args, locked=True)
     expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
-    if args.engine == "spark":
-        spark = _spark_session(args.spark_master)
+    if spark is not None:
         report = repo.gc(
             grace=grace, dry_run=args.dry_run, force=args.force, engine="spark", spark=spark
         )
@@ -155,21 +162,33 @@ def add_compact(commands: Commands) -> None:
         help="keep branch-journal entries (as_of) this far back (at least 8d, whatever is given)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    _add_engine(p)
     add_json(p)
     add_lock(p)
 
 
 def run_compact(args: argparse.Namespace) -> None:
     keep = duration(args.keep_journal)
+    spark = _spark_session(args)
     repo = open_repository(args, locked=True)
-    with ProgressDisplay(not args.json) as progress:
+    if spark is not None:
         report = repo.compact(
             branch=args.branch,
             pack_below_bytes=args.pack_below,
             keep_journal=keep,
             dry_run=args.dry_run,
-            progress=progress,
+            engine="spark",
+            spark=spark,
         )
+    else:
+        with ProgressDisplay(not args.json) as progress:
+            report = repo.compact(
+                branch=args.branch,
+                pack_below_bytes=args.pack_below,
+                keep_journal=keep,
+                dry_run=args.dry_run,
+                progress=progress,
+            )
     _write_job_report(JobReport.from_reports(report))
     if args.json:
         print_json(report.to_json())

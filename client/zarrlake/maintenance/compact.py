@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,36 @@ class Relocation:
         return [], drop
 
 
+#: Chunks of one pack: ``(chunk key, its object ref)``.
+PackGroup = list[tuple[str, ChunkRef]]
+#: Writes every group's pack and yields, per group, the chunks' new ``PACKED`` refs.
+Packer = Callable[[list[PackGroup]], Iterable[list[tuple[str, ChunkRef]]]]
+
+
+def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkRef]]:
+    """Read the chunk objects of ``group``, write them as one pack (content-addressed, so a
+    retry writes the same object) and return each chunk's ``PACKED`` ref into it."""
+    objects = core.objects
+    datas: list[bytes] = core.storage.map(lambda kv: objects.read_chunk(kv[1]), group)
+    pack = b"".join(datas)
+    pack_id = objects.hash_data(pack)
+    core.storage.put(pack_key(pack_id), pack)
+    out: list[tuple[str, ChunkRef]] = []
+    offset = 0
+    for (key, ref), data in zip(group, datas, strict=True):
+        out.append((key, (PACKED, pack_id, offset, len(data), ref[1])))
+        offset += len(data)
+    return out
+
+
+def _local_packer(core: RepositoryCore) -> Packer:
+    def pack(groups: list[PackGroup]) -> Iterator[list[tuple[str, ChunkRef]]]:
+        for group in groups:
+            yield write_pack(core, group)
+
+    return pack
+
+
 @dataclass(frozen=True)
 class _Packing:
     """The outcome of packing a branch head (before journal pruning)."""
@@ -115,13 +145,15 @@ def compact(
     pack_target_bytes: int = PACK_TARGET_BYTES,
     progress: Callable[[str, int], None] | None = None,
     now: dt.datetime | None = None,
+    packer: Packer | None = None,
 ) -> CompactReport:
     """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
 
     Chunk objects under ``pack_below_bytes`` go into packs of about ``pack_target_bytes``; journal
     entries older than ``keep_journal`` (at least :data:`~zarrlake.refs.PRUNE_FLOOR`) that
     ``as_of`` cannot need are deleted, their age measured back from ``now`` (default: the clock;
-    tests move it forward). Raises
+    tests move it forward). ``packer`` writes the packs (default: in this process; the Spark
+    engine passes one that writes them in executor tasks). Raises
     :class:`ConflictError` if user commits kept reshaping what it packed three times over, and
     :class:`RefNotFound` for a missing branch.
     """
@@ -129,7 +161,13 @@ def compact(
     for attempt in range(3):
         try:
             packing = _pack_and_commit(
-                core, branch, pack_below_bytes, pack_target_bytes, dry_run, progress
+                core,
+                branch,
+                pack_below_bytes,
+                pack_target_bytes,
+                dry_run,
+                progress,
+                packer or _local_packer(core),
             )
             break
         except ConflictError:
@@ -158,6 +196,7 @@ def _pack_and_commit(
     target: int,
     dry_run: bool,
     progress: Callable[[str, int], None] | None,
+    packer: Packer,
 ) -> _Packing:
     head_id = core.journal.current(branch).snapshot
     assert head_id is not None
@@ -171,7 +210,7 @@ def _pack_and_commit(
     ]
     undersized = sum(1 for s in snap.shards if s.count < max_refs // 2)
 
-    groups: list[list[tuple[str, ChunkRef]]] = []
+    groups: list[PackGroup] = []
     size = 0
     for item in small:
         if not groups or size + item[1][2] > target:
@@ -197,17 +236,10 @@ def _pack_and_commit(
         return outcome(max(1, -(-total // max_refs)) if total else 0)
 
     changes: dict[str, ChunkRef | None] = {}
-    for group in groups:
-        datas: list[bytes] = core.storage.map(lambda kv: objects.read_chunk(kv[1]), group)
-        pack = b"".join(datas)
-        pack_id = objects.hash_data(pack)
-        core.storage.put(pack_key(pack_id), pack)
-        offset = 0
-        for (key, ref), data in zip(group, datas, strict=True):
-            changes[key] = (PACKED, pack_id, offset, len(data), ref[1])
-            offset += len(data)
+    for relocated in packer(groups):
+        changes.update(relocated)
         if progress:
-            progress("pack", len(group))
+            progress("pack", len(relocated))
 
     changeset = Changeset(uuid.uuid4().hex, head_id, chunks=changes)
     new_id = core.commits.commit(

@@ -1,6 +1,12 @@
-"""Garbage collection as a Spark job: the local engine's rules, at any size.
+"""Garbage collection and compaction as Spark jobs: the local engines' rules, at any size.
 
-The phases are the local engine's (:mod:`zarrlake.maintenance.gc`), spread over executors:
+**Compaction** (:func:`compact_spark`) is the local compaction with its packs written by executor
+tasks, one pack per task: the driver plans the groups of small chunks from the branch head's
+manifest, tasks read the chunks and write the packs, and only the new refs (key and byte range)
+come back for the single compaction commit, which rebases like the local one.
+
+**Garbage collection** (:func:`gc_spark`): the phases are the local engine's
+(:mod:`zarrlake.maintenance.gc`), spread over executors:
 
 1. **Plan** (driver): retained snapshots, their history pages and the manifest shards whose
    references are live (:func:`~zarrlake.maintenance.gc.plan_mark`). This grows with snapshots
@@ -33,7 +39,14 @@ from typing import Any
 
 from zarrlake.commit import BranchLock
 from zarrlake.core import RepositoryCore
-from zarrlake.format.model import OBJECT, RepoRecord, ShardInfo
+from zarrlake.format.model import OBJECT, ChunkRef, RepoRecord, ShardInfo
+from zarrlake.maintenance.compact import (
+    PACK_TARGET_BYTES,
+    CompactReport,
+    PackGroup,
+    compact,
+    write_pack,
+)
 from zarrlake.maintenance.gc import (
     KINDS,
     SWEEP_BATCH,
@@ -47,7 +60,7 @@ from zarrlake.maintenance.gc import (
 )
 from zarrlake.storage.base import ObjectInfo, Storage
 
-__all__ = ["gc_spark"]
+__all__ = ["compact_spark", "gc_spark"]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -227,3 +240,48 @@ def gc_spark(
     finally:
         live.unpersist()
     return report(tallies, dry_run, len(plan.snapshots), skipped_young, time.monotonic() - started)
+
+
+def _pack_task(
+    shipped: _Shipped, groups: Iterable[PackGroup]
+) -> Iterator[list[tuple[str, ChunkRef]]]:
+    core = _core(shipped)
+    for group in groups:
+        yield write_pack(core, group)
+
+
+def compact_spark(
+    core: RepositoryCore,
+    spark: Any,
+    *,
+    branch: str = "main",
+    pack_below_bytes: int | None = None,
+    keep_journal: dt.timedelta = dt.timedelta(days=7),
+    dry_run: bool = False,
+    now: dt.datetime | None = None,
+    pack_target_bytes: int = PACK_TARGET_BYTES,
+) -> CompactReport:
+    """Compact ``branch`` of ``core``'s repository (see :func:`zarrlake.maintenance.compact.
+    compact`), writing its packs in Spark tasks; the same report and the same commit."""
+    shipped = _ship(core.storage, core.record, core.lock)
+    sc = spark.sparkContext
+
+    def packer(groups: list[PackGroup]) -> list[list[tuple[str, ChunkRef]]]:
+        if not groups:
+            return []
+        rdd = sc.parallelize(groups, len(groups))
+        return list(rdd.mapPartitions(lambda gs: _pack_task(shipped, gs)).collect())
+
+    options: dict[str, Any] = {}
+    if pack_below_bytes is not None:
+        options["pack_below_bytes"] = pack_below_bytes
+    return compact(
+        core,
+        branch=branch,
+        keep_journal=keep_journal,
+        dry_run=dry_run,
+        now=now,
+        pack_target_bytes=pack_target_bytes,
+        packer=packer,
+        **options,
+    )
