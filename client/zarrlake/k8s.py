@@ -197,7 +197,7 @@ def storage_connection(
     destination). Without ``read_secret`` no credentials are resolved: for its URL only.
     Raises :class:`KubernetesError` when a Secret or key it names is missing (``owner`` names
     the resource in that message)."""
-    creds = (None, None, None)
+    creds: tuple[str | None, str | None, str | None] = (None, None, None)
     if read_secret is not None:
         creds = _credentials(storage.credentials_secret, read_secret, owner)
     return Connection(

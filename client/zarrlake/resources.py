@@ -584,6 +584,9 @@ class MirrorRefStatus(ResourceModel):
 
 
 class MirrorStatus(ResourceStatus):
+    repository_id: str | None = Field(
+        default=None, alias="repositoryID", description="The id of the mirrored repository."
+    )
     destination: str | None = Field(default=None, description="The mirror's storage URL.")
     replicator: str | None = Field(default=None, description="The replicator Deployment.")
     refs: list[MirrorRefStatus] | None = None

@@ -367,9 +367,7 @@ def deployment_available(deployment: Mapping[str, Any] | None) -> tuple[bool, st
 # -- maintenance CronJobs --
 
 
-def credential_env(
-    creds: CredentialsSecretRef | None, prefix: str = ""
-) -> list[dict[str, Any]]:
+def credential_env(creds: CredentialsSecretRef | None, prefix: str = "") -> list[dict[str, Any]]:
     """The AWS credential variables (``prefix`` + ``AWS_ACCESS_KEY_ID``, ...) of a credentials
     Secret, by reference only, never by value; none without a Secret."""
     if creds is None:
