@@ -19,10 +19,10 @@ import boto3
 import numpy as np
 import pytest
 import zarr
-from cli_helpers import CHUNK, commit_random
 from k8s_env import CREDENTIALS, Env, condition, wait_for
 
 import zarrlake
+from cli_helpers import CHUNK, commit_random
 from zarrlake.mirror import Mirror as Promoter
 from zarrlake_operator import kube
 from zarrlake_testkit.servers import start_moto, stop
@@ -238,7 +238,7 @@ def test_replicator_takes_the_managed_lock_service(k8s: Env, west: str) -> None:
     apply_mirror(k8s, west)
     (c,) = replicator(k8s)["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in c["env"]}
-    assert env["ZARRLAKE_LOCK"] == {"name": "ZARRLAKE_LOCK", "value": repo["status"]["lockEndpoint"]}
+    assert env["ZARRLAKE_LOCK"]["value"] == repo["status"]["lockEndpoint"]
     assert env["ZARRLAKE_LOCK_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": repo["status"]["lockSecret"],
         "key": "password",
