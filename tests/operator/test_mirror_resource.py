@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import boto3
 import numpy as np
@@ -23,8 +22,7 @@ from k8s_env import CREDENTIALS, Env, condition, wait_for
 
 import zarrlake
 from cli_helpers import CHUNK, commit_random
-from zarrlake.mirror import Mirror as Promoter
-from zarrlake_operator import kube
+from zarrlake_testkit import emulated
 from zarrlake_testkit.servers import start_moto, stop
 
 WEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIAZLWESTKEY0000002", "AWS_SECRET_ACCESS_KEY": "w3st-s"}
@@ -70,57 +68,13 @@ def replicator(env: Env, name: str = "west") -> dict[str, Any]:
     )
 
 
-def container_env(env: Env, container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as the kubelet builds it (Secret references read)."""
-    read = kube.secrets(env.namespace)
-    out: dict[str, str] = {}
-    for var in container.get("env") or []:
-        if "value" in var:
-            out[var["name"]] = var["value"]
-            continue
-        ref = var["valueFrom"]["secretKeyRef"]
-        data = read(ref["name"]) or {}
-        if ref["key"] in data:
-            out[var["name"]] = data[ref["key"]]
-        else:
-            assert ref.get("optional"), f"{ref} missing"
-    return out
-
-
-def s3_storage(url: str, env: dict[str, str], prefix: str = "") -> zarrlake.Storage:
-    """The storage an ``s3://`` URL names, with the credentials the container's env gives it."""
-    parts = urlsplit(url)
-    q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    return zarrlake.Storage.s3(
-        parts.netloc,
-        parts.path.lstrip("/"),
-        endpoint_url=q.get("endpoint_url"),
-        region=q.get("region"),
-        access_key_id=env.get(prefix + "AWS_ACCESS_KEY_ID"),
-        secret_access_key=env.get(prefix + "AWS_SECRET_ACCESS_KEY"),
-        session_token=env.get(prefix + "AWS_SESSION_TOKEN"),
-        allow_http=True,
-    )
-
-
 class Replicator:
-    """What the Deployment's container runs, in this process."""
+    """What the Deployment's container runs, in this process (see
+    :func:`zarrlake_testkit.emulated.replicator`)."""
 
-    def __init__(self, env: Env, deployment: dict[str, Any], *, copy: bool | None = None) -> None:
-        (c,) = deployment["spec"]["template"]["spec"]["containers"]
-        cmd = c["command"]
-        assert cmd[:3] == ["zarrlake", "mirror", "run"]
-        values = container_env(env, c)
-        self.source = s3_storage(cmd[3], values)
-        self.destination = s3_storage(cmd[4], values, prefix="ZARRLAKE_DEST_")
-        branches = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--branch"]
-        self.promoter = Promoter(
-            zarrlake.Repository.open(self.source),
-            self.destination,
-            branches=branches,
-            tags="--tags" in cmd,
-            copy=("--copy" in cmd) if copy is None else copy,
-        )
+    def __init__(self, deployment: dict[str, Any], *, copy: bool | None = None) -> None:
+        self.promoter = emulated.replicator(deployment, copy=copy)
+        self.destination = self.promoter.destination
 
     def catch_up(self, passes: int = 20) -> Any:
         for _ in range(passes):
@@ -189,7 +143,7 @@ def test_mirror_runs_one_replicator_and_its_status_catches_up(k8s: Env, west: st
     assert condition(waiting, "Ready")["reason"] == "WaitingForReplicator"
     assert "BucketCreated" in k8s.event_reasons()  # provision: true made the bucket
 
-    run = Replicator(k8s, dep)
+    run = Replicator(dep)
     run.catch_up()
     head = source.lookup_branch("main")
     done = k8s.wait_condition("Mirror", "west")
@@ -270,7 +224,7 @@ def test_a_mirror_where_nothing_promotes_goes_stalled_with_the_missing_count(
     assert "--external" in dep["spec"]["template"]["spec"]["containers"][0]["command"]
     # One pass of an external-mode promoter makes the destination a mirror; no object ever
     # arrives (no bucket replication here), so nothing is promoted.
-    stuck = Replicator(k8s, dep)
+    stuck = Replicator(dep)
     first = stuck.promoter.step()
     missing = first.ref("main").missing_objects
     assert missing > 0 and first.ref("main").mirrored_head is None
@@ -285,7 +239,7 @@ def test_a_mirror_where_nothing_promotes_goes_stalled_with_the_missing_count(
     assert stalled["status"]["missingObjects"] == missing
 
     # The objects arrive (here: the copier) and the mirror recovers.
-    Replicator(k8s, dep, copy=True).catch_up()
+    Replicator(dep, copy=True).catch_up()
     recovered = k8s.wait_condition("Mirror", "west", "Stalled", "False")
     assert condition(recovered, "Stalled")["reason"] == "UpToDate"
 
@@ -347,7 +301,7 @@ def mirrored(k8s: Env, west: str, name: str, reclaim: str) -> tuple[str, Replica
         k8s.ready_repository("repo")
         commit_random(k8s.open_repository("repo"), 0)
     bucket = apply_mirror(k8s, west, name, reclaimPolicy=reclaim)
-    run = Replicator(k8s, replicator(k8s, name))
+    run = Replicator(replicator(k8s, name))
     run.catch_up()
     k8s.wait_condition("Mirror", name)
     return bucket, run
