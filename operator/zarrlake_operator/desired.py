@@ -803,9 +803,9 @@ def mirror_health(
 ) -> MirrorHealth:
     """Progress and stall from two consecutive observations of a mirror.
 
-    Progress is a mirrored head that moved or a missing-object count that fell (or the mirror
-    being up to date). A mirror behind its source with no progress for longer than
-    ``stalled_after`` is stalled; the first observation starts the clock.
+    Progress is a mirrored head that moved, a missing-object count that fell, or catching up.
+    A mirror behind its source with no progress for longer than ``stalled_after`` is stalled;
+    the first observation, and falling behind after being up to date, start the clock.
     """
     now = now or dt.datetime.now(dt.UTC)
     before = {(r.kind, r.name): r for r in previous or ()}
@@ -815,8 +815,14 @@ def mirror_health(
         and (r.mirrored_head != old.mirrored_head or r.missing_objects < old.missing_objects)
         for r in refs
     )
+    was_up_to_date = previous is not None and all(
+        r.source_head == r.mirrored_head for r in previous
+    )
     since = last_progress_time
-    if not behind or moved or previous is None or since is None:
+    # The clock restarts on progress, on catching up, and when a mirror that was up to date
+    # falls behind (a quiet spell before is no stall); it stays put while nothing changes, so
+    # an idle mirror's status stays the same and is not rewritten.
+    if previous is None or since is None or moved or (bool(behind) == was_up_to_date):
         since = now_iso(now)
     waited = max(0.0, (now - _iso_time(since)).total_seconds())
     return MirrorHealth(

@@ -355,6 +355,23 @@ def test_progress_resets_the_clock(now_refs: list[MirrorRefStatus]) -> None:
     assert h.last_progress_time == iso(later) and not h.stalled
 
 
+def test_an_idle_mirror_keeps_its_progress_time() -> None:
+    later = T0 + STALL * 3
+    h = desired.mirror_health([ref("S2")], iso(T0), [ref("S2")], STALL, later)
+    assert h.last_progress_time == iso(T0) and not h.stalled and h.behind == []
+
+
+def test_falling_behind_after_a_quiet_spell_starts_the_clock() -> None:
+    later = T0 + STALL * 3
+    h = desired.mirror_health([ref("S2")], iso(T0), [ref("S2", "S3", 4, 1)], STALL, later)
+    assert h.last_progress_time == iso(later) and not h.stalled
+    # ... and it runs from there.
+    again = desired.mirror_health(
+        [ref("S2", "S3", 4, 1)], iso(later), [ref("S2", "S3", 4, 1)], STALL, later + STALL * 2
+    )
+    assert again.stalled and again.last_progress_time == iso(later)
+
+
 def test_conditions_of_a_stalled_mirror_name_the_missing_count() -> None:
     later = T0 + STALL * 2
     before = [ref("S1", missing=7, behind=3)]
