@@ -14,6 +14,10 @@ so :class:`LocalCluster` plays exactly three roles, with real programs:
   references resolved), then gets a Pod with the container's termination message and a
   Complete/Failed condition, as a kubelet would report them.
 
+A Mirror's replicator Deployment is not played yet (its container runs ``zarrlake mirror run``):
+:func:`replicator` builds the promoter that container would run, from its command and
+environment, for a scenario to step.
+
 Nothing here is used by the operator itself.
 """
 
