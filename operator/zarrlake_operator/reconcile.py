@@ -787,6 +787,24 @@ def job_finished(job: Mapping[str, Any]) -> str | None:
 # -- Mirror --
 
 
+def _report_mirror(
+    body: Mapping[str, Any], *, reason: str, message: str, phase: str | None = None
+) -> None:
+    """Ready=False for a Mirror, written only when it says something new: a Mirror is looked at
+    every few seconds, and a spec that stays wrong need not be rewritten each time."""
+    _, _, gen = _meta(body)
+    previous = observed(MirrorStatus, body)
+    ready = previous.condition("Ready")
+    if (
+        ready is not None
+        and (ready.status, ready.reason, ready.message) == ("False", reason, message)
+        and previous.observed_generation == gen
+        and previous.phase == (phase or "Pending")
+    ):
+        return
+    _report(body, ready=False, reason=reason, message=message, phase=phase)
+
+
 def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     """The replicator Deployment of one Mirror, and the status of the mirror it maintains.
 
@@ -795,20 +813,25 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     the replicator's promotions. It is written only when it changed.
     """
     ns, name, _ = _meta(body)
-    spec = parse_spec(MirrorSpec, body)
+    try:
+        spec = MirrorSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        message = problems(e, prefix="spec.")
+        _report_mirror(body, reason="InvalidSpec", message=message, phase="Failed")
+        raise kopf.PermanentError(f"invalid spec: {message}") from None
     problem = desired.mirror_spec_problem(spec)
     if problem is not None:
-        _report(body, ready=False, reason=problem.reason, message=problem.message, phase="Failed")
+        _report_mirror(body, reason=problem.reason, message=problem.message, phase="Failed")
         raise kopf.PermanentError(problem.message)
     repo_body = kube.get("Repository", ns, spec.repository)
     if repo_body is None:
         message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"
-        _report(body, ready=False, reason="RepositoryNotFound", message=message)
+        _report_mirror(body, reason="RepositoryNotFound", message=message)
         raise kopf.TemporaryError(message, delay=15)
     try:
         source = _connection(repo_body, require_ready=True)
     except KubernetesError as e:
-        _report(body, ready=False, reason="RepositoryNotReady", message=str(e))
+        _report_mirror(body, reason="RepositoryNotReady", message=str(e))
         raise kopf.TemporaryError(str(e), delay=10) from None
     dest_spec = spec.destination
     same = (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip(
@@ -819,20 +842,20 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
             f"spec.destination is Repository {spec.repository!r}'s own location "
             f"({source.storage_url}): a mirror needs another bucket or prefix"
         )
-        _report(body, ready=False, reason="DestinationIsSource", message=message, phase="Failed")
+        _report_mirror(body, reason="DestinationIsSource", message=message, phase="Failed")
         raise kopf.PermanentError(message)
     try:
         dest = storage_connection(dest_spec, kube.secrets(ns), f"Mirror {name!r}")
     except KubernetesError as e:
-        _report(body, ready=False, reason="CredentialsNotFound", message=str(e))
+        _report_mirror(body, reason="CredentialsNotFound", message=str(e))
         raise kopf.TemporaryError(str(e), delay=20) from None
     try:
         state = buckets.ensure_bucket(dest, provision=dest_spec.provision)
     except buckets.BucketMissing as e:
-        _report(body, ready=False, reason="BucketNotFound", message=str(e))
+        _report_mirror(body, reason="BucketNotFound", message=str(e))
         raise kopf.TemporaryError(str(e), delay=30) from None
     except buckets.BucketUnreachable as e:
-        _report(body, ready=False, reason="StorageUnreachable", message=str(e))
+        _report_mirror(body, reason="StorageUnreachable", message=str(e))
         raise kopf.TemporaryError(str(e), delay=15) from None
     if state.created:
         _event(body, "BucketCreated", f"created bucket {dest.bucket!r}")

@@ -274,6 +274,11 @@ def test_bad_specs_get_a_precise_reason_and_no_replicator(
     assert ready["reason"] == reason, ready
     assert words in ready["message"], ready
     assert k8s.get("Deployment", "zl-bad-mirror") is None
+    # Looked at again every interval, but a reason that stays the same is not rewritten.
+    time.sleep(2.5)
+    again = k8s.get("Mirror", "bad") or {}
+    assert again["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
+    assert k8s.get("Deployment", "zl-bad-mirror") is None
 
 
 def test_a_destination_equal_to_the_source_is_refused(k8s: Env, west: str) -> None:
