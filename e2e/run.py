@@ -14,8 +14,10 @@ Steps:
  2. wait for the Repository to become Ready (bucket provisioned, Redis up, repository created);
  3. write and commit an array from a PySpark job through ``Repository.from_kubernetes``;
  4. create a Branch and a Tag with ``kubectl apply`` and wait for their statuses;
- 5. run the GC CronJob now (a Job from its template, with kubectl) and check the policy's status;
- 6. delete the Branch and Tag with kubectl and check they are gone from the repository.
+ 5. apply ``examples/kubernetes/mirror.yaml`` (destination: a second S3 server), play its
+    replicator Deployment, and watch the Mirror's status catch up; read the data at the mirror;
+ 6. run the GC CronJob now (a Job from its template, with kubectl) and check the policy's status;
+ 7. delete the Branch and Tag with kubectl and check they are gone from the repository.
 
 The cluster-side steps are in ``e2e/kind.sh`` for a real cluster.
 """
@@ -38,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 REPO = "climate"
 POLICY = "climate-retention"
+MIRROR = "climate-west"
+REPLICATOR = f"zl-{MIRROR}-mirror"
 
 
 def say(text: str) -> None:
@@ -120,6 +124,20 @@ patches:
         value: true
 """
     )
+    return out
+
+
+def mirror_manifest(workdir: Path, s3_endpoint: str) -> Path:
+    """examples/kubernetes/mirror.yaml pointed at this run's second S3 server, passing often."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "examples" / "kubernetes" / "mirror.yaml").read_text()))
+    for doc in docs:
+        if doc["kind"] == "Mirror":
+            doc["spec"]["destination"]["endpointURL"] = s3_endpoint
+            doc["spec"]["interval"] = "1s"
+    out = workdir / "mirror.yaml"
+    out.write_text(yaml.safe_dump_all(docs))
     return out
 
 
@@ -255,6 +273,43 @@ def main() -> int:
             "Repository counts",
             lambda: (s := k.get("repository", REPO)["status"])["branches"] == 2 and s["tags"] == 1,
         )
+
+        say("kubectl apply a Mirror (examples/kubernetes/mirror.yaml) on a second S3 server")
+        west_proc, west = start_moto()
+        procs.append(west_proc)
+        mirror_file = mirror_manifest(workdir, west)
+        k.kubectl("apply", "-n", NS, "-f", str(mirror_file))
+        deployment = k.wait("the replicator Deployment", lambda: k.get("deployment", REPLICATOR))
+        k.kubectl("get", "deployment", REPLICATOR, "-o", "wide")
+        waiting = k.wait("the Mirror waiting for its replicator", lambda: k.get("mirror", MIRROR))
+        print("Mirror status:", json.dumps(waiting.get("status", {}).get("conditions")))
+        # Nothing here runs the Deployment's container: its promoter runs in this process,
+        # built from the container's command and environment (zarrlake_testkit.emulated).
+        from zarrlake_testkit.emulated import replicator
+
+        promoter = replicator(deployment)
+        for _ in range(10):
+            if promoter.step().up_to_date:
+                break
+        mirrored = k.wait(
+            "the Mirror's status caught up",
+            lambda: (
+                (m := k.ready("mirror", MIRROR))
+                and {r["name"]: r for r in m["status"].get("refs") or []}.get("main", {}).get(
+                    "mirroredHead"
+                )
+                == second
+                and m
+            ),
+        )
+        k.kubectl("get", "mirror", MIRROR, "-o", "wide")
+        refs = {(r["kind"], r["name"]): r for r in mirrored["status"]["refs"]}
+        assert refs[("tag", "v1")]["mirroredHead"] == second, refs
+        assert ("branch", "experiment-1") not in refs, refs  # not in spec.branches
+        mirror_repo = zarrlake.Repository.open(promoter.destination)
+        value = zarr.open_array(mirror_repo.readonly_session("main").store, path="temperature")
+        assert float(value[63, 63]) == 42.0
+        print(f"read main at the mirror ({mirror_repo.lookup_branch('main')}): 42.0")
 
         say("run the GC CronJob now (a Job from its jobTemplate)")
         policy = k.get("retentionpolicy", POLICY)

@@ -41,7 +41,14 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # Tests whose cost is processes of their own (servers they start, kill and restart, many writer
 # processes, subprocess CLI runs) or a long hypothesis search: marked ``slow`` so `make test-fast`
 # leaves them out. Chosen from `--durations` (each took over ~2.5 s on 2 loaded cores).
-SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
+SLOW_MODULES = {
+    "test_e2e",
+    "test_peering",
+    "test_operator",
+    "test_chart",
+    "test_stateful",
+    "test_mirror_resource",
+}
 SLOW_TESTS = {
     "test_a_standby_stops_on_sigterm_too",
     "test_commit_racing_gc_loses_nothing_local",

@@ -23,6 +23,7 @@ from zarrlake.storage import Storage
 
 if TYPE_CHECKING:
     from zarrlake.locks import RedisLock
+    from zarrlake.resources import CredentialsSecretRef, MirrorDestinationSpec, StorageSpec
 
 GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -123,23 +124,12 @@ def connection_from_resource(
             why = ready.message if ready else "no status yet"
             raise KubernetesError(f"Repository {name!r} is not ready: {why}")
 
-    def secret_value(secret: str, key: str, *, required: bool = True) -> str | None:
-        data = read_secret(secret)
-        if data is None:
-            raise KubernetesError(f"Secret {secret!r} (named by Repository {name!r}) not found")
-        if key not in data:
-            if not required:
-                return None
-            raise KubernetesError(f"Secret {secret!r} has no key {key!r}")
-        return data[key]
+    def secret_value(secret: str, key: str) -> str | None:
+        return _secret_value(read_secret, secret, key, f"Repository {name!r}")
 
-    access = secret = token = None
-    creds = spec.storage.credentials_secret
-    if creds:
-        access = secret_value(creds.name, creds.access_key_id_key)
-        secret = secret_value(creds.name, creds.secret_access_key_key)
-        if creds.session_token_key:
-            token = secret_value(creds.name, creds.session_token_key, required=False)
+    access, secret, token = _credentials(
+        spec.storage.credentials_secret, read_secret, f"Repository {name!r}"
+    )
 
     lock_spec = spec.lock_service
     mode = lock_spec.mode if with_lock else "none"
@@ -166,6 +156,60 @@ def connection_from_resource(
         lock_url=lock_url,
         lock_password=lock_password,
         on_unavailable=lock_spec.on_unavailable,
+    )
+
+
+def _secret_value(
+    read_secret: SecretReader, secret: str, key: str, owner: str, *, required: bool = True
+) -> str | None:
+    data = read_secret(secret)
+    if data is None:
+        raise KubernetesError(f"Secret {secret!r} (named by {owner}) not found")
+    if key not in data:
+        if not required:
+            return None
+        raise KubernetesError(f"Secret {secret!r} has no key {key!r}")
+    return data[key]
+
+
+def _credentials(
+    creds: CredentialsSecretRef | None, read_secret: SecretReader, owner: str
+) -> tuple[str | None, str | None, str | None]:
+    """(access key id, secret access key, session token) from a credentials Secret."""
+    if creds is None:
+        return None, None, None
+    access = _secret_value(read_secret, creds.name, creds.access_key_id_key, owner)
+    secret = _secret_value(read_secret, creds.name, creds.secret_access_key_key, owner)
+    token = None
+    if creds.session_token_key:
+        token = _secret_value(
+            read_secret, creds.name, creds.session_token_key, owner, required=False
+        )
+    return access, secret, token
+
+
+def storage_connection(
+    storage: StorageSpec | MirrorDestinationSpec,
+    read_secret: SecretReader | None,
+    owner: str,
+) -> Connection:
+    """A :class:`Connection` to a storage location without a lock service (a mirror's
+    destination). Without ``read_secret`` no credentials are resolved: for its URL only.
+    Raises :class:`KubernetesError` when a Secret or key it names is missing (``owner`` names
+    the resource in that message)."""
+    creds: tuple[str | None, str | None, str | None] = (None, None, None)
+    if read_secret is not None:
+        creds = _credentials(storage.credentials_secret, read_secret, owner)
+    return Connection(
+        bucket=storage.bucket,
+        prefix=storage.prefix,
+        endpoint_url=storage.endpoint_url,
+        region=storage.region,
+        access_key_id=creds[0],
+        secret_access_key=creds[1],
+        session_token=creds[2],
+        lock_url=None,
+        lock_password=None,
     )
 
 

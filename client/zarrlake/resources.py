@@ -18,9 +18,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
 SchemaExtra = dict[str, Any]
 """Schema keywords Kubernetes needs and Pydantic does not know, for ``json_schema_extra``."""
@@ -460,3 +467,148 @@ class RetentionPolicy(CustomResource):
 
     spec: RetentionPolicySpec
     status: RetentionPolicyStatus = Field(default_factory=RetentionPolicyStatus)
+
+
+# -- Mirror --
+
+# A branch name or a glob of them (``*``, ``?``, ``[...]``), as zarrlake.mirror matches them.
+REF_GLOB = r"^[A-Za-z0-9*?\[][A-Za-z0-9._/*?\[\]!-]{0,254}$"
+
+
+class MirrorDestinationSpec(ResourceModel):
+    """Where the mirror lives: another bucket, prefix, endpoint or region. It cannot move."""
+
+    bucket: str = Field(
+        pattern=BUCKET,
+        description="S3 bucket name.",
+        json_schema_extra=immutable("destination.bucket"),
+    )
+    prefix: str = Field(
+        default="",
+        max_length=512,
+        pattern=r"^([^/].*[^/]|[^/]?)$",
+        description="Key prefix inside the bucket (no leading or trailing slash).",
+        json_schema_extra=immutable("destination.prefix"),
+    )
+    region: str | None = Field(default=None, description="Bucket region, e.g. us-west-2.")
+    endpoint_url: str | None = Field(
+        default=None,
+        alias="endpointURL",
+        pattern=r"^https?://",
+        description="S3 endpoint for non-AWS stores (MinIO, Ceph, another cloud's S3 API).",
+    )
+    credentials_secret: CredentialsSecretRef | None = Field(
+        default=None,
+        alias="credentialsSecret",
+        description="Secret with the destination's S3 credentials; without it the replicator "
+        "uses the same credentials as for the source (or the pod's ambient identity).",
+    )
+    provision: bool = Field(
+        default=False,
+        description="Create the bucket (locked down as for a Repository) if it does not exist.",
+    )
+
+
+class MirrorGCSpec(ResourceModel):
+    """Garbage collection on the mirror, run by the replicator between passes."""
+
+    every: str = Field(default="1d", pattern=DURATION, description="How often.")
+    grace: str = Field(
+        default="7d", pattern=DURATION, description="Only delete objects older than this."
+    )
+
+
+class MirrorSpec(RepositoryRef):
+    destination: MirrorDestinationSpec
+    branches: list[Annotated[str, StringConstraints(pattern=REF_GLOB)]] = Field(
+        default_factory=lambda: ["*"],
+        min_length=1,
+        description="Branch names or globs (*, ?, [...]) to mirror.",
+    )
+    tags: bool = Field(default=True, description="Mirror every tag too.")
+    mode: Literal["copy", "external"] = Field(
+        default="copy",
+        description="copy: the replicator copies missing objects itself; external: objects "
+        "arrive by bucket replication and the replicator only waits for them and promotes.",
+    )
+    interval: str = Field(
+        default="10s", pattern=DURATION, description="Time between the replicator's passes."
+    )
+    stalled_after: str = Field(
+        default="10m",
+        alias="stalledAfter",
+        pattern=DURATION,
+        description="Stalled=True when the mirror is behind and has made no progress this long.",
+    )
+    reclaim_policy: Literal["Retain", "Delete"] = Field(
+        default="Retain",
+        alias="reclaimPolicy",
+        description="On deletion: Retain keeps the mirror's data; Delete removes its objects.",
+    )
+    gc: MirrorGCSpec | None = Field(
+        default=None, description="Garbage-collect the mirror (objects no mirrored ref reaches)."
+    )
+    resources: Resources | None = Field(default=None, description="Replicator resources.")
+    metrics_port: int = Field(
+        default=9102, alias="metricsPort", ge=1024, le=65535, description="Prometheus port."
+    )
+    image: str | None = Field(
+        default=None, description="Replicator image (default: the operator's job image)."
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the replicator pod (e.g. for IRSA); without one no API "
+        "token is mounted.",
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        description="Secrets for pulling the replicator image from a private registry.",
+    )
+
+
+class MirrorRefStatus(ResourceModel):
+    """Where one mirrored branch or tag stands."""
+
+    kind: Literal["branch", "tag"]
+    name: str
+    source_head: str | None = Field(default=None, alias="sourceHead")
+    mirrored_head: str | None = Field(default=None, alias="mirroredHead")
+    commits_behind: int = Field(default=0, alias="commitsBehind")
+    seconds_behind: int = Field(default=0, alias="secondsBehind")
+    missing_objects: int = Field(default=0, alias="missingObjects")
+    last_promotion: str | None = Field(default=None, alias="lastPromotion")
+    error: str | None = None
+
+
+class MirrorStatus(ResourceStatus):
+    repository_id: str | None = Field(
+        default=None, alias="repositoryID", description="The id of the mirrored repository."
+    )
+    destination: str | None = Field(default=None, description="The mirror's storage URL.")
+    replicator: str | None = Field(default=None, description="The replicator Deployment.")
+    refs: list[MirrorRefStatus] | None = None
+    commits_behind: int | None = Field(default=None, alias="commitsBehind")
+    missing_objects: int | None = Field(default=None, alias="missingObjects")
+    last_progress_time: str | None = Field(
+        default=None,
+        alias="lastProgressTime",
+        description="When a mirrored head last moved or the missing count last fell (or the "
+        "mirror was last up to date).",
+    )
+
+    def patch(self) -> dict[str, Any]:
+        """As :meth:`ResourceStatus.patch`, with each ref written without its unset fields."""
+        out = super().patch()
+        if self.refs is not None and "refs" in out:
+            out["refs"] = [r.dump() for r in self.refs]
+        return out
+
+
+class Mirror(CustomResource):
+    """A read-only replica of a Repository in another bucket, region or cloud."""
+
+    spec: MirrorSpec
+    status: MirrorStatus = Field(default_factory=MirrorStatus)

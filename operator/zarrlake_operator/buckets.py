@@ -150,7 +150,9 @@ def bucket_exists(conn: Connection) -> bool:
 DELETE_BATCH = 1000  # keys per delete request (the S3 limit), so memory stays flat
 
 
-def delete_repository_objects(conn: Connection, repository_id: str | None) -> int:
+def delete_repository_objects(
+    conn: Connection, repository_id: str | None, *, mirror: bool = False
+) -> int:
     """Delete the repository's objects (``reclaimPolicy: Delete``) through its
     :class:`zarrlake.Storage`; returns how many.
 
@@ -159,31 +161,43 @@ def delete_repository_objects(conn: Connection, repository_id: str | None) -> in
     ``repo`` marker is checked first (it must carry ``repository_id``, the id the resource
     reported: a resource never deletes a repository it did not see) and deleted first, so
     nobody opens the repository half-deleted. A bucket that is gone holds nothing to delete.
+    ``mirror``: the location is a mirror of repository ``repository_id``: its own marker
+    (``mirror/repo``) is checked and deleted first, and a source marker that bucket replication
+    brought beside it must name the same repository.
     Raises :class:`BucketUnreachable` or :class:`NotOurRepository`.
     """
     from zarrlake import StorageError
     from zarrlake.errors import ObjectNotFound
-    from zarrlake.format.model import LAYOUT_KEY, LAYOUT_PREFIXES, REPO_KEY, RepoRecord
+    from zarrlake.format.model import (
+        LAYOUT_KEY,
+        LAYOUT_PREFIXES,
+        MIRROR_REPO_KEY,
+        REPO_KEY,
+        RepoRecord,
+    )
 
     if not bucket_exists(conn):
         return 0
     deleted = 0
     try:
         storage = conn.storage()
-        try:
-            marker: bytes | None = storage.get(REPO_KEY)
-        except ObjectNotFound:
-            marker = None
-        if marker is None and repository_id is None:
+        found: dict[str, bytes] = {}
+        for key in (MIRROR_REPO_KEY, REPO_KEY) if mirror else (REPO_KEY,):
+            try:
+                found[key] = storage.get(key)
+            except ObjectNotFound:
+                pass
+        if not found and repository_id is None:
             return 0  # no repository was ever recorded here, and none is here: nothing is ours
-        if marker is not None:
-            found = RepoRecord.decode(marker, REPO_KEY).id
-            if found != repository_id:
+        for key, marker in found.items():
+            found_id = RepoRecord.decode(marker, key).id
+            if found_id != repository_id:
                 raise NotOurRepository(
-                    f"{storage.url} holds repository {found}, not "
+                    f"{storage.url} holds repository {found_id}, not "
                     + (repository_id or "one this resource recorded")
                 )
-            deleted += storage.delete_many([REPO_KEY])
+        if found:
+            deleted += storage.delete_many(list(found))
         for prefix in LAYOUT_PREFIXES:
             batch: list[str] = []
             for info in storage.list(prefix):

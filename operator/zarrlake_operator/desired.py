@@ -14,13 +14,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Literal, NamedTuple
 
+from zarrlake.durations import parse_duration
 from zarrlake.jobreport import JobReport
 from zarrlake.resources import (
     API_VERSION,
     Condition,
     ConditionStatus,
+    CredentialsSecretRef,
     JobRun,
     JobSchedule,
+    MirrorRefStatus,
+    MirrorSpec,
     Repository,
     RepositorySpec,
     RetentionPolicySpec,
@@ -363,38 +367,40 @@ def deployment_available(deployment: Mapping[str, Any] | None) -> tuple[bool, st
 # -- maintenance CronJobs --
 
 
-def job_env(repository: Repository) -> list[dict[str, Any]]:
-    """Environment of a maintenance job: credentials by Secret reference only, never by value."""
-    spec, status = repository.spec, repository.status
-    env: list[dict[str, Any]] = [
-        {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
+def credential_env(creds: CredentialsSecretRef | None, prefix: str = "") -> list[dict[str, Any]]:
+    """The AWS credential variables (``prefix`` + ``AWS_ACCESS_KEY_ID``, ...) of a credentials
+    Secret, by reference only, never by value; none without a Secret."""
+    if creds is None:
+        return []
+    keys = [
+        ("AWS_ACCESS_KEY_ID", creds.access_key_id_key, False),
+        ("AWS_SECRET_ACCESS_KEY", creds.secret_access_key_key, False),
     ]
-    creds = spec.storage.credentials_secret
-    if creds:
-        keys = [
-            ("AWS_ACCESS_KEY_ID", creds.access_key_id_key, False),
-            ("AWS_SECRET_ACCESS_KEY", creds.secret_access_key_key, False),
-        ]
-        if creds.session_token_key:
-            keys.append(("AWS_SESSION_TOKEN", creds.session_token_key, True))
-        for var, key, optional in keys:
-            ref: dict[str, Any] = {"name": creds.name, "key": key}
-            if optional:
-                ref["optional"] = True
-            env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
-    if spec.storage.region:
-        env.append({"name": "AWS_DEFAULT_REGION", "value": spec.storage.region})
-    lock = spec.lock_service
+    if creds.session_token_key:
+        keys.append(("AWS_SESSION_TOKEN", creds.session_token_key, True))
+    env: list[dict[str, Any]] = []
+    for var, key, optional in keys:
+        ref: dict[str, Any] = {"name": creds.name, "key": key}
+        if optional:
+            ref["optional"] = True
+        env.append({"name": prefix + var, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def lock_env(repository: Repository) -> list[dict[str, Any]]:
+    """``ZARRLAKE_LOCK`` and ``ZARRLAKE_LOCK_PASSWORD`` (by Secret reference) for the
+    repository's lock service; none without one."""
+    lock, status = repository.spec.lock_service, repository.status
     if lock.mode == "managed" and status.lock_endpoint:
-        env.append({"name": "ZARRLAKE_LOCK", "value": status.lock_endpoint})
-        env.append(
+        return [
+            {"name": "ZARRLAKE_LOCK", "value": status.lock_endpoint},
             {
                 "name": "ZARRLAKE_LOCK_PASSWORD",
                 "valueFrom": {"secretKeyRef": {"name": status.lock_secret, "key": "password"}},
-            }
-        )
-    elif lock.mode == "external" and lock.url:
-        env.append({"name": "ZARRLAKE_LOCK", "value": lock.url})
+            },
+        ]
+    if lock.mode == "external" and lock.url:
+        env: list[dict[str, Any]] = [{"name": "ZARRLAKE_LOCK", "value": lock.url}]
         if lock.password_secret:
             env.append(
                 {
@@ -402,7 +408,20 @@ def job_env(repository: Repository) -> list[dict[str, Any]]:
                     "valueFrom": {"secretKeyRef": lock.password_secret.dump()},
                 }
             )
-    return env
+        return env
+    return []
+
+
+def job_env(repository: Repository) -> list[dict[str, Any]]:
+    """Environment of a maintenance job: credentials by Secret reference only, never by value."""
+    storage = repository.spec.storage
+    env: list[dict[str, Any]] = [
+        {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
+        *credential_env(storage.credentials_secret),
+    ]
+    if storage.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
+    return env + lock_env(repository)
 
 
 def _cron_job(
@@ -582,3 +601,270 @@ def claim_winner(
 def ref_name(body: Mapping[str, Any]) -> str:
     """The branch or tag a Branch/Tag resource manages: ``spec.name`` or the resource's name."""
     return str((body.get("spec") or {}).get("name") or body["metadata"]["name"])
+
+
+# -- Mirror: the replicator Deployment and the status --
+
+MIRROR_LABEL = "zarrlake.io/mirror"
+REPLICATOR = "mirror-replicator"
+#: The destination's credentials reach the replicator under these names (``AWS_*`` are the
+#: source's: both sides may need different keys, and one process reads both).
+DESTINATION_ENV_PREFIX = "ZARRLAKE_DEST_"
+MIN_MIRROR_INTERVAL = 1.0  # seconds: the floor of both the replicator's and the status' pace
+DEFAULT_REPLICATOR_RESOURCES = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+
+
+class MirrorSpecProblem(NamedTuple):
+    """Why a Mirror's spec cannot be acted on: the Ready condition's reason and message."""
+
+    reason: str
+    message: str
+
+
+def mirror_spec_problem(spec: MirrorSpec) -> MirrorSpecProblem | None:
+    """What the schema cannot say about a Mirror spec: globs that match nothing as written
+    (an unclosed ``[``), durations the engine refuses. None when it is fine."""
+    for glob in spec.branches:
+        if glob.count("[") != glob.count("]"):
+            return MirrorSpecProblem(
+                "InvalidBranchGlob",
+                f"spec.branches: {glob!r} has unbalanced brackets (a set is written [...])",
+            )
+    durations = [("interval", spec.interval), ("stalledAfter", spec.stalled_after)]
+    if spec.gc is not None:
+        durations += [("gc.every", spec.gc.every), ("gc.grace", spec.gc.grace)]
+    for field, text in durations:
+        try:
+            seconds = parse_duration(text).total_seconds()
+        except ValueError as e:
+            return MirrorSpecProblem("InvalidDuration", f"spec.{field}: {e}")
+        if seconds <= 0:
+            return MirrorSpecProblem("InvalidDuration", f"spec.{field}: {text!r} is not positive")
+    return None
+
+
+def mirror_interval(spec: MirrorSpec) -> float:
+    """The replicator's (and the status') pace in seconds, bounded below."""
+    try:
+        seconds = parse_duration(spec.interval).total_seconds()
+    except ValueError:
+        seconds = 10.0
+    return max(MIN_MIRROR_INTERVAL, seconds)
+
+
+def replicator_name(mirror: str) -> str:
+    return child_name(mirror, "mirror")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+def replicator_command(spec: MirrorSpec, source_url: str, destination_url: str) -> list[str]:
+    """``zarrlake mirror run SOURCE DEST ...`` for the spec. The URLs carry no secrets."""
+    cmd = ["zarrlake", "mirror", "run", source_url, destination_url]
+    for glob in spec.branches:
+        cmd += ["--branch", glob]
+    cmd.append("--tags" if spec.tags else "--no-tags")
+    cmd.append("--copy" if spec.mode == "copy" else "--external")
+    cmd += ["--interval", _seconds(mirror_interval(spec)), "--json"]
+    cmd += ["--metrics-port", str(spec.metrics_port)]
+    if spec.gc is not None:
+        cmd += ["--gc-every", spec.gc.every, "--gc-grace", spec.gc.grace]
+    return cmd
+
+
+def replicator_env(spec: MirrorSpec, repository: Repository) -> list[dict[str, Any]]:
+    """The source's credentials as ``AWS_*``, the destination's as ``ZARRLAKE_DEST_AWS_*``, and
+    the source repository's lock service: all by Secret reference, never by value."""
+    return [
+        *credential_env(repository.spec.storage.credentials_secret),
+        *credential_env(spec.destination.credentials_secret, DESTINATION_ENV_PREFIX),
+        *lock_env(repository),
+    ]
+
+
+def replicator_deployment(
+    mirror: Mapping[str, Any],
+    spec: MirrorSpec,
+    repository: Mapping[str, Any],
+    destination_url: str,
+    default_image: str = JOB_IMAGE,
+) -> dict[str, Any]:
+    """One replicator per Mirror: a single replica, replaced with ``Recreate`` (never two
+    promoters at once; the lock service, when the source has one, makes sure of it as well).
+
+    Raises ``ValueError`` when the source Repository has no URL in its status yet.
+    """
+    resource = Repository.from_body(repository)
+    source_url = resource.status.url
+    if not source_url:
+        raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
+    name = mirror["metadata"]["name"]
+    selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": REPLICATOR}
+    pod_labels = labels(name, REPLICATOR) | {MIRROR_LABEL: name, REPOSITORY_LABEL: spec.repository}
+    container: dict[str, Any] = {
+        "name": "replicator",
+        "image": spec.image or default_image,
+        "command": replicator_command(spec, source_url, destination_url),
+        "env": replicator_env(spec, resource),
+        "ports": [{"name": "metrics", "containerPort": spec.metrics_port}],
+        "resources": spec.resources.to_k8s() if spec.resources else DEFAULT_REPLICATOR_RESOURCES,
+        # Alive while its metrics server answers; being stuck is the Stalled condition's job.
+        "livenessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "initialDelaySeconds": 30,
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    identity: dict[str, Any] = {}
+    if spec.service_account_name:
+        identity["serviceAccountName"] = spec.service_account_name
+    else:
+        identity["automountServiceAccountToken"] = False
+    if spec.image_pull_secrets:
+        identity["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": replicator_name(name),
+            "namespace": mirror["metadata"]["namespace"],
+            "labels": pod_labels,
+            "ownerReferences": [owner_reference(mirror)],
+        },
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": pod_labels | selector},
+                "spec": {
+                    **identity,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def mirror_ref_status(ref: Mapping[str, Any]) -> MirrorRefStatus:
+    """One ref of ``zarrlake.mirror.MirrorStatus.to_json()`` as the resource's status entry."""
+    return MirrorRefStatus(
+        kind=ref["kind"],
+        name=ref["name"],
+        sourceHead=ref.get("source_head"),
+        mirroredHead=ref.get("mirrored_head"),
+        commitsBehind=int(ref.get("commits_behind") or 0),
+        secondsBehind=int(ref.get("seconds_behind") or 0),
+        missingObjects=int(ref.get("missing_objects") or 0),
+        lastPromotion=ref.get("last_promotion"),
+        error=ref.get("error"),
+    )
+
+
+class MirrorHealth(NamedTuple):
+    """What the refs of one status pass say, against the status before it."""
+
+    last_progress_time: str
+    commits_behind: int
+    missing_objects: int
+    behind: list[str]  # "branch main", ... : refs whose mirror does not show the source's head
+    stalled: bool
+    stalled_for: float  # seconds without progress
+
+
+def _iso_time(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
+def mirror_health(
+    previous: Sequence[MirrorRefStatus] | None,
+    last_progress_time: str | None,
+    refs: Sequence[MirrorRefStatus],
+    stalled_after: dt.timedelta,
+    now: dt.datetime | None = None,
+) -> MirrorHealth:
+    """Progress and stall from two consecutive observations of a mirror.
+
+    Progress is a mirrored head that moved, a missing-object count that fell, or catching up.
+    A mirror behind its source with no progress for longer than ``stalled_after`` is stalled;
+    the first observation, and falling behind after being up to date, start the clock.
+    """
+    now = now or dt.datetime.now(dt.UTC)
+    before = {(r.kind, r.name): r for r in previous or ()}
+    behind = [f"{r.kind} {r.name}" for r in refs if r.source_head != r.mirrored_head]
+    moved = any(
+        (old := before.get((r.kind, r.name))) is not None
+        and (r.mirrored_head != old.mirrored_head or r.missing_objects < old.missing_objects)
+        for r in refs
+    )
+    was_up_to_date = previous is not None and all(
+        r.source_head == r.mirrored_head for r in previous
+    )
+    since = last_progress_time
+    # The clock restarts on progress, on catching up, and when a mirror that was up to date
+    # falls behind (a quiet spell before is no stall); it stays put while nothing changes, so
+    # an idle mirror's status stays the same and is not rewritten.
+    if previous is None or since is None or moved or (bool(behind) == was_up_to_date):
+        since = now_iso(now)
+    waited = max(0.0, (now - _iso_time(since)).total_seconds())
+    return MirrorHealth(
+        since,
+        sum(r.commits_behind for r in refs),
+        sum(r.missing_objects for r in refs),
+        behind,
+        bool(behind) and waited > stalled_after.total_seconds(),
+        waited,
+    )
+
+
+def _listing(names: Sequence[str], limit: int = 3) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def mirror_conditions(
+    conditions: Sequence[Condition],
+    health: MirrorHealth,
+    stalled_after: str,
+    *,
+    generation: int | None = None,
+    now: dt.datetime | None = None,
+) -> list[Condition]:
+    """Progressing and Stalled from a :class:`MirrorHealth` (Ready is the caller's)."""
+    refs = _listing(health.behind)
+    missing = f"{health.missing_objects} object(s) still missing at the destination"
+    behind = f"{health.commits_behind} commit(s) behind ({refs})"
+    if not health.behind:
+        progressing = (False, "UpToDate", "every mirrored ref shows its source's head")
+        stalled = (False, "UpToDate", "every mirrored ref shows its source's head")
+    elif health.stalled:
+        message = (
+            f"no progress for {int(health.stalled_for)}s (stalledAfter {stalled_after}): "
+            f"{missing}; {behind}"
+        )
+        progressing = (False, "Stalled", message)
+        stalled = (True, "NoProgress", message)
+    else:
+        message = f"{behind}; {missing}"
+        progressing = (True, "CatchingUp", message)
+        stalled = (False, "Progressing", message)
+    out = set_condition(conditions, "Progressing", *progressing, generation=generation, now=now)
+    return set_condition(out, "Stalled", *stalled, generation=generation, now=now)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
 from zarrlake_operator import desired, metrics, reconcile
-from zarrlake_operator.models import GROUP, VERSION
+from zarrlake_operator.models import GROUP, VERSION, MirrorSpec
 
 RESYNC_SECONDS = float(os.environ.get("ZARRLAKE_RESYNC_SECONDS", "60"))
 JOB_IMAGE = os.environ.get("ZARRLAKE_JOB_IMAGE", desired.JOB_IMAGE)
@@ -182,3 +184,50 @@ def job_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     outcome = reconcile.job_finished(body)
     if outcome:
         logger.info(outcome)
+
+
+# -- Mirror --
+
+MIRRORS = (GROUP, VERSION, "mirrors")
+# Mirrors are observed at their own spec.interval: a short timer ticks, and a tick observes the
+# mirror only when its interval has passed since the last observation.
+MIRROR_TICK_SECONDS = max(desired.MIN_MIRROR_INTERVAL, min(RESYNC_SECONDS, 5.0))
+_last_observed: dict[str, float] = {}
+
+
+def _observed_now(body: kopf.Body) -> None:
+    _last_observed[body["metadata"]["uid"]] = time.monotonic()
+
+
+@kopf.on.resume(*MIRRORS)
+@kopf.on.create(*MIRRORS)
+@kopf.on.update(*MIRRORS, field="spec")
+@metrics.instrumented("Mirror")
+def mirror_changed(body: kopf.Body, **_: Any) -> None:
+    with serialized(body):
+        _observed_now(body)
+        reconcile.mirror(body, JOB_IMAGE)
+
+
+@kopf.timer(*MIRRORS, interval=MIRROR_TICK_SECONDS, initial_delay=MIRROR_TICK_SECONDS)
+def mirror_resync(body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
+    try:
+        interval = desired.mirror_interval(MirrorSpec.model_validate(dict(spec)))
+    except ValidationError:
+        interval = RESYNC_SECONDS
+    last = _last_observed.get(body["metadata"]["uid"])
+    if last is not None and time.monotonic() - last < interval:
+        return
+    _observed_now(body)
+    _resync("Mirror", reconcile.mirror, body, job_image=JOB_IMAGE)
+
+
+@kopf.on.delete(*MIRRORS)
+@metrics.instrumented("Mirror")
+def mirror_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    with serialized(body):
+        outcome = reconcile.delete_mirror(body)
+    forget(body)
+    _last_observed.pop(body["metadata"]["uid"], None)
+    logger.info(outcome)
+    kopf.info(body, reason="Reclaimed", message=outcome)

@@ -28,6 +28,7 @@ KINDS: dict[str, str] = {
     "Branch": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/branches",
     "Tag": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/tags",
     "RetentionPolicy": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/retentionpolicies",
+    "Mirror": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/mirrors",
 }
 
 _lock = threading.Lock()

@@ -25,6 +25,7 @@ from zarrlake import (
     RefNotFound,
     Repository,
     RepositoryConfig,
+    RepositoryExists,
     RepositoryNotFound,
     RetentionRules,
     StorageError,
@@ -34,11 +35,14 @@ from zarrlake import (
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
-from zarrlake.k8s import Connection, connection_from_resource
+from zarrlake.k8s import Connection, connection_from_resource, storage_connection
+from zarrlake.mirror import Mirror as Promoter
 from zarrlake.resources import (
     BranchSpec,
     BranchStatus,
     Condition,
+    MirrorSpec,
+    MirrorStatus,
     RepositorySpec,
     RepositoryStatus,
     ResourceStatus,
@@ -63,6 +67,7 @@ STATUS_MODELS: dict[str, type[ResourceStatus]] = {
     "Branch": BranchStatus,
     "Tag": TagStatus,
     "RetentionPolicy": RetentionPolicyStatus,
+    "Mirror": MirrorStatus,
 }
 
 
@@ -777,3 +782,193 @@ def job_finished(job: Mapping[str, Any]) -> str | None:
     )
     field = "lastGC" if kind == "gc" else "lastCompaction"
     return f"{field} <- {run.job} {run.result}"
+
+
+# -- Mirror --
+
+
+def _report_mirror(
+    body: Mapping[str, Any], *, reason: str, message: str, phase: str | None = None
+) -> None:
+    """Ready=False for a Mirror, written only when it says something new: a Mirror is looked at
+    every few seconds, and a spec that stays wrong need not be rewritten each time."""
+    _, _, gen = _meta(body)
+    previous = observed(MirrorStatus, body)
+    ready = previous.condition("Ready")
+    if (
+        ready is not None
+        and (ready.status, ready.reason, ready.message) == ("False", reason, message)
+        and previous.observed_generation == gen
+        and previous.phase == (phase or "Pending")
+    ):
+        return
+    _report(body, ready=False, reason=reason, message=message, phase=phase)
+
+
+def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
+    """The replicator Deployment of one Mirror, and the status of the mirror it maintains.
+
+    The status comes from a read-only pass over both sides (``zarrlake.mirror.Mirror.status``
+    with ``create=False``): the operator never writes to the destination, so it can never race
+    the replicator's promotions. It is written only when it changed.
+    """
+    ns, name, _ = _meta(body)
+    try:
+        spec = MirrorSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        message = problems(e, prefix="spec.")
+        _report_mirror(body, reason="InvalidSpec", message=message, phase="Failed")
+        raise kopf.PermanentError(f"invalid spec: {message}") from None
+    problem = desired.mirror_spec_problem(spec)
+    if problem is not None:
+        _report_mirror(body, reason=problem.reason, message=problem.message, phase="Failed")
+        raise kopf.PermanentError(problem.message)
+    repo_body = kube.get("Repository", ns, spec.repository)
+    if repo_body is None:
+        message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"
+        _report_mirror(body, reason="RepositoryNotFound", message=message)
+        raise kopf.TemporaryError(message, delay=15)
+    try:
+        source = _connection(repo_body, require_ready=True)
+    except KubernetesError as e:
+        _report_mirror(body, reason="RepositoryNotReady", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=10) from None
+    dest_spec = spec.destination
+    same = (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip(
+        "/"
+    ) and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
+    if same:
+        message = (
+            f"spec.destination is Repository {spec.repository!r}'s own location "
+            f"({source.storage_url}): a mirror needs another bucket or prefix"
+        )
+        _report_mirror(body, reason="DestinationIsSource", message=message, phase="Failed")
+        raise kopf.PermanentError(message)
+    try:
+        dest = storage_connection(dest_spec, kube.secrets(ns), f"Mirror {name!r}")
+    except KubernetesError as e:
+        _report_mirror(body, reason="CredentialsNotFound", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=20) from None
+    try:
+        state = buckets.ensure_bucket(dest, provision=dest_spec.provision)
+    except buckets.BucketMissing as e:
+        _report_mirror(body, reason="BucketNotFound", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=30) from None
+    except buckets.BucketUnreachable as e:
+        _report_mirror(body, reason="StorageUnreachable", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=15) from None
+    if state.created:
+        _event(body, "BucketCreated", f"created bucket {dest.bucket!r}")
+
+    deployment = desired.replicator_deployment(body, spec, repo_body, dest.storage_url, job_image)
+    _, action = kube.apply(deployment)
+    replicator = deployment["metadata"]["name"]
+    if action != "unchanged":
+        _event(body, f"Replicator{action.capitalize()}", f"{action} Deployment {replicator}")
+    return _mirror_status(body, spec, source, dest, replicator)
+
+
+def _mirror_status(
+    body: Mapping[str, Any],
+    spec: MirrorSpec,
+    source: Connection,
+    dest: Connection,
+    replicator: str,
+) -> MirrorStatus:
+    _, _, gen = _meta(body)
+    previous = observed(MirrorStatus, body)
+    fields = MirrorStatus(destination=dest.storage_url, replicator=replicator)
+    conds = previous.conditions
+    try:
+        source_repo = Repository.open(source.storage())
+        promoter = Promoter(
+            source_repo,
+            dest.storage(),
+            branches=spec.branches,
+            tags=spec.tags,
+            copy=spec.mode == "copy",
+            create=False,
+        )
+        seen = promoter.status().to_json()
+    except RepositoryNotFound:
+        ready = (
+            False,
+            "WaitingForReplicator",
+            f"{dest.storage_url} is not a mirror yet: the replicator's first pass makes it one",
+        )
+    except RepositoryExists as e:
+        ready = (False, "DestinationInUse", str(e))
+    except (ZarrlakeError, StorageError) as e:
+        ready = (False, "StorageError", f"{type(e).__name__}: {e}")
+    else:
+        refs = [desired.mirror_ref_status(r) for r in seen["refs"]]
+        health = desired.mirror_health(
+            previous.refs,
+            previous.last_progress_time,
+            refs,
+            parse_duration(spec.stalled_after),
+        )
+        fields = fields.model_copy(
+            update={
+                "repository_id": source_repo.id,
+                "refs": refs,
+                "commits_behind": health.commits_behind,
+                "missing_objects": health.missing_objects,
+                "last_progress_time": health.last_progress_time,
+            }
+        )
+        conds = desired.mirror_conditions(conds, health, spec.stalled_after, generation=gen)
+        state = (
+            "all up to date"
+            if not health.behind
+            else f"{len(health.behind)} behind, {health.missing_objects} object(s) missing"
+        )
+        errors = [f"{r.kind} {r.name}: {r.error}" for r in refs if r.error]
+        ready = (
+            True,
+            "Mirroring",
+            f"replicator {replicator}; {len(refs)} ref(s), {state}"
+            + (f"; errors: {'; '.join(errors)[:300]}" if errors else ""),
+        )
+    conds = desired.set_condition(conds, "Ready", *ready, generation=gen)
+    status = fields.model_copy(
+        update={
+            "conditions": conds,
+            "phase": "Ready" if ready[0] else "Pending",
+            "observed_generation": gen,
+        }
+    )
+    # Only a change is written (the last refs stay while the destination cannot be read).
+    new, old = status.patch(), previous.patch()
+    if any(old.get(k) != v for k, v in new.items()):
+        _write_status(body, status)
+    return status
+
+
+def delete_mirror(body: Mapping[str, Any]) -> str:
+    """Stop the replicator (before any data goes), then honour the reclaim policy."""
+    ns, name, _ = _meta(body)
+    stopped = kube.delete("Deployment", ns, desired.replicator_name(name))
+    what = "replicator stopped; " if stopped else ""
+    try:
+        spec = MirrorSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        return f"{what}Retain: the spec does not parse ({problems(e, prefix='spec.')})"
+    if spec.reclaim_policy != "Delete":
+        return f"{what}Retain: the mirror's data stays at the destination"
+    status = observed(MirrorStatus, body)
+    try:
+        conn = storage_connection(spec.destination, kube.secrets(ns), f"Mirror {name!r}")
+    except KubernetesError as e:
+        message = f"reclaimPolicy Delete could not run, data retained: {e}"
+        _event(body, "ReclaimFailed", message, warning=True)
+        raise kopf.PermanentError(message) from None
+    try:
+        n = buckets.delete_repository_objects(conn, status.repository_id, mirror=True)
+    except buckets.NotOurRepository as e:
+        message = f"reclaimPolicy Delete refused, data retained: {e}"
+        _event(body, "ReclaimFailed", message, warning=True)
+        raise kopf.PermanentError(message) from None
+    except buckets.BucketUnreachable as e:
+        raise kopf.TemporaryError(str(e), delay=15) from None
+    return f"{what}Delete: removed {n} object(s) of the mirror at {conn.storage_url}"

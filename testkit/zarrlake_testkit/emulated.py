@@ -14,6 +14,10 @@ so :class:`LocalCluster` plays exactly three roles, with real programs:
   references resolved), then gets a Pod with the container's termination message and a
   Complete/Failed condition, as a kubelet would report them.
 
+A Mirror's replicator Deployment is not played yet (its container runs ``zarrlake mirror run``):
+:func:`replicator` builds the promoter that container would run, from its command and
+environment, for a scenario to step.
+
 Nothing here is used by the operator itself.
 """
 
@@ -31,7 +35,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from zarrlake_operator import kube
 from zarrlake_testkit.servers import start_redis, stop
@@ -297,21 +301,7 @@ class LocalCluster:
     # -- helpers --
 
     def _environment(self, ns: str, container: Mapping[str, Any]) -> dict[str, str]:
-        """A container's environment as the kubelet would build it (Secret references read)."""
-        env: dict[str, str] = {}
-        readers = kube.secrets(ns)
-        for var in container.get("env") or []:
-            if "value" in var:
-                env[var["name"]] = _expand(str(var["value"]), env)
-                continue
-            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-            if ref:
-                data = readers(ref["name"]) or {}
-                if ref["key"] in data:
-                    env[var["name"]] = data[ref["key"]]
-                elif not ref.get("optional"):
-                    raise RuntimeError(f"Secret {ref['name']!r} key {ref['key']!r} missing")
-        return env
+        return container_environment(ns, container)
 
     def _set_status(self, kind: str, ns: str, name: str, status: Mapping[str, Any]) -> None:
         try:
@@ -394,3 +384,63 @@ def start_operator(
         log.close()
     metrics_port = ports["metrics"]
     return proc, liveness, metrics_port
+
+
+def container_environment(ns: str, container: Mapping[str, Any]) -> dict[str, str]:
+    """A container's environment as the kubelet builds it: values, and Secret references read
+    (a missing optional key is left out; a missing required one raises ``RuntimeError``)."""
+    env: dict[str, str] = {}
+    read = kube.secrets(ns)
+    for var in container.get("env") or []:
+        if "value" in var:
+            env[var["name"]] = _expand(str(var["value"]), env)
+            continue
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            data = read(ref["name"]) or {}
+            if ref["key"] in data:
+                env[var["name"]] = data[ref["key"]]
+            elif not ref.get("optional"):
+                raise RuntimeError(f"Secret {ref['name']!r} key {ref['key']!r} missing")
+    return env
+
+
+def replicator(deployment: Mapping[str, Any], *, copy: bool | None = None) -> Any:
+    """The promoter a Mirror's replicator Deployment runs, built in this process from exactly
+    the source and destination URLs, options and environment its container names.
+
+    TODO: once `zarrlake mirror run` exists, :class:`LocalCluster` can run the container's
+    command as a process (as it does for Jobs); until then scenarios step this promoter.
+    ``copy`` overrides the container's ``--copy``/``--external`` (a test playing the copier).
+    """
+    import zarrlake
+    from zarrlake.mirror import Mirror
+
+    ns = deployment["metadata"]["namespace"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    cmd = container["command"]
+    if cmd[:3] != ["zarrlake", "mirror", "run"]:
+        raise ValueError(f"not a replicator: {cmd[:3]}")
+    env = container_environment(ns, container)
+
+    def s3(url: str, prefix: str) -> zarrlake.Storage:
+        parts = urlsplit(url)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        return zarrlake.Storage.s3(
+            parts.netloc,
+            parts.path.lstrip("/"),
+            endpoint_url=query.get("endpoint_url"),
+            region=query.get("region"),
+            access_key_id=env.get(prefix + "AWS_ACCESS_KEY_ID"),
+            secret_access_key=env.get(prefix + "AWS_SECRET_ACCESS_KEY"),
+            session_token=env.get(prefix + "AWS_SESSION_TOKEN"),
+            allow_http=str(query.get("endpoint_url", "")).startswith("http://"),
+        )
+
+    return Mirror(
+        zarrlake.Repository.open(s3(cmd[3], "")),
+        s3(cmd[4], "ZARRLAKE_DEST_"),
+        branches=[cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--branch"],
+        tags="--tags" in cmd,
+        copy=("--copy" in cmd) if copy is None else copy,
+    )

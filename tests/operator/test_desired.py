@@ -32,6 +32,7 @@ from zarrlake_operator.models import (
     Branch,
     Condition,
     JobRun,
+    Mirror,
     Repository,
     RepositorySpec,
     RepositoryStatus,
@@ -1069,6 +1070,7 @@ MODELS: dict[str, type[pydantic.BaseModel]] = {
     "Branch": Branch,
     "Tag": Tag,
     "RetentionPolicy": RetentionPolicy,
+    "Mirror": Mirror,
 }
 
 

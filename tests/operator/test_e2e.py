@@ -36,3 +36,4 @@ def test_e2e_scenario_passes() -> None:
     # What the scenario saw, not only that it finished.
     assert "repository.zarrlake.io/climate   True    Ready" in stdout
     assert "Succeeded" in stdout
+    assert "read main at the mirror" in stdout  # the Mirror caught up and serves the data

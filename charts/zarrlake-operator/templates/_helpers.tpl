@@ -96,7 +96,7 @@ operator uses; no wildcards.
 {{- define "zarrlake-operator.namespacedRules" -}}
 # The zarrlake resources: watch, and patch (Kopf's finalizers and progress annotations).
 - apiGroups: ["zarrlake.io"]
-  resources: ["repositories", "branches", "tags", "retentionpolicies"]
+  resources: ["repositories", "branches", "tags", "retentionpolicies", "mirrors"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["zarrlake.io"]
   resources:
@@ -104,6 +104,7 @@ operator uses; no wildcards.
     - "branches/status"
     - "tags/status"
     - "retentionpolicies/status"
+    - "mirrors/status"
   verbs: ["patch"]
 # Children are created with owner references that block the owner's deletion; clusters with the
 # OwnerReferencesPermissionEnforcement admission plugin (e.g. OpenShift) require this for that.
@@ -113,6 +114,7 @@ operator uses; no wildcards.
     - "branches/finalizers"
     - "tags/finalizers"
     - "retentionpolicies/finalizers"
+    - "mirrors/finalizers"
   verbs: ["update"]
 # S3 credentials and lock passwords are read by name; lock-password Secrets are created once
 # (never rewritten) and deleted when a repository stops using a managed lock service. No list:
@@ -120,7 +122,8 @@ operator uses; no wildcards.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "delete"]
-# The managed Redis lock service of each Repository (read, create, correct drift, remove).
+# The managed Redis lock service of each Repository and the replicator of each Mirror (read,
+# create, correct drift, remove).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch", "delete"]
