@@ -189,7 +189,7 @@ def _step(url: str, op: str, args: dict[str, Any], out: Any) -> None:
         traced = args.get("traced", False)
         if traced:
             tracemalloc.start()
-        report = gc(repo, grace=ZERO, force=True, dry_run=args.get("dry_run", False)).to_json()
+        report = gc(repo.core, grace=ZERO, force=True, dry_run=args.get("dry_run", False)).to_json()
         if traced:
             report["python_heap_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
             tracemalloc.stop()
