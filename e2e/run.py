@@ -283,14 +283,15 @@ def main() -> int:
         k.kubectl("get", "deployment", REPLICATOR, "-o", "wide")
         waiting = k.wait("the Mirror waiting for its replicator", lambda: k.get("mirror", MIRROR))
         print("Mirror status:", json.dumps(waiting.get("status", {}).get("conditions")))
-        # Nothing here runs the Deployment's container: its promoter runs in this process,
-        # built from the container's command and environment (zarrlake_testkit.emulated).
-        from zarrlake_testkit.emulated import replicator
+        # No kubelet runs the Deployment's pod here: its container's command runs as a process,
+        # with the environment the pod would get (zarrlake_testkit.emulated), a pass at a time.
+        from zarrlake_testkit.emulated import replicator, run_replicator_pass
 
-        promoter = replicator(deployment)
         for _ in range(10):
-            if promoter.step().up_to_date:
+            status = run_replicator_pass(deployment)
+            if all(r["source_head"] == r["mirrored_head"] for r in status["refs"]):
                 break
+        promoter = replicator(deployment)
         mirrored = k.wait(
             "the Mirror's status caught up",
             lambda: (

@@ -405,13 +405,51 @@ def container_environment(ns: str, container: Mapping[str, Any]) -> dict[str, st
     return env
 
 
+def run_replicator_pass(deployment: Mapping[str, Any], *, timeout: float = 120) -> dict[str, Any]:
+    """One pass of a Mirror's replicator Deployment, as its pod would make it: the container's
+    own command (``zarrlake mirror run ...``) with ``--once``, as a process, in the environment
+    the kubelet would give it (Secrets read). Options a single pass refuses (``--metrics-port``,
+    ``--gc-every``, ``--gc-grace``) are left out. Returns the pass's status (its ``--json``
+    line); raises ``RuntimeError`` with the command's one-line error if it failed."""
+    import json
+    import subprocess
+    import sys
+
+    ns = deployment["metadata"]["namespace"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    cmd = list(container["command"]) + list(container.get("args") or [])
+    if cmd[:3] != ["zarrlake", "mirror", "run"]:
+        raise ValueError(f"not a replicator: {cmd[:3]}")
+    argv: list[str] = []
+    skip = False
+    for arg in cmd[1:]:
+        if skip:
+            skip = False
+        elif arg in ("--metrics-port", "--metrics-addr", "--gc-every", "--gc-grace"):
+            skip = True
+        else:
+            argv.append(arg)
+    if "--json" not in argv:
+        argv.append("--json")
+    env = {**os.environ, **container_environment(ns, container)}
+    done = subprocess.run(
+        [sys.executable, "-m", "zarrlake", *argv, "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"replicator pass failed ({done.returncode}): {done.stderr.strip()}")
+    status: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return status
+
+
 def replicator(deployment: Mapping[str, Any], *, copy: bool | None = None) -> Any:
     """The promoter a Mirror's replicator Deployment runs, built in this process from exactly
-    the source and destination URLs, options and environment its container names.
-
-    TODO: once `zarrlake mirror run` exists, :class:`LocalCluster` can run the container's
-    command as a process (as it does for Jobs); until then scenarios step this promoter.
-    ``copy`` overrides the container's ``--copy``/``--external`` (a test playing the copier).
+    the source and destination URLs, options and environment its container names, for tests
+    that step it many times or play the copier (``copy`` overrides the container's
+    ``--copy``/``--external``). :func:`run_replicator_pass` runs the container's real command.
     """
     import zarrlake
     from zarrlake.mirror import Mirror

@@ -144,8 +144,14 @@ def test_mirror_runs_one_replicator_and_its_status_catches_up(k8s: Env, west: st
     assert condition(waiting, "Ready")["reason"] == "WaitingForReplicator"
     assert "BucketCreated" in k8s.event_reasons()  # provision: true made the bucket
 
+    # The container's own command, as a process, with the environment the pod would get.
+    for _ in range(5):
+        status = emulated.run_replicator_pass(dep)
+        if all(r["source_head"] == r["mirrored_head"] for r in status["refs"]):
+            break
+    refs = {(r["kind"], r["name"]): r for r in status["refs"]}
+    assert refs[("branch", "main")]["mirrored_head"] == source.lookup_branch("main"), status
     run = Replicator(dep)
-    run.catch_up()
     head = source.lookup_branch("main")
     done = k8s.wait_condition("Mirror", "west")
     assert condition(done, "Ready")["reason"] == "Mirroring"

@@ -7,6 +7,11 @@ in a worker thread while the main thread only waits for signals: a signal handle
 stop event itself could interrupt the pass's own wait on that event while it holds the event's
 lock, and never return. ``status`` reads both sides and writes nothing anywhere.
 
+The destination's S3 credentials may differ from the source's: ``$ZARRLAKE_DEST_AWS_ACCESS_KEY_ID``,
+``$ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY`` and ``$ZARRLAKE_DEST_AWS_SESSION_TOKEN`` (what the
+operator's replicator gets from the Mirror's credentials Secret) are used for DEST when set; else
+both sides use the AWS default chain.
+
 With ``--lock`` (or ``$ZARRLAKE_LOCK``) only the promoter holding the lock named after the
 destination acts; the others stand by, asking again at least every second so that a signal
 stops them promptly too. Safety never rests on the lock (see :class:`~zarrlake.mirror.Mirror`).
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from zarrlake.cli.args import PROG, Commands, UsageError, add_json, add_lock, duration
 from zarrlake.cli.connect import open_lock, open_storage
@@ -32,6 +39,7 @@ from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import GraceTooShort, LockTimeout, ZarrlakeError
 from zarrlake.mirror import Mirror, MirrorStatus, RefStatus
 from zarrlake.repository import Repository
+from zarrlake.storage import Storage
 from zarrlake.units import format_bytes
 
 if TYPE_CHECKING:
@@ -152,6 +160,40 @@ def _port(text: str) -> int:
     return port
 
 
+#: Environment variables naming the destination's own S3 credentials.
+DEST_CREDENTIALS = (
+    "ZARRLAKE_DEST_AWS_ACCESS_KEY_ID",
+    "ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY",
+    "ZARRLAKE_DEST_AWS_SESSION_TOKEN",
+)
+
+
+def destination_storage(url: str) -> Storage:
+    """The storage DEST names, with the destination's own credentials from
+    ``$ZARRLAKE_DEST_AWS_*`` when they are set (S3 only)."""
+    storage = open_storage(url)
+    key_id, secret, token = (os.environ.get(name) or None for name in DEST_CREDENTIALS)
+    if key_id is None and secret is None:
+        return storage
+    if not storage.url.startswith("s3://") or key_id is None or secret is None:
+        raise UsageError(
+            "$ZARRLAKE_DEST_AWS_ACCESS_KEY_ID and $ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY go "
+            f"together, for an s3:// destination (DEST is {storage.url})"
+        )
+    parts = urlsplit(storage.url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    return Storage.s3(
+        parts.netloc,
+        unquote(parts.path.lstrip("/")),
+        endpoint_url=query.get("endpoint_url"),
+        region=query.get("region"),
+        access_key_id=key_id,
+        secret_access_key=secret,
+        session_token=token,
+        allow_http=query.get("allow_http") == "true",
+    )
+
+
 # -- run -----------------------------------------------------------------------------------------
 
 
@@ -173,7 +215,7 @@ def run_mirror(args: argparse.Namespace) -> None:
         )
     if args.once and (gc_every is not None or args.metrics_port is not None):
         raise UsageError("--gc-every and --metrics-port need a continuous run, not --once")
-    source_storage, dest_storage = open_storage(args.source), open_storage(args.dest)
+    source_storage, dest_storage = open_storage(args.source), destination_storage(args.dest)
     wait = None if args.once else {"wait_s": min(interval, STANDBY_WAIT_S)}
     lock = open_lock(args.lock or None, **(wait or {}))
     metrics_type = _metrics_type() if args.metrics_port is not None else None
@@ -300,7 +342,7 @@ def _fail_on_errors(status: MirrorStatus) -> None:
 def run_status(args: argparse.Namespace) -> None:
     """Print where every mirrored ref stands; exit 1 if DEST is not a mirror of SOURCE yet or a
     ref could not be checked."""
-    source_storage, dest_storage = open_storage(args.source), open_storage(args.dest)
+    source_storage, dest_storage = open_storage(args.source), destination_storage(args.dest)
     source = Repository.open(source_storage)
     with _quiet_log():
         mirror = Mirror(source, dest_storage, branches=args.branches, tags=args.tags, create=False)
