@@ -15,6 +15,8 @@ checks the mirror's invariants after every step.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import zarrlake as zl
 from mirror_helpers import read_all, replicate, write, write_chunks
@@ -158,7 +163,7 @@ class Replicator(threading.Thread):
         self.stats["rounds"] += 1
 
 
-# -- the threaded scenario --------------------------------------------------------------------------
+# -- the threaded scenario ----------------------------------------------------------------------
 
 
 @dataclass
@@ -354,3 +359,201 @@ def test_adversarial_replication_never_shows_an_incomplete_head_and_lag_stays_bo
     assert mirror_repo.fsck().ok
     for branch in branches:
         assert _same(read_all(mirror_repo, branch), read_all(source, branch))
+
+
+# -- hypothesis-chosen schedules -------------------------------------------------------------------
+
+SCHEDULE_CHUNKS = 16
+BRANCHES = ("main", "dev", "feature")
+TAGS = ("v1", "v2", "v3")
+
+
+class MirrorSchedule(RuleBasedStateMachine):
+    """The source, bucket replication and the promoter, interleaved as hypothesis chooses.
+
+    Replication copies any subset of the source's objects in any order (again, sometimes), can
+    hold some back until released, and never has to deliver a commit's objects together. After
+    every step: every ref the destination shows has complete data equal to the source's for that
+    snapshot, and points where the source's ref pointed at the journal entry it names; refs move
+    forward only; tags never change once shown. Whenever every source object has arrived, one
+    promotion makes the mirror exactly the source.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="zl-mirror-schedule-"))
+        self.source = zl.Repository.create(zl.Storage.local(self.dir / "source"))
+        write(self.source, "main", 0, "first", n=SCHEDULE_CHUNKS)
+        self.dest = zl.Storage.local(self.dir / "dest")
+        self.mirror = Mirror(self.source, self.dest, copy=False)
+        self.replicated: set[str] = set()
+        self.withheld: set[str] = set()
+        self.tag_targets: dict[str, str] = {}  # every tag the source ever had: its snapshot
+        self.shown: dict[str, tuple[int | None, str | None]] = {}  # branch -> (token, head)
+        self.shown_tags: dict[str, str] = {}
+        self.expected = SourceData(self.source)
+        self.seed = 1
+        self.steps = 0
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- the source -----------------------------------------------------------------------------
+
+    def _live(self) -> list[str]:
+        return sorted(self.source.list_branches())
+
+    @rule(
+        which=st.integers(0, 5),
+        chunks=st.sets(st.integers(0, SCHEDULE_CHUNKS - 1), min_size=1),
+        and_step=st.booleans(),
+    )
+    def commit(self, which: int, chunks: set[int], and_step: bool) -> None:
+        live = self._live()
+        self.seed += 1
+        write_chunks(self.source, live[which % len(live)], self.seed, chunks, f"c{self.seed}")
+        if and_step:
+            self.step()
+
+    @rule(name=st.sampled_from(BRANCHES[1:]), which=st.integers(0, 5))
+    def create_branch(self, name: str, which: int) -> None:
+        live = self._live()
+        if name not in live:
+            self.source.create_branch(name, live[which % len(live)])
+
+    @rule(name=st.sampled_from(BRANCHES[1:]))
+    def delete_branch(self, name: str) -> None:
+        if name in self._live():
+            self.source.delete_branch(name)
+
+    @rule(name=st.sampled_from(TAGS), which=st.integers(0, 5))
+    def create_tag(self, name: str, which: int) -> None:
+        if name not in self.tag_targets:  # a tag name is never reused
+            live = self._live()
+            self.tag_targets[name] = self.source.create_tag(name, live[which % len(live)])
+
+    @rule(name=st.sampled_from(TAGS))
+    def delete_tag(self, name: str) -> None:
+        if name in self.source.list_tags():
+            self.source.delete_tag(name)
+
+    # -- replication ----------------------------------------------------------------------------
+
+    def _pending(self) -> list[str]:
+        return sorted(set(self.source.storage.list_keys("")) - self.replicated - self.withheld)
+
+    def _deliver(self, keys: list[str]) -> None:
+        for key in keys:
+            self.dest.put(key, self.source.storage.get(key))
+            self.replicated.add(key)
+
+    @rule(
+        rnd=st.randoms(use_true_random=False),
+        fraction=st.floats(0, 1),
+        again=st.booleans(),
+        and_step=st.booleans(),
+    )
+    def replicate_some(
+        self, rnd: random.Random, fraction: float, again: bool, and_step: bool
+    ) -> None:
+        pending = self._pending()
+        keys = rnd.sample(pending, round(len(pending) * fraction))
+        if again and self.replicated:  # duplicate deliveries of objects already there
+            keys += rnd.sample(sorted(self.replicated), min(3, len(self.replicated)))
+        self._deliver(keys)
+        if and_step:
+            self.step()
+
+    @rule(rnd=st.randoms(use_true_random=False), data_first=st.booleans(), and_step=st.booleans())
+    def replicate_all(self, rnd: random.Random, data_first: bool, and_step: bool) -> None:
+        keys = self._pending()
+        rnd.shuffle(keys)
+        keys.sort(key=lambda k: _is_data(k) != data_first)
+        self._deliver(keys)
+        if and_step:
+            self.step()
+
+    @rule(rnd=st.randoms(use_true_random=False), fraction=st.floats(0, 1))
+    def withhold(self, rnd: random.Random, fraction: float) -> None:
+        pending = self._pending()
+        self.withheld.update(rnd.sample(pending, round(len(pending) * fraction)))
+
+    @rule()
+    def release(self) -> None:
+        self.withheld.clear()
+
+    # -- the promoter ---------------------------------------------------------------------------
+
+    @rule()
+    def step(self) -> None:
+        self.steps += 1
+        everything_here = set(self.source.storage.list_keys("")) <= self.replicated
+        status = self.mirror.step()
+        assert all(r.error is None for r in status.refs), status
+        for what in status.promoted:
+            event(f"promoted {what.split()[0]}{' (deleted)' if 'deleted' in what else ''}")
+        if any(r.mirrored_head not in (None, r.source_head) for r in status.refs):
+            event("a ref shows an earlier head than the source's")
+        if everything_here:
+            self._assert_in_sync(status)
+
+    @rule()
+    def restart(self) -> None:
+        self.mirror = Mirror(self.source, self.dest, copy=False)
+
+    @rule()
+    def sync(self) -> None:
+        self.withheld.clear()
+        self.replicate_all(random.Random(0), data_first=False, and_step=False)
+        self._assert_in_sync(self.mirror.step())
+
+    def _assert_in_sync(self, status: MirrorStatus) -> None:
+        mirror = zl.Repository.open(self.dest)
+        assert mirror.list_branches() == self.source.list_branches()
+        assert mirror.list_tags() == self.source.list_tags()
+        assert status.up_to_date, status
+        assert all(r.missing_objects == 0 and r.commits_behind == 0 for r in status.refs)
+
+    # -- what the destination shows, after every step -------------------------------------------
+
+    @invariant()
+    def mirror_shows_only_complete_source_heads_moving_forward(self) -> None:
+        mirror = zl.Repository.open(self.dest)
+        assert mirror.record.mirror_of == self.source.storage.url
+        journal, source_journal = mirror.core.journal, self.source.core.journal
+        assert set(journal.names()) <= set(BRANCHES)
+        for name in journal.names():
+            entry = journal.head(name)
+            assert entry is not None
+            token, sid = entry.token, entry.snapshot
+            if sid is not None:
+                # Complete, and the source's data for that snapshot.
+                assert _same(read_all(mirror, name), self.expected(sid)), (name, sid)
+            # Where the source's branch pointed at the journal entry the mirror names.
+            if token is not None:
+                shown = source_journal.read_entry(source_journal.entry_key(name, token))
+                assert shown.snapshot == sid, (name, token, sid, shown.snapshot)
+            else:
+                assert sid is None  # only a delete of a branch whose journal is gone names none
+            before_token, before_sid = self.shown.get(name, (None, None))
+            if before_token is not None:
+                assert token is not None and token >= before_token, (name, before_token, token)
+                between = [
+                    source_journal.read_entry(source_journal.entry_key(name, seq)).snapshot
+                    for seq in range(before_token + 1, token + 1)
+                ]
+                if before_sid is not None and sid is not None and None not in between:
+                    # No delete in between: forward along the source's first-parent history.
+                    assert before_sid in first_parent_chain(self.source, sid), (name, sid)
+            self.shown[name] = (token, sid)
+        for name, sid in mirror.list_tags().items():
+            assert sid == self.tag_targets[name]
+            assert self.shown_tags.setdefault(name, sid) == sid
+            assert _same(read_all(mirror, name), self.expected(sid)), (name, sid)
+
+
+def test_hypothesis_schedules_keep_the_mirror_complete_and_forward_only() -> None:
+    run_state_machine_as_test(
+        MirrorSchedule,
+        settings=settings(max_examples=25, stateful_step_count=30, deadline=None),
+    )
