@@ -23,16 +23,19 @@ def data(seed: int, n: int = 64) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2**31, n * CHUNK, dtype="i4")
 
 
-def write(repo: zl.Repository, branch: str, value: int, message: str, n: int = 64) -> str:
-    """Commit array ``a``: ``n`` chunks of 4 KiB of random numbers (so every chunk is an object,
-    not inlined) drawn from seed ``value``; returns the new head."""
+def write(
+    repo: zl.Repository, branch: str, value: int, message: str, n: int = 64, path: str = "a"
+) -> str:
+    """Commit array ``path``: ``n`` chunks of 4 KiB of random numbers (so every chunk is an
+    object, not inlined) drawn from seed ``value``; returns the new head."""
     with repo.transaction(branch, message=message) as store:
         try:
-            arr = zarr.open_array(store, path="a", mode="r+")
+            arr = zarr.open_array(store, path=path, mode="r+")
         except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):
             arr = zarr.create_array(
-                store, name="a", shape=(n * CHUNK,), chunks=(CHUNK,), dtype="i4"
+                store, name=path, shape=(n * CHUNK,), chunks=(CHUNK,), dtype="i4"
             )
+        assert arr.shape == (n * CHUNK,), f"{path} has {arr.shape[0] // CHUNK} chunks, not {n}"
         arr[:] = data(value, n)
     return repo.lookup_branch(branch)
 
@@ -68,11 +71,7 @@ def replicate(
     source: zl.Storage, dest: zl.Storage, keep: Callable[[str], bool] = lambda key: True
 ) -> list[str]:
     """What bucket replication does: copy every object under the prefix (journal and marker
-    included), here all at once; returns the keys withheld by ``keep``."""
-    withheld = []
-    for info in source.list(""):
-        if keep(info.key):
-            dest.put(info.key, source.get(info.key))
-        else:
-            withheld.append(info.key)
-    return withheld
+    included), here all at once (concurrently); returns the keys withheld by ``keep``."""
+    keys = source.list_keys("")
+    dest.map(lambda key: dest.put(key, source.get(key)), [k for k in keys if keep(k)])
+    return [k for k in keys if not keep(k)]
