@@ -43,6 +43,11 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # leaves them out. Chosen from `--durations` (each took over ~2.5 s on 2 loaded cores).
 SLOW_MODULES = {"test_e2e", "test_peering", "test_operator", "test_chart", "test_stateful"}
 SLOW_TESTS = {
+    "test_a_destination_rejecting_writes_reports_the_error_then_recovers",
+    "test_a_promoter_killed_mid_pass_resumes_and_loses_nothing",
+    "test_a_promotion_costs_o_k_requests_not_o_repository",
+    "test_adversarial_replication_never_shows_an_incomplete_head_and_lag_stays_bounded",
+    "test_append_region_and_time_travel",
     "test_commit_racing_gc_loses_nothing_local",
     "test_commit_racing_gc_loses_nothing_s3",
     "test_compaction_changes_no_data_and_packs_small_chunks",
@@ -53,7 +58,7 @@ SLOW_TESTS = {
     "test_crash_consistency_s3",
     "test_expire_log_ends_cleanly_and_gc_frees",
     "test_gc_spares_a_running_session",
-    "test_append_region_and_time_travel",
+    "test_hypothesis_schedules_keep_the_mirror_complete_and_forward_only",
     "test_lease_expires_after_holder_is_sigkilled",
     "test_lease_is_renewed_through_a_long_critical_section",
     "test_lock_container_command_really_sets_the_password",
@@ -66,6 +71,7 @@ SLOW_TESTS = {
     "test_python_m_zarrlake",
     "test_random_histories_survive_expiry_and_gc_memory",
     "test_redis_restarted_mid_run_loses_no_commit",
+    "test_s3_to_s3_across_two_servers",
     "test_session_expiry",
     "test_valid_envelope_with_random_payload_is_corrupt_or_well_formed",
 }
