@@ -51,6 +51,11 @@ SLOW_MODULES = {
 }
 SLOW_TESTS = {
     "test_a_standby_stops_on_sigterm_too",
+    "test_a_destination_rejecting_writes_reports_the_error_then_recovers",
+    "test_a_promoter_killed_mid_pass_resumes_and_loses_nothing",
+    "test_a_promotion_costs_o_k_requests_not_o_repository",
+    "test_adversarial_replication_never_shows_an_incomplete_head_and_lag_stays_bounded",
+    "test_append_region_and_time_travel",
     "test_commit_racing_gc_loses_nothing_local",
     "test_commit_racing_gc_loses_nothing_s3",
     "test_compaction_changes_no_data_and_packs_small_chunks",
@@ -61,7 +66,7 @@ SLOW_TESTS = {
     "test_crash_consistency_s3",
     "test_expire_log_ends_cleanly_and_gc_frees",
     "test_gc_spares_a_running_session",
-    "test_append_region_and_time_travel",
+    "test_hypothesis_schedules_keep_the_mirror_complete_and_forward_only",
     "test_lease_expires_after_holder_is_sigkilled",
     "test_lease_is_renewed_through_a_long_critical_section",
     "test_lock_container_command_really_sets_the_password",
@@ -76,6 +81,7 @@ SLOW_TESTS = {
     "test_random_histories_survive_expiry_and_gc_memory",
     "test_redis_restarted_mid_run_loses_no_commit",
     "test_run_promotes_new_commits_and_stops_on_sigterm",
+    "test_s3_to_s3_across_two_servers",
     "test_session_expiry",
     "test_two_promoters_one_lock_only_one_acts",
     "test_valid_envelope_with_random_payload_is_corrupt_or_well_formed",

@@ -15,26 +15,11 @@ import pytest
 import zarr
 
 import zarrlake as zl
+from mirror_helpers import chunk_keys, data, read, replicate, write
 from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, RepoRecord
 from zarrlake.locks import LocalLock
 from zarrlake.mirror import Mirror
 from zarrlake_testkit.counting import CountingStorage, Counts
-
-
-def _write(repo: zl.Repository, branch: str, value: int, message: str, n: int = 64) -> str:
-    """Commit array ``a``: ``n`` chunks of 4 KiB of random numbers (so every chunk is an object,
-    not inlined) drawn from seed ``value``."""
-    with repo.transaction(branch, message=message) as store:
-        try:
-            arr = zarr.open_array(store, path="a", mode="r+")
-        except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):
-            arr = zarr.create_array(store, name="a", shape=(n * 1024,), chunks=(1024,), dtype="i4")
-        arr[:] = np.random.default_rng(value).integers(0, 2**31, n * 1024, dtype="i4")
-    return repo.lookup_branch(branch)
-
-
-def _read(repo: zl.Repository, ref: str) -> np.ndarray:
-    return np.asarray(zarr.open_array(repo.readonly_session(ref).store, path="a", mode="r")[:])
 
 
 @pytest.fixture
@@ -48,10 +33,10 @@ def dest(tmp_path: Path) -> zl.Storage:
 
 
 def test_copy_mode_mirrors_branches_tags_and_history(source: zl.Repository, dest: zl.Storage):
-    first = _write(source, "main", 0, "one")
+    first = write(source, "main", 0, "one")
     source.create_tag("v1", "main")
     source.create_branch("dev", "main")
-    _write(source, "dev", 100, "on dev")
+    write(source, "dev", 100, "on dev")
 
     status = Mirror(source, dest).step()
 
@@ -63,7 +48,7 @@ def test_copy_mode_mirrors_branches_tags_and_history(source: zl.Repository, dest
     assert mirror.list_branches() == source.list_branches()
     assert mirror.list_tags() == {"v1": first}
     for ref in ("main", "dev", "v1"):
-        np.testing.assert_array_equal(_read(mirror, ref), _read(source, ref))
+        np.testing.assert_array_equal(read(mirror, ref), read(source, ref))
     assert [c.id for c in mirror.log("dev")] == [c.id for c in source.log("dev")]
     assert mirror.fsck().ok
 
@@ -71,7 +56,7 @@ def test_copy_mode_mirrors_branches_tags_and_history(source: zl.Repository, dest
 def test_every_write_to_a_mirror_is_refused_naming_the_source(
     source: zl.Repository, dest: zl.Storage
 ):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     source.create_tag("v1", "main")
     source.create_branch("dev", "main")
     Mirror(source, dest).step()
@@ -103,9 +88,9 @@ def test_a_pass_promotes_only_the_newest_head_and_history_stays_whole(
     source: zl.Repository, dest: zl.Storage
 ):
     m = Mirror(source, dest)
-    _write(source, "main", 0, "c0")
+    write(source, "main", 0, "c0")
     m.step()
-    heads = [_write(source, "main", i, f"c{i}") for i in range(1, 6)]
+    heads = [write(source, "main", i, f"c{i}") for i in range(1, 6)]
 
     before = m.status().ref("main")
     assert (before.source_head, before.commits_behind) == (heads[-1], 5)
@@ -119,11 +104,11 @@ def test_a_pass_promotes_only_the_newest_head_and_history_stays_whole(
     assert [e.snapshot for e in entries[:2]] == [heads[-1], list(source.log("main"))[5].id]
     # log() on the mirror walks every commit, intermediate ones included.
     assert [c.message for c in mirror.log("main")] == [c.message for c in source.log("main")]
-    np.testing.assert_array_equal(_read(mirror, "main"), _read(source, "main"))
+    np.testing.assert_array_equal(read(mirror, "main"), read(source, "main"))
 
 
 def test_only_the_branches_asked_for_are_mirrored(source: zl.Repository, dest: zl.Storage):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     for name in ("release/1", "release/2", "scratch"):
         source.create_branch(name, "main")
     status = Mirror(source, dest, branches=["release/*"], tags=False).step()
@@ -132,7 +117,7 @@ def test_only_the_branches_asked_for_are_mirrored(source: zl.Repository, dest: z
 
 
 def test_deleted_branches_and_tags_go_from_the_mirror(source: zl.Repository, dest: zl.Storage):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     source.create_branch("dev", "main")
     source.create_tag("v1", "main")
     m = Mirror(source, dest)
@@ -151,28 +136,16 @@ def test_deleted_branches_and_tags_go_from_the_mirror(source: zl.Repository, des
     assert m.step().promoted == ()  # nothing left to do: deletes are not repeated
 
 
-def _replicate(source: zl.Storage, dest: zl.Storage, keep=lambda key: True) -> list[str]:
-    """What bucket replication does: copy every object under the prefix (journal and marker
-    included), here all at once; returns the keys withheld by ``keep``."""
-    withheld = []
-    for info in source.list(""):
-        if keep(info.key):
-            dest.put(info.key, source.get(info.key))
-        else:
-            withheld.append(info.key)
-    return withheld
-
-
 def test_external_mode_waits_for_every_object_and_never_reads_replicated_refs(
     source: zl.Repository, dest: zl.Storage
 ):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     m = Mirror(source, dest, copy=False)
     assert m.step().ref("main").missing_objects > 64  # nothing has arrived yet
 
     # Replication brings everything but one chunk object: the source's journal and marker too.
     chunk = next(k for k in source.storage.list_keys("chunks/"))
-    withheld = _replicate(source.storage, dest, keep=lambda k: k != chunk)
+    withheld = replicate(source.storage, dest, keep=lambda k: k != chunk)
     assert withheld == [chunk]
     assert RepoRecord.decode(dest.get(REPO_KEY)).mirror_of is None  # the source's marker
     status = m.step()
@@ -187,7 +160,7 @@ def test_external_mode_waits_for_every_object_and_never_reads_replicated_refs(
     dest.put(chunk, source.storage.get(chunk))
     status = m.step()
     assert status.up_to_date and status.checked_objects == 1 and status.copied_objects == 0
-    np.testing.assert_array_equal(_read(zl.Repository.open(dest), "main"), _read(source, "main"))
+    np.testing.assert_array_equal(read(zl.Repository.open(dest), "main"), read(source, "main"))
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["external", "copy"])
@@ -196,9 +169,9 @@ def test_a_restarted_mirror_checks_only_objects_it_has_not_seen(
 ):
     counts = Counts()
     dest = CountingStorage(zl.Storage.local(tmp_path / "dest"), counts)
-    _write(source, "main", 0, "one", n=200)
+    write(source, "main", 0, "one", n=200)
     if not copy:
-        _replicate(source.storage, dest)
+        replicate(source.storage, dest)
     Mirror(source, dest, copy=copy).step()
 
     # A new promoter (a restart) reads the presence records, then checks nothing old.
@@ -213,7 +186,7 @@ def test_a_restarted_mirror_checks_only_objects_it_has_not_seen(
     with source.transaction("main", message="three chunks") as store:
         zarr.open_array(store, path="a", mode="r+")[:3072] = np.arange(3072, dtype="i4") * 7919
     if not copy:
-        _replicate(source.storage, dest)
+        replicate(source.storage, dest)
     counts.reset()
     status = m.step()
     assert status.up_to_date
@@ -237,7 +210,7 @@ def test_a_destination_holding_another_repository_is_refused(source: zl.Reposito
 
 
 def test_a_crashed_copy_resumes_and_loses_nothing(source: zl.Repository, dest: zl.Storage):
-    _write(source, "main", 0, "one", n=100)
+    write(source, "main", 0, "one", n=100)
 
     class Crash(Exception):
         pass
@@ -255,17 +228,17 @@ def test_a_crashed_copy_resumes_and_loses_nothing(source: zl.Repository, dest: z
     assert status.up_to_date
     # The crashed pass saved what it had copied every 64 objects: that is not copied again.
     assert status.copied_objects <= 105 - Mirror.SAVE_EVERY
-    np.testing.assert_array_equal(_read(zl.Repository.open(dest), "main"), _read(source, "main"))
+    np.testing.assert_array_equal(read(zl.Repository.open(dest), "main"), read(source, "main"))
 
 
 def test_status_reports_lag_in_commits_and_seconds(source: zl.Repository, dest: zl.Storage):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     m = Mirror(source, dest, copy=False)
     status = m.step().ref("main")
     assert status.commits_behind == 2  # "one" and the initial commit
     assert status.seconds_behind >= 0
     assert status.last_promotion is None
-    _replicate(source.storage, dest)
+    replicate(source.storage, dest)
     done = m.step().ref("main")
     assert (done.commits_behind, done.seconds_behind, done.missing_objects) == (0, 0.0, 0)
     assert done.last_promotion is not None
@@ -273,75 +246,66 @@ def test_status_reports_lag_in_commits_and_seconds(source: zl.Repository, dest: 
     assert m.status().to_json()["refs"][0]["mirrored_head"] == source.lookup_branch("main")
 
 
-def _chunk_keys(storage: zl.Storage) -> set[str]:
-    return set(storage.list_keys("chunks/"))
-
-
-def _data(seed: int, n: int = 64) -> np.ndarray:
-    """What ``_write(..., seed, ..., n)`` wrote."""
-    return np.random.default_rng(seed).integers(0, 2**31, n * 1024, dtype="i4")
-
-
 def test_mirror_gc_deletes_what_no_mirror_ref_reaches_and_keeps_the_rest(
     source: zl.Repository, dest: zl.Storage
 ):
-    _write(source, "main", 1, "old data")
+    write(source, "main", 1, "old data")
     m = Mirror(source, dest)
     m.step()
-    old_chunks = _chunk_keys(dest)
-    _write(source, "main", 2, "new data")  # every chunk rewritten
+    old_chunks = chunk_keys(dest)
+    write(source, "main", 2, "new data")  # every chunk rewritten
     m.step()
-    new_chunks = _chunk_keys(dest) - old_chunks
+    new_chunks = chunk_keys(dest) - old_chunks
     assert len(new_chunks) == 64
 
     # The source takes the old commits out of history and collects them.
     source.expire(zl.RetentionRules(default=zl.Keep(last=1)))
     source.gc(grace=dt.timedelta(0), force=True)
-    assert not _chunk_keys(source.storage) & old_chunks
+    assert not chunk_keys(source.storage) & old_chunks
     m.step()  # brings the expiry records: history at the mirror ends where the source's does
 
     mirror = zl.Repository.open(dest)
     with pytest.raises(zl.ReadOnlyError, match=r"Mirror\.gc"):
         mirror.gc(grace=dt.timedelta(0), force=True)
     dry = m.gc(grace=dt.timedelta(0), force=True, dry_run=True)
-    assert dry.by_kind["chunks"].deleted == 64 and _chunk_keys(dest) >= old_chunks
+    assert dry.by_kind["chunks"].deleted == 64 and chunk_keys(dest) >= old_chunks
     report = m.gc(grace=dt.timedelta(0), force=True)
 
     assert report.by_kind["chunks"].deleted == 64
-    assert _chunk_keys(dest) == new_chunks
-    np.testing.assert_array_equal(_read(mirror, "main"), _data(2))
+    assert chunk_keys(dest) == new_chunks
+    np.testing.assert_array_equal(read(mirror, "main"), data(2))
     assert mirror.fsck().ok
     # The promoter forgot what it knew: data the source writes again (same content, same
     # names) is checked and copied again, not trusted from before the GC.
-    _write(source, "main", 1, "old data again")
+    write(source, "main", 1, "old data again")
     assert m.step().copied_objects >= 64
-    np.testing.assert_array_equal(_read(mirror, "main"), _data(1))
+    np.testing.assert_array_equal(read(mirror, "main"), data(1))
     assert mirror.fsck().ok
 
 
 def test_mirror_gc_never_deletes_what_a_mirror_ref_still_shows(
     source: zl.Repository, dest: zl.Storage
 ):
-    first = _write(source, "main", 1, "shown")
+    first = write(source, "main", 1, "shown")
     m = Mirror(source, dest, copy=False)
-    _replicate(source.storage, dest)
+    replicate(source.storage, dest)
     m.step()
-    shown = _chunk_keys(dest)
+    shown = chunk_keys(dest)
     # The source moves on and collects the data the mirror still shows; replication delivers
     # all of the new commit but its chunks, so the mirror stays at the first.
-    _write(source, "main", 2, "not yet")
+    write(source, "main", 2, "not yet")
     source.expire(zl.RetentionRules(default=zl.Keep(last=1)))
     source.gc(grace=dt.timedelta(0), force=True)
-    assert not _chunk_keys(source.storage) & shown
-    _replicate(source.storage, dest, keep=lambda k: not k.startswith("chunks/"))
+    assert not chunk_keys(source.storage) & shown
+    replicate(source.storage, dest, keep=lambda k: not k.startswith("chunks/"))
     assert m.step().ref("main").mirrored_head == first
 
     m.gc(grace=dt.timedelta(0), force=True)
 
     mirror = zl.Repository.open(dest)
-    assert _chunk_keys(dest) == shown
+    assert chunk_keys(dest) == shown
     assert mirror.lookup_branch("main") == first
-    np.testing.assert_array_equal(_read(mirror, "main"), _data(1))
+    np.testing.assert_array_equal(read(mirror, "main"), data(1))
     assert mirror.fsck().ok
 
 
@@ -349,10 +313,10 @@ def test_a_skipped_commit_is_history_but_not_data_at_the_mirror(
     source: zl.Repository, dest: zl.Storage
 ):
     m = Mirror(source, dest)
-    _write(source, "main", 1, "one")
+    write(source, "main", 1, "one")
     m.step()
-    skipped = _write(source, "main", 2, "skipped")
-    _write(source, "main", 3, "three")
+    skipped = write(source, "main", 2, "skipped")
+    write(source, "main", 3, "three")
     m.step()
     mirror = zl.Repository.open(dest)
     assert skipped in [c.id for c in mirror.log("main")]
@@ -366,7 +330,7 @@ def test_a_skipped_commit_is_history_but_not_data_at_the_mirror(
     shown = [e.snapshot for e in mirror.core.journal.history("main") if e.snapshot]
     assert len(shown) == 2
     for sid in shown:
-        np.testing.assert_array_equal(_read(mirror, sid), _read(source, sid))
+        np.testing.assert_array_equal(read(mirror, sid), read(source, sid))
     assert mirror.diff(shown[1], shown[0]).to_json() == source.diff(shown[1], shown[0]).to_json()
     assert mirror.fsck().ok
 
@@ -378,26 +342,26 @@ def test_when_the_newest_head_is_never_complete_an_earlier_complete_one_is_promo
     # objects have not all arrived. The newest head an earlier pass saw that is complete by now
     # is promoted, so the mirror trails by the replication delay instead of stalling.
     m = Mirror(source, dest, copy=False)
-    first = _write(source, "main", 1, "one")
+    first = write(source, "main", 1, "one")
     at_first = set(source.storage.list_keys(""))
     assert m.step().ref("main").mirrored_head is None  # nothing arrived
-    second = _write(source, "main", 2, "two")
+    second = write(source, "main", 2, "two")
     at_second = set(source.storage.list_keys(""))
-    _replicate(source.storage, dest, keep=lambda k: k in at_first)
+    replicate(source.storage, dest, keep=lambda k: k in at_first)
 
     status = m.step().ref("main")  # sees "two", incomplete; "one", seen before, is complete
     assert (status.source_head, status.mirrored_head) == (second, first)
     assert status.missing_objects > 0 and status.commits_behind == 1
 
-    third = _write(source, "main", 3, "three")
-    _replicate(source.storage, dest, keep=lambda k: k in at_second)
+    third = write(source, "main", 3, "three")
+    replicate(source.storage, dest, keep=lambda k: k in at_second)
     assert m.step().ref("main").mirrored_head == second
-    _replicate(source.storage, dest)
+    replicate(source.storage, dest)
     assert m.step().ref("main").mirrored_head == third
     mirror = zl.Repository.open(dest)
     assert [e.snapshot for e in mirror.core.journal.history("main")] == [third, second, first]
     for sid in (first, second, third):
-        np.testing.assert_array_equal(_read(mirror, sid), _read(source, sid))
+        np.testing.assert_array_equal(read(mirror, sid), read(source, sid))
 
 
 def test_metrics_follow_every_pass_and_are_served_over_http(
@@ -409,7 +373,7 @@ def test_metrics_follow_every_pass_and_are_served_over_http(
     from zarrlake.mirror.metrics import MirrorMetrics
 
     metrics = MirrorMetrics(source.id)
-    _write(source, "main", 1, "one")
+    write(source, "main", 1, "one")
     source.create_branch("dev", "main")
     m = Mirror(source, dest, copy=False)
     metrics.update(m.step())
@@ -421,7 +385,7 @@ def test_metrics_follow_every_pass_and_are_served_over_http(
     assert value("zarrlake_mirror_commits_behind", "branch/main") == 2
     assert value("zarrlake_mirror_missing_objects", "branch/main") > 64
     assert value("zarrlake_mirror_last_promotion_timestamp_seconds", "branch/main") == 0
-    _replicate(source.storage, dest)
+    replicate(source.storage, dest)
     source.delete_branch("dev")
     status = m.step()
     metrics.update(status)
@@ -449,13 +413,13 @@ def test_a_mirror_of_itself_is_refused(source: zl.Repository):
 def test_without_create_nothing_is_written_until_the_destination_is_a_mirror(
     source: zl.Repository, dest: zl.Storage
 ):
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     with pytest.raises(zl.RepositoryNotFound, match="not \\(yet\\) a mirror"):
         Mirror(source, dest, create=False)
     assert list(dest.list("")) == []
 
     Mirror(source, dest).step()
-    head = _write(source, "main", 1, "two")
+    head = write(source, "main", 1, "two")
     status = Mirror(source, dest, create=False).status()
     assert (status.ref("main").source_head, status.ref("main").commits_behind) == (head, 1)
     assert zl.Repository.open(dest).lookup_branch("main") != head  # status() promotes nothing
@@ -466,7 +430,7 @@ def test_of_two_promoters_sharing_a_lock_one_acts_and_the_other_stands_by(
 ):
     import threading
 
-    _write(source, "main", 0, "one")
+    write(source, "main", 0, "one")
     lock = LocalLock(tmp_path / "locks", wait_s=0.2)
     first, second = Mirror(source, dest, lock=lock), Mirror(source, dest, lock=lock)
     passes: dict[str, int] = {"first": 0, "second": 0}
@@ -490,7 +454,7 @@ def test_of_two_promoters_sharing_a_lock_one_acts_and_the_other_stands_by(
     b.start()
     threading.Event().wait(0.5)
     assert passes["second"] == 0  # standing by while the first holds the lock
-    head = _write(source, "main", 1, "two")
+    head = write(source, "main", 1, "two")
     stop_first.set()
     a.join()
     deadline = dt.datetime.now() + dt.timedelta(seconds=10)
