@@ -342,15 +342,7 @@ class RejectingWrites(CountingStorage):
     [
         (True, StorageError),
         (True, TransientStorageError),
-        pytest.param(
-            False,
-            StorageError,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="engine bug: in external mode Mirror.step() raises the destination's "
-                "write error from Presence.save() instead of returning the ref's error",
-            ),
-        ),
+        (False, StorageError),
     ],
     ids=["copy-denied", "copy-throttled", "external-denied"],
 )

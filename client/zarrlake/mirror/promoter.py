@@ -42,6 +42,7 @@ from zarrlake.refs import new_writer_id
 from zarrlake.repository import Repository
 from zarrlake.storage.base import (
     ObjectInfo,
+    StorageError,
     ObjectNotFound,
     PreconditionFailed,
     Storage,
@@ -292,7 +293,12 @@ class Mirror:
         if self.tags:
             refs.extend(self._step_tags(counters))
         refs = [r for r in refs if not r.gone]
-        self.presence.save()
+        try:
+            self.presence.save()
+        except StorageError as e:
+            # Only a cost: what was learned stays pending in memory and is saved by a later
+            # pass; a restarted promoter would ask about those objects again.
+            log.warning("mirror: could not record what is present at the destination: %s", e)
         self._status = MirrorStatus(
             self.source.storage.url,
             self.destination.url,
