@@ -244,6 +244,10 @@ def test_status_reports_lag_in_commits_and_seconds(source: zl.Repository, dest: 
     assert done.last_promotion is not None
     assert dt.datetime.now(dt.UTC) - done.last_promotion < dt.timedelta(minutes=1)
     assert m.status().to_json()["refs"][0]["mirrored_head"] == source.lookup_branch("main")
+    # A promoter that never promoted (restarted, or only reading) knows it from the journal.
+    fresh = Mirror(source, dest, copy=False, create=False).status().ref("main")
+    assert fresh.last_promotion == zl.Repository.open(dest).core.journal.head("main").time
+    assert abs(fresh.last_promotion - done.last_promotion) < dt.timedelta(seconds=5)
 
 
 def test_mirror_gc_deletes_what_no_mirror_ref_reaches_and_keeps_the_rest(

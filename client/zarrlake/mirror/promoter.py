@@ -431,6 +431,9 @@ class Mirror:
         try:
             dest_entry = dest_journal.head(name)
             mirrored = None if dest_entry is None else dest_entry.snapshot
+            if dest_entry is not None and mirrored is not None:
+                # A restarted (or read-only) promoter knows the last promotion from the journal.
+                self._last_promotion.setdefault(("branch", name), dest_entry.time)
             if source_head is None:  # deleted at the source: delete here too
                 if mirrored is not None and promote and entry is not None:
                     assert dest_entry is not None
