@@ -42,10 +42,10 @@ from zarrlake.refs import new_writer_id
 from zarrlake.repository import Repository
 from zarrlake.storage.base import (
     ObjectInfo,
-    StorageError,
     ObjectNotFound,
     PreconditionFailed,
     Storage,
+    StorageError,
     with_retries,
 )
 
