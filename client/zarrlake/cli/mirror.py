@@ -20,6 +20,7 @@ stops them promptly too. Safety never rests on the lock (see :class:`~zarrlake.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -455,9 +456,8 @@ class CopyProgressLine:
 
 
 @contextmanager
-def _quiet_log() -> Iterator[None]:
-    """One pass: what the mirror logs is in the status it returns; stderr keeps its one line."""
-    handler = logging.NullHandler()
+def _log_only_to(handler: logging.Handler) -> Iterator[None]:
+    """While the block runs, what the mirror logs goes to ``handler`` alone."""
     log.addHandler(handler)
     propagate, log.propagate = log.propagate, False
     try:
@@ -467,17 +467,15 @@ def _quiet_log() -> Iterator[None]:
         log.propagate = propagate
 
 
-@contextmanager
-def _warnings_to_stderr() -> Iterator[None]:
+def _quiet_log() -> contextlib.AbstractContextManager[None]:
+    """One pass: what the mirror logs is in the status it returns; stderr keeps its one line."""
+    return _log_only_to(logging.NullHandler())
+
+
+def _warnings_to_stderr() -> contextlib.AbstractContextManager[None]:
     """A continuous run: a pass that failed as a whole is only logged, so warnings go to stderr
     as ``zarrlake: warning: ...`` lines (stdout stays the passes' documents)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter(f"{PROG}: warning: %(message)s"))
-    log.addHandler(handler)
-    propagate, log.propagate = log.propagate, False
-    try:
-        yield
-    finally:
-        log.removeHandler(handler)
-        log.propagate = propagate
+    return _log_only_to(handler)
