@@ -445,6 +445,7 @@ def _cron_job(
     identity: dict[str, Any] | None = None,
     extra_env: Sequence[Mapping[str, Any]] = (),
     run_as_user: int = 10001,
+    name_suffix: str = "",
 ) -> dict[str, Any]:
     name = policy["metadata"]["name"]
     job_labels = _job_labels(policy, kind, spec)
@@ -469,7 +470,7 @@ def _cron_job(
         "apiVersion": "batch/v1",
         "kind": "CronJob",
         "metadata": {
-            "name": child_name(name, kind, CRONJOB_NAME_MAX),
+            "name": child_name(name, kind + name_suffix, CRONJOB_NAME_MAX),
             "namespace": policy["metadata"]["namespace"],
             "labels": job_labels,
             "ownerReferences": [owner_reference(policy)],
@@ -597,6 +598,9 @@ class SparkDefaults(NamedTuple):
 
     image: str = SPARK_IMAGE
     service_account_name: str | None = None
+
+
+SPARK_DEFAULTS = SparkDefaults()
 
 
 def spark_names(policy: str) -> str:
@@ -736,7 +740,7 @@ def spark_submit_cron_jobs(
     policy: Mapping[str, Any],
     spec: RetentionPolicySpec,
     repository: Mapping[str, Any],
-    defaults: SparkDefaults = SparkDefaults(),
+    defaults: SparkDefaults = SPARK_DEFAULTS,
 ) -> dict[str, dict[str, Any]]:
     """engine: spark without the Spark operator: CronJobs whose Jobs run ``spark-submit``
     (:func:`spark_submit_command`) as the driver's ServiceAccount, with the local jobs'
@@ -747,7 +751,7 @@ def spark_submit_cron_jobs(
     identity: dict[str, Any] = {"serviceAccountName": account, "automountServiceAccountToken": True}
     if spec.image_pull_secrets:
         identity["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    pod_env = [
+    pod_env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "SPARK_USER", "value": "spark"},
@@ -767,6 +771,9 @@ def spark_submit_cron_jobs(
             identity=identity,
             extra_env=pod_env,
             run_as_user=SPARK_USER,
+            # Named apart from the local CronJobs: switching engines replaces one by the other
+            # instead of patching one pod template into the other.
+            name_suffix="-spark",
         )
     return jobs
 
@@ -775,7 +782,7 @@ def scheduled_spark_applications(
     policy: Mapping[str, Any],
     spec: RetentionPolicySpec,
     repository: Mapping[str, Any],
-    defaults: SparkDefaults = SparkDefaults(),
+    defaults: SparkDefaults = SPARK_DEFAULTS,
 ) -> dict[str, dict[str, Any]]:
     """engine: spark with the Spark operator installed: one ScheduledSparkApplication per job
     (``sparkoperator.k8s.io/v1beta2``); the operator starts a SparkApplication on schedule.
