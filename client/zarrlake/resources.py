@@ -418,6 +418,99 @@ class CompactionSchedule(JobSchedule):
     branch: str = Field(default="main", pattern=REF_NAME)
 
 
+# Spark sizes as Spark reads them (512m, 2g, 4096, 1gb, ...): a number and an optional unit.
+SPARK_SIZE = r"^[0-9]+([kKmMgGtTpP][bB]?)?$"
+#: Spark settings the operator writes itself: a sparkConf entry may not replace them.
+SPARK_RESERVED = (
+    "spark.master",
+    "spark.submit.deployMode",
+    "spark.kubernetes.container.image",
+    "spark.kubernetes.authenticate.",
+    "spark.kubernetes.namespace",
+    "spark.kubernetes.driver.pod.name",
+    "spark.kubernetes.driverEnv.",
+    "spark.kubernetes.executor.secretKeyRef.",
+    "spark.kubernetes.driver.secretKeyRef.",
+    "spark.executorEnv.",
+    "spark.executor.instances",
+    "spark.executor.cores",
+    "spark.executor.memory",
+    "spark.driver.cores",
+    "spark.driver.memory",
+    "spark.driver.host",
+    "spark.driver.bindAddress",
+)
+# Keys whose values are credentials: they would travel in the job's arguments, in clear.
+SPARK_CREDENTIAL_KEY = re.compile(
+    r"(secret(?!s\.)|password|access\.key|session\.token|credential)", re.I
+)
+
+
+class SparkSpec(ResourceModel):
+    """How engine: spark runs: the Spark image, identity and sizes of driver and executors."""
+
+    image: str | None = Field(
+        default=None,
+        description="Spark image with zarrlake installed (examples/spark/Dockerfile); default: "
+        "the operator's Spark image.",
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the Spark driver; it must be allowed to create and delete "
+        "pods, services and configmaps in the namespace. Default: the operator's, else one the "
+        "operator creates for the policy (with that Role).",
+    )
+    executor_instances: int = Field(
+        default=2, alias="executorInstances", ge=1, le=1000, description="Number of executors."
+    )
+    executor_cores: int = Field(
+        default=1, alias="executorCores", ge=1, le=64, description="Cores per executor."
+    )
+    executor_memory: str = Field(
+        default="2g",
+        alias="executorMemory",
+        pattern=SPARK_SIZE,
+        description="Memory per executor, as Spark reads it (2g, 512m).",
+    )
+    driver_cores: int = Field(default=1, alias="driverCores", ge=1, le=64)
+    driver_memory: str = Field(
+        default="1g",
+        alias="driverMemory",
+        pattern=SPARK_SIZE,
+        description="Driver memory, as Spark reads it (1g, 512m).",
+    )
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict,
+        alias="sparkConf",
+        description="Extra Spark settings (spark.* keys); never credentials, they would be "
+        "visible in the job's arguments.",
+    )
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _conf_keys(cls, conf: dict[str, str]) -> dict[str, str]:
+        for key in conf:
+            if not key.startswith("spark."):
+                raise ValueError(f"{key!r}: Spark settings start with 'spark.'")
+            reserved = next(
+                (r for r in SPARK_RESERVED if key == r or (r.endswith(".") and key.startswith(r))),
+                None,
+            )
+            if reserved is not None:
+                raise ValueError(
+                    f"{key!r} is set by the operator (use image, serviceAccountName, "
+                    "executorInstances, executorCores, executorMemory, driverCores, driverMemory)"
+                )
+            if SPARK_CREDENTIAL_KEY.search(key):
+                raise ValueError(
+                    f"{key!r} looks like a credential: it would be visible in the job's arguments "
+                    "(the Repository's credentialsSecret reaches the job by reference)"
+                )
+        return conf
+
+
 class RetentionPolicySpec(RepositoryRef):
     rules: RetentionRulesSpec = Field(default_factory=RetentionRulesSpec)
     gc: GCSchedule = Field(
@@ -440,6 +533,15 @@ class RetentionPolicySpec(RepositoryRef):
         alias="imagePullSecrets",
         description="Secrets for pulling the job image from a private registry.",
     )
+    engine: Literal["local", "spark"] = Field(
+        default="local",
+        description="local: the jobs run in one pod; spark: as Spark applications (a "
+        "ScheduledSparkApplication when the Spark operator is installed, else a CronJob running "
+        "spark-submit against the cluster).",
+    )
+    spark: SparkSpec = Field(
+        default_factory=SparkSpec, description="Spark settings for engine: spark."
+    )
     successful_jobs_history_limit: int = Field(default=3, alias="successfulJobsHistoryLimit", ge=0)
     failed_jobs_history_limit: int = Field(default=3, alias="failedJobsHistoryLimit", ge=0)
 
@@ -458,6 +560,21 @@ class JobRun(ResourceModel):
 class RetentionPolicyStatus(ResourceStatus):
     gc_cron_job: str | None = Field(default=None, alias="gcCronJob")
     compaction_cron_job: str | None = Field(default=None, alias="compactionCronJob")
+    engine: str | None = Field(
+        default=None,
+        description="How the jobs run: local, spark-operator (ScheduledSparkApplications) or "
+        "spark-submit (CronJobs running spark-submit).",
+    )
+    gc_spark_application: str | None = Field(
+        default=None,
+        alias="gcSparkApplication",
+        description="The ScheduledSparkApplication of the GC (spark-operator engine).",
+    )
+    compaction_spark_application: str | None = Field(
+        default=None,
+        alias="compactionSparkApplication",
+        description="The ScheduledSparkApplication of the compaction (spark-operator engine).",
+    )
     last_gc: JobRun | None = Field(default=None, alias="lastGC")
     last_compaction: JobRun | None = Field(default=None, alias="lastCompaction")
 

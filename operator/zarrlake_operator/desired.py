@@ -424,6 +424,15 @@ def job_env(repository: Repository) -> list[dict[str, Any]]:
     return env + lock_env(repository)
 
 
+def _job_labels(policy: Mapping[str, Any], kind: str, spec: RetentionPolicySpec) -> dict[str, str]:
+    name = policy["metadata"]["name"]
+    return labels(name, f"retention-{kind}") | {
+        POLICY_LABEL: name,
+        JOB_KIND_LABEL: kind,
+        REPOSITORY_LABEL: spec.repository,
+    }
+
+
 def _cron_job(
     policy: Mapping[str, Any],
     kind: str,
@@ -432,18 +441,19 @@ def _cron_job(
     repository: Repository,
     spec: RetentionPolicySpec,
     image: str,
+    *,
+    identity: dict[str, Any] | None = None,
+    extra_env: Sequence[Mapping[str, Any]] = (),
+    run_as_user: int = 10001,
+    name_suffix: str = "",
 ) -> dict[str, Any]:
     name = policy["metadata"]["name"]
-    job_labels = labels(name, f"retention-{kind}") | {
-        POLICY_LABEL: name,
-        JOB_KIND_LABEL: kind,
-        REPOSITORY_LABEL: spec.repository,
-    }
+    job_labels = _job_labels(policy, kind, spec)
     container: dict[str, Any] = {
         "name": kind,
         "image": image,
         "command": command,
-        "env": job_env(repository),
+        "env": [*job_env(repository), *extra_env],
         # The JSON report goes to the termination log; on a crash the log tail is shown instead.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -460,7 +470,7 @@ def _cron_job(
         "apiVersion": "batch/v1",
         "kind": "CronJob",
         "metadata": {
-            "name": child_name(name, kind, CRONJOB_NAME_MAX),
+            "name": child_name(name, kind + name_suffix, CRONJOB_NAME_MAX),
             "namespace": policy["metadata"]["namespace"],
             "labels": job_labels,
             "ownerReferences": [owner_reference(policy)],
@@ -482,10 +492,10 @@ def _cron_job(
                         "metadata": {"labels": job_labels},
                         "spec": {
                             "restartPolicy": "Never",
-                            **_job_identity(spec),
+                            **(_job_identity(spec) if identity is None else identity),
                             "securityContext": {
                                 "runAsNonRoot": True,
-                                "runAsUser": 10001,
+                                "runAsUser": run_as_user,
                                 "seccompProfile": {"type": "RuntimeDefault"},
                             },
                             "containers": [container],
@@ -522,21 +532,358 @@ def retention_cron_jobs(
     The storage URL carries no secrets, so it may appear in the arguments; everything secret
     reaches the job as Secret-referenced environment variables.
     """
-    resource = Repository.from_body(repository)
-    url = resource.status.url
-    if not url:
-        raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
+    resource = _repository_with_url(repository, spec)
     image = spec.image or default_image
-    rules = json.dumps(spec.rules.to_engine(), separators=(",", ":"), sort_keys=True)
-    gc_cmd = ["zarrlake", "gc", url, "--rules", rules, "--grace", spec.gc.grace, "--json"]
-    if spec.gc.force:
-        gc_cmd.append("--force")
-    jobs = {"gc": _cron_job(policy, "gc", spec.gc, gc_cmd, resource, spec, image)}
-    if spec.compaction is not None:
-        c = spec.compaction
-        cmd = ["zarrlake", "compact", url, "--branch", c.branch, "--json"]
-        jobs["compact"] = _cron_job(policy, "compact", c, cmd, resource, spec, image)
+    jobs = {}
+    for kind, args in maintenance_arguments(spec, str(resource.status.url)).items():
+        schedule = _schedule(spec, kind)
+        jobs[kind] = _cron_job(policy, kind, schedule, ["zarrlake", *args], resource, spec, image)
     return jobs
+
+
+def _repository_with_url(repository: Mapping[str, Any], spec: RetentionPolicySpec) -> Repository:
+    resource = Repository.from_body(repository)
+    if not resource.status.url:
+        raise ValueError(f"Repository {spec.repository!r} has no URL in its status yet")
+    return resource
+
+
+def _schedule(spec: RetentionPolicySpec, kind: str) -> JobSchedule:
+    if kind == "gc":
+        return spec.gc
+    assert spec.compaction is not None
+    return spec.compaction
+
+
+def maintenance_arguments(
+    spec: RetentionPolicySpec, url: str, *, engine: str = "local"
+) -> dict[str, list[str]]:
+    """The ``zarrlake`` arguments of each job the policy schedules, by kind (``gc``,
+    ``compact``); ``engine="spark"`` adds ``--engine spark`` (the SparkSession is the one
+    ``spark-submit`` or the Spark operator configured)."""
+    rules = json.dumps(spec.rules.to_engine(), separators=(",", ":"), sort_keys=True)
+    gc = ["gc", url, "--rules", rules, "--grace", spec.gc.grace, "--json"]
+    if spec.gc.force:
+        gc.append("--force")
+    out = {"gc": gc}
+    if spec.compaction is not None:
+        out["compact"] = ["compact", url, "--branch", spec.compaction.branch, "--json"]
+    if engine == "spark":
+        for args in out.values():
+            args += ["--engine", "spark"]
+    return out
+
+
+# -- engine: spark --
+
+SPARK_IMAGE = "ghcr.io/zarrlake/zarrlake-spark:0.1.0"
+SPARK_GROUP = "sparkoperator.k8s.io"
+SPARK_VERSION = "v1beta2"
+SPARK_API_VERSION = f"{SPARK_GROUP}/{SPARK_VERSION}"
+#: The zarrlake command line as a Python file spark-submit can run (a console script is not one:
+#: spark-submit takes a primary resource without ``.py`` for a JAR). examples/spark/Dockerfile
+#: copies examples/spark/ to /opt/zarrlake/examples/spark/.
+SPARK_ENTRY = "/opt/zarrlake/examples/spark/zarrlake_main.py"
+SPARK_SUBMIT = "/opt/spark/bin/spark-submit"
+SPARK_RELEASE = "4.0.1"  # the Spark of examples/spark/Dockerfile's image
+SPARK_USER = 185  # the image's ``spark`` user: the JVM wants a user name for its uid
+SPARK_NAME_MAX = 40  # the Spark operator appends a timestamp to each run, and "-driver" to pods
+ROLE_LABEL = "spark-role"
+SparkMode = Literal["spark-operator", "spark-submit"]
+
+
+class SparkDefaults(NamedTuple):
+    """The operator's defaults for engine: spark (Helm values ``spark.image`` and
+    ``spark.serviceAccountName``)."""
+
+    image: str = SPARK_IMAGE
+    service_account_name: str | None = None
+
+
+SPARK_DEFAULTS = SparkDefaults()
+
+
+def spark_names(policy: str) -> str:
+    """One name for the ServiceAccount, Role and RoleBinding of a policy's Spark driver."""
+    return child_name(policy, "spark")
+
+
+def spark_service_account(
+    policy: Mapping[str, Any], spec: RetentionPolicySpec, defaults: SparkDefaults
+) -> tuple[str, bool]:
+    """The driver's ServiceAccount and whether the operator manages it (and its Role)."""
+    if spec.spark.service_account_name:
+        return spec.spark.service_account_name, False
+    if defaults.service_account_name:
+        return defaults.service_account_name, False
+    return spark_names(policy["metadata"]["name"]), True
+
+
+def spark_rbac(policy: Mapping[str, Any], spec: RetentionPolicySpec) -> list[dict[str, Any]]:
+    """A ServiceAccount for the policy's Spark driver, and a Role (with its RoleBinding) that
+    lets the driver run its executors in the namespace: pods, their services and configmaps."""
+    name = policy["metadata"]["name"]
+    obj_name = spark_names(name)
+    meta = {
+        "name": obj_name,
+        "namespace": policy["metadata"]["namespace"],
+        "labels": labels(name, "spark-driver") | {POLICY_LABEL: name},
+        "ownerReferences": [owner_reference(policy)],
+    }
+    everything = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods", "services", "configmaps", "persistentvolumeclaims"],
+                    "verbs": everything,
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": obj_name,
+            },
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": obj_name,
+                    "namespace": policy["metadata"]["namespace"],
+                }
+            ],
+        },
+    ]
+
+
+def _spark_env(repository: Repository) -> list[dict[str, Any]]:
+    """What the driver and executors get: the maintenance job's environment (report file,
+    credentials and lock password by Secret reference)."""
+    return job_env(repository)
+
+
+def spark_submit_command(
+    policy: Mapping[str, Any],
+    kind: str,
+    spec: RetentionPolicySpec,
+    arguments: Sequence[str],
+    repository: Repository,
+    image: str,
+    service_account: str,
+) -> list[str]:
+    """``spark-submit`` in client mode against the cluster's own API server: the Job's pod is
+    the driver (so its termination message carries the report, as for a local job) and the
+    executors are pods in the namespace, created by the driver as ``service_account``.
+
+    Executors get the credentials by Secret reference (``secretKeyRef`` settings name the
+    Secret and key, never the value)."""
+    s = spec.spark
+    ns = policy["metadata"]["namespace"]
+    name = policy["metadata"]["name"]
+    conf: dict[str, str] = {
+        "spark.kubernetes.namespace": ns,
+        "spark.kubernetes.container.image": image,
+        "spark.kubernetes.authenticate.driver.serviceAccountName": service_account,
+        "spark.kubernetes.driver.pod.name": "$(POD_NAME)",
+        "spark.driver.host": "$(POD_IP)",
+        "spark.driver.bindAddress": "0.0.0.0",
+        "spark.executor.instances": str(s.executor_instances),
+        "spark.executor.cores": str(s.executor_cores),
+        "spark.executor.memory": s.executor_memory,
+        "spark.driver.cores": str(s.driver_cores),
+        "spark.driver.memory": s.driver_memory,
+        f"spark.kubernetes.executor.label.{POLICY_LABEL}": name,
+        f"spark.kubernetes.executor.label.{JOB_KIND_LABEL}": kind,
+    }
+    for var in _spark_env(repository):
+        if var["name"] == "ZARRLAKE_REPORT_FILE":
+            continue  # the driver's alone
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            conf[f"spark.kubernetes.executor.secretKeyRef.{var['name']}"] = (
+                f"{ref['name']}:{ref['key']}"
+            )
+        else:
+            conf[f"spark.executorEnv.{var['name']}"] = str(var["value"])
+    if spec.image_pull_secrets:
+        conf["spark.kubernetes.container.image.pullSecrets"] = ",".join(spec.image_pull_secrets)
+    conf |= dict(sorted(s.spark_conf.items()))
+    cmd = [
+        SPARK_SUBMIT,
+        "--master",
+        "k8s://https://$(KUBERNETES_SERVICE_HOST):$(KUBERNETES_SERVICE_PORT)",
+        "--deploy-mode",
+        "client",
+        "--name",
+        child_name(name, kind, SPARK_NAME_MAX),
+    ]
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    return [*cmd, SPARK_ENTRY, *arguments]
+
+
+def zarrlake_arguments(command: Sequence[str]) -> list[str]:
+    """The ``zarrlake`` arguments of a spark-submit command (what follows the entry file)."""
+    return list(command[list(command).index(SPARK_ENTRY) + 1 :])
+
+
+def spark_submit_cron_jobs(
+    policy: Mapping[str, Any],
+    spec: RetentionPolicySpec,
+    repository: Mapping[str, Any],
+    defaults: SparkDefaults = SPARK_DEFAULTS,
+) -> dict[str, dict[str, Any]]:
+    """engine: spark without the Spark operator: CronJobs whose Jobs run ``spark-submit``
+    (:func:`spark_submit_command`) as the driver's ServiceAccount, with the local jobs'
+    labels, environment and termination-log report."""
+    resource = _repository_with_url(repository, spec)
+    image = spec.spark.image or defaults.image
+    account, _ = spark_service_account(policy, spec, defaults)
+    identity: dict[str, Any] = {"serviceAccountName": account, "automountServiceAccountToken": True}
+    if spec.image_pull_secrets:
+        identity["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    pod_env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "SPARK_USER", "value": "spark"},
+    ]
+    jobs = {}
+    url = str(resource.status.url)
+    for kind, args in maintenance_arguments(spec, url, engine="spark").items():
+        cmd = spark_submit_command(policy, kind, spec, args, resource, image, account)
+        jobs[kind] = _cron_job(
+            policy,
+            kind,
+            _schedule(spec, kind),
+            cmd,
+            resource,
+            spec,
+            image,
+            identity=identity,
+            extra_env=pod_env,
+            run_as_user=SPARK_USER,
+            # Named apart from the local CronJobs: switching engines replaces one by the other
+            # instead of patching one pod template into the other.
+            name_suffix="-spark",
+        )
+    return jobs
+
+
+def scheduled_spark_applications(
+    policy: Mapping[str, Any],
+    spec: RetentionPolicySpec,
+    repository: Mapping[str, Any],
+    defaults: SparkDefaults = SPARK_DEFAULTS,
+) -> dict[str, dict[str, Any]]:
+    """engine: spark with the Spark operator installed: one ScheduledSparkApplication per job
+    (``sparkoperator.k8s.io/v1beta2``); the operator starts a SparkApplication on schedule.
+
+    The driver runs the zarrlake command line with ``--engine spark`` (cluster mode: the
+    SparkSession is the application's); its pod carries the policy's job labels, and the report
+    goes to its termination log, where the operator reads it when the driver finishes."""
+    resource = _repository_with_url(repository, spec)
+    s = spec.spark
+    image = s.image or defaults.image
+    account, _ = spark_service_account(policy, spec, defaults)
+    name = policy["metadata"]["name"]
+    env = _spark_env(resource)
+    executor_env = [v for v in env if v["name"] != "ZARRLAKE_REPORT_FILE"]
+    out = {}
+    for kind, args in maintenance_arguments(spec, str(resource.status.url), engine="spark").items():
+        schedule = _schedule(spec, kind)
+        job_labels = _job_labels(policy, kind, spec)
+        template: dict[str, Any] = {
+            "type": "Python",
+            "pythonVersion": "3",
+            "mode": "cluster",
+            "image": image,
+            "mainApplicationFile": f"local://{SPARK_ENTRY}",
+            "arguments": args,
+            "sparkVersion": SPARK_RELEASE,
+            "restartPolicy": {"type": "Never"},
+            "timeToLiveSeconds": 7 * 86400,
+            "driver": {
+                "cores": s.driver_cores,
+                "memory": s.driver_memory,
+                "serviceAccount": account,
+                "labels": job_labels,
+                "env": env,
+            },
+            "executor": {
+                "instances": s.executor_instances,
+                "cores": s.executor_cores,
+                "memory": s.executor_memory,
+                "labels": job_labels,
+                "env": executor_env,
+            },
+        }
+        if s.spark_conf:
+            template["sparkConf"] = dict(sorted(s.spark_conf.items()))
+        if spec.image_pull_secrets:
+            template["imagePullSecrets"] = list(spec.image_pull_secrets)
+        out[kind] = {
+            "apiVersion": SPARK_API_VERSION,
+            "kind": "ScheduledSparkApplication",
+            "metadata": {
+                "name": child_name(name, kind, SPARK_NAME_MAX),
+                "namespace": policy["metadata"]["namespace"],
+                "labels": job_labels,
+                "ownerReferences": [owner_reference(policy)],
+            },
+            "spec": {
+                "schedule": schedule.schedule,
+                "suspend": schedule.suspend,
+                "concurrencyPolicy": "Forbid",
+                "successfulRunHistoryLimit": max(1, spec.successful_jobs_history_limit),
+                "failedRunHistoryLimit": max(1, spec.failed_jobs_history_limit),
+                "template": template,
+            },
+        }
+    return out
+
+
+def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
+    """A finished Spark driver pod (of a ScheduledSparkApplication's run) as a ``JobRun``; None
+    while it runs. The report is the termination message of the driver container."""
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    if phase not in ("Succeeded", "Failed"):
+        return None
+    result: Literal["Succeeded", "Failed"] = "Succeeded" if phase == "Succeeded" else "Failed"
+    report: JobReport | None = None
+    message = None
+    finished = None
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        finished = finished or term.get("finishedAt")
+        text = (term.get("message") or "").strip()
+        if text:
+            report = JobReport.parse(text)
+            message = None if report is not None else text.splitlines()[-1][:500]
+            break
+    if message is None and result == "Failed":
+        message = status.get("message") or status.get("reason") or "the Spark driver failed"
+    meta = pod["metadata"]
+    job = (meta.get("labels") or {}).get("sparkoperator.k8s.io/app-name") or meta["name"]
+    return JobRun(
+        job=job,
+        time=finished or now_iso(),
+        result=result,
+        message=message or None,
+        snapshotsExpired=report.snapshots_expired if report else None,
+        objectsDeleted=report.objects_deleted if report else None,
+        bytesFreed=report.bytes_freed if report else None,
+        chunksPacked=report.chunks_packed if report else None,
+    )
 
 
 def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun | None:

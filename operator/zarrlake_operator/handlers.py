@@ -22,6 +22,11 @@ from zarrlake_operator.models import GROUP, VERSION, MirrorSpec
 
 RESYNC_SECONDS = float(os.environ.get("ZARRLAKE_RESYNC_SECONDS", "60"))
 JOB_IMAGE = os.environ.get("ZARRLAKE_JOB_IMAGE", desired.JOB_IMAGE)
+# engine: spark defaults (Helm values spark.image and spark.serviceAccountName).
+SPARK = desired.SparkDefaults(
+    os.environ.get("ZARRLAKE_SPARK_IMAGE") or desired.SPARK_IMAGE,
+    os.environ.get("ZARRLAKE_SPARK_SERVICE_ACCOUNT") or None,
+)
 FINALIZER = f"{GROUP}/finalizer"
 
 log = logging.getLogger("zarrlake_operator")
@@ -165,15 +170,15 @@ POLICIES = (GROUP, VERSION, "retentionpolicies")
 @metrics.instrumented("RetentionPolicy")
 def policy_changed(body: kopf.Body, **_: Any) -> None:
     with serialized(body):
-        reconcile.retention_policy(body, JOB_IMAGE)
+        reconcile.retention_policy(body, JOB_IMAGE, SPARK)
 
 
 @kopf.timer(*POLICIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def policy_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE)
+    _resync("RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE, spark=SPARK)
 
 
-@kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; CronJobs go by owner
+@kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; children go by owner
 def policy_deleted(body: kopf.Body, **_: Any) -> None:
     forget(body)
 
@@ -182,6 +187,21 @@ def policy_deleted(body: kopf.Body, **_: Any) -> None:
 @metrics.instrumented("Job")
 def job_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     outcome = reconcile.job_finished(body)
+    if outcome:
+        logger.info(outcome)
+
+
+# The drivers of engine: spark runs under the Spark operator (a ScheduledSparkApplication's
+# SparkApplications): their termination message is the run's report.
+@kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={desired.POLICY_LABEL: kopf.PRESENT, desired.ROLE_LABEL: "driver"},
+)
+@metrics.instrumented("SparkDriver")
+def spark_driver_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    outcome = reconcile.driver_finished(body)
     if outcome:
         logger.info(outcome)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zarrlake.k8s import SecretReader, secret_reader
-from zarrlake_operator.desired import drifted
+from zarrlake_operator.desired import SPARK_API_VERSION, drifted
 from zarrlake_operator.models import GROUP, VERSION
 
 KINDS: dict[str, str] = {
@@ -29,6 +29,12 @@ KINDS: dict[str, str] = {
     "Tag": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/tags",
     "RetentionPolicy": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/retentionpolicies",
     "Mirror": f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/mirrors",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    # The Kubeflow Spark operator's, when it is installed (see served()).
+    "ScheduledSparkApplication": f"/apis/{SPARK_API_VERSION}/namespaces/{{ns}}/"
+    "scheduledsparkapplications",
 }
 
 _lock = threading.Lock()
@@ -136,6 +142,18 @@ def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
 def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
     query = [("labelSelector", label_selector)] if label_selector else None
     return list((_call("GET", _path(kind, namespace), query=query) or {}).get("items") or [])
+
+
+def served(api_version: str, plural: str) -> bool:
+    """Whether the API server serves this resource (a CRD installed, e.g. the Spark operator's),
+    from discovery, which every authenticated client may read."""
+    try:
+        found = _call("GET", f"/apis/{api_version}") or {}
+    except KubeError as e:
+        if e.status == 404:
+            return False
+        raise
+    return any(r.get("name") == plural for r in found.get("resources") or [])
 
 
 def create(obj: Mapping[str, Any]) -> dict[str, Any]:

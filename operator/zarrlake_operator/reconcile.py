@@ -41,6 +41,7 @@ from zarrlake.resources import (
     BranchSpec,
     BranchStatus,
     Condition,
+    JobRun,
     MirrorSpec,
     MirrorStatus,
     RepositorySpec,
@@ -678,8 +679,12 @@ def delete_tag(body: Mapping[str, Any]) -> str:
 # -- RetentionPolicy --
 
 
-def retention_policy(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
-    ns, name, _ = _meta(body)
+def retention_policy(
+    body: Mapping[str, Any],
+    job_image: str,
+    spark: desired.SparkDefaults = desired.SPARK_DEFAULTS,
+) -> ResourceStatus:
+    ns = body["metadata"]["namespace"]
     spec = parse_spec(RetentionPolicySpec, body)
     try:
         RetentionRules.from_dict(spec.rules.to_engine())
@@ -697,44 +702,116 @@ def retention_policy(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     if kube.get("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
     repo_body, _ = _ready_repository(body, spec.repository)
-    jobs = desired.retention_cron_jobs(body, spec, repo_body, job_image)
-    for obj in jobs.values():
+    engine = retention_engine(spec)
+    cron_jobs: dict[str, dict[str, Any]] = {}
+    spark_apps: dict[str, dict[str, Any]] = {}
+    if engine == "local":
+        cron_jobs = desired.retention_cron_jobs(body, spec, repo_body, job_image)
+    elif engine == "spark-submit":
+        cron_jobs = desired.spark_submit_cron_jobs(body, spec, repo_body, spark)
+    else:
+        spark_apps = desired.scheduled_spark_applications(body, spec, repo_body, spark)
+    managed_account = engine != "local" and desired.spark_service_account(body, spec, spark)[1]
+    rbac = desired.spark_rbac(body, spec) if managed_account else []
+    for obj in [*rbac, *cron_jobs.values(), *spark_apps.values()]:
         _, action = kube.apply(obj)
         if action != "unchanged":
-            cron_job = obj["metadata"]["name"]
-            _event(body, f"CronJob{action.capitalize()}", f"{action} CronJob {cron_job}")
-    if "compact" not in jobs:
-        stale = desired.child_name(name, "compact", desired.CRONJOB_NAME_MAX)
-        if kube.delete("CronJob", ns, stale):
-            _event(body, "CronJobDeleted", f"deleted CronJob {stale}")
+            kind, obj_name = obj["kind"], obj["metadata"]["name"]
+            _event(body, f"{kind}{action.capitalize()}", f"{action} {kind} {obj_name}")
+    _remove_stale(body, cron_jobs, spark_apps, rbac)
     schedules = f"gc {spec.gc.schedule}" + (
         f", compaction {spec.compaction.schedule}" if spec.compaction else ""
     )
+    runs = {
+        "local": "",
+        "spark-submit": " as spark-submit jobs",
+        "spark-operator": " as Spark applications",
+    }[engine]
     return _report(
         body,
         ready=True,
         reason="Scheduled",
-        message=schedules + (" (gc suspended)" if spec.gc.suspend else ""),
+        message=schedules + runs + (" (gc suspended)" if spec.gc.suspend else ""),
         phase="Ready",
         fields=RetentionPolicyStatus(
-            gcCronJob=jobs["gc"]["metadata"]["name"],
-            compactionCronJob=jobs["compact"]["metadata"]["name"] if "compact" in jobs else None,
+            engine=engine,
+            gcCronJob=cron_jobs["gc"]["metadata"]["name"] if cron_jobs else None,
+            compactionCronJob=(
+                cron_jobs["compact"]["metadata"]["name"] if "compact" in cron_jobs else None
+            ),
+            gcSparkApplication=spark_apps["gc"]["metadata"]["name"] if spark_apps else None,
+            compactionSparkApplication=(
+                spark_apps["compact"]["metadata"]["name"] if "compact" in spark_apps else None
+            ),
         ),
     )
+
+
+def retention_engine(spec: RetentionPolicySpec) -> str:
+    """``local``, or for ``engine: spark`` ``spark-operator`` when the cluster serves the Spark
+    operator's ScheduledSparkApplications (asked on every reconciliation: installing or removing
+    the Spark operator moves the jobs over at the next resync), else ``spark-submit``."""
+    if spec.engine == "local":
+        return "local"
+    try:
+        installed = kube.served(desired.SPARK_API_VERSION, "scheduledsparkapplications")
+    except kube.KubeError as e:
+        raise kopf.TemporaryError(f"cannot discover the Spark operator: {e}", delay=10) from None
+    return "spark-operator" if installed else "spark-submit"
+
+
+def _remove_stale(
+    policy: Mapping[str, Any],
+    cron_jobs: Mapping[str, Any],
+    spark_apps: Mapping[str, Any],
+    rbac: Sequence[Mapping[str, Any]],
+) -> None:
+    """Delete what the policy made before and no longer asks for (another engine, compaction
+    dropped, the driver's ServiceAccount now given): by name, so nothing else is touched."""
+    ns, name, _ = _meta(policy)
+    wanted = {
+        (o["kind"], o["metadata"]["name"])
+        for o in [*cron_jobs.values(), *spark_apps.values(), *rbac]
+    }
+    candidates = [
+        ("CronJob", desired.child_name(name, suffix, desired.CRONJOB_NAME_MAX))
+        for suffix in ("gc", "compact", "gc-spark", "compact-spark")
+    ]
+    candidates += [
+        ("ScheduledSparkApplication", desired.child_name(name, kind, desired.SPARK_NAME_MAX))
+        for kind in ("gc", "compact")
+    ]
+    spark_names = desired.spark_names(name)
+    candidates += [(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")]
+    for kind, obj_name in candidates:
+        if (kind, obj_name) in wanted:
+            continue
+        try:
+            gone = kube.delete(kind, ns, obj_name)
+        except kube.KubeError as e:
+            if e.status == 403 and kind == "ScheduledSparkApplication":
+                continue  # no Spark operator rights: nothing of ours can be there
+            raise
+        if gone:
+            _event(policy, f"{kind}Deleted", f"deleted {kind} {obj_name}")
 
 
 def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:
     """The Repository is gone: its jobs could only fail, so they pause until it is back."""
     ns, name, _ = _meta(policy)
-    for cron in kube.list_("CronJob", ns, f"{desired.POLICY_LABEL}={name}"):
-        if not (cron.get("spec") or {}).get("suspend"):
-            kube.merge_patch("CronJob", ns, cron["metadata"]["name"], {"spec": {"suspend": True}})
-            _event(
-                policy,
-                "CronJobSuspended",
-                f"suspended CronJob {cron['metadata']['name']}: Repository not found",
-                warning=True,
-            )
+    kinds = ["CronJob"]
+    if kube.served(desired.SPARK_API_VERSION, "scheduledsparkapplications"):
+        kinds.append("ScheduledSparkApplication")
+    for kind in kinds:
+        for cron in kube.list_(kind, ns, f"{desired.POLICY_LABEL}={name}"):
+            if not (cron.get("spec") or {}).get("suspend"):
+                kube.merge_patch(kind, ns, cron["metadata"]["name"], {"spec": {"suspend": True}})
+                _event(
+                    policy,
+                    f"{kind}Suspended",
+                    f"suspended {kind} {cron['metadata']['name']}: Repository not found",
+                    warning=True,
+                )
 
 
 def job_finished(job: Mapping[str, Any]) -> str | None:
@@ -750,6 +827,27 @@ def job_finished(job: Mapping[str, Any]) -> str | None:
     run = desired.job_run(job, pods)
     if run is None:
         return None
+    return _record_run(ns, policy_name, kind, run)
+
+
+def driver_finished(pod: Mapping[str, Any]) -> str | None:
+    """Record a finished Spark driver (of a ScheduledSparkApplication's run) in its
+    RetentionPolicy's status, as :func:`job_finished` does for a Job."""
+    meta = pod["metadata"]
+    pod_labels = meta.get("labels") or {}
+    policy_name = pod_labels.get(desired.POLICY_LABEL)
+    kind = pod_labels.get(desired.JOB_KIND_LABEL)
+    if not policy_name or kind not in ("gc", "compact"):
+        return None
+    if pod_labels.get(desired.ROLE_LABEL) != "driver":
+        return None
+    run = desired.driver_run(pod)
+    if run is None:
+        return None
+    return _record_run(meta["namespace"], policy_name, kind, run)
+
+
+def _record_run(ns: str, policy_name: str, kind: str, run: JobRun) -> str | None:
     policy = kube.get("RetentionPolicy", ns, policy_name)
     if policy is None:
         return None

@@ -14,6 +14,14 @@ so :class:`LocalCluster` plays exactly three roles, with real programs:
   references resolved), then gets a Pod with the container's termination message and a
   Complete/Failed condition, as a kubelet would report them.
 
+A Job whose container runs ``spark-submit --master k8s://...`` (a RetentionPolicy with
+``engine: spark`` and no Spark operator) runs as that same command with the master ``local[2]``:
+there is no cluster to start executor pods in, so the driver's own process does the work, with
+the image's paths (``/opt/zarrlake/...``) mapped to this checkout and ``spark-submit`` from
+PySpark. :func:`install_spark_operator_crds` serves the Spark operator's resources (no Spark
+operator runs: :func:`run_spark_application` plays one run of an application, driver pod
+included).
+
 A Mirror's replicator Deployment is not played yet (its container runs ``zarrlake mirror run``):
 :func:`replicator` builds the promoter that container would run, from its command and
 environment, for a scenario to step.
@@ -189,7 +197,9 @@ class LocalCluster:
                 continue
             # A Secret the Job needs may not be there yet: like a kubelet, try again next step
             # (raising here leaves the Job unmarked); once the process starts, it runs once.
-            env = self._environment(ns, job["spec"]["template"]["spec"]["containers"][0])
+            pod_name = f"{job['metadata']['name']}-{uid[:5]}"
+            container = job["spec"]["template"]["spec"]["containers"][0]
+            env = container_environment(ns, container, pod_name=pod_name)
             self.jobs_done.add(uid)
             self._run_job(ns, job, env)
 
@@ -205,12 +215,15 @@ class LocalCluster:
             env["ZARRLAKE_LOCK"] = self.resolve(env["ZARRLAKE_LOCK"])
         command = [_expand(arg, env) for arg in container.get("command", [])]
         command += [_expand(arg, env) for arg in container.get("args", [])]
+        proc_env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.workdir), **env}
+        if command and Path(command[0]).name == "spark-submit":
+            command = local_spark_submit(command)
+            proc_env |= spark_environment()
         exe = shutil.which(command[0], path=str(Path(sys.executable).parent)) if command else None
         if exe:
             command[0] = exe
         deadline = job["spec"].get("activeDeadlineSeconds") or 3600
         started = _now()
-        proc_env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.workdir), **env}
         try:
             done = subprocess.run(
                 command, env=proc_env, capture_output=True, text=True, timeout=deadline
@@ -386,14 +399,28 @@ def start_operator(
     return proc, liveness, metrics_port
 
 
-def container_environment(ns: str, container: Mapping[str, Any]) -> dict[str, str]:
-    """A container's environment as the kubelet builds it: values, and Secret references read
-    (a missing optional key is left out; a missing required one raises ``RuntimeError``)."""
+def container_environment(
+    ns: str, container: Mapping[str, Any], *, pod_name: str = "pod"
+) -> dict[str, str]:
+    """A container's environment as the kubelet builds it: values, Secret references read
+    (a missing optional key is left out; a missing required one raises ``RuntimeError``) and
+    the pod's own fields (its name, namespace and IP, which is 127.0.0.1 here)."""
     env: dict[str, str] = {}
     read = kube.secrets(ns)
+    fields = {
+        "metadata.name": pod_name,
+        "metadata.namespace": ns,
+        "status.podIP": "127.0.0.1",
+        "status.hostIP": "127.0.0.1",
+    }
     for var in container.get("env") or []:
         if "value" in var:
             env[var["name"]] = _expand(str(var["value"]), env)
+            continue
+        field_ref = (var.get("valueFrom") or {}).get("fieldRef")
+        if field_ref:
+            if field_ref.get("fieldPath") in fields:
+                env[var["name"]] = fields[field_ref["fieldPath"]]
             continue
         ref = (var.get("valueFrom") or {}).get("secretKeyRef")
         if ref:
@@ -482,3 +509,201 @@ def replicator(deployment: Mapping[str, Any], *, copy: bool | None = None) -> An
         tags="--tags" in cmd,
         copy=("--copy" in cmd) if copy is None else copy,
     )
+
+
+# -- Spark --
+
+#: Where examples/spark/Dockerfile puts this repository's files in the Spark image.
+IMAGE_ROOT = "/opt/zarrlake/"
+CHECKOUT = Path(__file__).resolve().parents[2]
+SPARK_OPERATOR_GROUP = "sparkoperator.k8s.io"
+SPARK_OPERATOR_KINDS = {
+    "sparkapplications": "SparkApplication",
+    "scheduledsparkapplications": "ScheduledSparkApplication",
+}
+
+
+def image_path(path: str) -> str:
+    """A path in the zarrlake Spark image (``/opt/zarrlake/...``, ``local://`` or not) as the
+    same file in this checkout; other paths are returned as they are."""
+    bare = path.removeprefix("local://")
+    if bare.startswith(IMAGE_ROOT):
+        return str(CHECKOUT / bare.removeprefix(IMAGE_ROOT))
+    return path
+
+
+def local_spark_submit(command: list[str], master: str = "local[2]") -> list[str]:
+    """A container's ``spark-submit`` command for this machine: PySpark's ``spark-submit``, the
+    master ``master`` instead of the cluster's (``--master k8s://...``), the image's files
+    mapped to this checkout. Every other option stays as the container has it (the
+    ``spark.kubernetes.*`` settings have no effect outside Kubernetes)."""
+    out = ["spark-submit"]
+    args = iter(command[1:])
+    for arg in args:
+        if arg == "--master":
+            next(args)
+            out += ["--master", master]
+        elif arg == "--deploy-mode":
+            out += [arg, next(args)]
+        else:
+            out.append(image_path(arg))
+    return out
+
+
+def spark_environment() -> dict[str, str]:
+    """What a local Spark driver needs beyond the container's environment: Java, this Python
+    (and its import path) for the Python side, loopback networking."""
+    env = {
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+    for name in ("JAVA_HOME", "PYTHONPATH"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return env
+
+
+def spark_operator_crds() -> list[dict[str, Any]]:
+    """Minimal CustomResourceDefinitions of the Kubeflow Spark operator's two resources
+    (``sparkoperator.k8s.io/v1beta2``): names, scope, a status subresource and an open schema;
+    enough for the API server to serve them and for discovery to find them."""
+    crds = []
+    for plural, kind in SPARK_OPERATOR_KINDS.items():
+        open_object = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        crds.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.{SPARK_OPERATOR_GROUP}"},
+                "spec": {
+                    "group": SPARK_OPERATOR_GROUP,
+                    "scope": "Namespaced",
+                    "names": {"plural": plural, "kind": kind, "singular": kind.lower()},
+                    "versions": [
+                        {
+                            "name": "v1beta2",
+                            "served": True,
+                            "storage": True,
+                            "subresources": {"status": {}},
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {"spec": open_object, "status": open_object},
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return crds
+
+
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def install_spark_operator_crds() -> None:
+    """Serve the Spark operator's resources on the API server ``kube`` talks to."""
+    for crd in spark_operator_crds():
+        try:
+            kube._call("POST", CRD_PATH, body=crd)
+        except kube.KubeError as e:
+            if e.status != 409:
+                raise
+
+
+def remove_spark_operator_crds() -> None:
+    """Stop serving them (their objects go with them, as on a real API server)."""
+    for crd in spark_operator_crds():
+        try:
+            kube._call("DELETE", f"{CRD_PATH}/{crd['metadata']['name']}")
+        except kube.KubeError as e:
+            if e.status != 404:
+                raise
+
+
+def run_spark_application(
+    scheduled: Mapping[str, Any], workdir: str | os.PathLike[str], *, timeout: float = 600
+) -> dict[str, Any]:
+    """One run of a ScheduledSparkApplication, as the Spark operator and the kubelet would make
+    it, minus the cluster: the template's main file and arguments run under ``spark-submit``
+    with the master ``local[2]`` in the driver's environment (Secrets read, the report file
+    where the driver's termination log would be), then the driver pod appears with the
+    template's driver labels, ``spark-role=driver``, the application's name and the run's
+    phase and termination message. Returns the pod."""
+    meta = scheduled["metadata"]
+    ns = meta["namespace"]
+    template = scheduled["spec"]["template"]
+    driver = template.get("driver") or {}
+    app = f"{meta['name']}-{int(dt.datetime.now(dt.UTC).timestamp())}"
+    pod_name = f"{app}-driver"
+    env = container_environment(ns, driver, pod_name=pod_name)
+    fd, report = tempfile.mkstemp(prefix="termination-log-", dir=str(workdir))
+    os.close(fd)
+    if "ZARRLAKE_REPORT_FILE" in env:
+        env["ZARRLAKE_REPORT_FILE"] = report
+    command = ["spark-submit", "--master", "local[2]", "--name", app]
+    for key, value in sorted((template.get("sparkConf") or {}).items()):
+        command += ["--conf", f"{key}={value}"]
+    command += [image_path(template["mainApplicationFile"]), *template.get("arguments", [])]
+    command[0] = shutil.which("spark-submit", path=str(Path(sys.executable).parent)) or command[0]
+    proc_env = {"PATH": os.environ.get("PATH", ""), "HOME": str(workdir), **env}
+    proc_env |= spark_environment()
+    started = _now()
+    try:
+        done = subprocess.run(
+            command, env=proc_env, capture_output=True, text=True, timeout=timeout
+        )
+        code, logs = done.returncode, done.stdout + done.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        code, logs = 1, f"{type(e).__name__}: {e}"
+    message = Path(report).read_text() or "\n".join(logs.strip().splitlines()[-80:])[-2048:]
+    pod = kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "namespace": ns,
+                "labels": {
+                    **(driver.get("labels") or {}),
+                    "spark-role": "driver",
+                    "sparkoperator.k8s.io/app-name": app,
+                    "sparkoperator.k8s.io/launched-by-spark-operator": "true",
+                },
+            },
+            "spec": {
+                "serviceAccountName": driver.get("serviceAccount", "default"),
+                "restartPolicy": "Never",
+                "containers": [
+                    {"name": "spark-kubernetes-driver", "image": template.get("image", "")}
+                ],
+            },
+        }
+    )
+    status = {
+        "phase": "Succeeded" if code == 0 else "Failed",
+        "startTime": started,
+        "containerStatuses": [
+            {
+                "name": "spark-kubernetes-driver",
+                "image": template.get("image", ""),
+                "ready": False,
+                "restartCount": 0,
+                "state": {
+                    "terminated": {
+                        "exitCode": code,
+                        "reason": "Completed" if code == 0 else "Error",
+                        "message": message,
+                        "startedAt": started,
+                        "finishedAt": _now(),
+                    }
+                },
+            }
+        ],
+    }
+    kube.patch_status("Pod", ns, pod_name, status)
+    pod["status"] = status
+    pod["logs"] = logs
+    return pod

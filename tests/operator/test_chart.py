@@ -312,6 +312,31 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
 }
+# engine: spark (values spark.rbac, on by default): ScheduledSparkApplications, their runs'
+# driver pods (watched), and the driver ServiceAccount + Role the operator creates per policy,
+# whose rights (executor pods, services, configmaps) it must hold itself to grant them.
+EVERYTHING = READ | {"create", "update", "patch", "delete", "deletecollection"}
+SPARK_PERMISSIONS: dict[tuple[str, str], set[str]] = {
+    ("sparkoperator.k8s.io", "scheduledsparkapplications"): CHILD_VERBS | {"list"},
+    ("sparkoperator.k8s.io", "sparkapplications"): READ,
+    ("", "serviceaccounts"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
+    ("", "pods"): EVERYTHING,
+    ("", "services"): EVERYTHING,
+    ("", "configmaps"): EVERYTHING,
+    ("", "persistentvolumeclaims"): EVERYTHING,
+}
+
+
+def union(*tables: dict[tuple[str, str], set[str]]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for table in tables:
+        for key, verbs in table.items():
+            out[key] |= verbs
+    return dict(out)
+
+
 CLUSTER_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): READ,
     ("", "namespaces"): READ,
@@ -337,7 +362,7 @@ def test_rbac_cluster_wide(chart):
     objects = render(chart)
     assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
     role = one(objects, "ClusterRole")
-    expected = NAMESPACED_PERMISSIONS | CLUSTER_PERMISSIONS
+    expected = union(NAMESPACED_PERMISSIONS, SPARK_PERMISSIONS, CLUSTER_PERMISSIONS)
     expected[("kopf.dev", "clusterkopfpeerings")] = PEERING_VERBS
     assert granted(role) == expected
     assert granted(role)[("", "secrets")] == SECRET_VERBS
@@ -369,7 +394,7 @@ def test_rbac_namespaced(chart):
     bindings = {b["metadata"]["namespace"]: b for b in of_kind(objects, "RoleBinding")}
     assert set(roles) == set(bindings) == {"a", "b"}
     for namespace, role in roles.items():
-        expected = dict(NAMESPACED_PERMISSIONS)
+        expected = union(NAMESPACED_PERMISSIONS, SPARK_PERMISSIONS)
         expected[("kopf.dev", "kopfpeerings")] = PEERING_VERBS
         assert granted(role) == expected, namespace
         assert granted(role)[("", "secrets")] == SECRET_VERBS
@@ -379,6 +404,26 @@ def test_rbac_namespaced(chart):
             "name": role["metadata"]["name"],
         }
         assert bindings[namespace]["subjects"] == subject
+
+
+def test_rbac_without_spark_grants_only_the_local_engines_rights(chart):
+    role = one(render(chart, {"spark": {"rbac": False}}), "ClusterRole")
+    assert granted(role) == union(
+        NAMESPACED_PERMISSIONS,
+        CLUSTER_PERMISSIONS,
+        {("kopf.dev", "clusterkopfpeerings"): PEERING_VERBS},
+    )
+    assert granted(role)[("", "pods")] == {"list"}
+
+
+def test_spark_defaults_reach_the_operator(chart):
+    defaults = {e["name"]: e.get("value") for e in container(render(chart))["env"]}
+    assert defaults["ZARRLAKE_SPARK_IMAGE"] == chart.values["spark"]["image"] != ""
+    assert defaults["ZARRLAKE_SPARK_SERVICE_ACCOUNT"] == ""
+    values = {"spark": {"image": "registry.example/spark:1", "serviceAccountName": "spark"}}
+    env = {e["name"]: e.get("value") for e in container(render(chart, values))["env"]}
+    assert env["ZARRLAKE_SPARK_IMAGE"] == "registry.example/spark:1"
+    assert env["ZARRLAKE_SPARK_SERVICE_ACCOUNT"] == "spark"
 
 
 def test_rbac_binds_an_existing_service_account(chart):
@@ -560,6 +605,11 @@ BAD_VALUES = {
     "bad-namespace-name": ({"watchNamespaces": ["Not_A_Namespace"]}, "watchNamespaces"),
     "unknown-log-level": ({"logLevel": "verbose"}, "logLevel"),
     "negative-replicas": ({"replicaCount": -1}, "replicaCount"),
+    "typo-spark": ({"spark": {"imgae": "x"}}, "imgae"),
+    "bad-spark-account": (
+        {"spark": {"serviceAccountName": "Not_An_Account"}},
+        "serviceAccountName",
+    ),
 }
 
 

@@ -669,3 +669,143 @@ def test_from_kubernetes_logs_no_secret_even_at_debug(
             assert form not in caplog.text
     with pytest.raises(zarrlake.KubernetesError, match="not found"):
         zarrlake.Repository.from_kubernetes("no-such-repository", k8s.namespace)
+
+
+# -- RetentionPolicy with engine: spark --
+
+
+@pytest.mark.spark
+def test_spark_engine_objects_follow_the_cluster_and_their_reports_reach_the_status(
+    k8s: Env,
+) -> None:
+    """engine: spark without the Spark operator: a spark-submit CronJob and the driver's RBAC;
+    its Job runs (spark-submit, master local[2] here) and the report lands in lastGC. With the
+    Spark operator's CRDs: a ScheduledSparkApplication instead, whose driver's report lands
+    there too. Back to local: every Spark object goes."""
+    from zarrlake_testkit.emulated import (
+        install_spark_operator_crds,
+        remove_spark_operator_crds,
+        run_spark_application,
+    )
+
+    k8s.ready_repository()
+    repo = k8s.open_repository()
+    for v in (1.0, 2.0, 3.0):
+        commit(repo, "main", v, f"fill {v}")
+    spec = {
+        "repository": "repo",
+        "rules": {"default": {"last": 1}},
+        "gc": {"schedule": "0 3 * * *", "grace": "0s", "force": True},
+        "engine": "spark",
+        "spark": {"executorInstances": 3, "image": "registry.example/zarrlake-spark:1"},
+    }
+    k8s.custom("RetentionPolicy", "sp", spec)
+    obj = k8s.wait_condition("RetentionPolicy", "sp")
+    assert obj["status"]["engine"] == "spark-submit"
+    cron = k8s.get("CronJob", obj["status"]["gcCronJob"])
+    assert cron is not None and obj["status"]["gcCronJob"] == "zl-sp-gc-spark"
+    assert k8s.get("CronJob", "zl-sp-gc") is None
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "zl-sp-spark"
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        assert k8s.get(kind, "zl-sp-spark") is not None, kind
+    command = pod["containers"][0]["command"]
+    assert command[0] == desired.SPARK_SUBMIT and "--engine" in command
+    assert f"spark.kubernetes.container.image={spec['spark']['image']}" in command
+
+    # Its Job, as the CronJob would start it: the emulated kubelet runs the container's command.
+    template = cron["spec"]["jobTemplate"]
+    k8s.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "gc-spark-manual", "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
+    )
+    obj = wait_for(
+        "lastGC from the spark-submit Job",
+        lambda: (o := k8s.get("RetentionPolicy", "sp"))["status"].get("lastGC") and o,
+        600,  # spark-submit starts a JVM
+    )
+    last = obj["status"]["lastGC"]
+    ran = next(j for j in k8s.cluster.job_log if j["job"] == "gc-spark-manual")
+    assert last["result"] == "Succeeded", (last, ran["logs"][-3000:])
+    assert "local[2]" in ran["command"] and "spark" in ran["command"]
+    assert last["job"] == "gc-spark-manual"
+    assert last["snapshotsExpired"] == 3
+    assert last["objectsDeleted"] > 0 and last["bytesFreed"] > 0
+    assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 3.0)
+    assert repo.fsck().ok
+
+    install_spark_operator_crds()
+    try:
+        obj = wait_for(
+            "the ScheduledSparkApplication",
+            lambda: (
+                (o := k8s.get("RetentionPolicy", "sp"))["status"].get("engine") == "spark-operator"
+                and o
+            ),
+        )
+        name = obj["status"]["gcSparkApplication"]
+        assert "gcCronJob" not in obj["status"]
+        app = kube.get("ScheduledSparkApplication", k8s.namespace, name)
+        assert app is not None
+        assert app["spec"]["template"]["executor"]["instances"] == 3
+        assert app["spec"]["template"]["driver"]["serviceAccount"] == "zl-sp-spark"
+        wait_for(
+            "the spark-submit CronJob removed", lambda: k8s.get("CronJob", "zl-sp-gc-spark") is None
+        )
+
+        # One run of it: the driver's report reaches the status through the driver pod.
+        commit(repo, "main", 4.0, "fill 4")
+        driver = run_spark_application(app, k8s.cluster.workdir)
+        assert driver["status"]["phase"] == "Succeeded", driver["logs"][-3000:]
+        run_name = driver["metadata"]["labels"]["sparkoperator.k8s.io/app-name"]
+        obj = wait_for(
+            "lastGC from the driver",
+            lambda: (
+                (o := k8s.get("RetentionPolicy", "sp"))["status"]["lastGC"]["job"] == run_name and o
+            ),
+        )
+        last = obj["status"]["lastGC"]
+        assert last["result"] == "Succeeded" and last["snapshotsExpired"] == 1
+        assert last["objectsDeleted"] > 0
+        assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 4.0)
+
+        # Back to local: the Spark objects go, the local CronJob comes.
+        k8s.patch("RetentionPolicy", "sp", {"spec": {"engine": "local"}})
+        obj = wait_for(
+            "engine local",
+            lambda: (
+                (o := k8s.get("RetentionPolicy", "sp"))["status"].get("engine") == "local" and o
+            ),
+        )
+        assert (
+            obj["status"]["gcCronJob"] == "zl-sp-gc" and "gcSparkApplication" not in obj["status"]
+        )
+        wait_for(
+            "Spark objects removed",
+            lambda: (
+                kube.get("ScheduledSparkApplication", k8s.namespace, name) is None
+                and all(
+                    k8s.get(k, "zl-sp-spark") is None
+                    for k in ("ServiceAccount", "Role", "RoleBinding")
+                )
+            ),
+        )
+        assert k8s.get("CronJob", "zl-sp-gc") is not None
+
+        # And deleting a spark policy removes its objects (they are owned by it).
+        k8s.patch("RetentionPolicy", "sp", {"spec": {"engine": "spark"}})
+        wait_for("spark again", lambda: kube.get("ScheduledSparkApplication", k8s.namespace, name))
+        k8s.delete("RetentionPolicy", "sp")
+        wait_for(
+            "collected with the policy",
+            lambda: (
+                kube.get("ScheduledSparkApplication", k8s.namespace, name) is None
+                and k8s.get("ServiceAccount", "zl-sp-spark") is None
+            ),
+        )
+    finally:
+        remove_spark_operator_crds()

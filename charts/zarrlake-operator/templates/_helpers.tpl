@@ -142,6 +142,30 @@ operator uses; no wildcards.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
+{{- if .Values.spark.rbac }}
+# engine: spark. With the Spark operator: ScheduledSparkApplications (and a look at their runs).
+- apiGroups: ["sparkoperator.k8s.io"]
+  resources: ["scheduledsparkapplications"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["sparkoperator.k8s.io"]
+  resources: ["sparkapplications"]
+  verbs: ["get", "list", "watch"]
+# The driver pods of those runs carry the reports (watched by label).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# The driver's ServiceAccount, Role and RoleBinding per policy; Kubernetes lets the operator
+# create a Role only with the rights in it, which the driver needs for its executors.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods", "services", "configmaps", "persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
+{{- end }}
 # Kopf posts core v1 Events.
 - apiGroups: [""]
   resources: ["events"]
