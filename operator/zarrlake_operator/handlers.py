@@ -192,18 +192,23 @@ def job_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
 
 
 # The drivers of engine: spark runs under the Spark operator (a ScheduledSparkApplication's
-# SparkApplications): their termination message is the run's report.
-@kopf.on.event(
-    "",
-    "v1",
-    "pods",
-    labels={desired.POLICY_LABEL: kopf.PRESENT, desired.ROLE_LABEL: "driver"},
-)
+# SparkApplications): their termination message is the run's report. Watching pods needs the
+# chart's spark.rbac; without it (ZARRLAKE_SPARK_RBAC=false) nothing watches them, and such runs'
+# reports do not reach the policy's status (the spark-submit CronJob path still reports).
 @metrics.instrumented("SparkDriver")
 def spark_driver_event(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     outcome = reconcile.driver_finished(body)
     if outcome:
         logger.info(outcome)
+
+
+if os.environ.get("ZARRLAKE_SPARK_RBAC", "true").lower() != "false":
+    kopf.on.event(
+        "",
+        "v1",
+        "pods",
+        labels={desired.POLICY_LABEL: kopf.PRESENT, desired.ROLE_LABEL: "driver"},
+    )(spark_driver_event)
 
 
 # -- Mirror --

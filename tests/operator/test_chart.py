@@ -424,6 +424,13 @@ def test_spark_defaults_reach_the_operator(chart):
     env = {e["name"]: e.get("value") for e in container(render(chart, values))["env"]}
     assert env["ZARRLAKE_SPARK_IMAGE"] == "registry.example/spark:1"
     assert env["ZARRLAKE_SPARK_SERVICE_ACCOUNT"] == "spark"
+    # Without the Spark rights the operator must not watch driver pods (it may not).
+    assert defaults["ZARRLAKE_SPARK_RBAC"] == "true"
+    off = {
+        e["name"]: e.get("value")
+        for e in container(render(chart, {"spark": {"rbac": False}}))["env"]
+    }
+    assert off["ZARRLAKE_SPARK_RBAC"] == "false"
 
 
 def test_rbac_binds_an_existing_service_account(chart):
