@@ -119,14 +119,14 @@ def objects(root: Path) -> set[str]:
     return {o.key for o in storage.list("")}
 
 
-def measure(objects_n: int, workdir: Path) -> dict[str, Any]:
+def measure(objects_n: int, workdir: Path, keep: int = 10) -> dict[str, Any]:
     commits = objects_n // PER_COMMIT
     sizes = Sizes(
         objects=objects_n,
         commits=commits,
         array_chunks=PER_COMMIT,  # every commit rewrites the whole array: old chunks become garbage
         small_chunks=100,
-        keep=10,
+        keep=keep,
     )
     built = workdir / f"built-{objects_n}"
     progress(f"building {objects_n:,} chunk objects in {commits:,} commits")
@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sizes", default=None, help="chunk objects per run, comma-separated")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=10,
+        help="commits expiry keeps (default 10: nearly all garbage; 1000000: all live, the marks "
+        "grow with the repository)",
+    )
     p.add_argument("--markdown", type=Path)
     args = p.parse_args(argv)
     sizes = (
@@ -194,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="zarrlake-spark-gc-") as tmp:
         for n in sizes:
-            rows.append(measure(n, Path(tmp)))
+            rows.append(measure(n, Path(tmp), args.keep))
     meta = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = render(rows, meta + (" (quick)" if args.quick else ""))
+    text = render(
+        rows, f"{meta}, expiry keeps {args.keep} commits" + (" (quick)" if args.quick else "")
+    )
     print(text)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
