@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -257,10 +258,11 @@ def _run_until_killed(source_url: str, dest_url: str, point: str) -> None:
     """Start a promoter process, SIGKILL it (by its pid) when it says it reached ``point``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
+    errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [sys.executable, "-c", PROMOTER, source_url, dest_url, point],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
         env=env,
     )
     timer = threading.Timer(120, proc.kill)  # a safety net: never leave it running
@@ -268,11 +270,16 @@ def _run_until_killed(source_url: str, dest_url: str, point: str) -> None:
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
-        assert line == "now", f"the promoter ended before {point}: {line!r}"
+        if line != "now":
+            proc.wait(30)
+            errors.seek(0)
+            tail = errors.read().decode(errors="replace")[-3000:]
+            raise AssertionError(f"the promoter ended before {point}: {line!r}\n{tail}")
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
     finally:
         timer.cancel()
+        errors.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -654,10 +654,18 @@ class Repository:
         dry_run: bool = False,
         force: bool = False,
         progress: Progress | None = None,
+        engine: str = "local",
+        spark: Any = None,
     ) -> GCReport:
         """Async twin of :meth:`gc`."""
         return await asyncio.to_thread(
-            self.gc, grace=grace, dry_run=dry_run, force=force, progress=progress
+            self.gc,
+            grace=grace,
+            dry_run=dry_run,
+            force=force,
+            progress=progress,
+            engine=engine,
+            spark=spark,
         )
 
     async def compact_async(
@@ -668,6 +676,8 @@ class Repository:
         keep_journal: dt.timedelta = dt.timedelta(days=7),
         dry_run: bool = False,
         progress: Progress | None = None,
+        engine: str = "local",
+        spark: Any = None,
     ) -> CompactReport:
         """Async twin of :meth:`compact`."""
         return await asyncio.to_thread(
@@ -677,6 +687,8 @@ class Repository:
             keep_journal=keep_journal,
             dry_run=dry_run,
             progress=progress,
+            engine=engine,
+            spark=spark,
         )
 
     async def fsck_async(
