@@ -479,15 +479,23 @@ def delete_repository(body: Mapping[str, Any]) -> str:
         message = f"reclaimPolicy Delete could not run, data retained: {e}"
         _event(body, "ReclaimFailed", message, warning=True)
         raise kopf.PermanentError(message) from None
+    n = _delete_data(body, conn, status.repository_id)
+    return f"Delete: removed {n} object(s) of repository {status.repository_id}"
+
+
+def _delete_data(
+    body: Mapping[str, Any], conn: Connection, repository_id: str | None, *, mirror: bool = False
+) -> int:
+    """``reclaimPolicy: Delete``: remove the repository's (or mirror's) objects at ``conn``;
+    refused for good (a Warning event, data retained) when the location holds another one."""
     try:
-        n = buckets.delete_repository_objects(conn, status.repository_id)
+        return buckets.delete_repository_objects(conn, repository_id, mirror=mirror)
     except buckets.NotOurRepository as e:
         message = f"reclaimPolicy Delete refused, data retained: {e}"
         _event(body, "ReclaimFailed", message, warning=True)
         raise kopf.PermanentError(message) from None
     except buckets.BucketUnreachable as e:
         raise kopf.TemporaryError(str(e), delay=15) from None
-    return f"Delete: removed {n} object(s) of repository {status.repository_id}"
 
 
 # -- Branch --
@@ -1061,12 +1069,5 @@ def delete_mirror(body: Mapping[str, Any]) -> str:
         message = f"reclaimPolicy Delete could not run, data retained: {e}"
         _event(body, "ReclaimFailed", message, warning=True)
         raise kopf.PermanentError(message) from None
-    try:
-        n = buckets.delete_repository_objects(conn, status.repository_id, mirror=True)
-    except buckets.NotOurRepository as e:
-        message = f"reclaimPolicy Delete refused, data retained: {e}"
-        _event(body, "ReclaimFailed", message, warning=True)
-        raise kopf.PermanentError(message) from None
-    except buckets.BucketUnreachable as e:
-        raise kopf.TemporaryError(str(e), delay=15) from None
+    n = _delete_data(body, conn, status.repository_id, mirror=True)
     return f"{what}Delete: removed {n} object(s) of the mirror at {conn.storage_url}"
