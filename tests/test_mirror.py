@@ -8,6 +8,7 @@ checked against the source's data for the same snapshot.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,10 @@ import zarr
 
 import zarrlake as zl
 from mirror_helpers import chunk_keys, data, read, replicate, write
-from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, RepoRecord
+from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, LeaseRecord, RepoRecord, lease_key
 from zarrlake.locks import LocalLock
 from zarrlake.mirror import Mirror
+from zarrlake.mirror.lease import DestinationLease
 from zarrlake_testkit.counting import CountingStorage, Counts
 
 
@@ -429,13 +431,14 @@ def test_without_create_nothing_is_written_until_the_destination_is_a_mirror(
     assert zl.Repository.open(dest).lookup_branch("main") != head  # status() promotes nothing
 
 
-def test_of_two_promoters_sharing_a_lock_one_acts_and_the_other_stands_by(
-    source: zl.Repository, dest: zl.Storage, tmp_path: Path
+@pytest.mark.parametrize("kind", ["lock-service", "destination-lease"])
+def test_of_two_promoters_one_acts_and_the_other_stands_by(
+    source: zl.Repository, dest: zl.Storage, tmp_path: Path, kind: str
 ):
     import threading
 
     write(source, "main", 0, "one")
-    lock = LocalLock(tmp_path / "locks", wait_s=0.2)
+    lock = LocalLock(tmp_path / "locks", wait_s=0.2) if kind == "lock-service" else None
     first, second = Mirror(source, dest, lock=lock), Mirror(source, dest, lock=lock)
     passes: dict[str, int] = {"first": 0, "second": 0}
     stop_first, stop_second = threading.Event(), threading.Event()
@@ -468,3 +471,114 @@ def test_of_two_promoters_sharing_a_lock_one_acts_and_the_other_stands_by(
     stop_second.set()
     b.join()
     assert passes["second"] > 0
+
+
+def _terms(dest: zl.Storage) -> list[LeaseRecord]:
+    return [LeaseRecord.decode(dest.get(k), k) for k in sorted(dest.list_keys("mirror/lease/"))]
+
+
+def test_a_lease_left_by_a_dead_promoter_is_taken_over_when_it_expires(
+    source: zl.Repository, dest: zl.Storage
+):
+    """A promoter that died holding the lease (no hand-over) delays the next one by at most
+    what was left of its term (plus the clock-skew margin), never forever."""
+    import threading
+
+    write(source, "main", 0, "one")
+    m = Mirror(source, dest)
+    expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    dest.put(lease_key(7), LeaseRecord(7, "dead-promoter", expires).encode(), create_only=True)
+    stop = threading.Event()
+    promoted: list[float] = []
+    started = time.monotonic()
+
+    def on_status(status):
+        if status.ref("main").up_to_date:
+            promoted.append(time.monotonic() - started)
+            stop.set()
+
+    runner = threading.Thread(
+        target=m.run, args=(0.05,), kwargs={"stop": stop, "on_status": on_status}
+    )
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive() and promoted
+    skew = DestinationLease.SKEW.total_seconds()
+    assert 0.5 + skew < promoted[0] < 1 + skew + 5  # it waited for the term, then took it
+    terms = _terms(dest)
+    assert terms[-1].seq > 8 and terms[-1].holder == ""  # taken (term 8), then handed over
+    assert len(terms) <= 2  # older terms are deleted as the chain grows
+
+
+def test_a_promoter_whose_lease_was_taken_stops_acting(source: zl.Repository, dest: zl.Storage):
+    import threading
+
+    write(source, "main", 0, "one")
+    m = Mirror(source, dest)
+    m.LEASE_TTL = 0.3
+    stop = threading.Event()
+    passes: list[str | None] = []
+    runner = threading.Thread(
+        target=m.run,
+        args=(0.02,),
+        kwargs={"stop": stop, "on_status": lambda st: passes.append(st.ref("main").mirrored_head)},
+    )
+    runner.start()
+    try:
+        while not passes:
+            time.sleep(0.01)
+        newest = _terms(dest)[-1]
+        stolen = LeaseRecord(
+            newest.seq + 1, "other", dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+        )
+        dest.put(lease_key(stolen.seq), stolen.encode(), create_only=True)
+        time.sleep(0.5)  # a renewal (every 0.1 s) finds its term taken
+        count = len(passes)
+        head = write(source, "main", 1, "two")
+        time.sleep(0.5)
+        assert len(passes) == count  # no pass since: standing by
+        assert zl.Repository.open(dest).lookup_branch("main") != head
+    finally:
+        stop.set()
+        runner.join(10)
+    assert not runner.is_alive()
+
+    lease = DestinationLease(dest, ttl=0.3, wait_s=1)
+    dest.delete_many(dest.list_keys("mirror/lease/"))
+    with lease.hold():
+        newest = _terms(dest)[-1]
+        # Someone else writes the next term (as if this holder had been paused past its term).
+        taken = LeaseRecord(
+            newest.seq + 1, "other", dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+        )
+        dest.put(lease_key(taken.seq), taken.encode(), create_only=True)
+        assert lease.lost.wait(5), "the renewal never noticed"
+    assert _terms(dest)[-1].holder == "other"  # and it handed nothing over on leaving
+    other = DestinationLease(dest, wait_s=0.2)
+    with (
+        pytest.raises(zl.LockTimeout, match="another promoter holds the mirror lease"),
+        other.hold(),
+    ):
+        pass
+
+
+def test_a_term_deleted_while_it_is_read_never_restarts_the_lease_chain(dest: zl.Storage):
+    """The holder renews (writes term n+1, deletes term n) between a standby's listing and its
+    read of term n: the standby must see term n+1, not fall back to an older term whose
+    successor is gone (writing that successor again would give two holders)."""
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    for seq in (2, 3):
+        dest.put(lease_key(seq), LeaseRecord(seq, "holder", later).encode(), create_only=True)
+
+    class RenewedMeanwhile(CountingStorage):
+        def get(self, key, byte_range=None):
+            if key == lease_key(3) and not dest.exists(lease_key(4)):
+                dest.put(lease_key(4), LeaseRecord(4, "holder", later).encode(), create_only=True)
+                dest.delete_many([lease_key(2), lease_key(3)])
+            return super().get(key, byte_range)
+
+    standby = DestinationLease(RenewedMeanwhile(dest), wait_s=0.1)
+    assert standby.newest() == LeaseRecord(4, "holder", standby.newest().expires)
+    with pytest.raises(zl.LockTimeout), standby.hold():
+        pass
+    assert sorted(dest.list_keys("mirror/lease/")) == [lease_key(4)]

@@ -37,6 +37,7 @@ class ObjectType(enum.IntEnum):
     EXPIRY = 8
     HISTORY_PAGE = 9
     MIRROR_PRESENCE = 10
+    MIRROR_LEASE = 11
 
 
 #: The newest version this code reads, per object type (FORMAT_VERSION for the others).

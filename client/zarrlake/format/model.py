@@ -45,7 +45,7 @@ LAYOUT_KEY = re.compile(
     rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
     r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+"
-    rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID})$"
+    rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID}|mirror/lease/[0-9a-f]{{16}})$"
 )
 SEQ_MAX = (1 << 64) - 1
 
@@ -597,6 +597,33 @@ class PresenceRecord:
             tuple(_digests(obj.get("shards") or [], key, "shards")),
             tuple(_strs(obj.get("snapshots") or [], key, "snapshots")),
         )
+
+
+def lease_key(seq: int) -> str:
+    return f"{MIRROR_PREFIX}lease/{seq:016x}"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One term of the lease of a mirror's promoter (``mirror/lease/<seq>``, written
+    create-only): ``holder`` acts until ``expires``; it renews by writing term ``seq + 1``
+    before then, and anyone may write that term once ``expires`` has passed."""
+
+    seq: int
+    holder: str
+    expires: dt.datetime
+
+    def encode(self) -> bytes:
+        body = {"seq": self.seq, "holder": self.holder, "expires": to_micros(self.expires)}
+        return encode(ObjectType.MIRROR_LEASE, body)
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "<lease>") -> LeaseRecord:
+        obj = decode(data, ObjectType.MIRROR_LEASE, key)
+        seq, holder = _need(obj, "seq", key), _need(obj, "holder", key)
+        if not isinstance(seq, int) or seq < 0 or not isinstance(holder, str):
+            raise CorruptObject(key, "a lease needs an integer seq and a holder")
+        return cls(seq, holder, _time(_need(obj, "expires", key), key, "expires"))
 
 
 #: Format features this version implements. A repository marker lists the features a client must

@@ -37,6 +37,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.mirror.closure import Needs, closure
+from zarrlake.mirror.lease import DestinationLease
 from zarrlake.mirror.presence import Presence
 from zarrlake.refs import new_writer_id
 from zarrlake.repository import Repository
@@ -180,7 +181,8 @@ class Mirror:
 
     ``lock`` (a lock service or its URL, as for :class:`Repository`): :meth:`run` acts only while
     it holds the lock named after the destination, so of several promoters of one mirror (a
-    replicator restarted while the old one still runs) one works and the others wait. Safety
+    replicator restarted while the old one still runs) one works and the others wait. Without
+    one, :meth:`run` holds a lease at the destination instead (:mod:`zarrlake.mirror.lease`). Safety
     never rests on it: every promotion is a create-only journal write that refuses to show an
     older source entry than the destination already shows.
     """
@@ -226,6 +228,8 @@ class Mirror:
     CANDIDATES = 64
     #: The copier saves what it learned after this many objects (or a 16th of all it knows).
     SAVE_EVERY = 64
+    #: Seconds a term of the destination lease lasts (:meth:`run` without a lock service).
+    LEASE_TTL = 30.0
 
     def __repr__(self) -> str:
         return f"<zarrlake.mirror.Mirror {self.source.storage.url} -> {self.destination.url}>"
@@ -346,17 +350,27 @@ class Mirror:
         A pass that fails as a whole (the source unreachable) is logged and retried at the
         next interval; nothing a failed pass did is lost, since objects are immutable."""
         stop = stop or threading.Event()
-        if self.lock is None:
-            self._run(interval, stop, on_status, gc_every, gc_grace)
-            return
+        lock: RedisLock | LocalLock | DestinationLease = (
+            self.lock
+            if self.lock is not None
+            else self.lease(ttl=self.LEASE_TTL, wait_s=min(interval, 1.0))
+        )
+        lost = getattr(lock, "lost", None)
         while not stop.is_set():
             try:
-                with self.lock.hold(self.source.id, self.lock_name):
-                    log.info("mirror: promoting (holding the lock %s)", self.lock_name)
-                    self._run(interval, stop, on_status, gc_every, gc_grace)
+                with lock.hold(self.source.id, self.lock_name):
+                    log.info("mirror: promoting (holding %s)", lock)
+                    self._run(interval, stop, on_status, gc_every, gc_grace, lost)
             except LockTimeout:
-                log.info("mirror: another promoter holds %s; standing by", self.lock_name)
+                log.info("mirror: another promoter holds %s; standing by", lock)
                 stop.wait(min(interval, 1.0))
+            except ZarrlakeError as e:  # the lease's storage (or the lock service) failing
+                log.warning("mirror: cannot take %s, retrying in %.1f s: %s", lock, interval, e)
+                stop.wait(interval)
+
+    def lease(self, *, ttl: float = 30.0, wait_s: float = 120.0) -> DestinationLease:
+        """The lease at the destination :meth:`run` holds when no lock service is given."""
+        return DestinationLease(self.destination, ttl=ttl, wait_s=wait_s)
 
     @property
     def lock_name(self) -> str:
@@ -370,9 +384,10 @@ class Mirror:
         on_status: Callable[[MirrorStatus], None] | None,
         gc_every: float | None,
         gc_grace: dt.timedelta,
+        lost: threading.Event | None = None,
     ) -> None:
         next_gc = None if gc_every is None else time.monotonic() + gc_every
-        while not stop.is_set():
+        while not stop.is_set() and not (lost is not None and lost.is_set()):
             try:
                 status = self.step()
                 if next_gc is not None and gc_every is not None and time.monotonic() >= next_gc:
