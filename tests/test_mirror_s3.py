@@ -256,8 +256,9 @@ print("done", flush=True)
 
 def _run_until_killed(source_url: str, dest_url: str, point: str) -> None:
     """Start a promoter process, SIGKILL it (by its pid) when it says it reached ``point``."""
+    # The venv holds zarrlake and the test kit; not this process's sys.path, which other tests
+    # may have extended with folders of their own (one held an "operator.py").
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
     errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [sys.executable, "-c", PROMOTER, source_url, dest_url, point],

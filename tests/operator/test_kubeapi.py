@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import subprocess
+import sys
 import textwrap
 import time
 import urllib.error
@@ -911,11 +912,14 @@ def test_kopf_operator(api: Http, kubeconfig: Path, tmp_path: Path) -> None:
     from kopf.testing import KopfRunner
 
     api.ok("POST", CRDS, crd("robots", "Robot"))
-    operator = tmp_path / "operator.py"
+    # Not "operator.py": Kopf puts the file's folder first on sys.path of this process, where a
+    # module of that name would shadow the standard library's for every later import.
+    operator = tmp_path / "robots_operator.py"
     operator.write_text(KOPF_OPERATOR.format(markers=str(tmp_path), group=GROUP))
     path = f"/apis/{GROUP}/v1/namespaces/default/robots"
 
     saved = os.environ.get("KUBECONFIG")
+    saved_path = list(sys.path)
     os.environ["KUBECONFIG"] = str(kubeconfig)
     try:
         with KopfRunner(
@@ -948,6 +952,7 @@ def test_kopf_operator(api: Http, kubeconfig: Path, tmp_path: Path) -> None:
             wait_until(lambda: api.call("GET", f"{path}/r1")[0] == 404)
             assert (tmp_path / "deleted-r1").read_text() == "yes"
     finally:
+        sys.path[:] = saved_path
         if saved is None:
             os.environ.pop("KUBECONFIG", None)
         else:
