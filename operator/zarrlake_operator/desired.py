@@ -58,6 +58,17 @@ def child_name(owner: str, suffix: str, limit: int = DNS_NAME_MAX) -> str:
     return f"zl-{safe[:keep].rstrip('-')}-{digest}-{suffix}"
 
 
+def owned_metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """The metadata of an object ``owner`` owns: its name, the owner's namespace, labels, and
+    the owner reference that deletes it with the owner."""
+    return {
+        "name": name,
+        "namespace": owner["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
     """An owner reference to a resource: its children are deleted with it (Kubernetes GC)."""
     meta = body["metadata"]
@@ -217,12 +228,9 @@ DEFAULT_REDIS_RESOURCES = {
 def _lock_metadata(body: Mapping[str, Any]) -> dict[str, Any]:
     """Name, labels and owner of each lock-service object (Secret, Deployment, Service)."""
     name = body["metadata"]["name"]
-    return {
-        "name": lock_service_names(name),
-        "namespace": body["metadata"]["namespace"],
-        "labels": labels(name, "lock-service") | {REPOSITORY_LABEL: name},
-        "ownerReferences": [owner_reference(body)],
-    }
+    return owned_metadata(
+        body, lock_service_names(name), labels(name, "lock-service") | {REPOSITORY_LABEL: name}
+    )
 
 
 def lock_secret(body: Mapping[str, Any], password: str) -> dict[str, Any]:
@@ -469,12 +477,9 @@ def _cron_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",
-        "metadata": {
-            "name": child_name(name, kind + name_suffix, CRONJOB_NAME_MAX),
-            "namespace": policy["metadata"]["namespace"],
-            "labels": job_labels,
-            "ownerReferences": [owner_reference(policy)],
-        },
+        "metadata": owned_metadata(
+            policy, child_name(name, kind + name_suffix, CRONJOB_NAME_MAX), job_labels
+        ),
         "spec": {
             "schedule": schedule.schedule,
             "suspend": schedule.suspend,
@@ -624,12 +629,7 @@ def spark_rbac(policy: Mapping[str, Any], spec: RetentionPolicySpec) -> list[dic
     lets the driver run its executors in the namespace: pods, their services and configmaps."""
     name = policy["metadata"]["name"]
     obj_name = spark_names(name)
-    meta = {
-        "name": obj_name,
-        "namespace": policy["metadata"]["namespace"],
-        "labels": labels(name, "spark-driver") | {POLICY_LABEL: name},
-        "ownerReferences": [owner_reference(policy)],
-    }
+    meta = owned_metadata(policy, obj_name, labels(name, "spark-driver") | {POLICY_LABEL: name})
     everything = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
@@ -833,12 +833,7 @@ def scheduled_spark_applications(
         out[kind] = {
             "apiVersion": SPARK_API_VERSION,
             "kind": "ScheduledSparkApplication",
-            "metadata": {
-                "name": child_name(name, kind, SPARK_NAME_MAX),
-                "namespace": policy["metadata"]["namespace"],
-                "labels": job_labels,
-                "ownerReferences": [owner_reference(policy)],
-            },
+            "metadata": owned_metadata(policy, child_name(name, kind, SPARK_NAME_MAX), job_labels),
             "spec": {
                 "schedule": schedule.schedule,
                 "suspend": schedule.suspend,
@@ -1084,12 +1079,7 @@ def replicator_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": replicator_name(name),
-            "namespace": mirror["metadata"]["namespace"],
-            "labels": pod_labels,
-            "ownerReferences": [owner_reference(mirror)],
-        },
+        "metadata": owned_metadata(mirror, replicator_name(name), pod_labels),
         "spec": {
             "replicas": 1,
             "strategy": {"type": "Recreate"},
