@@ -27,7 +27,7 @@ from zarr.testing.store import StoreTests
 
 import zarrlake
 from backends import make_storage
-from zarrlake import Repository, RepositoryConfig, ZarrlakeStore
+from zarrlake import Repository, RepositoryConfig, WritableSessionPickled, ZarrlakeStore
 
 T = TypeVar("T")
 
@@ -98,6 +98,21 @@ class _ZarrlakeStoreTests(StoreTests[ZarrlakeStore, Buffer]):
 
     def test_store_supports_listing(self, store: ZarrlakeStore) -> None:
         assert store.supports_listing
+
+    def test_serializable_store(self, store: ZarrlakeStore) -> None:  # type: ignore[override]
+        """Zarr's contract pickles the (writable) store under test. Ours refuses: writes through
+        the copy would never reach the session's commit (a dask worker process would lose them
+        silently). A read-only store pickles, and the copy reads what the original reads."""
+        with pytest.raises(WritableSessionPickled, match="fork"):
+            pickle.dumps(store)
+        store.session.write("foo", b"\x01\x02\x03\x04")
+        store.session.commit("for the read-only copy")
+        repo = Repository.open(store.session.objects.storage)
+        view = repo.readonly_session("main").store
+        copy = pickle.loads(pickle.dumps(view))
+        assert copy == view and copy.read_only
+        got = copy.get_sync("foo")
+        assert got is not None and got.to_bytes() == b"\x01\x02\x03\x04"
 
 
 class TestZarrlakeStoreMemory(_ZarrlakeStoreTests):
@@ -327,13 +342,18 @@ def test_readonly_session_store_rejects_writes(repo: Repository) -> None:
         sync(s.store.set("x/c/0", buf))
 
 
-def test_store_pickles_with_its_session(repo: Repository) -> None:
+def test_a_writable_store_refuses_to_pickle_and_a_read_only_one_pickles(repo: Repository) -> None:
     session = repo.writable_session()
-    session.write("k/c/0", b"uncommitted")
-    store = pickle.loads(pickle.dumps(session.store))
-    assert store == session.store
+    session.write("k/c/0", b"committed")
+    for what in (session, session.store):
+        with pytest.raises(WritableSessionPickled, match=r"session\.merge\(fork\.changeset"):
+            pickle.dumps(what)
+    session.commit("one")
+    view = repo.readonly_session("main")
+    store = pickle.loads(pickle.dumps(view.store))
+    assert store == view.store
     got = store.get_sync("k/c/0")
-    assert got is not None and got.to_bytes() == b"uncommitted"
+    assert got is not None and got.to_bytes() == b"committed"
 
 
 def test_overwrite_hierarchy_and_resize(repo: Repository) -> None:

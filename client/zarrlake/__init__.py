@@ -43,6 +43,7 @@ from zarrlake.errors import (
     TransientStorageError,
     UnknownContentHash,
     UnsupportedFormat,
+    WritableSessionPickled,
     ZarrlakeError,
 )
 from zarrlake.fsck import FsckReport
@@ -127,6 +128,7 @@ __all__ = [
     "UnsupportedFormat",
     "UseOurs",
     "UseTheirs",
+    "WritableSessionPickled",
     "ZarrlakeError",
     "ZarrlakeStore",
 ]

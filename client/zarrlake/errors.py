@@ -9,6 +9,7 @@ Errors carry the facts (which ref, which object, which chunk) as attributes and 
 from __future__ import annotations
 
 import enum
+import pickle
 from dataclasses import dataclass
 
 
@@ -140,6 +141,12 @@ class MergeConflictError(ConflictError):
 
 class SessionExpired(ZarrlakeError):
     """The session outlived its TTL; start a new one."""
+
+
+class WritableSessionPickled(ZarrlakeError, pickle.PicklingError):
+    """A writable session (or its store) was pickled. The copy's writes could never reach the
+    session, whose commit would then silently lack them; fork the session instead (its forks
+    pickle, and their changes come back with :meth:`Session.merge`)."""
 
 
 class ReadOnlyError(ZarrlakeError, ValueError):

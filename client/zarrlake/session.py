@@ -26,6 +26,7 @@ from zarrlake.errors import (
     NothingToCommit,
     ReadOnlyError,
     SessionExpired,
+    WritableSessionPickled,
     ZarrlakeError,
 )
 from zarrlake.format import manifest
@@ -328,6 +329,17 @@ class Session(Workspace):
         return f"<Session {mode} branch={self._branch!r} base={self._base_id}>"
 
     def __getstate__(self) -> dict[str, Any]:
+        if not self._read_only:
+            # A copy in another process (a dask or multiprocessing worker) would write into
+            # changes of its own that never come back: this session's commit would succeed
+            # without them. Refuse, and say what works.
+            raise WritableSessionPickled(
+                f"a writable session (branch {self._branch!r}) cannot be pickled: writes made "
+                "through the copy (e.g. by dask worker processes) would never reach this "
+                "session's commit. Write from threads (dask's threaded scheduler), or give each "
+                "process a fork: fork = session.fork() pickles, and "
+                "session.merge(fork.changeset()) brings its writes back before the commit"
+            )
         state = dict(self.__dict__)
         state.pop("_mutex", None)
         state["_store"] = None
