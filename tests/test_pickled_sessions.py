@@ -68,3 +68,32 @@ def test_forks_in_worker_processes_bring_their_writes_back(repo: zarrlake.Reposi
 def test_read_only_sessions_still_travel(repo: zarrlake.Repository) -> None:
     view = pickle.loads(pickle.dumps(repo.readonly_session("main")))
     assert zarr.open_array(view.store, path="a", mode="r").shape == (N * CHUNK,)
+
+
+def test_the_reported_dask_processes_case_now_fails_loudly(tmp_path: Path) -> None:
+    """Issue 14's report: an xarray Dataset of dask arrays written with ``to_zarr`` under the
+    ``processes`` scheduler committed all-NaN arrays. Now the write fails and nothing that lacks
+    the data is committed; the threaded scheduler still writes everything."""
+    dask = pytest.importorskip("dask")
+    da = pytest.importorskip("dask.array")
+    xr = pytest.importorskip("xarray")
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    head = repo.lookup_branch("main")
+    values = np.random.default_rng(0).random((80, 80))
+    ds = xr.Dataset({"t": (("x", "y"), da.from_array(values, chunks=(20, 20)))})
+
+    s = repo.writable_session("main")
+    with (
+        dask.config.set(scheduler="processes", num_workers=2),
+        pytest.raises(zarrlake.WritableSessionPickled),
+    ):
+        ds.to_zarr(s.store, mode="w", consolidated=False)
+    s.discard()
+    assert repo.lookup_branch("main") == head
+
+    s = repo.writable_session("main")
+    with dask.config.set(scheduler="threads"):
+        ds.to_zarr(s.store, mode="w", consolidated=False)
+    sid = s.commit("threads")
+    got = xr.open_zarr(repo.readonly_session(sid).store, consolidated=False).t.values
+    np.testing.assert_array_equal(got, values)
