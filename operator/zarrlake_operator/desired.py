@@ -58,6 +58,16 @@ def child_name(owner: str, suffix: str, limit: int = DNS_NAME_MAX) -> str:
     return f"zl-{safe[:keep].rstrip('-')}-{digest}-{suffix}"
 
 
+def locked_down_container() -> dict[str, Any]:
+    """The security context of every container the operator runs: no privilege escalation, a
+    read-only root file system, no capabilities (a fresh dict: callers may extend it)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 def owned_metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
     """The metadata of an object ``owner`` owns: its name, the owner's namespace, labels, and
     the owner reference that deletes it with the owner."""
@@ -326,11 +336,7 @@ def lock_deployment(
                                 "initialDelaySeconds": 5,
                                 "periodSeconds": 10,
                             },
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
+                            "securityContext": locked_down_container(),
                             "volumeMounts": [{"name": "data", "mountPath": "/data"}],
                         }
                     ],
@@ -465,11 +471,7 @@ def _cron_job(
         # The JSON report goes to the termination log; on a crash the log tail is shown instead.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": locked_down_container(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     if schedule.resources:
@@ -1062,11 +1064,7 @@ def replicator_deployment(
             "periodSeconds": 20,
             "failureThreshold": 3,
         },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": locked_down_container(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     identity: dict[str, Any] = {}
