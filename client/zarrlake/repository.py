@@ -462,9 +462,9 @@ class Repository:
         if engine == "local":
             return None
         if spark is None:
-            from pyspark.sql import SparkSession
+            from zarrlake.maintenance.spark_jobs import spark_session
 
-            spark = SparkSession.builder.appName(f"zarrlake-{what}").getOrCreate()
+            spark = spark_session(f"zarrlake-{what}")
         return spark
 
     def fsck(self, *, check_chunks: bool = True, verify_content: bool = False) -> FsckReport:

@@ -98,15 +98,12 @@ def _spark_session(args: argparse.Namespace) -> Any:
         if args.spark_master:
             raise UsageError("--spark-master goes with --engine spark")
         return None
-    master = args.spark_master
+    from zarrlake.maintenance.spark_jobs import spark_session
+
     try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        raise UsageError("--engine spark needs pyspark (pip install 'zarrlake[spark]')") from None
-    builder = SparkSession.builder.appName(f"zarrlake-{args.command}")
-    if master:
-        builder = builder.master(master)
-    return builder.getOrCreate()
+        return spark_session(f"zarrlake-{args.command}", args.spark_master)
+    except ImportError as e:
+        raise UsageError(f"--engine spark: {e}") from None
 
 
 def run_gc(args: argparse.Namespace) -> None:
@@ -115,13 +112,15 @@ def run_gc(args: argparse.Namespace) -> None:
     spark = _spark_session(args)
     repo = open_repository(args, locked=True)
     expired = repo.expire(rules, dry_run=args.dry_run) if rules is not None else None
-    if spark is not None:
+    with ProgressDisplay(not args.json and spark is None) as progress:
         report = repo.gc(
-            grace=grace, dry_run=args.dry_run, force=args.force, engine="spark", spark=spark
+            grace=grace,
+            dry_run=args.dry_run,
+            force=args.force,
+            progress=progress,
+            engine=args.engine,
+            spark=spark,
         )
-    else:
-        with ProgressDisplay(not args.json) as progress:
-            report = repo.gc(grace=grace, dry_run=args.dry_run, force=args.force, progress=progress)
     _write_job_report(JobReport.from_reports(report, expired))
     if args.json:
         print_json(job_document(report, expired))
@@ -171,24 +170,16 @@ def run_compact(args: argparse.Namespace) -> None:
     keep = duration(args.keep_journal)
     spark = _spark_session(args)
     repo = open_repository(args, locked=True)
-    if spark is not None:
+    with ProgressDisplay(not args.json and spark is None) as progress:
         report = repo.compact(
             branch=args.branch,
             pack_below_bytes=args.pack_below,
             keep_journal=keep,
             dry_run=args.dry_run,
-            engine="spark",
+            progress=progress,
+            engine=args.engine,
             spark=spark,
         )
-    else:
-        with ProgressDisplay(not args.json) as progress:
-            report = repo.compact(
-                branch=args.branch,
-                pack_below_bytes=args.pack_below,
-                keep_journal=keep,
-                dry_run=args.dry_run,
-                progress=progress,
-            )
     _write_job_report(JobReport.from_reports(report))
     if args.json:
         print_json(report.to_json())

@@ -60,7 +60,7 @@ from zarrlake.maintenance.gc import (
 )
 from zarrlake.storage.base import ObjectInfo, Storage
 
-__all__ = ["compact_spark", "gc_spark"]
+__all__ = ["compact_spark", "gc_spark", "spark_session"]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -81,6 +81,20 @@ def _core(shipped: _Shipped) -> RepositoryCore:
             while len(_cores) > 8:
                 _cores.pop(next(iter(_cores)))
         return core
+
+
+def spark_session(app: str, master: str | None = None) -> Any:
+    """The SparkSession a maintenance job runs on: the active one, or the one ``spark-submit``
+    configured, or one on ``master``. Raises :class:`ImportError` (saying what to install)
+    without pyspark."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ImportError("the spark engine needs pyspark: pip install 'zarrlake[spark]'") from None
+    builder = SparkSession.builder.appName(app)
+    if master:
+        builder = builder.master(master)
+    return builder.getOrCreate()
 
 
 def _ship(storage: Storage, record: RepoRecord, lock: BranchLock | None) -> _Shipped:
