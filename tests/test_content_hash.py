@@ -187,14 +187,14 @@ def test_forked_and_pickled_sessions_honour_the_setting(tmp_path: Path) -> None:
 def test_spark_forks_share_stores_per_hash(tmp_path: Path) -> None:
     # Executors turn a fork's ObjectStore into their process's shared one: the shared store must
     # hash as the fork's repository does, never as a store shared with another repository.
-    from zarrlake.spark import _dump_fork, _load_fork
+    from zarrlake.forks import dump_fork, load_fork
 
     old_marker(zarrlake.Storage.local(tmp_path / "sha"))
     for path, name in (("sha", "sha256"), ("b3", "blake3")):
         repo = zarrlake.Repository.open_or_create(zarrlake.Storage.local(tmp_path / path))
         s = repo.writable_session()
         write_blocks(s, [0])
-        fork = _load_fork(_dump_fork(s.fork()))
+        fork = load_fork(dump_fork(s.fork()))
         assert fork.objects.content_hash == name
         zarr.open_array(fork.store, path="a", mode="r+")[:] = 3
         s.merge(fork.changeset())

@@ -266,13 +266,13 @@ def test_memory_storage_is_refused(spark: Any) -> None:
 def test_tasks_in_one_process_share_one_object_store(tmp_path: Path) -> None:
     # A fork travels to the executors as bytes; every task in a worker process unpickles its own
     # copy, and all of them share one ObjectStore (client, connections, caches) per storage.
-    from zarrlake.spark import _dump_fork, _load_fork
+    from zarrlake.forks import dump_fork, load_fork
 
     repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"))
     session = repo.writable_session("main")
     create_grid(session.store)
-    data = _dump_fork(session.fork())
-    a, b = _load_fork(data), _load_fork(data)
+    data = dump_fork(session.fork())
+    a, b = load_fork(data), load_fork(data)
     assert a.objects is b.objects
     # ... but not their changesets: a task never sees another task's (or attempt's) writes.
     open_array(a.store, "g/temp")[0:8, 0:10] = 1.0
@@ -281,11 +281,11 @@ def test_tasks_in_one_process_share_one_object_store(tmp_path: Path) -> None:
 
 
 def test_memory_forks_are_never_shared() -> None:
-    from zarrlake.spark import _dump_fork, _load_fork
+    from zarrlake.forks import dump_fork, load_fork
 
     repo = zarrlake.Repository.create(zarrlake.Storage.memory())
-    data = _dump_fork(repo.writable_session("main").fork())
-    a, b = _load_fork(data), _load_fork(data)
+    data = dump_fork(repo.writable_session("main").fork())
+    a, b = load_fork(data), load_fork(data)
     assert a.objects is not b.objects  # each copy of a memory storage is its own store
 
 

@@ -65,23 +65,18 @@ from __future__ import annotations
 
 import contextlib
 import decimal
-import io
 import pickle
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zarrlake.changeset import Changeset
 from zarrlake.errors import SparkWriteError, ZarrlakeError
-from zarrlake.format.ids import LEGACY_CONTENT_HASH
-from zarrlake.objects import ObjectStore
+from zarrlake.forks import dump_fork, load_fork, shared_instance
 from zarrlake.repository import Repository
-from zarrlake.session import ForkedSession
 
 if TYPE_CHECKING:
     import zarr
@@ -96,7 +91,6 @@ __all__ = [
     "write_partitions",
 ]
 
-_V = TypeVar("_V")
 _READ_THREADS = 8
 Writer = Callable[[Any, Iterator[Any]], Any]
 
@@ -154,72 +148,14 @@ class BlockWriter:
             arr[sel] = data
 
 
-# -- per-worker-process reuse ---------------------------------------------------------------------
-
-# A Python worker runs many tasks one after another. Every task unpickles its own fork (or
-# repository), which would build a new storage client (for S3, a botocore client: ~0.2 s) and start
-# with empty caches. Tasks in one process therefore share one ObjectStore per storage location: its
-# client, connection pool and caches of immutable objects (snapshots, shards). Only the ObjectStore
-# is shared; every task still has its own fork and changeset.
-#
-# The sharing happens in pickle itself: the driver pickles a fork with :class:`_ForkPickler`, which
-# reduces each ObjectStore to a call of :func:`_shared_object_store` with its storage (pickled), and
-# in a task that call returns this process's shared ObjectStore for the storage. A storage that is
-# not shared across processes (memory) pickles its contents, so its copies are distinct stores and
-# are never shared.
-_SHARED_MAX = 8
-_shared: OrderedDict[bytes, Any] = OrderedDict()
-_shared_lock = threading.Lock()
-
-
-def _shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
-    with _shared_lock:
-        if key in _shared:
-            _shared.move_to_end(key)
-            return _shared[key]  # type: ignore[no-any-return]
-        value = _shared[key] = make()
-        while len(_shared) > _SHARED_MAX:
-            _shared.popitem(last=False)
-        return value
-
-
-def _shared_object_store(
-    storage_bytes: bytes, content_hash: str = LEGACY_CONTENT_HASH
-) -> ObjectStore:
-    """This process's ObjectStore for the pickled storage and the repository's content hash (what
-    a pickled fork's store becomes)."""
-    return _shared_instance(
-        b"objects:" + content_hash.encode() + b":" + storage_bytes,
-        lambda: ObjectStore(pickle.loads(storage_bytes), content_hash),
-    )
-
-
-class _ForkPickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, ObjectStore) and obj.storage.shared_across_processes:
-            storage_bytes = pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL)
-            return _shared_object_store, (storage_bytes, obj.content_hash)
-        return NotImplemented
-
-
-def _dump_fork(fork: ForkedSession) -> bytes:
-    buffer = io.BytesIO()
-    _ForkPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(fork)
-    return buffer.getvalue()
-
-
-def _load_fork(data: bytes) -> ForkedSession:
-    fork = pickle.loads(data)
-    if not isinstance(fork, ForkedSession):
-        raise TypeError(f"expected a pickled ForkedSession, got {type(fork).__name__}")
-    return fork
+# -- per-worker-process reuse (see zarrlake.forks) --------------------------------------------
 
 
 def _reuse_repository(repo: Repository) -> Repository:
     if not repo.storage.shared_across_processes:  # each copy is its own store
         return repo
     key = b"repo:" + pickle.dumps(repo, protocol=pickle.HIGHEST_PROTOCOL)
-    return _shared_instance(key, lambda: repo)
+    return shared_instance(key, lambda: repo)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -254,7 +190,7 @@ def _partition_task(
         # A fresh copy of the fork for every task (and every task attempt): a retried or
         # speculative attempt never sees another attempt's writes, and Spark keeps the result of
         # exactly one attempt per partition.
-        fork = _load_fork(fork_bytes)
+        fork = load_fork(fork_bytes)
         try:
             result = writer(fork.store, iter(items))
             if isinstance(result, Iterator):
@@ -328,7 +264,7 @@ def write_partitions(
     if setup is not None:
         setup(session.store)
     fork = session.fork()
-    fork_bytes = _dump_fork(fork)
+    fork_bytes = dump_fork(fork)
     try:
         changesets: list[Changeset] = rdd.mapPartitionsWithIndex(
             _partition_task(fork_bytes, writer)
