@@ -24,6 +24,9 @@ class Changeset:
     nodes: dict[str, bytes | None] = field(default_factory=dict)
     deleted_prefixes: list[str] = field(default_factory=list)
     dedup_chunks: set[bytes] = field(default_factory=set)
+    #: For a fork's changes: how many merges its session had made when the fork was made. The
+    #: fork saw those, so overwriting what they brought is a write, not a conflict.
+    forked_at: int = 0
 
     def is_empty(self) -> bool:
         return not (self.chunks or self.nodes or self.deleted_prefixes)
@@ -56,4 +59,5 @@ class Changeset:
             dict(self.nodes),
             list(self.deleted_prefixes),
             set(self.dedup_chunks),
+            self.forked_at,
         )

@@ -319,7 +319,9 @@ class Session(Workspace):
             None if read_only else dt.datetime.now(dt.UTC) + (ttl or self._config.session_ttl)
         )
         self._layers = [Changeset(self._session_id, base)]
-        self._merged: dict[str, Any] = {}
+        #: What merges brought, by key: (value, number of the merge) — see :meth:`merge`.
+        self._merged: dict[str, tuple[Any, int]] = {}
+        self._merges = 0
         self._committed: str | None = None
         self._init_workspace()
         self._snapshot()  # fail now, not on first read, if the base snapshot is missing or corrupt
@@ -336,8 +338,9 @@ class Session(Workspace):
             raise WritableSessionPickled(
                 f"a writable session (branch {self._branch!r}) cannot be pickled: writes made "
                 "through the copy (e.g. by dask worker processes) would never reach this "
-                "session's commit. Write from threads (dask's threaded scheduler), or give each "
-                "process a fork: fork = session.fork() pickles, and "
+                "session's commit. For xarray or dask data use "
+                "zarrlake.dask.to_zarrlake(obj, session, ...), which writes from any scheduler; "
+                "otherwise give each process a fork: fork = session.fork() pickles, and "
                 "session.merge(fork.changeset()) brings its writes back before the commit"
             )
         state = dict(self.__dict__)
@@ -440,6 +443,7 @@ class Session(Workspace):
         self._check_writable()
         with self._mutex:
             inherited = self._layers[0].copy()
+            forked_at = self._merges
         return ForkedSession(
             objects=self._objects,
             config=self._config,
@@ -448,13 +452,17 @@ class Session(Workspace):
             session_id=self._session_id,
             expires_at=self._expires_at,
             inherited=inherited,
+            forked_at=forked_at,
         )
 
     def merge(self, *changesets: Changeset) -> None:
         """Fold forked work back into this session (then :meth:`commit`).
 
         Raises :class:`ConflictError` if two forks wrote different bytes to the same key, and
-        :class:`ZarrlakeError` for a changeset that does not belong to this session.
+        :class:`ZarrlakeError` for a changeset that does not belong to this session. Forks conflict
+        when neither saw the other's work: changesets merged together, or a fork made before an
+        earlier merge that wrote the key differently. A fork made after a merge saw its changes,
+        and may overwrite them.
         """
         self._check_writable()
         for cs in changesets:
@@ -472,19 +480,22 @@ class Session(Workspace):
             # Check each changeset against earlier merges and the changesets before it in this
             # call (forks merged together must not overwrite each other silently either).
             seen = dict(self._merged)
+            number = self._merges
             for cs in changesets:
                 for d in (cs.chunks, cs.nodes):
                     for k, v in d.items():
-                        if k in seen and seen[k] != v:
+                        earlier = seen.get(k)
+                        if earlier is not None and earlier[0] != v and earlier[1] >= cs.forked_at:
                             if is_meta_key(k):
                                 conflicts.append(Conflict("node", meta_key_node(k)))
                             else:
                                 path, coords = split_chunk_key(k, arrays)
                                 conflicts.append(Conflict("chunk", path, coords))
-                        seen[k] = v
+                        seen[k] = (v, number)
             if conflicts:
                 raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
             self._merged = seen
+            self._merges += 1
             for cs in changesets:
                 top.fold(cs)
 
@@ -506,6 +517,7 @@ class ForkedSession(Workspace):
         session_id: str,
         expires_at: dt.datetime | None,
         inherited: Changeset,
+        forked_at: int = 0,
     ) -> None:
         self._objects = objects
         self._config = config
@@ -515,12 +527,15 @@ class ForkedSession(Workspace):
         self._expires_at = expires_at
         self._read_only = False
         self._layers = [Changeset(session_id, base), inherited]
+        self._forked_at = forked_at
         self._init_workspace()
 
     def changeset(self) -> Changeset:
         """This fork's own changes, to hand back to :meth:`Session.merge`."""
         with self._mutex:
-            return self._layers[0].copy()
+            changes = self._layers[0].copy()
+        changes.forked_at = self._forked_at
+        return changes
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
