@@ -73,6 +73,7 @@ bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/contention.py --markdown bench/results/contention.md
 	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
 	$(BIN)/python bench/mirror.py --markdown bench/results/mirror.md
+	$(BIN)/python bench/dask_write.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/dask_write.md
 
 bench-quick: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --quick --peers-python $(PEERS_VENV)/bin/python

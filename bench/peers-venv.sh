@@ -1,7 +1,7 @@
 #!/bin/sh
 # Build the peers' environment for `make bench`: Icechunk 2.x needs Python >= 3.12, which the
-# project's venv may not be. The peers' venv gets the project venv's Zarr and NumPy versions, so
-# the Zarr layer above every engine is the same code and only the engines differ.
+# project's venv may not be. The peers' venv gets the project venv's Zarr, NumPy, xarray and dask
+# versions, so the layers above every engine are the same code and only the engines differ.
 #
 #   bench/peers-venv.sh VENV PROJECT_PYTHON
 #
@@ -37,10 +37,10 @@ if ! python=$(find_python); then
     exit 1
 fi
 pins=$("$project_python" -c 'from importlib.metadata import version as v
-print(*(p + "==" + v(p) for p in ("zarr", "numpy")))')
+print(*(p + "==" + v(p) for p in ("zarr", "numpy", "xarray", "dask", "distributed")))')
 echo "peers: $python ($("$python" --version 2>&1)), $pins" >&2
 rm -rf "$venv"
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-# shellcheck disable=SC2086  # $pins is two requirement words
+# shellcheck disable=SC2086  # $pins is several requirement words
 "$venv/bin/python" -m pip install -q "icechunk>=2" boto3 $pins

@@ -46,7 +46,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, product
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
@@ -397,30 +397,40 @@ def _forks_from_bytes(data: bytes, url: str) -> _Forks:
 
 
 def _write_blocks(session: Session, targets: Sequence[_Target]) -> list[Changeset]:
+    import dask.array as da
+    import numpy as np
     import zarr
     from dask.base import compute
     from dask.delayed import delayed
 
+    # One task per block: the block's computation and its write fuse into one task, so a block is
+    # written where it was computed and never travels between workers. The fork travels once.
     forks = delayed(_Forks(session), name=f"zarrlake-fork-{uuid.uuid4().hex}")
-    write = delayed(_write_block, pure=False)
-    tasks = []
+    written = []
     for target in targets:
         stored = zarr.open_array(session.store, path=target.path, mode="r")
-        grid = stored.shards or stored.chunks
-        source = _aligned(target.source, target.offset, tuple(grid))
-        blocks = source.to_delayed(optimize_graph=True)  # type: ignore[no-untyped-call]
-        starts = [[0, *accumulate(c)] for c in source.chunks]
-        for index in product(*(range(len(c)) for c in source.chunks)):
-            region = tuple(
-                slice(off + starts[axis][i], off + starts[axis][i + 1])
-                for axis, (i, off) in enumerate(zip(index, target.offset, strict=True))
+        source = _aligned(target.source, target.offset, tuple(stored.shards or stored.chunks))
+        spec = _BlockSpec(
+            target.path,
+            target.variable,
+            target.dims,
+            target.group,
+            target.write_empty_chunks,
+            target.offset,
+        )
+        written.append(
+            da.map_blocks(  # type: ignore[no-untyped-call]
+                _write_block,
+                source,
+                forks,
+                spec=spec,
+                dtype=object,
+                chunks=tuple((1,) * len(c) for c in source.chunks),
+                meta=np.empty((0,) * source.ndim, dtype=object),
             )
-            spec = _BlockSpec(
-                target.path, target.variable, target.dims, target.group, target.write_empty_chunks
-            )
-            tasks.append(write(forks, spec, blocks[index], region))
-    results = compute(*tasks)  # type: ignore[no-untyped-call]
-    return list(results)
+        )
+    results = compute(*written)  # type: ignore[no-untyped-call]
+    return [changes for blocks in results for changes in blocks.ravel()]
 
 
 def _aligned(
@@ -453,12 +463,20 @@ class _BlockSpec:
     dims: tuple[str, ...]
     group: str | None
     write_empty_chunks: bool | None
+    offset: tuple[int, ...]
 
 
 def _write_block(
-    forks: _Forks, spec: _BlockSpec, block: np.ndarray[Any, Any], region: tuple[slice, ...]
-) -> Changeset:
-    """One task: write ``block`` at ``region`` through a fresh fork; return the fork's changes."""
+    block: np.ndarray[Any, Any], forks: _Forks, *, spec: _BlockSpec, block_info: Any = None
+) -> np.ndarray[Any, Any]:
+    """One task: write ``block`` through a fresh fork at its place in the stored array; return
+    the fork's changes (in a one-element array: the result of a ``map_blocks`` block)."""
+    import numpy as np
+
+    region = tuple(
+        slice(off + start, off + stop)
+        for off, (start, stop) in zip(spec.offset, block_info[0]["array-location"], strict=True)
+    )
     fork = forks.load()
     if spec.variable is not None:
         import xarray as xr
@@ -478,4 +496,6 @@ def _write_block(
 
         target: zarr.Array[Any] = zarr.open_array(fork.store, path=spec.path, mode="r+")
         target[region] = block
-    return fork.changeset()
+    result = np.empty((1,) * block.ndim, dtype=object)
+    result[(0,) * block.ndim] = fork.changeset()
+    return result
