@@ -367,3 +367,18 @@ def test_the_reported_case_fails_loudly_and_names_to_zarrlake(
     assert "zarrlake.dask.to_zarrlake" in str(pickled[0])
     written = set(session.status().changed_chunks)  # xarray wrote the numpy variables itself
     assert written == {"/static", "/time", "/x"}  # and no worker wrote a chunk of the dask ones
+
+
+@pytest.mark.parametrize("scheduler", ["distributed"], indirect=True)
+def test_read_only_sessions_read_from_worker_processes(
+    repo: zarrlake.Repository, scheduler: str
+) -> None:
+    ds = weather()
+    session = repo.writable_session("main")
+    to_zarrlake(ds, session, mode="w", consolidated=False, zarr_format=2)
+    session.commit("zarr v2 arrays")
+    lazy = xr.open_zarr(repo.readonly_session("main").store, consolidated=False)
+    assert lazy["temp"].chunks is not None  # dask-backed: the workers read the chunks
+    total = lazy["temp"].sum().compute()  # the read-only store travels to the workers
+    assert float(total) == pytest.approx(float(ds["temp"].sum()))
+    xr.testing.assert_identical(lazy.compute(), oracle((ds, {"mode": "w", "zarr_format": 2})))
