@@ -443,3 +443,52 @@ def test_lookup_outside_every_shard_reads_nothing() -> None:
     key = sorted(model)[1234]
     assert lookup(index, key, store.load) == model[key]
     assert sum(store.loads.values()) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 12), min_size=1, max_size=12),
+    max_refs=st.integers(1, 10),
+    runs=st.integers(1, 6),
+    recut=st.booleans(),
+)
+def test_runs_cut_in_slices_what_one_rebuild_cuts(
+    counts: list[int], max_refs: int, runs: int, recut: bool
+) -> None:
+    """Compaction's runs (a Spark task each) read slices of a manifest that begin and end inside
+    old shards; cutting each slice with its sizes gives, shard for shard, the manifest a re-cut
+    in one process gives (or, without re-cut, the same shard boundaries as before)."""
+    from zarrlake.maintenance.compact import plan_runs
+
+    store: dict[str, ManifestShard] = {}
+    index: list[ShardInfo] = []
+    n = 0
+    for count in counts:
+        keys = [f"a/c/{i:05d}" for i in range(n, n + count)]
+        n += count
+        shard = ManifestShard(keys, [(OBJECT, bytes([i % 256]) * 32, 100) for i in range(count)])
+        data = shard.encode()
+        info = ShardInfo(keys[0], keys[-1], content_hash(data), count)
+        store[info.digest] = shard
+        index.append(info)
+
+    total = sum(counts)
+    sizes = manifest_module.balanced_sizes(total, max_refs) if recut else counts
+    planned = plan_runs(index, sizes, runs)
+    assert 1 <= len(planned) <= runs and [s for r in planned for s in r.sizes] == sizes
+    cut_index: list[ShardInfo] = []
+    for run in planned:
+        keys, refs = [], []
+        for info in run.shards:
+            keys += store[info.digest].keys
+            refs += store[info.digest].refs
+        size = sum(run.sizes)
+        part, _ = manifest_module.cut(
+            keys[run.skip : run.skip + size], refs[run.skip : run.skip + size], run.sizes
+        )
+        cut_index += part
+    if recut:
+        whole = manifest_module.rebuild(index, lambda i: store[i.digest], max_refs)
+        assert [s.digest for s in cut_index] == [s.digest for s in whole.index]
+    else:
+        assert cut_index == index

@@ -338,6 +338,49 @@ def test_spark_compaction_writes_the_packs_the_local_one_writes(
     assert json.loads(r.out)["packed_chunks"] == 0
 
 
+def test_spark_compaction_cuts_the_manifest_in_parallel_tasks_as_one_process_would(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Many runs, whose slices begin and end inside old shards: the tasks write the shards a
+    re-cut in one process writes (same boundaries, same counts), every small chunk is packed,
+    and one commit publishes them."""
+    config = zarrlake.RepositoryConfig(shard_max_refs=8)
+    built = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "built"), config=config)
+    s = built.writable_session()
+    create_array(s, 120)
+    write_blocks(s, {j: float(j) for j in range(120)})
+    s.commit("120 chunks")
+    s = built.writable_session()
+    write_blocks(s, {j: 0.0 for j in range(120) if j % 8 >= 3})  # 3 of every 8 stay: thin shards
+    s.commit("thin out")
+    reads = read_array(built, "main")
+    shards_before = built.core.objects.snapshot(built.resolve("main")).shards
+    assert len(shards_before) > 10 and sum(x.count < 4 for x in shards_before) > 1
+
+    local = _copy(tmp_path / "built", tmp_path / "local")
+    distributed = _copy(tmp_path / "built", tmp_path / "spark")
+    mine = compact_at(local.core, branch="main", pack_below_bytes=4096)
+    theirs = compact_spark(distributed.core, spark, branch="main", pack_below_bytes=4096, runs=4)
+
+    def layout(repo: zarrlake.Repository) -> list[tuple[str, str, int]]:
+        shards = repo.core.objects.snapshot(repo.resolve("main")).shards
+        return [(x.first, x.last, x.count) for x in shards]
+
+    assert layout(distributed) == layout(local)  # the very cut of the one-process re-cut
+    assert max(c for _, _, c in layout(local)) <= 8 and len(layout(local)) < len(shards_before)
+    assert (theirs.packed_chunks, theirs.shards_after) == (mine.packed_chunks, mine.shards_after)
+    assert theirs.packed_chunks == sum(x.count for x in shards_before)
+    assert theirs.packs_written == 3  # 6 new shards in runs of 2: one pack per task
+    messages = [c.message for c in distributed.log()]
+    assert messages[0].startswith("Compaction") and messages[1:3] == ["thin out", "120 chunks"]
+    np.testing.assert_array_equal(read_array(distributed, "main"), reads)
+    assert {ref[0] for ref in _refs(distributed)} == {PACKED}
+    assert distributed.fsck(verify_content=True).ok
+
+    dry = compact_spark(distributed.core, spark, branch="main", dry_run=True, runs=4)
+    assert dry.packed_chunks == 0 and dry.snapshot is None  # nothing left to do
+
+
 def _refs(repo: zarrlake.Repository) -> list[Any]:
     from zarrlake.format import manifest
 

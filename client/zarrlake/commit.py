@@ -281,18 +281,23 @@ class CommitEngine:
         policy: RebasePolicy | None = None,
         extra_parents: tuple[str, ...] = (),
         reshard: bool = False,
+        prebuilt: ManifestUpdate | None = None,
     ) -> str:
         """Publish ``changeset`` on ``branch`` and return the new snapshot id.
 
         If the branch moved since ``changeset.base``, the changeset is rebased with ``policy``
         (default: :class:`SolverPolicy` without a solver) — or, with ``rebase=False``, the commit
         fails with :class:`ConflictError`. ``extra_parents`` make a merge commit; ``reshard``
-        re-cuts the whole manifest into evenly filled shards. Raises :class:`ConflictError`,
+        re-cuts the whole manifest into evenly filled shards. ``prebuilt`` is the manifest the
+        changes make of their base, already written (compaction cuts it in parallel tasks): used
+        as is while the branch has not moved, else the changes are applied as usual. Raises
+        :class:`ConflictError`,
         :class:`RefNotFound` (no such branch), :class:`RetryableError` (a deduplicated chunk was
         garbage-collected meanwhile), ``ValueError`` (metadata not serializable).
         """
         policy = policy if policy is not None else SolverPolicy()
         meta = dict(metadata or {})
+        planned_on = changeset.base
         with self.hold_branch(branch) as token:
             for attempt in range(MAX_COMMIT_ATTEMPTS):
                 # Without a lock, first try on the head this client last saw (the session's base,
@@ -333,6 +338,7 @@ class CommitEngine:
                     extra_parents,
                     relocation=policy.relocates,
                     reshard=reshard,
+                    prebuilt=prebuilt if head == planned_on else None,
                 )
                 snap = built.snapshot
                 check = None if known is None else self.journal.entry_key(branch, head_entry.seq)
@@ -469,34 +475,10 @@ class CommitEngine:
 
     # -- snapshots ---------------------------------------------------------------------------------
 
-    def _build_snapshot(
-        self,
-        parent: Snapshot,
-        cs: Changeset,
-        message: str,
-        author: str | None,
-        metadata: dict[str, Any],
-        extra_parents: tuple[str, ...],
-        *,
-        relocation: bool,
-        reshard: bool,
-    ) -> CommitObjects:
-        nodes = dict(parent.nodes)
-        removed_nodes = []
-        for p in cs.deleted_prefixes:
-            for k in [k for k in nodes if prefix_matches(k, p)]:
-                removed_nodes.append(k)
-                del nodes[k]
-        for k, v in cs.nodes.items():
-            if v is None:
-                nodes.pop(k, None)
-            else:
-                nodes[k] = v
-        max_refs = self.config.shard_max_refs
-        # A large change writes its shards as it cuts them rather than holding them all until
-        # the commit's one round of writes (a million refs are ~70 MB of encoded shards). Like
-        # every object of a commit, they are unreachable until the journal entry names them.
-        spill = len(cs.chunks) > SPILL_CHANGES and not reshard
+    def _apply(
+        self, parent: Snapshot, cs: Changeset, max_refs: int, *, spill: bool, reshard: bool
+    ) -> ManifestUpdate:
+        """The manifest ``cs`` makes of ``parent``'s (re-cut whole with ``reshard``)."""
         update = manifest.apply_changes(
             parent.shards,
             cs.chunks,
@@ -519,6 +501,41 @@ class CommitEngine:
                 rebuilt.new_shards[digest] = pending.new_shards[digest]
                 rebuilt.built[digest] = pending.built[digest]
             update = rebuilt
+        return update
+
+    def _build_snapshot(
+        self,
+        parent: Snapshot,
+        cs: Changeset,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        extra_parents: tuple[str, ...],
+        *,
+        relocation: bool,
+        reshard: bool,
+        prebuilt: ManifestUpdate | None = None,
+    ) -> CommitObjects:
+        nodes = dict(parent.nodes)
+        removed_nodes = []
+        for p in cs.deleted_prefixes:
+            for k in [k for k in nodes if prefix_matches(k, p)]:
+                removed_nodes.append(k)
+                del nodes[k]
+        for k, v in cs.nodes.items():
+            if v is None:
+                nodes.pop(k, None)
+            else:
+                nodes[k] = v
+        max_refs = self.config.shard_max_refs
+        # A large change writes its shards as it cuts them rather than holding them all until
+        # the commit's one round of writes (a million refs are ~70 MB of encoded shards). Like
+        # every object of a commit, they are unreachable until the journal entry names them.
+        spill = len(cs.chunks) > SPILL_CHANGES and not reshard
+        if prebuilt is not None:
+            update = prebuilt
+        else:
+            update = self._apply(parent, cs, max_refs, spill=spill, reshard=reshard)
         txlog = TxLog(
             sorted(set(cs.nodes) | set(removed_nodes)),
             [] if relocation else sorted(cs.chunks),

@@ -226,11 +226,9 @@ def _emit(
         return
     # Balanced pieces (sizes differ by at most one): cutting max_refs-sized pieces could leave a
     # tiny last one, and with more than one piece each holds more than max_refs / 2.
-    pieces = -(-len(keys) // max_refs)
-    size, extra = divmod(len(keys), pieces)
     start = 0
-    for p in range(pieces):
-        end = start + size + (p < extra)
+    for size in balanced_sizes(len(keys), max_refs):
+        end = start + size
         info, data, shard = _build(keys[start:end], refs[start:end])
         out.append(info)
         new.add(info, shard, data)
@@ -352,6 +350,35 @@ def diff_entries(
         ra, rb = left.get(key), right.get(key)
         if ra != rb and ref_identity(ra) != ref_identity(rb):
             yield key, ra, rb
+
+
+def balanced_sizes(total: int, max_refs: int) -> list[int]:
+    """The sizes of the shards a re-cut of ``total`` refs makes: as few as hold ``max_refs`` each,
+    differing by at most one (what :func:`rebuild` cuts)."""
+    if total <= 0:
+        return []
+    pieces = -(-total // max_refs)
+    size, extra = divmod(total, pieces)
+    return [size + (p < extra) for p in range(pieces)]
+
+
+def cut(
+    keys: list[str], refs: list[ChunkRef], sizes: Iterable[int]
+) -> tuple[list[ShardInfo], dict[str, bytes]]:
+    """Cut sorted ``keys``/``refs`` into consecutive shards of ``sizes``: their index entries and
+    their encodings (digest -> bytes). A slice of a larger manifest cut this way, with sizes from
+    :func:`balanced_sizes` of the whole, gives the very shards the whole would."""
+    out: list[ShardInfo] = []
+    encoded: dict[str, bytes] = {}
+    start = 0
+    for size in sizes:
+        info, data, _ = _build(keys[start : start + size], refs[start : start + size])
+        out.append(info)
+        encoded[info.digest] = data
+        start += size
+    if start != len(keys):
+        raise ValueError(f"sizes add up to {start}, not to the {len(keys)} refs given")
+    return out, encoded
 
 
 def rebuild(index: list[ShardInfo], load: Loader, max_refs: int) -> ManifestUpdate:

@@ -13,6 +13,7 @@ touches a packed chunk keeps its own data, and the relocation is simply dropped 
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import time
 import uuid
@@ -23,9 +24,18 @@ from typing import Any
 from zarrlake.changeset import Changeset
 from zarrlake.conflicts import ChangeSummary
 from zarrlake.core import RepositoryCore
-from zarrlake.errors import Conflict, ConflictError
+from zarrlake.errors import Conflict, ConflictError, CorruptObject
 from zarrlake.format import manifest
-from zarrlake.format.model import OBJECT, PACKED, ChunkRef, Snapshot, pack_key
+from zarrlake.format.manifest import ManifestUpdate
+from zarrlake.format.model import (
+    OBJECT,
+    PACKED,
+    ChunkRef,
+    ShardInfo,
+    Snapshot,
+    manifest_key,
+    pack_key,
+)
 from zarrlake.nodes import split_chunk_key
 from zarrlake.refs import PRUNE_FLOOR
 
@@ -95,8 +105,6 @@ class Relocation:
 
 #: Chunks of one pack: ``(chunk key, its object ref)``.
 PackGroup = list[tuple[str, ChunkRef]]
-#: Writes every group's pack and yields, per group, the chunks' new ``PACKED`` refs.
-Packer = Callable[[list[PackGroup]], Iterable[list[tuple[str, ChunkRef]]]]
 
 
 def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkRef]]:
@@ -115,12 +123,120 @@ def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkR
     return out
 
 
-def _local_packer(core: RepositoryCore) -> Packer:
-    def pack(groups: list[PackGroup]) -> Iterator[list[tuple[str, ChunkRef]]]:
-        for group in groups:
-            yield write_pack(core, group)
+@dataclass(frozen=True)
+class ShardRun:
+    """A slice of a branch head's manifest, by position, and the shards to cut it into.
 
-    return pack
+    The slice is refs ``skip`` .. ``skip + sum(sizes)`` of ``shards`` read one after another.
+    Runs are independent (a Spark task each): every chunk of the manifest falls in exactly one
+    run, which packs it if small and puts it into one of the run's new shards.
+    """
+
+    shards: tuple[ShardInfo, ...]
+    skip: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run did (or would do, dry): its new shards, in order, and the chunks it moved."""
+
+    index: list[ShardInfo]
+    relocated: list[tuple[str, ChunkRef]]
+    small_chunks: int
+    small_bytes: int
+    packs: int
+
+
+#: Does the runs (in this process, or in Spark tasks) and returns their results in order.
+Runner = Callable[[list[ShardRun], bool], Iterable[RunResult]]
+
+
+def plan_runs(index: list[ShardInfo], sizes: list[int], runs: int) -> list[ShardRun]:
+    """Split a manifest whose new shards will have ``sizes`` into at most ``runs`` runs."""
+    if not sizes:
+        return []
+    if sum(sizes) != sum(s.count for s in index):
+        raise ValueError("the new shards must hold exactly the refs of the old ones")
+    starts = [0]
+    for info in index:
+        starts.append(starts[-1] + info.count)
+    per = -(-len(sizes) // max(1, runs))
+    out: list[ShardRun] = []
+    begin = 0
+    for first in range(0, len(sizes), per):
+        piece = tuple(sizes[first : first + per])
+        end = begin + sum(piece)
+        lo = bisect.bisect_right(starts, begin) - 1  # the shard holding ref `begin`
+        hi = bisect.bisect_left(starts, end)  # shards from here on start at or after `end`
+        out.append(ShardRun(tuple(index[lo:hi]), begin - starts[lo], piece))
+        begin = end
+    return out
+
+
+def compact_run(
+    core: RepositoryCore, run: ShardRun, pack_below: int, target: int, dry_run: bool
+) -> RunResult:
+    """Pack the small chunk objects of ``run`` (packs of about ``target`` bytes) and cut its refs
+    into its new shards, written unless ``dry_run`` (shards that come out unchanged are not
+    rewritten). Nothing is published: the one compaction commit names the new shards."""
+    objects = core.objects
+    keys: list[str] = []
+    refs: list[ChunkRef] = []
+    for info in run.shards:
+        shard = objects.shard(info)
+        keys.extend(shard.keys)
+        refs.extend(shard.refs)
+    wanted = sum(run.sizes)
+    keys = keys[run.skip : run.skip + wanted]
+    refs = refs[run.skip : run.skip + wanted]
+    if len(keys) != wanted:
+        raise CorruptObject(
+            manifest_key(run.shards[0].digest) if run.shards else "manifest",
+            f"the shards hold {len(keys)} of the {wanted} refs the snapshot's index gives them",
+        )
+    small = [i for i, ref in enumerate(refs) if ref[0] == OBJECT and ref[2] < pack_below]
+    groups: list[list[int]] = []
+    size = 0
+    for i in small:
+        if not groups or size + refs[i][2] > target:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += refs[i][2]
+    small_bytes = sum(int(refs[i][2]) for i in small)
+    relocated: list[tuple[str, ChunkRef]] = []
+    if not dry_run:
+        for group in groups:
+            for i, (key, ref) in zip(
+                group, write_pack(core, [(keys[i], refs[i]) for i in group]), strict=True
+            ):
+                refs[i] = ref
+                relocated.append((key, ref))
+    index, encoded = manifest.cut(keys, refs, run.sizes)
+    if not dry_run:
+        unchanged = {info.digest for info in run.shards}
+        objects.put_shards({d: b for d, b in encoded.items() if d not in unchanged})
+    return RunResult(
+        index=index,
+        relocated=relocated,
+        small_chunks=len(small),
+        small_bytes=small_bytes,
+        packs=len(groups),
+    )
+
+
+def _local_runner(
+    core: RepositoryCore, pack_below: int, target: int, progress: Callable[[str, int], None] | None
+) -> Runner:
+    def run_all(runs: list[ShardRun], dry_run: bool) -> Iterator[RunResult]:
+        for run in runs:
+            result = compact_run(core, run, pack_below, target, dry_run)
+            if progress and result.relocated:
+                progress("pack", len(result.relocated))
+            yield result
+
+    return run_all
 
 
 @dataclass(frozen=True)
@@ -145,15 +261,17 @@ def compact(
     pack_target_bytes: int = PACK_TARGET_BYTES,
     progress: Callable[[str, int], None] | None = None,
     now: dt.datetime | None = None,
-    packer: Packer | None = None,
+    runner: Runner | None = None,
+    runs: int = 1,
 ) -> CompactReport:
     """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
 
     Chunk objects under ``pack_below_bytes`` go into packs of about ``pack_target_bytes``; journal
     entries older than ``keep_journal`` (at least :data:`~zarrlake.refs.PRUNE_FLOOR`) that
     ``as_of`` cannot need are deleted, their age measured back from ``now`` (default: the clock;
-    tests move it forward). ``packer`` writes the packs (default: in this process; the Spark
-    engine passes one that writes them in executor tasks). Raises
+    tests move it forward). The manifest is cut into ``runs`` slices, each packed and re-cut by
+    ``runner`` (default: one after another in this process; the Spark engine runs them as
+    executor tasks), and one commit publishes the result. Raises
     :class:`ConflictError` if user commits kept reshaping what it packed three times over, and
     :class:`RefNotFound` for a missing branch.
     """
@@ -166,8 +284,8 @@ def compact(
                 pack_below_bytes,
                 pack_target_bytes,
                 dry_run,
-                progress,
-                packer or _local_packer(core),
+                runner or _local_runner(core, pack_below_bytes, pack_target_bytes, progress),
+                runs,
             )
             break
         except ConflictError:
@@ -195,62 +313,53 @@ def _pack_and_commit(
     pack_below: int,
     target: int,
     dry_run: bool,
-    progress: Callable[[str, int], None] | None,
-    packer: Packer,
+    runner: Runner,
+    runs: int,
 ) -> _Packing:
     head_id = core.journal.current(branch).snapshot
     assert head_id is not None
     objects = core.objects
     max_refs = core.config.shard_max_refs
     snap = objects.snapshot(head_id)
-    small = [
-        (key, ref)
-        for key, ref in manifest.iter_all(snap.shards, objects.shard)
-        if ref[0] == OBJECT and ref[2] < pack_below
-    ]
+    # Re-cut the manifest into evenly filled shards when more than one is under half full;
+    # otherwise keep its shards as they are (only those holding packed chunks change).
     undersized = sum(1 for s in snap.shards if s.count < max_refs // 2)
+    recut = undersized > 1
+    total = sum(s.count for s in snap.shards)
+    sizes = manifest.balanced_sizes(total, max_refs) if recut else [s.count for s in snap.shards]
+    results = list(runner(plan_runs(snap.shards, sizes, runs), dry_run))
 
-    groups: list[PackGroup] = []
-    size = 0
-    for item in small:
-        if not groups or size + item[1][2] > target:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += item[1][2]
+    index = [info for r in results for info in r.index]
+    small = sum(r.small_chunks for r in results)
 
     def outcome(shards_after: int, snapshot: str | None = None) -> _Packing:
         return _Packing(
-            packed_chunks=len(small),
-            packed_bytes=sum(int(ref[2]) for _, ref in small),
-            packs_written=len(groups),
+            packed_chunks=small,
+            packed_bytes=sum(r.small_bytes for r in results),
+            packs_written=sum(r.packs for r in results),
             shards_before=len(snap.shards),
             shards_after=shards_after,
             snapshot=snapshot,
         )
 
-    if not small and undersized <= 1:
+    if not small and not recut:
         return outcome(len(snap.shards))
     if dry_run:
-        total = sum(s.count for s in snap.shards)
-        return outcome(max(1, -(-total // max_refs)) if total else 0)
+        return outcome(len(index))
 
-    changes: dict[str, ChunkRef | None] = {}
-    for relocated in packer(groups):
-        changes.update(relocated)
-        if progress:
-            progress("pack", len(relocated))
-
+    changes: dict[str, ChunkRef | None] = {k: ref for r in results for k, ref in r.relocated}
     changeset = Changeset(uuid.uuid4().hex, head_id, chunks=changes)
+    packs = sum(r.packs for r in results)
     new_id = core.commits.commit(
         branch,
         changeset,
-        message=f"Compaction: packed {len(changes)} chunk(s) into {len(groups)} pack(s)",
+        message=f"Compaction: packed {len(changes)} chunk(s) into {packs} pack(s)",
         author="zarrlake compaction",
-        metadata={"compaction": {"packed_chunks": len(changes), "packs": len(groups)}},
+        metadata={"compaction": {"packed_chunks": len(changes), "packs": packs}},
         rebase=True,
         policy=Relocation(),
-        reshard=True,
+        reshard=recut,
+        prebuilt=ManifestUpdate(index, {}),
     )
     return outcome(len(objects.snapshot(new_id).shards), new_id)
 

@@ -1,9 +1,15 @@
 """Garbage collection and compaction as Spark jobs: the local engines' rules, at any size.
 
-**Compaction** (:func:`compact_spark`) is the local compaction with its packs written by executor
-tasks, one pack per task: the driver plans the groups of small chunks from the branch head's
-manifest, tasks read the chunks and write the packs, and only the new refs (key and byte range)
-come back for the single compaction commit, which rebases like the local one.
+**Compaction** (:func:`compact_spark`) is the local compaction with its work done by executor
+tasks. The driver reads only the branch head's shard index (which grows with shards, not chunks)
+and cuts the manifest into slices by position (:func:`~zarrlake.maintenance.compact.plan_runs`),
+cut where the new, evenly filled shards will begin. Each task reads its slice's shards, packs their
+small chunk objects, cuts the slice into its new shards and writes them
+(:func:`~zarrlake.maintenance.compact.compact_run`); the shards are those a re-cut of the whole
+manifest in one process would make. Back come the new shard index entries and the moved chunks'
+new refs (key and byte range: they are the commit's changes and its transaction log), and one
+commit publishes them with the manifest the tasks wrote — or, if a user commit landed meanwhile,
+rebases the moves like the local compaction does.
 
 **Garbage collection** (:func:`gc_spark`): the phases are the local engine's
 (:mod:`zarrlake.maintenance.gc`), spread over executors:
@@ -39,13 +45,15 @@ from typing import Any
 
 from zarrlake.commit import BranchLock
 from zarrlake.core import RepositoryCore
-from zarrlake.format.model import OBJECT, ChunkRef, RepoRecord, ShardInfo
+from zarrlake.format.model import OBJECT, RepoRecord, ShardInfo
 from zarrlake.maintenance.compact import (
+    DEFAULT_PACK_BELOW,
     PACK_TARGET_BYTES,
     CompactReport,
-    PackGroup,
+    RunResult,
+    ShardRun,
     compact,
-    write_pack,
+    compact_run,
 )
 from zarrlake.maintenance.gc import (
     KINDS,
@@ -256,12 +264,12 @@ def gc_spark(
     return report(tallies, dry_run, len(plan.snapshots), skipped_young, time.monotonic() - started)
 
 
-def _pack_task(
-    shipped: _Shipped, groups: Iterable[PackGroup]
-) -> Iterator[list[tuple[str, ChunkRef]]]:
+def _run_task(
+    shipped: _Shipped, runs: Iterable[ShardRun], pack_below: int, target: int, dry_run: bool
+) -> Iterator[RunResult]:
     core = _core(shipped)
-    for group in groups:
-        yield write_pack(core, group)
+    for run in runs:
+        yield compact_run(core, run, pack_below, target, dry_run)
 
 
 def compact_spark(
@@ -274,28 +282,33 @@ def compact_spark(
     dry_run: bool = False,
     now: dt.datetime | None = None,
     pack_target_bytes: int = PACK_TARGET_BYTES,
+    runs: int | None = None,
 ) -> CompactReport:
     """Compact ``branch`` of ``core``'s repository (see :func:`zarrlake.maintenance.compact.
-    compact`), writing its packs in Spark tasks; the same report and the same commit."""
+    compact`) with its manifest cut into ``runs`` slices (default: twice the executors' cores),
+    each packed and re-cut by a Spark task; the same report, one commit."""
     shipped = _ship(core.storage, core.record, core.lock)
     sc = spark.sparkContext
+    pack_below = DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes
 
-    def packer(groups: list[PackGroup]) -> list[list[tuple[str, ChunkRef]]]:
-        if not groups:
+    def runner(planned: list[ShardRun], dry: bool) -> list[RunResult]:
+        if not planned:
             return []
-        rdd = sc.parallelize(groups, len(groups))
-        return list(rdd.mapPartitions(lambda gs: _pack_task(shipped, gs)).collect())
+        rdd = sc.parallelize(planned, len(planned))
+        return list(
+            rdd.mapPartitions(
+                lambda rs: _run_task(shipped, rs, pack_below, pack_target_bytes, dry)
+            ).collect()
+        )
 
-    options: dict[str, Any] = {}
-    if pack_below_bytes is not None:
-        options["pack_below_bytes"] = pack_below_bytes
     return compact(
         core,
         branch=branch,
+        pack_below_bytes=pack_below,
         keep_journal=keep_journal,
         dry_run=dry_run,
         now=now,
         pack_target_bytes=pack_target_bytes,
-        packer=packer,
-        **options,
+        runner=runner,
+        runs=runs if runs is not None else max(1, 2 * int(sc.defaultParallelism)),
     )
