@@ -696,6 +696,7 @@ def test_spark_engine_objects_follow_the_cluster_and_their_reports_reach_the_sta
         "repository": "repo",
         "rules": {"default": {"last": 1}},
         "gc": {"schedule": "0 3 * * *", "grace": "0s", "force": True},
+        "compaction": {"schedule": "0 4 * * *", "branch": "main"},
         "engine": "spark",
         "spark": {"executorInstances": 3, "image": "registry.example/zarrlake-spark:1"},
     }
@@ -738,6 +739,47 @@ def test_spark_engine_objects_follow_the_cluster_and_their_reports_reach_the_sta
     assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 3.0)
     assert repo.fsck().ok
 
+    # The compaction's spark-submit Job: its tasks pack and re-cut, its report reaches the status.
+    session = repo.writable_session("main")
+    noise = np.random.default_rng(7).random((256, 64), dtype="float32")
+    zarr.create_array(session.store, name="noise", shape=noise.shape, chunks=(16, 64), dtype="f4")[
+        :
+    ] = noise  # 16 chunk objects of 4 KiB: small enough to pack
+    session.commit("16 small chunks")
+    obj = k8s.get("RetentionPolicy", "sp")
+    compaction = k8s.get("CronJob", obj["status"]["compactionCronJob"])
+    assert compaction is not None
+    command = compaction["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
+    assert "compact" in command and command[command.index("--engine") + 1] == "spark"
+    k8s.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": "compact-spark-manual",
+                "labels": compaction["spec"]["jobTemplate"]["metadata"]["labels"],
+            },
+            "spec": compaction["spec"]["jobTemplate"]["spec"],
+        }
+    )
+    obj = wait_for(
+        "lastCompaction from the spark-submit Job",
+        lambda: (o := k8s.get("RetentionPolicy", "sp"))["status"].get("lastCompaction") and o,
+        600,
+    )
+    last = obj["status"]["lastCompaction"]
+    ran = next(j for j in k8s.cluster.job_log if j["job"] == "compact-spark-manual")
+    assert last["result"] == "Succeeded", (last, ran["logs"][-3000:])
+    assert last["chunksPacked"] == 16
+    assert next(iter(repo.log(limit=1))).message.startswith("Compaction")
+    np.testing.assert_array_equal(
+        zarr.open_array(repo.readonly_session("main").store, path="noise")[:], noise
+    )
+    assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 3.0)
+    assert repo.fsck().ok
+
     install_spark_operator_crds()
     try:
         obj = wait_for(
@@ -769,7 +811,8 @@ def test_spark_engine_objects_follow_the_cluster_and_their_reports_reach_the_sta
             ),
         )
         last = obj["status"]["lastGC"]
-        assert last["result"] == "Succeeded" and last["snapshotsExpired"] == 1
+        # fill 3, the 16 small chunks and the compaction expire; fill 4 stays
+        assert last["result"] == "Succeeded" and last["snapshotsExpired"] == 3
         assert last["objectsDeleted"] > 0
         assert np.all(zarr.open_array(repo.readonly_session("main").store, path="a")[:] == 4.0)
 
