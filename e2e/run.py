@@ -86,12 +86,15 @@ class Scenario:
             time.sleep(0.5)
         raise RuntimeError(f"timed out waiting for {what} (last: {last!r})")
 
-    def ready(self, kind: str, name: str) -> dict[str, Any] | None:
+    def ready(self, kind: str, name: str, *also: str) -> dict[str, Any] | None:
+        """The object if its Ready condition (and each condition in ``also``) is True."""
         obj = self.get(kind, name)
-        for cond in (obj.get("status") or {}).get("conditions") or []:
-            if cond.get("type") == "Ready" and cond.get("status") == "True":
-                return obj
-        return None
+        true = {
+            c.get("type")
+            for c in (obj.get("status") or {}).get("conditions") or []
+            if c.get("status") == "True"
+        }
+        return obj if {"Ready", *also} <= true else None
 
 
 def overlay(workdir: Path, s3_endpoint: str) -> Path:
@@ -234,7 +237,10 @@ def main() -> int:
 
         say("kubectl apply -k (examples/kubernetes + this run's overlay)")
         k.kubectl("apply", "-k", str(overlay(workdir, s3)))
-        repo_obj = k.wait("Repository Ready", lambda: k.ready("repository", REPO))
+        # Ready as soon as bucket and repository are; its Redis may still be starting (Degraded).
+        repo_obj = k.wait(
+            "Repository Ready, Redis up", lambda: k.ready("repository", REPO, "LockServiceReady")
+        )
         k.kubectl("get", "zarrlake")
         k.kubectl("get", "repository", REPO, "-o", "wide")
         status = repo_obj["status"]

@@ -984,7 +984,9 @@ def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
     own_redis: Any, tmp_path: Path
 ) -> None:
     """Redis without persistence forgets the fence counter on restart; the journal remembers the
-    tokens it recorded, and the first commit after the loss raises the counter past them."""
+    tokens it recorded. The first commit after the loss finds its token stale, raises the
+    counter past the journal's and takes the lock again: no journal entry ever carries a token
+    that is not above its predecessor's."""
     import redis as redis_py
 
     lock = zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
@@ -1001,11 +1003,40 @@ def test_fencing_tokens_stay_monotonic_after_redis_loses_its_counter(
     before = [commit(i) for i in range(3)]
     assert before == sorted(before) and len(set(before)) == 3
     redis_py.Redis.from_url(own_redis.url).flushall()  # the counter is gone
-    stale = commit(3)
-    assert stale <= before[-1]  # handed out again by the forgetful server
-    after = [commit(i) for i in range(4, 6)]
-    assert all(t > before[-1] for t in after)
-    assert after == sorted(after)
+    after = [commit(i) for i in range(3, 6)]
+    assert after[0] > before[-1]  # not one the forgetful server handed out again
+    assert after == sorted(after) and len(set(after)) == 3
+
+
+def test_fencing_tokens_stay_above_the_journal_across_optimistic_commits(
+    own_redis: Any, tmp_path: Path
+) -> None:
+    """While Redis was down, writers committed optimistically (entries without a token); the
+    first locked commit after a new, empty Redis still exceeds the last token recorded before."""
+    import redis as redis_py
+
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    locked = zarrlake.Repository.create(
+        storage, lock=zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
+    )
+    unlocked = zarrlake.Repository.open(storage)
+    for i in range(3):
+        session = locked.writable_session()
+        session.write(f"arr/c/{i}", bytes([i]) * 8)
+        session.commit(f"locked {i}")
+    before = locked.core.journal.current("main").token
+    assert before is not None and before >= 3
+    redis_py.Redis.from_url(own_redis.url).flushall()
+    for i in range(3, 5):
+        session = unlocked.writable_session()
+        session.write(f"arr/c/{i}", bytes([i]) * 8)
+        session.commit(f"optimistic {i}")
+    assert unlocked.core.journal.current("main").token is None
+    session = locked.writable_session()
+    session.write("arr/c/9", b"9" * 8)
+    session.commit("locked again")
+    after = locked.core.journal.current("main").token
+    assert after is not None and after > before
 
 
 def test_local_lock_floor(tmp_path: Path) -> None:

@@ -59,6 +59,11 @@ MAX_COMMIT_ATTEMPTS = 200
 SPILL_CHANGES = 65_536
 
 
+class _StaleFence(Exception):
+    """The lock service handed out a token the branch journal already holds: it lost its counter
+    (a Redis restart without persistence). Its floor is raised now; the lock is taken again."""
+
+
 class BranchLock(Protocol):
     """What the engine needs of a lock service (:class:`zarrlake.RedisLock`, ``LocalLock``).
 
@@ -297,72 +302,113 @@ class CommitEngine:
         """
         policy = policy if policy is not None else SolverPolicy()
         meta = dict(metadata or {})
+        for attempt in range(3):
+            try:
+                with self.hold_branch(branch) as token:
+                    return self._commit_holding(
+                        branch,
+                        token,
+                        changeset,
+                        refence=attempt < 2,
+                        message=message,
+                        author=author,
+                        metadata=meta,
+                        rebase=rebase,
+                        policy=policy,
+                        extra_parents=extra_parents,
+                        reshard=reshard,
+                        prebuilt=prebuilt,
+                    )
+            except _StaleFence:
+                continue
+        raise AssertionError("unreachable: the last attempt keeps a stale token")
+
+    def _commit_holding(
+        self,
+        branch: str,
+        token: int | None,
+        changeset: Changeset,
+        *,
+        refence: bool,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        rebase: bool,
+        policy: RebasePolicy,
+        extra_parents: tuple[str, ...],
+        reshard: bool,
+        prebuilt: ManifestUpdate | None,
+    ) -> str:
+        """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
+        ``refence``, a stale one is given back for a new one, else it is used as it is)."""
+        meta = metadata
         planned_on = changeset.base
-        with self.hold_branch(branch) as token:
-            for attempt in range(MAX_COMMIT_ATTEMPTS):
-                # Without a lock, first try on the head this client last saw (the session's base,
-                # usually), checking that its entry is still there alongside writing the commit's
-                # objects: if the branch moved since, the create-only append below fails and the
-                # next attempt reads the head. The append decides either way, so this saves a
-                # listing and a round trip, never a check. Holding the lock, read the head: it
-                # cannot move under us, so the first append always lands.
-                known = self.journal.known(branch) if attempt == 0 and token is None else None
-                if known is not None and known.snapshot is None:
-                    known = None
-                head_entry = known if known is not None else self.journal.current(branch)
-                head = head_entry.snapshot
-                assert head is not None
-                if token is not None and head_entry.token is not None and token <= head_entry.token:
-                    # The lock service handed out a token the journal already holds: it lost its
-                    # counter (a Redis restart without persistence). Safety is the journal's; keep
-                    # later tokens monotonic by raising the service's floor past the journal's.
-                    raise_floor = getattr(self.lock, "raise_floor", None)
-                    if raise_floor is not None:
-                        raise_floor(self.repo_id, head_entry.token)
-                if head != changeset.base:
-                    if not rebase:
-                        raise ConflictError(
-                            [Conflict("branch-moved", branch)],
-                            f"branch {branch!r} moved from {changeset.base} to {head} "
-                            "(commit with rebase=True to rebase)",
-                        )
-                    changeset = self.rebase(changeset, head, policy)
-                    self.stats["rebases"] += 1
-                parent = self.objects.snapshot(head)
-                built = self._build_snapshot(
-                    parent,
-                    changeset,
-                    message,
-                    author,
-                    meta,
-                    extra_parents,
-                    relocation=policy.relocates,
-                    reshard=reshard,
-                    prebuilt=prebuilt if head == planned_on else None,
-                )
-                snap = built.snapshot
-                check = None if known is None else self.journal.entry_key(branch, head_entry.seq)
-                found = self.objects.put_commit(built, read=check)
-                if known is not None and not self.journal.confirms(branch, found, known):
-                    # Not the entry this client saw: a repository created anew at this location.
-                    self.journal.forget(branch)
-                    continue
-                entry = JournalEntry(
-                    head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, built.encoded
-                )
-                # Chunks we deduplicated against may be old garbage GC is about to sweep: check
-                # they still exist, and (with a lock service) keep GC's deletes out until the
-                # journal entry that makes them reachable is written.
-                guard = self.hold_gc() if changeset.dedup_chunks else contextlib.nullcontext()
-                with guard:
-                    if changeset.dedup_chunks:
-                        self.objects.check_chunks_exist(changeset.dedup_chunks)
-                    published = self.journal.append(branch, entry)
-                if published:
-                    return snap.id
-                self.stats["append_retries"] += 1
-                # Another commit took this sequence number: back off a little, then rebase on it.
-                time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
+        for attempt in range(MAX_COMMIT_ATTEMPTS):
+            # Without a lock, first try on the head this client last saw (the session's base,
+            # usually), checking that its entry is still there alongside writing the commit's
+            # objects: if the branch moved since, the create-only append below fails and the
+            # next attempt reads the head. The append decides either way, so this saves a
+            # listing and a round trip, never a check. Holding the lock, read the head: it
+            # cannot move under us, so the first append always lands.
+            known = self.journal.known(branch) if attempt == 0 and token is None else None
+            if known is not None and known.snapshot is None:
+                known = None
+            head_entry = known if known is not None else self.journal.current(branch)
+            head = head_entry.snapshot
+            assert head is not None
+            recorded = None if token is None else self.journal.last_token(branch, head_entry)
+            if token is not None and recorded is not None and token <= recorded:
+                # The lock service handed out a token the journal already holds: it lost its
+                # counter (a Redis restart without persistence). Safety is the journal's; keep
+                # tokens monotonic by raising the service's floor past the journal's.
+                raise_floor = getattr(self.lock, "raise_floor", None)
+                if raise_floor is not None and refence:
+                    raise_floor(self.repo_id, recorded)
+                    raise _StaleFence  # let go of the lock and take it again, with a new token
+            if head != changeset.base:
+                if not rebase:
+                    raise ConflictError(
+                        [Conflict("branch-moved", branch)],
+                        f"branch {branch!r} moved from {changeset.base} to {head} "
+                        "(commit with rebase=True to rebase)",
+                    )
+                changeset = self.rebase(changeset, head, policy)
+                self.stats["rebases"] += 1
+            parent = self.objects.snapshot(head)
+            built = self._build_snapshot(
+                parent,
+                changeset,
+                message,
+                author,
+                meta,
+                extra_parents,
+                relocation=policy.relocates,
+                reshard=reshard,
+                prebuilt=prebuilt if head == planned_on else None,
+            )
+            snap = built.snapshot
+            check = None if known is None else self.journal.entry_key(branch, head_entry.seq)
+            found = self.objects.put_commit(built, read=check)
+            if known is not None and not self.journal.confirms(branch, found, known):
+                # Not the entry this client saw: a repository created anew at this location.
+                self.journal.forget(branch)
+                continue
+            entry = JournalEntry(
+                head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, built.encoded
+            )
+            # Chunks we deduplicated against may be old garbage GC is about to sweep: check
+            # they still exist, and (with a lock service) keep GC's deletes out until the
+            # journal entry that makes them reachable is written.
+            guard = self.hold_gc() if changeset.dedup_chunks else contextlib.nullcontext()
+            with guard:
+                if changeset.dedup_chunks:
+                    self.objects.check_chunks_exist(changeset.dedup_chunks)
+                published = self.journal.append(branch, entry)
+            if published:
+                return snap.id
+            self.stats["append_retries"] += 1
+            # Another commit took this sequence number: back off a little, then rebase on it.
+            time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
         raise ZarrlakeError(f"could not commit to {branch!r} after {MAX_COMMIT_ATTEMPTS} attempts")
 
     def merge(

@@ -198,6 +198,25 @@ class BranchJournal:
             raise CorruptObject(key, f"entry claims sequence {entry.seq}")
         return entry
 
+    def last_token(self, name: str, entry: JournalEntry, depth: int = 16) -> int | None:
+        """The fencing token of ``entry`` or, if it has none (an optimistic commit), of the
+        newest of the ``depth`` entries before it that has one (read in one concurrent round):
+        what a commit under a lock must exceed."""
+        if entry.token is not None:
+            return entry.token
+        seqs = [seq for seq in range(entry.seq - 1, entry.seq - 1 - depth, -1) if seq >= 0]
+        keys = [self.entry_key(name, seq) for seq in seqs]
+        for key, data in zip(keys, self.storage.map(self._get_optional, keys), strict=True):
+            if data is None:
+                continue  # pruned
+            try:
+                token = self._parse(key, data).token
+            except ZarrlakeError:
+                continue
+            if token is not None:
+                return token
+        return None
+
     def current(self, name: str) -> JournalEntry:
         """The head entry of a live branch. Raises :class:`RefNotFound`."""
         entry = self.head(name)

@@ -159,9 +159,29 @@ class Phase(NamedTuple):
     message: str
 
 
-def repository_phase(conditions: Sequence[Condition]) -> Phase:
-    """The phase and Ready condition from the three component conditions."""
+def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = True) -> Phase:
+    """The phase and Ready condition from the three component conditions.
+
+    A lock service is an optimization, not a requirement, unless its clients were told to fail
+    without it (``onUnavailable: fail``): with ``lock_required`` False, a lock service that is
+    down (for any reason but an invalid spec) leaves the repository Ready, in phase Degraded —
+    writers commit optimistically meanwhile, and nobody waits for it.
+    """
     missing = [t for t in REPOSITORY_CONDITIONS if not is_true(conditions, t)]
+    lock = condition(conditions, "LockServiceReady")
+    if (
+        missing == ["LockServiceReady"]
+        and not lock_required
+        and lock is not None
+        and not lock.reason.startswith("Invalid")
+    ):
+        return Phase(
+            "Degraded",
+            True,
+            "LockServiceUnavailable",
+            f"{lock.message or 'the lock service is not available'}; writers commit "
+            "optimistically until it is back",
+        )
     if not missing:
         return Phase("Ready", True, "Ready", "bucket, lock service and repository are ready")
     first = condition(conditions, missing[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets as pysecrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import kopf
@@ -278,6 +278,16 @@ def repository(body: Mapping[str, Any]) -> ResourceStatus:
 
     # The lock service.
     lock = _lock_service(body, spec)
+    # A service that was up and went down is "Lost" until it is back (one Warning event when it
+    # goes, one Normal event when it returns; none while a new one starts).
+    was = desired.condition(conds, "LockServiceReady")
+    lost = was is not None and (was.status == "True" or was.reason == "Lost")
+    if not lock.ready and lost and lock.reason != "InvalidSpec":
+        if was is not None and was.status == "True":
+            _event(body, "LockServiceUnavailable", lock.message, warning=True)
+        lock = replace(lock, reason="Lost")
+    elif lock.ready and was is not None and was.reason == "Lost":
+        _event(body, "LockServiceRecovered", lock.message)
     cond("LockServiceReady", lock.ready, lock.reason, lock.message)
     if lock.fields is not None:
         status = lock.fields
@@ -333,7 +343,9 @@ def repository(body: Mapping[str, Any]) -> ResourceStatus:
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 
     cond("Conflict", False, "NoConflict", "")
-    phase = desired.repository_phase(conds)
+    phase = desired.repository_phase(
+        conds, lock_required=spec.lock_service.on_unavailable == "fail"
+    )
     conds = desired.set_condition(
         conds, "Ready", phase.ready, phase.reason, phase.message, generation=gen
     )

@@ -31,6 +31,7 @@ Nothing here is used by the operator itself.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -60,6 +61,9 @@ class LocalCluster:
         self.workdir = Path(workdir)
         self.namespaces = namespaces
         self.redis: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int]] = {}
+        #: Lock-service pods kept down (an outage: see :meth:`outage`).
+        self.down: set[tuple[str, str]] = set()
+        self._ports: dict[tuple[str, str], int] = {}  # a Service's address outlives its pods
         self._templates: dict[tuple[str, str], str] = {}  # the pod template each one runs
         self.dns: dict[str, int] = {}
         self.jobs_done: set[str] = set()
@@ -114,6 +118,24 @@ class LocalCluster:
                 stop(proc)
                 self.dns = {h: p for h, p in self.dns.items() if p != port}
 
+    @contextlib.contextmanager
+    def outage(self, ns: str, deployment: str) -> Iterator[None]:
+        """The lock service's pod dies (``kill -9``) and stays down for the block: the Deployment
+        reports no available replica. Afterwards a new pod starts behind the same Service
+        address, with an empty memory (no persistence), as a restarted pod would."""
+        key = (ns, deployment)
+        with self._mutex:
+            self.down.add(key)
+            running = self.redis.pop(key, None)
+        if running is not None:
+            running[0].kill()
+            running[0].wait()
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self.down.discard(key)
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -139,6 +161,31 @@ class LocalCluster:
                 # A new pod template is a rollout (Recreate): the old pod goes, a new one comes.
                 old_proc, _ = self.redis.pop(key)
                 stop(old_proc)
+            if key in self.redis and self.redis[key][0].poll() is not None:
+                self.redis.pop(key)  # the container died: the kubelet restarts it (below)
+            if key in self.down:
+                if (dep.get("status") or {}).get("availableReplicas"):
+                    self._set_status(
+                        "Deployment",
+                        ns,
+                        dep["metadata"]["name"],
+                        {
+                            "replicas": 1,
+                            "readyReplicas": 0,
+                            "availableReplicas": 0,
+                            "unavailableReplicas": 1,
+                            "conditions": [
+                                {
+                                    "type": "Available",
+                                    "status": "False",
+                                    "reason": "MinimumReplicasUnavailable",
+                                    "message": "the redis pod is not ready (CrashLoopBackOff)",
+                                    "lastTransitionTime": _now(),
+                                }
+                            ],
+                        },
+                    )
+                continue
             if key not in self.redis:
                 self._start_redis(ns, dep)
                 self._templates[key] = template
@@ -174,8 +221,13 @@ class LocalCluster:
         extra = ["--requirepass", password] if password else []
         workdir = self.workdir / f"redis-{ns}-{dep['metadata']['name']}"
         workdir.mkdir(parents=True, exist_ok=True)
-        proc, url = start_redis(workdir, None, *extra)
+        key = (ns, dep["metadata"]["name"])
+        try:
+            proc, url = start_redis(workdir, self._ports.get(key), *extra)
+        except Exception:  # the old address is taken meanwhile: a new one
+            proc, url = start_redis(workdir, None, *extra)
         port = int(urlsplit(url).port or 0)
+        self._ports[key] = port
         self.redis[(ns, dep["metadata"]["name"])] = (proc, port)
         selector = dep["spec"]["template"]["metadata"].get("labels") or {}
         for svc in kube.list_("Service", ns):

@@ -127,11 +127,13 @@ class Env:
         return bucket
 
     def ready_repository(self, name: str = "repo", **kwargs: Any) -> dict[str, Any]:
-        """The credentials Secret and a Repository, waited for until Ready; returns it."""
+        """The credentials Secret and a Repository, waited for until Ready and its lock service
+        (if any) is up — a Repository is Ready without it (Degraded); returns it."""
         if self.get("Secret", "s3-creds") is None:
             self.secret()
         self.repository(name, **kwargs)
-        return self.wait_condition("Repository", name)
+        self.wait_condition("Repository", name)
+        return self.wait_condition("Repository", name, "LockServiceReady")
 
     def custom(self, kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self.create(

@@ -49,7 +49,8 @@ def commit(repo: Any, branch: str, value: float, message: str) -> str:
 def test_repository_provisions_bucket_lock_service_and_repository(k8s: Env) -> None:
     k8s.secret()
     bucket = k8s.repository(lock="managed")
-    obj = k8s.wait_condition("Repository", "repo")
+    k8s.wait_condition("Repository", "repo")  # Ready at once; Degraded while Redis starts
+    obj = k8s.wait_condition("Repository", "repo", "LockServiceReady")
     status = obj["status"]
     assert status["phase"] == "Ready"
     assert status["observedGeneration"] == obj["metadata"]["generation"]
@@ -465,10 +466,56 @@ def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: 
         k8s.patch("Secret", "redis-auth", {"stringData": {"password": "wrong"}})
         k8s.patch("Repository", "repo", {"spec": {"lockService": {"url": url + "?x=1"}}})
         obj = k8s.wait_condition("Repository", "repo", "LockServiceReady", "False")
-        assert condition(obj, "LockServiceReady")["reason"] == "Unreachable"
+        lost = condition(obj, "LockServiceReady")
+        assert lost["reason"] == "Lost" and "cannot reach" in lost["message"]
+        # onUnavailable: fail — its clients refuse to commit without it, so it is not Ready
+        assert condition(obj, "Ready")["status"] == "False"
         assert "wrong" not in json.dumps(obj)
     finally:
         stop(proc)
+
+
+def test_a_lock_service_outage_degrades_the_repository_and_blocks_nobody(k8s: Env) -> None:
+    """Redis is an optimization: while its pod is down the Repository stays Ready (phase
+    Degraded, LockServiceReady=False, one Warning event), new clients connect and commit
+    optimistically, Branches get made. When a new, empty Redis is back, the first locked commit
+    re-seeds the fencing counter above the journal's tokens."""
+    k8s.ready_repository(lock="managed")
+    repo = k8s.open_repository()
+    commit(repo, "main", 1.0, "with the lock")
+    token_before = repo.core.journal.current("main").token
+    assert token_before is not None
+
+    with k8s.cluster.outage(k8s.namespace, "zl-repo-lock"):
+        obj = k8s.wait_condition("Repository", "repo", "LockServiceReady", "False")
+        ready = condition(obj, "Ready")
+        assert ready["status"] == "True" and ready["reason"] == "LockServiceUnavailable"
+        assert obj["status"]["phase"] == "Degraded"
+        assert condition(obj, "LockServiceReady")["reason"] == "Lost"
+        wait_for("the Warning event", lambda: "LockServiceUnavailable" in k8s.event_reasons())
+        warning = next(e for e in k8s.events() if e.get("reason") == "LockServiceUnavailable")
+        assert warning["type"] == "Warning"
+
+        fresh = k8s.open_repository()  # a new client is not refused
+        commit(fresh, "main", 2.0, "optimistic, while Redis is down")
+        assert fresh.core.journal.current("main").token is None
+        k8s.custom("Branch", "during-outage", {"repository": "repo"})
+        k8s.wait_condition("Branch", "during-outage")
+
+    obj = k8s.wait_condition("Repository", "repo", "LockServiceReady", "True")
+    assert obj["status"]["phase"] == "Ready"
+    wait_for("the recovery event", lambda: "LockServiceRecovered" in k8s.event_reasons())
+    assert sum(e.get("reason") == "LockServiceUnavailable" for e in k8s.events()) == 1
+
+    again = k8s.open_repository()
+    commit(again, "main", 3.0, "locked again, by a new Redis")
+    token_after = again.core.journal.current("main").token
+    assert token_after is not None and token_after > token_before
+    assert [c.message for c in again.log()][:3] == [
+        "locked again, by a new Redis",
+        "optimistic, while Redis is down",
+        "with the lock",
+    ]
 
 
 def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
