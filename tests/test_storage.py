@@ -1,4 +1,5 @@
-"""The object-store protocol on every backend (memory, local directory, S3 via a real moto server).
+"""The object-store protocol on every backend: memory, local directory, and S3 on two real servers
+(moto, and SeaweedFS, which keeps only the promises S3 makes).
 
 Failure modes moto cannot produce (a closed port, a dropped connection, a truncated body, a 503)
 come from real sockets on the loopback interface: the storage code and botocore run unmodified.
@@ -36,8 +37,16 @@ from zarrlake.storage.local import LocalStorage
 from zarrlake.storage.memory import MemoryStorage
 from zarrlake.storage.s3 import S3Storage
 
+from backends import EVERY_STORAGE_KIND, make_storage
+
 FORK = mp.get_context("fork")
 DEFAULT_ATTEMPTS = inspect.signature(with_retries).parameters["attempts"].default
+
+
+@pytest.fixture(params=EVERY_STORAGE_KIND)
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """A fresh, empty storage of every kind, S3 on every test server."""
+    return make_storage(request.param, tmp_path, request)
 
 
 def keys_of(infos: Iterator[ObjectInfo]) -> list[str]:
@@ -447,20 +456,20 @@ def test_from_url_memory() -> None:
     assert not a.durable
 
 
-def test_from_url_s3(moto_s3) -> None:  # type: ignore[no-untyped-def]
-    url = f"s3://{moto_s3.bucket}/deep/prefix?endpoint_url={moto_s3.endpoint}&region=us-east-1"
+def test_from_url_s3(s3_server) -> None:  # type: ignore[no-untyped-def]
+    url = f"s3://{s3_server.bucket}/deep/prefix?endpoint_url={s3_server.endpoint}&region=us-east-1"
     s = Storage.from_url(url)
     assert isinstance(s, S3Storage)
     assert (s.bucket, s.prefix, s.endpoint_url, s.region) == (
-        moto_s3.bucket,
+        s3_server.bucket,
         "deep/prefix/",
-        moto_s3.endpoint,
+        s3_server.endpoint,
         "us-east-1",
     )
     assert s.allow_http  # an explicit http:// endpoint in a URL is consent enough
     s.put("k", b"via url")
-    assert moto_s3.storage("deep/prefix").get("k") == b"via url"
-    assert moto_s3.storage("deep").list_keys() == ["prefix/k"]
+    assert s3_server.storage("deep/prefix").get("k") == b"via url"
+    assert s3_server.storage("deep").list_keys() == ["prefix/k"]
     bare = Storage.from_url("s3a://bucket?region=eu-west-1")
     assert isinstance(bare, S3Storage)
     assert (bare.bucket, bare.prefix, bare.endpoint_url, bare.region) == (
@@ -489,22 +498,22 @@ def test_s3_plain_http_needs_allow_http() -> None:
     )
 
 
-def test_s3_credentials_travel_only_if_given(moto_s3) -> None:  # type: ignore[no-untyped-def]
-    explicit = moto_s3.storage()
-    implicit = Storage.s3(moto_s3.bucket, "p", endpoint_url=moto_s3.endpoint, allow_http=True)
+def test_s3_credentials_travel_only_if_given(s3_server) -> None:  # type: ignore[no-untyped-def]
+    explicit = s3_server.storage()
+    implicit = Storage.s3(s3_server.bucket, "p", endpoint_url=s3_server.endpoint, allow_http=True)
     assert b"testing" in pickle.dumps(explicit)
     assert b"testing" not in pickle.dumps(implicit)
     assert "testing" not in explicit.url and "testing" not in repr(explicit)
 
 
-def test_s3_prefixes_are_isolated(moto_s3) -> None:  # type: ignore[no-untyped-def]
+def test_s3_prefixes_are_isolated(s3_server) -> None:  # type: ignore[no-untyped-def]
     tag = os.urandom(4).hex()
-    p, p2 = moto_s3.storage(f"iso-{tag}/p"), moto_s3.storage(f"iso-{tag}/p-2")
+    p, p2 = s3_server.storage(f"iso-{tag}/p"), s3_server.storage(f"iso-{tag}/p-2")
     p.put("k", b"1")
     p2.put("k", b"2")
     assert p.list_keys() == ["k"] and p2.list_keys() == ["k"]
     assert p.get("k") == b"1" and p2.get("k") == b"2"
-    assert sorted(moto_s3.storage(f"iso-{tag}").list_dirs("")) == ["p", "p-2"]
+    assert sorted(s3_server.storage(f"iso-{tag}").list_dirs("")) == ["p", "p-2"]
     p.delete_many(["k"])
     assert p2.get("k") == b"2"
 
