@@ -17,7 +17,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -226,6 +226,10 @@ def test_racing_create_only_processes_local(tmp_path: Path) -> None:
 
 
 # -- listing ---------------------------------------------------------------------------------------
+# The listing contract (zarrlake.storage.base) and nothing more: complete by plain prefix, each key
+# once; ascending only among keys of one length directly in one folder; list_dirs names every
+# folder that holds an object, and may name emptied ones. SeaweedFS, for one, lists folder by
+# folder ("a/1" before "a-b/c") and keeps emptied folders: these tests hold on it as on moto.
 
 LIST_KEYS = [
     "a/1",
@@ -250,6 +254,19 @@ def fill(storage: Storage, keys: list[str]) -> None:
         storage.put(key, key.encode())
 
 
+def assert_listing(listed: list[str], expected: Iterable[str], context: object = "") -> None:
+    """``listed`` is a listing of exactly ``expected`` as the contract allows it to be: every key
+    once, in an order that is ascending among keys of one length in one folder."""
+    assert sorted(listed) == sorted(expected), context
+    assert len(set(listed)) == len(listed), f"{context}: a key listed twice"
+    runs: dict[tuple[str, int], list[str]] = {}
+    for key in listed:
+        folder, _, name = key.rpartition("/")
+        runs.setdefault((folder, len(name)), []).append(key)
+    for (folder, width), keys in runs.items():
+        assert keys == sorted(keys), f"{context}: {folder}/ names of {width} out of order"
+
+
 PREFIXES = [
     "",
     "a",
@@ -268,26 +285,41 @@ PREFIXES = [
 ]
 
 
-def test_list_sorted_with_prefix(storage: Storage) -> None:
+def test_list_is_complete_by_plain_prefix(storage: Storage) -> None:
+    # Prefixes that end inside a name ("refs/tag.", "a-") select as plainly as folders do: the
+    # engine lists tags and tombstones so.
     fill(storage, LIST_KEYS)
     for prefix in PREFIXES:
         infos = list(storage.list(prefix))
-        expected = sorted(k for k in LIST_KEYS if k.startswith(prefix))
-        assert [i.key for i in infos] == expected, prefix
+        expected = [k for k in LIST_KEYS if k.startswith(prefix)]
+        assert_listing([i.key for i in infos], expected, prefix)
         for info in infos:
             assert info.size == len(info.key.encode())
             assert_recent(info.modified)
-        assert storage.list_keys(prefix) == expected, prefix
+        assert_listing(storage.list_keys(prefix), expected, prefix)
 
 
-def test_list_orders_nested_folders_as_keys(storage: Storage) -> None:
-    # '-' and '.' sort before '/', '0' after it: a backend that walks folders must still list
-    # in key order at every depth.
+def test_list_nested_folders_by_prefix(storage: Storage) -> None:
+    # '-' and '.' sort before '/', '0' after it: a listing that walks folders (SeaweedFS) yields
+    # another order than one sorted by whole keys (moto), and both keep the contract.
     keys = ["d/x-y", "d/x.z", "d/x/1", "d/x/2/3", "d/x/2-4", "d/x0", "d/y", "e"]
     fill(storage, keys)
-    assert [i.key for i in storage.list()] == sorted(keys)
-    assert [i.key for i in storage.list("d/x")] == sorted(k for k in keys if k.startswith("d/x"))
-    assert [i.key for i in storage.list("d/x/2")] == ["d/x/2-4", "d/x/2/3"]
+    for prefix in ["", "d/", "d/x", "d/x/", "d/x/2", "d/x/2/", "d/y", "e"]:
+        assert_listing(keys_of(storage.list(prefix)), [k for k in keys if k.startswith(prefix)])
+
+
+def test_list_orders_fixed_width_names_in_one_folder(storage: Storage) -> None:
+    # The one order the engine relies on: a branch journal's entries, 16 hex digits numbered so
+    # that the newest is the smallest; a listing of one key finds the head.
+    folder = "refs/branch.main/"
+    entries = [folder + f"{(1 << 64) - 1 - seq:016x}" for seq in range(40)]
+    fill(storage, [*entries, "refs/branch.main-x/0000000000000000", "refs/tag.main"])
+    assert storage.list_keys(folder) == sorted(entries)
+    assert keys_of(storage.list(folder)) == sorted(entries)
+    assert storage.list_keys(folder, limit=1) == [entries[-1]]  # the newest
+    assert storage.list_keys(folder, limit=3) == sorted(entries)[:3]
+    storage.delete_many(entries[-2:])  # the journal's newest entries pruned (compaction never
+    assert storage.list_keys(folder, limit=1) == [entries[-3]]  # does this; a reset could)
 
 
 def test_list_while_deleting(storage: Storage) -> None:
@@ -300,18 +332,19 @@ def test_list_while_deleting(storage: Storage) -> None:
     for info in storage.list("c/"):
         seen.append(info.key)
         if len(seen) == 10:
-            storage.delete_many(keys[100:150])  # ahead: a whole folder's objects
+            storage.delete_many(keys[100:150])  # ahead, or behind: a whole folder's objects
         storage.delete_many([info.key])
-    assert seen == sorted(seen)
+    assert_listing(seen, seen)
     assert set(keys) - set(keys[100:150]) <= set(seen) <= set(keys)
     assert list(storage.list("c/")) == []
 
 
 def test_list_keys_limit(storage: Storage) -> None:
     fill(storage, LIST_KEYS)
-    ordered = sorted(LIST_KEYS)
-    for limit in [0, 1, 2, 5, len(ordered), len(ordered) + 5, 5000]:
-        assert storage.list_keys(limit=limit) == ordered[:limit], limit
+    for limit in [0, 1, 2, 5, len(LIST_KEYS), len(LIST_KEYS) + 5, 5000]:
+        some = storage.list_keys(limit=limit)  # ``limit`` of them, whichever the server lists
+        assert len(some) == min(limit, len(LIST_KEYS)), limit
+        assert_listing(some, set(some) & set(LIST_KEYS), limit)
     branch = sorted(k for k in LIST_KEYS if k.startswith("refs/branch.main/"))
     assert storage.list_keys("refs/branch.main/", limit=1) == branch[:1]  # the newest entry
     assert storage.list_keys("refs/branch.main/", limit=1) == ["refs/branch.main/fffffffffffffffe"]
@@ -327,11 +360,15 @@ def test_list_dirs(storage: Storage) -> None:
     assert storage.list_dirs("d/b/") == ["x"]
     assert storage.list_dirs("nothing/") == []
     assert storage.list_dirs("d/a/") == []
-    # A folder whose objects are all gone is no longer listed.
-    storage.delete_many(["d/b/x/y"])
-    assert sorted(storage.list_dirs("d/")) == ["a", "a-b"]
-    storage.delete_many(["e/1"])
-    assert sorted(storage.list_dirs("")) == ["d"]
+    # A folder whose objects are all gone holds nothing, though it may still be named (SeaweedFS
+    # keeps it): every folder that holds an object is named, once.
+    storage.delete_many(["d/b/x/y", "e/1"])
+    dirs = storage.list_dirs("d/")
+    assert len(dirs) == len(set(dirs)) and {"a", "a-b"} <= set(dirs) <= {"a", "a-b", "b"}
+    assert {"d"} <= set(storage.list_dirs("")) <= {"d", "e"}
+    for gone in ["d/b/", "d/b/x/", "e/"]:
+        assert storage.list_keys(gone) == []
+        assert set(storage.list_dirs(gone)) <= ({"x"} if gone == "d/b/" else set())
 
 
 def test_list_on_empty_storage(storage: Storage) -> None:
@@ -347,7 +384,7 @@ def test_list_on_empty_storage(storage: Storage) -> None:
 def test_delete_many(storage: Storage) -> None:
     fill(storage, ["x/1", "x/2", "x/3", "y/1"])
     assert storage.delete_many(["x/1", "x/3", "never/was", "x/1"]) == 4
-    assert storage.list_keys() == ["x/2", "y/1"]
+    assert sorted(storage.list_keys()) == ["x/2", "y/1"]
     assert storage.delete_many(iter(["y/1"])) == 1  # any iterable
     assert storage.delete_many([]) == 0
     assert storage.list_keys() == ["x/2"]
@@ -356,17 +393,22 @@ def test_delete_many(storage: Storage) -> None:
 
 
 def test_more_than_a_thousand_keys(storage: Storage) -> None:
-    # S3 pages listings and batches deletes by 1000: cross both boundaries.
+    # S3 pages listings and batches deletes by 1000: cross both boundaries, with a thousand
+    # folders and with a thousand fixed-width names in one folder (ordered across pages).
     n = 1005
     keys = [f"d/{i:04d}/x" for i in range(n)]
-    storage.map(lambda k: storage.put(k, b"."), keys)
+    journal = [f"j/{(1 << 64) - 1 - seq:016x}" for seq in range(n)]
+    storage.map(lambda k: storage.put(k, b"."), keys + journal)
     storage.put("keep", b"k")
-    assert storage.list_keys("d/") == keys
-    assert storage.list_keys("d/", limit=1002) == keys[:1002]
+    assert_listing(storage.list_keys("d/"), keys)
+    some = storage.list_keys("d/", limit=1002)
+    assert len(some) == 1002 and set(some) <= set(keys)
     assert sorted(storage.list_dirs("d/")) == [f"{i:04d}" for i in range(n)]
+    assert storage.list_keys("j/") == sorted(journal)
+    assert storage.list_keys("j/", limit=1002) == sorted(journal)[:1002]
     absent = [f"absent/{i}" for i in range(1200)]
     # present keys at both ends of every batch, among many absent ones
-    requested = absent[:999] + keys[:2] + absent[999:] + keys[2:]
+    requested = absent[:999] + keys[:2] + absent[999:] + keys[2:] + journal
     assert storage.delete_many(requested) == len(requested)
     assert storage.list_keys() == ["keep"]
 
@@ -783,7 +825,7 @@ def test_local_readers_never_see_a_partial_object(tmp_path: Path) -> None:
     for key in keys:
         data = store.get(key)
         assert data == bytes([data[0]]) * (size + data[0])
-    assert keys_of(store.list()) == sorted([*keys, "plain"])
+    assert sorted(keys_of(store.list())) == sorted([*keys, "plain"])
 
 
 def _write_big(root: str, key: str, size: int, ready: mp.synchronize.Event) -> None:
