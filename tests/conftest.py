@@ -117,8 +117,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.operator)
         if module == "test_e2e":
             item.add_marker(pytest.mark.e2e)
-        if fixtures & {"moto_s3", "seaweedfs_s3", "s3_server"} or "[s3" in item.name or (
-            "-s3" in item.name
+        if (
+            fixtures & {"moto_s3", "seaweedfs_s3", "s3_server"}
+            or "[s3" in item.name
+            or "-s3" in item.name
         ):
             item.add_marker(pytest.mark.s3)
         if module in SLOW_MODULES or name in SLOW_TESTS or item.get_closest_marker("spark"):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import zarrlake
+from backends import EVERY_STORAGE_KIND, make_storage
 from zarrlake.errors import ZarrlakeError
 from zarrlake.storage import (
     ObjectInfo,
@@ -36,8 +37,6 @@ from zarrlake.storage.base import with_retries
 from zarrlake.storage.local import LocalStorage
 from zarrlake.storage.memory import MemoryStorage
 from zarrlake.storage.s3 import S3Storage
-
-from backends import EVERY_STORAGE_KIND, make_storage
 
 FORK = mp.get_context("fork")
 DEFAULT_ATTEMPTS = inspect.signature(with_retries).parameters["attempts"].default

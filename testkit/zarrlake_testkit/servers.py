@@ -274,9 +274,9 @@ def seaweedfs_command(
     """A throwaway single-process SeaweedFS with an S3 gateway: loopback only, data and sockets
     under ``workdir``, its log on stderr, ``ports`` as ``{"s3": …, "s3.grpc": …, …}``."""
     work = Path(workdir)
-    listen = [
-        f"-{name}.port={ports[name]}" for name in SEAWEEDFS_LISTENERS
-    ] + [f"-{name}.port.grpc={ports[name + '.grpc']}" for name in SEAWEEDFS_LISTENERS]
+    listen = [f"-{name}.port={ports[name]}" for name in SEAWEEDFS_LISTENERS] + [
+        f"-{name}.port.grpc={ports[name + '.grpc']}" for name in SEAWEEDFS_LISTENERS
+    ]
     return [
         seaweedfs_binary(),
         "-logtostderr", f"-config_dir={work}",

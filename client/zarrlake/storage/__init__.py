@@ -14,6 +14,7 @@ verified on S3 before the first write (:meth:`Storage.check_conditional_writes`)
 
 from zarrlake.storage import local, memory, s3  # noqa: F401  (each registers its backend)
 from zarrlake.storage.base import (
+    ConditionalWritesUnsupported,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -24,6 +25,7 @@ from zarrlake.storage.base import (
 )
 
 __all__ = [
+    "ConditionalWritesUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",

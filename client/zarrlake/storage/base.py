@@ -67,6 +67,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from zarrlake.errors import (
+    ConditionalWritesUnsupported,
     ObjectNotFound,
     PreconditionFailed,
     StorageError,
@@ -79,6 +80,7 @@ Buffer = bytes | bytearray | memoryview
 
 __all__ = [
     "Buffer",
+    "ConditionalWritesUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",
@@ -204,6 +206,10 @@ class Storage(abc.ABC):
     #: ``put(..., create_only=True)`` is atomic: of two racing writers exactly one succeeds. The
     #: branch journal relies on it, so every backend that holds repositories must offer it.
     supports_conditional_writes: ClassVar[bool] = True
+    #: The atomicity of create-only writes is a server's, not this backend's own (any
+    #: S3-compatible server; some ignore ``If-None-Match``): :meth:`check_conditional_writes`
+    #: verifies it. False where the backend itself makes them atomic (a directory, memory).
+    conditional_writes_by_server: ClassVar[bool] = False
     #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
     supports_byte_ranges: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
@@ -349,6 +355,39 @@ class Storage(abc.ABC):
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
+
+    def check_conditional_writes(self, key: str) -> None:
+        """Make sure create-only writes are kept, before the first write that relies on them.
+
+        Where :attr:`conditional_writes_by_server`, the server is asked, once per storage
+        object (a pickled copy keeps the answer): a create-only write of ``key`` (an empty
+        object the caller reserves for this check, left in place) must succeed if ``key`` is
+        absent and be refused if it is present. Two requests: a refused write and a
+        :meth:`head` that finds the object, or a write that creates it and a second one,
+        refused. Elsewhere this does nothing: the backend makes them atomic itself.
+
+        Raises :class:`ConditionalWritesUnsupported` when the server wrote over the object, or
+        refused to create it; other :class:`StorageError` as the requests do.
+        """
+        if not self.conditional_writes_by_server or self.__dict__.get("_conditional_writes_kept"):
+            return
+        try:
+            self.put(key, b"", create_only=True)
+        except PreconditionFailed:
+            if self.head(key) is None:
+                raise ConditionalWritesUnsupported(
+                    self.url, key, f"a create-only write of absent {key} was refused"
+                ) from None
+        else:
+            try:
+                self.put(key, b"", create_only=True)
+            except PreconditionFailed:
+                pass
+            else:
+                raise ConditionalWritesUnsupported(
+                    self.url, key, f"a second create-only write of {key} succeeded"
+                )
+        self.__dict__["_conditional_writes_kept"] = True
 
     # -- concurrency ------------------------------------------------------------------------------
 

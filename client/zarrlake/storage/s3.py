@@ -130,6 +130,8 @@ class S3Storage(Storage):
     """Durable and shared by every process that can reach the bucket."""
 
     concurrency: ClassVar[int] = 32
+    # Whether the server keeps If-None-Match is the server's affair: checked before writing.
+    conditional_writes_by_server: ClassVar[bool] = True
 
     def __init__(
         self,
