@@ -142,6 +142,20 @@ def test_create_only(storage: Storage) -> None:
     assert storage.get("deep/new/dirs/k") == b"x"
 
 
+def test_check_conditional_writes(storage: Storage) -> None:
+    # A backend that makes create-only writes atomic itself has nothing to ask; on S3 the
+    # server is asked (both test servers keep them), at a key the caller reserves, left in place.
+    storage.check_conditional_writes("probe")
+    storage.check_conditional_writes("probe")  # answered from memory
+    if storage.conditional_writes_by_server:
+        assert storage.list_keys() == ["probe"] and storage.get("probe") == b""
+        # Another client finds the object there: its create-only write is refused, as it must.
+        Storage.from_url(storage.url).check_conditional_writes("probe")
+        assert storage.list_keys() == ["probe"]
+    else:
+        assert storage.list_keys() == []
+
+
 def payload_for(writer: int, key: str, size: int = 2048) -> bytes:
     stamp = f"{writer}:{key}|".encode()
     return (stamp * (size // len(stamp) + 1))[:size]
