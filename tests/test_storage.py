@@ -161,8 +161,12 @@ def payload_for(writer: int, key: str, size: int = 2048) -> bytes:
     return (stamp * (size // len(stamp) + 1))[:size]
 
 
-def test_racing_create_only_threads(storage: Storage) -> None:
+def test_racing_create_only_threads(storage: Storage, request: pytest.FixtureRequest) -> None:
     writers, rounds = 8, 6
+    if request.node.callspec.params["storage"] == "s3-seaweedfs":
+        # SeaweedFS answers the losers of a create-only race after waiting in whole seconds
+        # (1 s, 2 s, 3 s: a lock it polls each second): fewer of them, to keep the suite fast.
+        writers, rounds = 4, 3
     barrier = threading.Barrier(writers)
     wins: dict[str, list[int]] = {f"race/{r}": [] for r in range(rounds)}
     errors: list[BaseException] = []
