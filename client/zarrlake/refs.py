@@ -3,10 +3,9 @@
 A branch is a journal of create-only entries in a folder of its own, named by 16 hex digits so
 that the newest sorts first: by the storage listing contract (keys of one length in one folder
 are listed in ascending order), a listing of one key finds the head. Nothing else here depends on
-a listing's order. Two
-writers racing for the same sequence number: the backend lets exactly one create it. A writer whose
-create-only response was lost reads the entry back and recognizes its own writer id, so a lost
-response never turns into a false conflict.
+a listing's order. Two writers racing for the same sequence number: the backend lets exactly one
+create it. A writer whose create-only response was lost reads the entry back and recognizes its
+own writer id, so a lost response never turns into a false conflict.
 """
 
 from __future__ import annotations

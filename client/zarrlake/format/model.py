@@ -25,10 +25,10 @@ REPO_KEY = "repo"
 #: ``refs/`` into a mirror too; they are never read there.
 MIRROR_PREFIX = "mirror/"
 MIRROR_REPO_KEY = MIRROR_PREFIX + REPO_KEY
-#: An empty object that only the check of an S3-compatible server's create-only writes writes
-#: (create-only, again and again; see ``Storage.check_conditional_writes``) before a client
-#: first writes to the repository. Beside the refs whose safety it checks; a mirror's promoter
-#: checks its destination at ``mirror/`` + this key.
+#: The object that checks an S3-compatible server's create-only writes before a client's first
+#: write to the repository (``Storage.check_conditional_writes``): empty, written create-only
+#: again by each such client. Beside the refs whose safety it checks; a mirror's promoter checks
+#: its destination at ``mirror/`` + this key.
 WRITE_PROBE_KEY = "refs/probe"
 # Every key a repository writes is REPO_KEY or starts with one of these, and has the exact shape
 # LAYOUT_KEY describes: deleting a repository removes exactly such keys, never other objects that
