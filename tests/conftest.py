@@ -1,9 +1,16 @@
 """Shared fixtures: real backends only.
 
 - ``moto_s3``: a real S3 API over HTTP (``moto_server``) on a free loopback port, started once per
-  test session and stopped by process id.
-- ``storage``: a fresh, empty storage of each kind (memory, local directory, S3 prefix).
+  test session (per xdist worker) and stopped by process id. Permissive and fast: most S3 tests
+  run on it.
+- ``seaweedfs_s3``: SeaweedFS's S3 gateway (``weed server -s3``), a stricter real server (it
+  checks signatures, lists folder by folder, keeps emptied folders), likewise once per session.
+- ``s3_server``: each of the two, for the tests of the S3 backend itself.
+- ``storage``: a fresh, empty storage of each kind (memory, local directory, S3 prefix on moto).
 - ``repo``: a fresh repository on each kind of storage.
+
+Each test gets a fresh prefix in the server's one bucket: prefixes isolate as well as buckets
+(``test_s3_prefixes_are_isolated``), and a new bucket costs SeaweedFS a new set of volumes.
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import zarrlake
-from backends import STORAGE_KINDS, make_storage
+from backends import S3_SERVERS, STORAGE_KINDS, make_storage
 from cli_helpers import Result
 from zarrlake.cli import main as cli_main
-from zarrlake_testkit.servers import start_moto, start_redis, stop
+from zarrlake_testkit.servers import start_moto, start_redis, start_seaweedfs, stop
 
 # Every property test, present and future: no per-example deadline and no "too slow" health check,
 # both wall-clock judgements that a loaded machine fails. Tests name their own example counts.
@@ -110,7 +117,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.operator)
         if module == "test_e2e":
             item.add_marker(pytest.mark.e2e)
-        if "moto_s3" in fixtures or "[s3" in item.name or "-s3" in item.name:
+        if (
+            fixtures & {"moto_s3", "seaweedfs_s3", "s3_server"}
+            or "[s3" in item.name
+            or "-s3" in item.name
+        ):
             item.add_marker(pytest.mark.s3)
         if module in SLOW_MODULES or name in SLOW_TESTS or item.get_closest_marker("spark"):
             item.add_marker(pytest.mark.slow)
@@ -123,25 +134,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @dataclass
-class MotoS3:
+class S3Server:
+    """An S3 API server of the test session and the bucket the tests share on it."""
+
+    #: "moto" or "seaweedfs".
+    name: str
     endpoint: str
     bucket: str
-    proc: subprocess.Popen
 
     def storage(self, prefix: str | None = None) -> zarrlake.Storage:
+        """A storage at ``prefix`` (default: a fresh one) with the server's credentials."""
         return zarrlake.Storage.s3(
             self.bucket,
             prefix or f"t-{uuid.uuid4().hex[:12]}",
             endpoint_url=self.endpoint,
             region="us-east-1",
-            access_key_id="testing",
-            secret_access_key="testing",
+            access_key_id=S3_KEY,
+            secret_access_key=S3_SECRET,
             allow_http=True,
         )
 
     def url(self, prefix: str | None = None) -> str:
+        """The ``s3://`` URL of ``prefix`` (credentials come from the environment)."""
         prefix = prefix or f"t-{uuid.uuid4().hex[:12]}"
         return f"s3://{self.bucket}/{prefix}?endpoint_url={self.endpoint}&region=us-east-1"
+
+
+#: Both servers take these (moto any; SeaweedFS is configured with them); the environment's
+#: AWS_* variables (set above) name the same, for code that uses the default chain.
+S3_KEY = S3_SECRET = "testing"
+TEST_BUCKET = "zarrlake-tests"
+
+
+def _create_bucket(endpoint: str) -> None:
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    ).create_bucket(Bucket=TEST_BUCKET)
 
 
 @pytest.fixture(scope="session")
@@ -173,18 +207,33 @@ def spark() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def moto_s3() -> Iterator[MotoS3]:
-    import boto3
-
+def moto_s3() -> Iterator[S3Server]:
     proc, endpoint = start_moto()
     try:
-        bucket = "zarrlake-tests"
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
-            Bucket=bucket
-        )
-        yield MotoS3(endpoint, bucket, proc)
+        _create_bucket(endpoint)
+        yield S3Server("moto", endpoint, TEST_BUCKET)
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS per test session (per xdist worker): it takes ~3 s to start."""
+    server = start_seaweedfs(
+        tmp_path_factory.mktemp("seaweedfs"), access_key=S3_KEY, secret_key=S3_SECRET
+    )
+    try:
+        _create_bucket(server.endpoint)
+        yield S3Server("seaweedfs", server.endpoint, TEST_BUCKET)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    """Each S3 API server the S3 backend is tested against (see ``backends.S3_SERVERS``)."""
+    server: S3Server = request.getfixturevalue(f"{request.param}_s3")
+    return server
 
 
 @pytest.fixture(params=STORAGE_KINDS)

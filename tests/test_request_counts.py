@@ -25,7 +25,7 @@ import pytest
 import zarr
 
 import zarrlake
-from zarrlake.format.model import branch_entry_key
+from zarrlake.format.model import WRITE_PROBE_KEY, branch_entry_key
 from zarrlake_testkit.counting import CountingStorage, Counts
 from zarrlake_testkit.servers import start_moto, stop
 
@@ -225,14 +225,23 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts.reset()
 
     session = repo.writable_session("main")
+    # This client's first write on S3 checks that the server keeps create-only writes: a
+    # create-only write of the probe object (which exists: refused) and a read that finds it.
+    probe = [("put_create_only", WRITE_PROBE_KEY), ("head", WRITE_PROBE_KEY)]
+    if not repo.storage.conditional_writes_by_server:
+        probe = []  # a directory makes them atomic itself: nothing to ask
+    assert counts.calls()[: len(probe)] == probe
     # Listing the branches showed this client main's head: one concurrent round of two reads,
     # the head's own entry (still the one seen) and the key after it (absent), proves the head
     # has not moved. Two requests, as the listing and the read were, but one round trip.
-    assert _ops(counts) == ["get", "get"]
-    assert {key for _, key in counts.calls()} == {
+    assert _ops(counts)[len(probe) :] == ["get", "get"]
+    assert {key for _, key in counts.calls()[len(probe) :]} == {
         branch_entry_key("main", 3),
         branch_entry_key("main", 4),
     }
+    counts.reset()
+    assert repo.writable_session("main") is not None
+    assert WRITE_PROBE_KEY not in {key for _, key in counts.calls()}  # asked once per storage
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
     assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes

@@ -16,6 +16,7 @@ from zarrlake.config import RepositoryConfig
 from zarrlake.conflicts import UseOurs, UseTheirs
 from zarrlake.errors import (
     BranchExists,
+    ConditionalWritesUnsupported,
     Conflict,
     ConflictError,
     ConflictKind,
@@ -84,6 +85,7 @@ __all__ = [
     "Changeset",
     "CommitInfo",
     "CompactReport",
+    "ConditionalWritesUnsupported",
     "Conflict",
     "ConflictError",
     "ConflictKind",

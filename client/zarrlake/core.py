@@ -15,7 +15,7 @@ from typing import Any
 from zarrlake.commit import BranchLock, CommitEngine
 from zarrlake.config import RepositoryConfig
 from zarrlake.errors import ReadOnlyError, UnsupportedFormat
-from zarrlake.format.model import MIRROR_PREFIX, RepoRecord
+from zarrlake.format.model import MIRROR_PREFIX, WRITE_PROBE_KEY, RepoRecord
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import BranchJournal, Tags
@@ -69,9 +69,11 @@ class RepositoryCore:
         return self.record.mirror_of is not None
 
     def check_writable(self) -> None:
-        """Raise :class:`ReadOnlyError` for a mirror, which only its promoter writes, and
+        """Raise :class:`ReadOnlyError` for a mirror, which only its promoter writes,
         :class:`UnsupportedFormat` if this version must not write to the repository (its marker
-        records a feature or content hash only a newer version implements)."""
+        records a feature or content hash only a newer version implements), and
+        :class:`ConditionalWritesUnsupported` if the server does not keep the create-only writes
+        the branch journal is built on (asked once per storage object; never on a read)."""
         if self.record.mirror_of is not None:
             raise ReadOnlyError(
                 f"the repository at {self.storage.url} is a read-only mirror of "
@@ -83,6 +85,7 @@ class RepositoryCore:
                 f"the repository at {self.storage.url} is read-only for this zarrlake: {blocker}; "
                 "upgrade zarrlake to write to it"
             )
+        self.storage.check_conditional_writes(WRITE_PROBE_KEY)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RepositoryCore.build, (self.storage, self.record, self.lock))

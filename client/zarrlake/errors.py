@@ -204,6 +204,25 @@ class TransientStorageError(StorageError):
     """Throttling, a 5xx, a timeout: worth retrying with backoff."""
 
 
+class ConditionalWritesUnsupported(StorageError):
+    """The object store does not keep create-only writes (S3 ``If-None-Match: *``): two writers
+    could then both "win" a branch's next journal entry, and one commit would be lost.
+
+    Raised before the first write to a repository there (see
+    :meth:`zarrlake.storage.Storage.check_conditional_writes`): nothing was written but the
+    check's own object, ``key``.
+    """
+
+    def __init__(self, url: str, key: str, found: str) -> None:
+        super().__init__(
+            f"{url} does not keep create-only writes ({found}): zarrlake will not write there, "
+            "concurrent commits could be lost"
+        )
+        self.url = url
+        self.key = key
+        self.found = found
+
+
 class SparkWriteError(ZarrlakeError):
     """A :func:`zarrlake.spark.write_partitions` job failed; nothing was committed.
 

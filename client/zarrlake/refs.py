@@ -1,9 +1,11 @@
 """Branches and tags on storage.
 
-A branch is a journal of create-only entries; the newest entry is the first key in a listing. Two
-writers racing for the same sequence number: the backend lets exactly one create it. A writer whose
-create-only response was lost reads the entry back and recognizes its own writer id, so a lost
-response never turns into a false conflict.
+A branch is a journal of create-only entries in a folder of its own, named by 16 hex digits so
+that the newest sorts first: by the storage listing contract (keys of one length in one folder
+are listed in ascending order), a listing of one key finds the head. Nothing else here depends on
+a listing's order. Two writers racing for the same sequence number: the backend lets exactly one
+create it. A writer whose create-only response was lost reads the entry back and recognizes its
+own writer id, so a lost response never turns into a false conflict.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class BranchJournal:
                     self._learn(name, entry, asked)
                     return entry
             self.forget(name)
+        # The listing contract's one ordering promise: the smallest key, i.e. the newest entry.
         keys = self.storage.list_keys(self.root + branch_prefix(name), limit=1)
         if not keys:
             return None
@@ -180,7 +183,9 @@ class BranchJournal:
 
     def entry_keys(self, name: str) -> list[str]:
         """Storage keys of the branch's retained journal entries, newest first."""
-        return self.storage.list_keys(self.root + branch_prefix(name))
+        # Sorted here: the listing contract orders this folder too, but a whole journal costs
+        # nothing to sort, and history then rests on the listing's order in no way.
+        return sorted(self.storage.list_keys(self.root + branch_prefix(name)))
 
     def read_entry(self, key: str) -> JournalEntry:
         """The journal entry stored under ``key`` (one of :meth:`entry_keys`).
@@ -274,7 +279,11 @@ class BranchJournal:
         return True
 
     def names(self) -> list[str]:
-        """Names of every branch that has a journal (deleted branches included)."""
+        """Names of every branch that has a journal (deleted branches included), in no order.
+
+        Also perhaps names whose journal is gone entirely: a server may keep listing a folder
+        whose objects were all deleted (the listing contract allows it). Their :meth:`head` is
+        None, which every caller already takes as "no such branch"."""
         return [
             ref_name_from_key(d[len("branch.") :])
             for d in self.storage.list_dirs(self.root + "refs/")

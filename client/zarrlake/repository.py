@@ -32,7 +32,13 @@ from zarrlake.errors import (
     ZarrlakeError,
 )
 from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH, LEGACY_CONTENT_HASH
-from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, JournalEntry, RepoRecord
+from zarrlake.format.model import (
+    MIRROR_REPO_KEY,
+    REPO_KEY,
+    WRITE_PROBE_KEY,
+    JournalEntry,
+    RepoRecord,
+)
 from zarrlake.fsck import FsckReport, fsck
 from zarrlake.history import History
 from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, compact
@@ -107,7 +113,9 @@ class Repository:
         ``content_hash``: the hash that names chunk objects, recorded for the repository's life:
         ``"blake3"`` (the default, fastest) or ``"sha256"`` (what every earlier version used; such a
         repository stays readable and writable by those older versions, a BLAKE3 one is refused
-        by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`.
+        by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`,
+        :class:`ConditionalWritesUnsupported` (before writing anything) where the server does not
+        keep create-only writes.
         """
         if content_hash not in CONTENT_HASHES:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
@@ -116,6 +124,7 @@ class Repository:
         config = config or RepositoryConfig()
         if any(storage.map(storage.exists, (REPO_KEY, MIRROR_REPO_KEY))):
             raise RepositoryExists(f"a repository already exists at {storage.url}")
+        storage.check_conditional_writes(WRITE_PROBE_KEY)
         record = RepoRecord(
             str(uuid.uuid4()),
             _now(),

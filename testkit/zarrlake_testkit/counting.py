@@ -84,6 +84,7 @@ class CountingStorage(Storage):
             "durable",
             "shared_across_processes",
             "supports_conditional_writes",
+            "conditional_writes_by_server",
             "supports_byte_ranges",
             "concurrency",
             "inline_read_bytes",

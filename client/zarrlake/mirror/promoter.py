@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from zarrlake.errors import LockTimeout, RepositoryExists, RepositoryNotFound, ZarrlakeError
 from zarrlake.format.model import (
+    MIRROR_PREFIX,
     MIRROR_REPO_KEY,
     REPO_KEY,
+    WRITE_PROBE_KEY,
     JournalEntry,
     RepoRecord,
     expiry_key,
@@ -267,6 +269,7 @@ class Mirror:
                 features=source.features,
                 mirror_of=self.source.storage.url,
             )
+            self._check_destination_keeps_create_only_writes()
             try:
                 dest.put(MIRROR_REPO_KEY, record.encode(), create_only=True)
             except PreconditionFailed:
@@ -279,6 +282,12 @@ class Mirror:
             )
         return opened
 
+    def _check_destination_keeps_create_only_writes(self) -> None:
+        """Raise :class:`ConditionalWritesUnsupported` before the first write to a destination
+        whose server does not keep create-only writes: promotions and the lease rest on them.
+        Asked once per destination storage object."""
+        self.destination.check_conditional_writes(MIRROR_PREFIX + WRITE_PROBE_KEY)
+
     # -- one pass ----------------------------------------------------------------------------------
 
     def step(self) -> MirrorStatus:
@@ -286,7 +295,10 @@ class Mirror:
         head needs, and promote it once all of it is at the destination. Returns the status.
 
         A ref whose pass fails (a storage outage, a source object gone) keeps its mirrored head
-        and reports the error in its :class:`RefStatus`; the other refs carry on."""
+        and reports the error in its :class:`RefStatus`; the other refs carry on. Raises
+        :class:`ConditionalWritesUnsupported` (before writing) for a destination whose server
+        does not keep create-only writes."""
+        self._check_destination_keeps_create_only_writes()
         counters = _Pass()
         refs: list[RefStatus] = []
         self._absent = set()
@@ -348,7 +360,10 @@ class Mirror:
         with ``gc_every`` (seconds), also :meth:`gc` that often, between passes.
 
         A pass that fails as a whole (the source unreachable) is logged and retried at the
-        next interval; nothing a failed pass did is lost, since objects are immutable."""
+        next interval; nothing a failed pass did is lost, since objects are immutable. A
+        destination whose server does not keep create-only writes is refused at once
+        (:class:`ConditionalWritesUnsupported`), not retried."""
+        self._check_destination_keeps_create_only_writes()
         stop = stop or threading.Event()
         lock: RedisLock | LocalLock | DestinationLease = (
             self.lock

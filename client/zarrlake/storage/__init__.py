@@ -4,10 +4,17 @@
 ``Storage.s3`` build one from arguments. Importing this package registers every backend (see
 :mod:`zarrlake.storage.base` for how); nothing outside it needs to know the backends' classes —
 ask a storage's capabilities (``durable``, ``shared_across_processes``, ...) instead.
+
+What the engine needs of a backend's listings is the listing contract in
+:mod:`zarrlake.storage.base`: every object under a plain prefix exactly once; no order, except
+that keys of one length directly in one folder come in ascending order (the branch journal finds
+its newest entry so); folders named by ``list_dirs`` may be empty. Atomic create-only writes are
+verified on S3 before the first write (:meth:`Storage.check_conditional_writes`).
 """
 
 from zarrlake.storage import local, memory, s3  # noqa: F401  (each registers its backend)
 from zarrlake.storage.base import (
+    ConditionalWritesUnsupported,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -18,6 +25,7 @@ from zarrlake.storage.base import (
 )
 
 __all__ = [
+    "ConditionalWritesUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",

@@ -19,6 +19,35 @@ the repository format, and nothing here knows about any particular backend:
 
 The storage errors live in :mod:`zarrlake.errors` with the rest of the hierarchy and are
 re-exported here.
+
+The listing contract
+--------------------
+Listings promise only what S3-compatible servers keep. AWS sorts a whole listing by key, but
+SeaweedFS, for one, walks a bucket folder by folder (``a/1`` before ``a-b/c``, though ``-``
+sorts before ``/``) and keeps listing a folder after its last object is deleted. So the engine
+needs exactly this, and every backend is tested for exactly this (``tests/test_storage.py``):
+
+1. **Complete, by plain prefix.** :meth:`Storage.list` yields each object whose key starts with
+   ``prefix`` (any string, not only a folder ending in ``/``) exactly once, with its size and
+   modification time. An object written or deleted while the listing runs may or may not appear.
+2. **No order** across folders, and none among keys of different lengths. Callers that need an
+   order sort what they listed.
+3. **Order inside one folder of fixed-width names**: the keys directly inside one folder (no
+   ``/`` after the folder's own) whose names have the same length are listed in ascending order,
+   so ``list_keys(folder, limit=n)`` of a folder holding only such keys returns its ``n``
+   smallest. The branch journal relies on this, and only it: its entries are 16 hex digits,
+   numbered so that the newest is the smallest, and one request of ``limit=1`` finds a branch's
+   head however long its journal is.
+4. **Folders**: :meth:`Storage.list_dirs` names every folder below ``prefix`` that holds an
+   object, each once, in no order; it may also name a folder whose objects are all gone (listing
+   that folder then yields nothing). Callers treat a folder as a hint to look, never as proof
+   that something is in it.
+
+A server that breaks (1) or (3) cannot hold a repository. A listing page may hold fewer keys
+than were asked for (S3 returns "some or all" of them): backends follow continuation until
+they have what was asked. The other property the engine cannot do without is atomic
+create-only writes; see :attr:`Storage.supports_conditional_writes` and
+:meth:`Storage.check_conditional_writes`.
 """
 
 from __future__ import annotations
@@ -38,6 +67,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from zarrlake.errors import (
+    ConditionalWritesUnsupported,
     ObjectNotFound,
     PreconditionFailed,
     StorageError,
@@ -50,6 +80,7 @@ Buffer = bytes | bytearray | memoryview
 
 __all__ = [
     "Buffer",
+    "ConditionalWritesUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",
@@ -157,7 +188,12 @@ class Storage(abc.ABC):
 
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
-    :attr:`supports_byte_ranges`, :attr:`concurrency` and :attr:`inline_read_bytes`.
+    :attr:`supports_byte_ranges`, :attr:`concurrency` and :attr:`inline_read_bytes`. The one
+    exception is a promise a backend makes on a server's behalf (S3's conditional writes):
+    :meth:`check_conditional_writes` verifies it before the first write.
+
+    Listings keep the listing contract of the module docstring, no more: the engine never
+    assumes an order across folders, nor that a folder :meth:`list_dirs` names holds objects.
     """
 
     #: The objects outlive the process that wrote them (false for memory).
@@ -170,6 +206,10 @@ class Storage(abc.ABC):
     #: ``put(..., create_only=True)`` is atomic: of two racing writers exactly one succeeds. The
     #: branch journal relies on it, so every backend that holds repositories must offer it.
     supports_conditional_writes: ClassVar[bool] = True
+    #: The atomicity of create-only writes is a server's, not this backend's own (any
+    #: S3-compatible server; some ignore ``If-None-Match``): :meth:`check_conditional_writes`
+    #: verifies it. False where the backend itself makes them atomic (a directory, memory).
+    conditional_writes_by_server: ClassVar[bool] = False
     #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
     supports_byte_ranges: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
@@ -266,7 +306,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object whose key starts with ``prefix``, in ascending key order."""
+        """Every object whose key starts with ``prefix``, each once; ordered only as the listing
+        contract (module docstring) promises: within one folder, among names of one length."""
 
     @abc.abstractmethod
     def delete_many(self, keys: Iterable[str]) -> int:
@@ -290,7 +331,7 @@ class Storage(abc.ABC):
         return deleted, kept
 
     def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
-        """Keys starting with ``prefix`` in ascending order, at most ``limit`` of them."""
+        """The keys of :meth:`list`, in its order: all of them, or the first ``limit``."""
         out: builtins.list[str] = []
         if limit is not None and limit <= 0:
             return out
@@ -301,7 +342,9 @@ class Storage(abc.ABC):
         return out
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
-        """The distinct next path segments below ``prefix`` (which should end with '/')."""
+        """The folders directly below ``prefix`` (``""`` or ending with '/'), each once, in no
+        order: every one that holds an object, and perhaps some whose objects are all gone (see
+        the listing contract in the module docstring). This default names only the former."""
         seen: dict[str, None] = {}
         for info in self.list(prefix):
             rest = info.key[len(prefix) :]
@@ -312,6 +355,39 @@ class Storage(abc.ABC):
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
+
+    def check_conditional_writes(self, key: str) -> None:
+        """Make sure create-only writes are kept, before the first write that relies on them.
+
+        Where :attr:`conditional_writes_by_server`, the server is asked, once per storage
+        object (a pickled copy keeps the answer): a create-only write of ``key`` (an empty
+        object the caller reserves for this check, left in place) must succeed if ``key`` is
+        absent and be refused if it is present. Two requests: a refused write and a
+        :meth:`head` that finds the object, or a write that creates it and a second one,
+        refused. Elsewhere this does nothing: the backend makes them atomic itself.
+
+        Raises :class:`ConditionalWritesUnsupported` when the server wrote over the object, or
+        refused to create it; other :class:`StorageError` as the requests do.
+        """
+        if not self.conditional_writes_by_server or self.__dict__.get("_conditional_writes_kept"):
+            return
+        try:
+            self.put(key, b"", create_only=True)
+        except PreconditionFailed:
+            if self.head(key) is None:
+                raise ConditionalWritesUnsupported(
+                    self.url, key, f"a create-only write of absent {key} was refused"
+                ) from None
+        else:
+            try:
+                self.put(key, b"", create_only=True)
+            except PreconditionFailed:
+                pass
+            else:
+                raise ConditionalWritesUnsupported(
+                    self.url, key, f"a second create-only write of {key} succeeded"
+                )
+        self.__dict__["_conditional_writes_kept"] = True
 
     # -- concurrency ------------------------------------------------------------------------------
 

@@ -130,6 +130,8 @@ class S3Storage(Storage):
     """Durable and shared by every process that can reach the bucket."""
 
     concurrency: ClassVar[int] = 32
+    # Whether the server keeps If-None-Match is the server's affair: checked before writing.
+    conditional_writes_by_server: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -362,15 +364,21 @@ class S3Storage(Storage):
                 yield ObjectInfo(obj["Key"][n:], int(obj["Size"]), obj["LastModified"])
 
     def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
-        if limit is None or limit > 1000:
+        if limit is None or limit <= 0 or limit > 1000:
             return super().list_keys(prefix, limit=limit)
+        # Pages of at most ``limit`` keys: the journal's head (limit=1) is one request. A server
+        # may answer with fewer and a continuation ("some or all" of them): follow it.
         n = len(self.prefix)
-        page = self._call(
-            prefix, self.client.list_objects_v2, Prefix=self._k(prefix), MaxKeys=limit
-        )
-        return [obj["Key"][n:] for obj in page.get("Contents", [])]
+        out: builtins.list[str] = []
+        for page in self._pages(prefix, MaxKeys=limit):
+            out.extend(obj["Key"][n:] for obj in page.get("Contents", []))
+            if len(out) >= limit:
+                break
+        return out[:limit]
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
+        # CommonPrefixes: a server that keeps emptied folders (SeaweedFS) names them too, which
+        # the listing contract allows.
         out: builtins.list[str] = []
         full = len(self._k(prefix))
         for page in self._pages(prefix, Delimiter="/"):
