@@ -89,6 +89,57 @@ DURATION = r"^([0-9]+(\.[0-9]+)?[wdhms])+$|^[0-9]+$"
 CRON = r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|(\S+\s+){4}\S+)$"
 
 
+_MONTHS = ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")
+_DAYS = ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")
+#: The five fields of a CronJob schedule: name, lowest and highest value, names for values.
+_CRON_FIELDS: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day of month", 1, 31, ()),
+    ("month", 1, 12, _MONTHS),
+    ("day of week", 0, 7, _DAYS),
+)
+
+
+def cron_problem(schedule: str) -> str | None:
+    """Why Kubernetes would refuse ``schedule`` for a CronJob (None if it would not): five
+    fields of values, ranges, lists and steps within each field's bounds, or a macro."""
+    if schedule.startswith("@"):
+        return None if re.fullmatch(CRON, schedule) else f"unknown cron macro {schedule!r}"
+    parts = schedule.split()
+    if len(parts) != 5:
+        return f"a cron schedule has 5 fields, {schedule!r} has {len(parts)}"
+
+    def value(text: str, lo: int, hi: int, names: tuple[str, ...], field: str) -> int:
+        upper = text.upper()
+        if names and upper in names:
+            return names.index(upper) + lo
+        if not text.isdigit():
+            raise ValueError(f"{field} {text!r} is not a number")
+        n = int(text)
+        if not lo <= n <= hi:
+            raise ValueError(f"{field} {n} is out of range {lo}-{hi}")
+        return n
+
+    for part, (field, lo, hi, names) in zip(parts, _CRON_FIELDS, strict=True):
+        try:
+            for item in part.split(","):
+                base, slash, step = item.partition("/")
+                if slash and (not step.isdigit() or int(step) == 0):
+                    raise ValueError(f"{field} step {step!r} must be a positive number")
+                if base in ("*", "?"):
+                    if base == "?" and field not in ("day of month", "day of week"):
+                        raise ValueError("'?' is only for day of month or day of week")
+                    continue
+                first, dash, last = base.partition("-")
+                start = value(first, lo, hi, names, field)
+                if dash and value(last, lo, hi, names, field) < start:
+                    raise ValueError(f"{field} range {base!r} runs backwards")
+        except ValueError as e:
+            return f"bad cron schedule {schedule!r}: {e}"
+    return None
+
+
 class SecretKeyRef(ResourceModel):
     """One key of a Secret in the resource's namespace."""
 
@@ -394,11 +445,9 @@ class JobSchedule(ResourceModel):
     @field_validator("schedule")
     @classmethod
     def _cron_fields(cls, v: str) -> str:
-        if v.startswith("@"):
-            return v
-        for part in v.split():
-            if not re.fullmatch(r"[0-9*/,\-A-Za-z?]+", part):
-                raise ValueError(f"bad cron field {part!r}")
+        problem = cron_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
 

@@ -95,9 +95,26 @@ def parse_spec(model: type[SpecT], body: Mapping[str, Any]) -> SpecT:
     try:
         return model.model_validate(body.get("spec") or {})
     except ValidationError as e:
-        message = problems(e, prefix="spec.")
-        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
-        raise kopf.PermanentError(f"invalid spec: {message}") from None
+        raise refuse(body, problems(e, prefix="spec.")) from None
+
+
+def refuse(
+    body: Mapping[str, Any], message: str, reason: str = "InvalidSpec"
+) -> kopf.PermanentError:
+    """Report a spec the operator cannot act on (Ready=False, phase Failed) and post a Warning
+    event about it — once per new problem, not on every resync. Returns the error to raise."""
+    previous = observed(STATUS_MODELS[body["kind"]], body)
+    before = previous.condition("Ready")
+    said = before is not None and (before.status, before.reason, before.message) == (
+        "False",
+        reason,
+        message,
+    )
+    if not said or previous.observed_generation != _meta(body)[2]:
+        _report(body, ready=False, reason=reason, message=message, phase="Failed")
+    if not said:
+        _event(body, reason, message, warning=True)
+    return kopf.PermanentError(f"invalid spec: {message}")
 
 
 def _report(
@@ -230,9 +247,7 @@ def repository(body: Mapping[str, Any]) -> ResourceStatus:
     try:
         config = engine_config(spec)
     except Exception as e:
-        message = f"spec.config: {e}"
-        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
-        raise kopf.PermanentError(f"spec.config: {e}") from None
+        raise refuse(body, f"spec.config: {e}") from None
     previous = observed(RepositoryStatus, body)
     conds = previous.conditions
     owner = _location_owner(body)
@@ -710,15 +725,13 @@ def retention_policy(
         RetentionRules.from_dict(spec.rules.to_engine())
         grace = parse_duration(spec.gc.grace)
     except (InvalidRetentionRules, InvalidDuration) as e:
-        _report(body, ready=False, reason="InvalidSpec", message=str(e), phase="Failed")
-        raise kopf.PermanentError(str(e)) from None
+        raise refuse(body, str(e)) from None
     if grace < MIN_GRACE and not spec.gc.force:
         message = (
             f"spec.gc.grace {spec.gc.grace} is below 7d: a writer session could still need "
             "objects that young (set spec.gc.force: true if none can)"
         )
-        _report(body, ready=False, reason="InvalidSpec", message=message, phase="Failed")
-        raise kopf.PermanentError(message)
+        raise refuse(body, message)
     if kube.get("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
     repo_body, _ = _ready_repository(body, spec.repository)
@@ -934,13 +947,10 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     try:
         spec = MirrorSpec.model_validate(body.get("spec") or {})
     except ValidationError as e:
-        message = problems(e, prefix="spec.")
-        _report_mirror(body, reason="InvalidSpec", message=message, phase="Failed")
-        raise kopf.PermanentError(f"invalid spec: {message}") from None
+        raise refuse(body, problems(e, prefix="spec.")) from None
     problem = desired.mirror_spec_problem(spec)
     if problem is not None:
-        _report_mirror(body, reason=problem.reason, message=problem.message, phase="Failed")
-        raise kopf.PermanentError(problem.message)
+        raise refuse(body, problem.message, problem.reason)
     repo_body = kube.get("Repository", ns, spec.repository)
     if repo_body is None:
         message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"

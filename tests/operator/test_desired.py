@@ -20,6 +20,7 @@ import jsonschema
 import pydantic
 import pytest
 import yaml
+from pydantic import ValidationError
 
 import zarrlake
 from cli_helpers import commit_random
@@ -1378,3 +1379,37 @@ def test_drift_compares_quantities_by_value(desired_value: Any, actual_value: An
     spec = {"resources": {"requests": {"cpu": desired_value}}}
     seen = {"resources": {"requests": {"cpu": actual_value}}, "extra": "server-side"}
     assert desired.drifted(spec, seen) is drift
+
+
+@pytest.mark.parametrize(
+    ("schedule", "problem"),
+    [
+        ("0 3 * * *", None),
+        ("*/15 0-6,22-23 ? JAN-MAR mon-fri", None),
+        ("@daily", None),
+        ("61 25 * * *", "minute 61 is out of range 0-59"),
+        ("0 24 * * *", "hour 24 is out of range 0-23"),
+        ("0 0 0 * *", "day of month 0 is out of range 1-31"),
+        ("0 0 * 13 *", "month 13 is out of range 1-12"),
+        ("0 0 * * 8", "day of week 8 is out of range 0-7"),
+        ("0 0 5-1 * *", "range '5-1' runs backwards"),
+        ("*/0 * * * *", "step '0' must be a positive number"),
+        ("? * * * *", "'?' is only for day of month or day of week"),
+        ("0 0 L * *", "'L' is not a number"),
+        ("0 3 * *", "5 fields"),
+        ("@every 5m", "unknown cron macro"),
+    ],
+)
+def test_cron_schedules_are_checked_as_kubernetes_checks_them(
+    schedule: str, problem: str | None
+) -> None:
+    from zarrlake.resources import GCSchedule, cron_problem
+
+    found = cron_problem(schedule)
+    if problem is None:
+        assert found is None
+        GCSchedule(schedule=schedule)
+    else:
+        assert found is not None and problem in found
+        with pytest.raises(ValidationError):  # (the CRD's pattern catches some first)
+            GCSchedule(schedule=schedule)

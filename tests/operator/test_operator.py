@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -386,7 +387,21 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
         "cron",
         {"repository": "repo", "gc": {"schedule": "every tuesday"}},
     )
-    for name, needle in (("short", "below 7d"), ("cron", "schedule")):
+    k8s.custom(
+        "RetentionPolicy",
+        "out-of-range",
+        {
+            "repository": "repo",
+            "gc": {"schedule": "61 25 * * *"},  # a real API server refuses such a CronJob
+            "compaction": {"schedule": "0 0 5-1 * *"},
+        },
+    )
+    for name, needle in (
+        ("short", "below 7d"),
+        ("cron", "schedule"),
+        ("out-of-range", "minute 61 is out of range 0-59"),
+        ("out-of-range", "day of month range '5-1' runs backwards"),
+    ):
         obj = wait_for(
             f"{name} refused",
             lambda n=name: (
@@ -398,6 +413,15 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
         assert needle in condition(obj, "Ready")["message"]
         assert obj["status"]["phase"] == "Failed"
         assert not kube.list_("CronJob", k8s.namespace, f"{desired.POLICY_LABEL}={name}")
+    # Each refusal is a Warning event too — once, not once per resync.
+    time.sleep(5)  # a few resyncs (every 2 s here)
+    refusals = [e for e in k8s.events() if e.get("reason") == "InvalidSpec"]
+    assert sorted(e["involvedObject"]["name"] for e in refusals) == [
+        "cron",
+        "out-of-range",
+        "short",
+    ]
+    assert all(e["type"] == "Warning" for e in refusals)
 
 
 # -- cross-cutting --
