@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarrlake.commit import BranchLock
 from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
-from zarrlake.core import RepositoryCore
+from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.errors import (
     BranchExists,
     NotMirrored,
@@ -107,10 +107,12 @@ class Repository:
         ``content_hash``: the hash that names chunk objects, recorded for the repository's life:
         ``"blake3"`` (the default, fastest) or ``"sha256"`` (what every earlier version used; such a
         repository stays readable and writable by those older versions, a BLAKE3 one is refused
-        by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`.
+        by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`,
+        :class:`ReadOnlyStorage` on a storage that cannot take the engine's writes (plain HTTP).
         """
         if content_hash not in CONTENT_HASHES:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
+        check_storage_writable(storage)
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()

@@ -85,6 +85,8 @@ class CountingStorage(Storage):
             "shared_across_processes",
             "supports_conditional_writes",
             "supports_byte_ranges",
+            "supports_writes",
+            "supports_listing",
             "concurrency",
             "inline_read_bytes",
         ):

@@ -157,7 +157,8 @@ class Storage(abc.ABC):
 
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
-    :attr:`supports_byte_ranges`, :attr:`concurrency` and :attr:`inline_read_bytes`.
+    :attr:`supports_byte_ranges`, :attr:`supports_writes`, :attr:`supports_listing`,
+    :attr:`concurrency` and :attr:`inline_read_bytes`.
     """
 
     #: The objects outlive the process that wrote them (false for memory).
@@ -172,6 +173,13 @@ class Storage(abc.ABC):
     supports_conditional_writes: ClassVar[bool] = True
     #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
     supports_byte_ranges: ClassVar[bool] = True
+    #: ``put`` and ``delete_many`` work. False for plain HTTP, where they raise
+    #: :class:`~zarrlake.errors.ReadOnlyStorage`; the engine then opens repositories read-only.
+    supports_writes: ClassVar[bool] = True
+    #: ``list``, ``list_keys`` and ``list_dirs`` work. False for plain HTTP (they raise
+    #: :class:`~zarrlake.errors.ListingUnsupported`): the engine finds a branch head by probing
+    #: its journal's keys instead (see :mod:`zarrlake.refs`).
+    supports_listing: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
     concurrency: ClassVar[int] = 16
     #: Reads of at most this many bytes cost less made right on the calling thread (the event
@@ -224,6 +232,24 @@ class Storage(abc.ABC):
             session_token=session_token,
             allow_http=allow_http,
         )
+
+    @staticmethod
+    def http(
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> Storage:
+        """Read-only: a repository published on a static web server or CDN (``http://`` or
+        ``https://``; a plain copy of a repository's objects under ``url``).
+
+        Reads, byte ranges and existence checks work; writes raise
+        :class:`~zarrlake.errors.ReadOnlyStorage` and listings
+        :class:`~zarrlake.errors.ListingUnsupported` (HTTP has no listing): branches and tags
+        are opened by name, and ``list_branches``/``list_tags`` are not available. ``headers``
+        go with every request (e.g. ``{"Authorization": "Bearer ..."}``)."""
+        make: Callable[..., Storage] = backend_for_scheme("https")
+        return make(url, headers=headers, timeout=timeout)
 
     @staticmethod
     def from_url(url: str) -> Storage:
