@@ -244,7 +244,10 @@ class BranchJournal:
         entries = [] if head is None else [head]
         while entries and entries[-1].seq > 0:
             below = entries[-1].seq
-            keys = [self.entry_key(name, q) for q in range(below - 1, max(below - 1 - _PROBE_ROUND, -1), -1)]
+            keys = [
+                self.entry_key(name, q)
+                for q in range(below - 1, max(below - 1 - _PROBE_ROUND, -1), -1)
+            ]
             for key, data in zip(keys, self.storage.map(self._get_optional, keys), strict=True):
                 if data is None:
                     return entries
