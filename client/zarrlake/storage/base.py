@@ -219,8 +219,15 @@ class Storage(abc.ABC):
         secret_access_key: str | None = None,
         session_token: str | None = None,
         allow_http: bool = False,
+        anonymous: bool = False,
+        addressing_style: str | None = None,
     ) -> Storage:
-        """AWS S3 or an S3-compatible server. Credentials fall back to the AWS default chain."""
+        """AWS S3 or an S3-compatible server. Credentials fall back to the AWS default chain.
+
+        ``anonymous=True``: unsigned requests and no credentials, for public buckets.
+        ``addressing_style``: ``"path"`` (``endpoint/bucket/key``) or ``"virtual"``
+        (``bucket.endpoint/key``); None picks virtual hosts on AWS, path style elsewhere.
+        """
         make: Callable[..., Storage] = backend_for_scheme("s3")
         return make(
             bucket,
@@ -231,6 +238,8 @@ class Storage(abc.ABC):
             secret_access_key=secret_access_key,
             session_token=session_token,
             allow_http=allow_http,
+            anonymous=anonymous,
+            addressing_style=addressing_style,
         )
 
     @staticmethod
