@@ -31,7 +31,9 @@ from zarrlake.storage import (
     StorageError,
     TransientStorageError,
 )
+from zarrlake.storage.azure import AzureStorage
 from zarrlake.storage.base import with_retries
+from zarrlake.storage.gcs import GCSStorage
 from zarrlake.storage.http import HTTPStorage
 from zarrlake.storage.local import LocalStorage
 from zarrlake.storage.memory import MemoryStorage
@@ -838,6 +840,8 @@ CAPABILITIES = {
     MemoryStorage: (False, False),
     LocalStorage: (True, True),
     S3Storage: (True, True),
+    AzureStorage: (True, True),
+    GCSStorage: (True, True),
 }
 
 
@@ -943,7 +947,9 @@ def test_backends_are_registered_by_scheme() -> None:
     assert backend_for_scheme("memory") is MemoryStorage
     assert backend_for_scheme("s3") is S3Storage and backend_for_scheme("S3A") is S3Storage
     assert backend_for_scheme("https") is HTTPStorage and backend_for_scheme("http") is HTTPStorage
-    with pytest.raises(StorageError, match="known: file, http, https, memory, s3, s3a"):
+    assert backend_for_scheme("gs") is GCSStorage and backend_for_scheme("abfss") is AzureStorage
+    known = "abfs, abfss, az, azure, file, gcs, gs, http, https, memory, s3, s3a"
+    with pytest.raises(StorageError, match=f"known: {known}"):
         backend_for_scheme("nosuch")
 
     class Impostor(MemoryStorage):

@@ -8,7 +8,7 @@ instead.
 """
 
 from zarrlake.errors import ListingUnsupported, ReadOnlyStorage
-from zarrlake.storage import http, local, memory, s3  # noqa: F401  (each registers its backend)
+from zarrlake.storage import azure, gcs, http, local, memory, s3  # noqa: F401  (each registers its backend)
 from zarrlake.storage.base import (
     ObjectInfo,
     ObjectNotFound,

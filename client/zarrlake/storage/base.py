@@ -131,8 +131,10 @@ def backend_for_scheme(scheme: str) -> type[Storage]:
 
 
 def from_url(url: str) -> Storage:
-    """The storage a URL names: ``file:///path`` or a bare path, ``memory://``, or
-    ``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``s3a://`` too).
+    """The storage a URL names: ``file:///path`` or a bare path, ``memory://``,
+    ``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``s3a://`` too),
+    ``gs://bucket/prefix``, ``az://container/prefix?account_name=…`` (``abfs[s]://`` and
+    ``azure://`` too), or ``http(s)://host/path`` for a read-only published copy.
 
     A relative bare path is resolved against the current directory now. Raises
     :class:`StorageError` for a scheme no backend serves, or a URL its backend rejects.
@@ -152,7 +154,8 @@ def from_url(url: str) -> Storage:
 class Storage(abc.ABC):
     """An object store holding one repository under a prefix.
 
-    Use the constructors: :meth:`local`, :meth:`memory`, :meth:`s3`, :meth:`from_url`.
+    Use the constructors: :meth:`local`, :meth:`memory`, :meth:`s3`, :meth:`gcs`, :meth:`azure`,
+    :meth:`http`, :meth:`from_url`.
     Instances are picklable (S3 credentials only if they were given explicitly).
 
     What a backend can do is declared by class attributes, never discovered by trial: see
@@ -243,6 +246,61 @@ class Storage(abc.ABC):
         )
 
     @staticmethod
+    def azure(
+        container: str,
+        prefix: str = "",
+        *,
+        account_name: str | None = None,
+        account_key: str | None = None,
+        sas_token: str | None = None,
+        endpoint_url: str | None = None,
+        anonymous: bool = False,
+        allow_http: bool = False,
+    ) -> Storage:
+        """Azure Blob Storage: ``container`` of storage account ``account_name`` (else
+        ``AZURE_STORAGE_ACCOUNT_NAME``). Credentials: ``account_key`` or ``sas_token`` if
+        given, else Azure's chain (the ``AZURE_*`` variables: account key, SAS, service
+        principal, workload identity; then managed identity). ``endpoint_url`` for Azurite or
+        another cloud; ``anonymous=True`` for public containers. Needs ``zarrlake[azure]``."""
+        make: Callable[..., Storage] = backend_for_scheme("az")
+        return make(
+            container,
+            prefix,
+            account_name=account_name,
+            account_key=account_key,
+            sas_token=sas_token,
+            endpoint_url=endpoint_url,
+            anonymous=anonymous,
+            allow_http=allow_http,
+        )
+
+    @staticmethod
+    def gcs(
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        token: str | None = None,
+        service_account_file: str | None = None,
+        anonymous: bool = False,
+        allow_http: bool = False,
+    ) -> Storage:
+        """Google Cloud Storage. Credentials: an OAuth ``token`` or a ``service_account_file``
+        if given, else Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``,
+        gcloud, the metadata server). ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``) for an
+        emulator; ``anonymous=True`` for public buckets. Needs ``zarrlake[gcs]``."""
+        make: Callable[..., Storage] = backend_for_scheme("gs")
+        return make(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            token=token,
+            service_account_file=service_account_file,
+            anonymous=anonymous,
+            allow_http=allow_http,
+        )
+
+    @staticmethod
     def http(
         url: str,
         *,
@@ -262,7 +320,9 @@ class Storage(abc.ABC):
 
     @staticmethod
     def from_url(url: str) -> Storage:
-        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=…``.
+        """``file:///path``, a bare path, ``memory://``, ``s3://bucket/prefix?endpoint_url=…``,
+        ``gs://bucket/prefix``, ``az://container/prefix?account_name=…`` (``abfs://`` too) or
+        ``https://host/path`` (read-only).
 
         The same as :func:`zarrlake.storage.from_url`.
         """
@@ -352,13 +412,15 @@ class Storage(abc.ABC):
 
     def _executor(self) -> ThreadPoolExecutor:
         pool: ThreadPoolExecutor | None = self.__dict__.get("_pool")
-        if pool is None:
+        # A pool inherited through fork has no threads in the child: waiting on it hangs.
+        if pool is None or self.__dict__.get("_pool_pid") != os.getpid():
             pool = ThreadPoolExecutor(
                 max_workers=self.concurrency,
                 thread_name_prefix="zarrlake-io",
                 initializer=_mark_pool_thread,
             )
             self.__dict__["_pool"] = pool
+            self.__dict__["_pool_pid"] = os.getpid()
         return pool
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> builtins.list[T]:
@@ -389,6 +451,7 @@ class Storage(abc.ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_pool", None)
+        state.pop("_pool_pid", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
