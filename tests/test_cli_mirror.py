@@ -371,7 +371,7 @@ def test_unknown_source(tmp_path: Path, zl_cli: Callable[..., Result]) -> None:
     ("argv", "says"),
     [
         (["run", "ftp://host/p", "{dest}", "--once"], "ftp"),
-        (["run", "{source}", "gs://bucket/x", "--once"], "gs"),
+        (["run", "{source}", "nosuch://bucket/x", "--once"], "nosuch"),
         (["status", "{source}", "ftp://host/p"], "ftp"),
         (["run", "{source}"], "required"),
         (["status"], "required"),

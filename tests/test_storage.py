@@ -33,7 +33,10 @@ from zarrlake.storage import (
     StorageError,
     TransientStorageError,
 )
+from zarrlake.storage.azure import AzureStorage
 from zarrlake.storage.base import with_retries
+from zarrlake.storage.gcs import GCSStorage
+from zarrlake.storage.http import HTTPStorage
 from zarrlake.storage.local import LocalStorage
 from zarrlake.storage.memory import MemoryStorage
 from zarrlake.storage.s3 import S3Storage
@@ -541,7 +544,7 @@ def test_from_url_s3(s3_server) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    "url", ["gs://bucket/p", "http://example.com/x", "ftp://h/p", "s3://", "s3:///p", "az://c/p"]
+    "url", ["nosuch://bucket/p", "ftp://h/p", "s3://", "s3:///p", "http:///p", "https://h/p?x=1"]
 )
 def test_from_url_rejects(url: str) -> None:
     with pytest.raises(StorageError):
@@ -905,6 +908,8 @@ CAPABILITIES = {
     MemoryStorage: (False, False),
     LocalStorage: (True, True),
     S3Storage: (True, True),
+    AzureStorage: (True, True),
+    GCSStorage: (True, True),
 }
 
 
@@ -985,8 +990,8 @@ def test_one_factory(tmp_path: Path) -> None:
         "p/",
         "eu-west-1",
     )
-    with pytest.raises(StorageError, match="unsupported storage URL scheme 'gs'"):
-        from_url("gs://bucket/p")
+    with pytest.raises(StorageError, match="unsupported storage URL scheme 'nosuch'"):
+        from_url("nosuch://bucket/p")
 
 
 def test_every_backend_is_a_storage(tmp_path: Path) -> None:
@@ -1009,8 +1014,11 @@ def test_backends_are_registered_by_scheme() -> None:
     assert backend_for_scheme("file") is LocalStorage
     assert backend_for_scheme("memory") is MemoryStorage
     assert backend_for_scheme("s3") is S3Storage and backend_for_scheme("S3A") is S3Storage
-    with pytest.raises(StorageError, match="known: file, memory, s3, s3a"):
-        backend_for_scheme("gs")
+    assert backend_for_scheme("https") is HTTPStorage and backend_for_scheme("http") is HTTPStorage
+    assert backend_for_scheme("gs") is GCSStorage and backend_for_scheme("abfss") is AzureStorage
+    known = "abfs, abfss, az, azure, file, gcs, gs, http, https, memory, s3, s3a"
+    with pytest.raises(StorageError, match=f"known: {known}"):
+        backend_for_scheme("nosuch")
 
     class Impostor(MemoryStorage):
         pass

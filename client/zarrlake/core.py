@@ -14,12 +14,25 @@ from typing import Any
 
 from zarrlake.commit import BranchLock, CommitEngine
 from zarrlake.config import RepositoryConfig
-from zarrlake.errors import ReadOnlyError, UnsupportedFormat
+from zarrlake.errors import ReadOnlyError, ReadOnlyStorage, UnsupportedFormat
 from zarrlake.format.model import MIRROR_PREFIX, WRITE_PROBE_KEY, RepoRecord
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import BranchJournal, Tags
 from zarrlake.storage.base import Storage
+
+
+def check_storage_writable(storage: Storage) -> None:
+    """Raise :class:`ReadOnlyStorage` unless ``storage`` takes writes, and atomic create-only
+    ones: the branch journal is built on them, and without them two writers could both move a
+    branch, one silently losing its commit. Such a storage is for reading only."""
+    if not storage.supports_writes:
+        raise ReadOnlyStorage(f"{storage.url} is read-only: repositories there open for reading")
+    if not storage.supports_conditional_writes:
+        raise ReadOnlyStorage(
+            f"{storage.url} cannot do atomic create-only writes, which moving a branch safely "
+            "needs: repositories there open for reading only"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,11 +82,13 @@ class RepositoryCore:
         return self.record.mirror_of is not None
 
     def check_writable(self) -> None:
-        """Raise :class:`ReadOnlyError` for a mirror, which only its promoter writes,
+        """Raise :class:`ReadOnlyError` for a mirror, which only its promoter writes, or on a
+        storage that cannot take the engine's writes (:func:`check_storage_writable`),
         :class:`UnsupportedFormat` if this version must not write to the repository (its marker
         records a feature or content hash only a newer version implements), and
         :class:`ConditionalWritesUnsupported` if the server does not keep the create-only writes
         the branch journal is built on (asked once per storage object; never on a read)."""
+        check_storage_writable(self.storage)
         if self.record.mirror_of is not None:
             raise ReadOnlyError(
                 f"the repository at {self.storage.url} is a read-only mirror of "

@@ -28,13 +28,16 @@ class RepositoryNotFound(ZarrlakeError):
 class RefNotFound(ZarrlakeError, KeyError):
     """A branch, tag or snapshot id that does not exist."""
 
-    def __init__(self, ref: str, kind: str = "ref") -> None:
+    def __init__(self, ref: str, kind: str = "ref", hint: str = "") -> None:
         super().__init__(ref)
         self.ref = ref
         self.kind = kind
+        #: Why it may exist all the same, and what to do (e.g. on a storage without listings).
+        self.hint = hint
 
     def __str__(self) -> str:
-        return f"{self.kind} not found: {self.ref!r}"
+        found = f"{self.kind} not found: {self.ref!r}"
+        return f"{found} ({self.hint})" if self.hint else found
 
 
 class NotMirrored(RefNotFound):
@@ -221,6 +224,17 @@ class ConditionalWritesUnsupported(StorageError):
         self.url = url
         self.key = key
         self.found = found
+
+
+class ReadOnlyStorage(StorageError, ReadOnlyError):
+    """A write to a storage that cannot take writes (a repository published over plain HTTP),
+    or that cannot take them safely (no atomic create-only writes, which the branch journal
+    needs). Also a :class:`ReadOnlyError`: code that handles a read-only repository handles it."""
+
+
+class ListingUnsupported(StorageError):
+    """The storage cannot list its objects (plain HTTP): what needs a listing — every branch,
+    every tag, maintenance — is not available there. Branches and tags named explicitly are."""
 
 
 class SparkWriteError(ZarrlakeError):

@@ -61,6 +61,11 @@ class ExpiryLog:
 
     def expired(self, *, refresh: bool = False) -> frozenset[str]:
         """Ids of every expired snapshot (as of the last refresh; the first call refreshes)."""
+        if not self.storage.supports_listing:
+            # Records cannot be found without a listing (plain HTTP): a log then walks on
+            # until a snapshot is missing, which garbage collection makes of expired ones.
+            self._expired = frozenset()
+            return self._expired
         if refresh or self._expired is None:
             keys = self.storage.list_keys(EXPIRY_PREFIX)
             missing = [k for k in keys if k not in self._records]
@@ -303,7 +308,7 @@ class CommitGraph:
         try:
             return self.tags.get(ref), False
         except RefNotFound:
-            raise RefNotFound(ref) from None
+            raise self.journal.missing(ref, "ref") from None
 
     def log(self, snapshot_id: str, *, limit: int | None = None) -> History:
         """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots.

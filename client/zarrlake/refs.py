@@ -50,6 +50,17 @@ KNOWN_HEAD_TTL_S = 3600.0
 #: that moved a lot).
 _PROBES = 2
 
+#: Keys read in one concurrent round when a storage without listings (plain HTTP) finds a head
+#: by probing, or walks a journal back from its head.
+_PROBE_ROUND = 16
+
+#: Why a branch may exist although probing found no journal (see :meth:`BranchJournal.head`).
+UNLISTED_HINT = (
+    "this storage cannot list, so a branch is found by reading its journal from the first entry, "
+    "and there is none: the branch does not exist, or compaction pruned its oldest entries; "
+    "read a tag or snapshot id, or the repository this copy was published from"
+)
+
 
 def validate_name(name: object, kind: str = "branch") -> str:
     """Reject names that are empty, contain whitespace or control characters, contain '..',
@@ -156,7 +167,7 @@ class BranchJournal:
         With a recently known head ``N``, one concurrent round reads the keys of ``N`` (still
         the entry this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next
         key is read too), instead of a listing and a read; otherwise, or if ``N`` is not what it
-        was, the listing.
+        was, the listing — or, on a storage that cannot list, probing (:meth:`_probe_head_key`).
         """
         asked = time.monotonic()
         known = self.known(name)
@@ -174,18 +185,84 @@ class BranchJournal:
                     return entry
             self.forget(name)
         # The listing contract's one ordering promise: the smallest key, i.e. the newest entry.
-        keys = self.storage.list_keys(self.root + branch_prefix(name), limit=1)
-        if not keys:
+        if self.storage.supports_listing:
+            keys = self.storage.list_keys(self.root + branch_prefix(name), limit=1)
+            newest = keys[0] if keys else None
+        else:
+            newest = self._probe_head_key(name)
+        if newest is None:
             return None
-        entry = self.read_entry(keys[0])
+        entry = self.read_entry(newest)
         self._learn(name, entry, asked)
         return entry
 
+    def _probe_head_key(self, name: str) -> str | None:
+        """The key of the newest journal entry, found without a listing (plain HTTP).
+
+        Entries are numbered from 0 with no gaps (each is written after its predecessor exists),
+        so "entry ``n`` exists" holds exactly up to the head: a concurrent round of existence
+        checks at doubling distances brackets the head, then rounds at evenly spaced points
+        narrow the bracket — O(log n) keys in a few rounds, for a journal of n entries. Entry 0
+        absent means no journal, or one compaction pruned (it keeps only recent entries); that
+        case reads as "no branch", and :data:`UNLISTED_HINT` explains it to users.
+        """
+
+        def exists(seq: int) -> bool:
+            return self.storage.exists(self.entry_key(name, seq))
+
+        if not exists(0):
+            return None
+        low, high = 0, None  # entry ``low`` exists; ``high``, once known, does not
+        while high is None:
+            seqs = [low + (1 << i) for i in range(_PROBE_ROUND)]
+            found = self.storage.map(exists, seqs)
+            if all(found):
+                low = seqs[-1]
+                continue
+            first_absent = found.index(False)
+            low, high = (seqs[first_absent - 1] if first_absent else low), seqs[first_absent]
+        while high - low > 1:
+            step = (high - low) / (_PROBE_ROUND + 1)
+            seqs = sorted({low + max(1, int(step * m)) for m in range(1, _PROBE_ROUND + 1)})
+            seqs = [q for q in seqs if low < q < high]
+            found = self.storage.map(exists, seqs)
+            for seq, present in zip(seqs, found, strict=True):
+                if present:
+                    low = seq
+                else:
+                    high = seq
+                    break
+        return self.entry_key(name, low)
+
     def entry_keys(self, name: str) -> list[str]:
         """Storage keys of the branch's retained journal entries, newest first."""
+        if not self.storage.supports_listing:
+            return [self.entry_key(name, e.seq) for e in self._walk_back(name)]
         # Sorted here: the listing contract orders this folder too, but a whole journal costs
         # nothing to sort, and history then rests on the listing's order in no way.
         return sorted(self.storage.list_keys(self.root + branch_prefix(name)))
+
+    def _walk_back(self, name: str) -> list[JournalEntry]:
+        """Without a listing: the head and the entries before it, newest first, read back
+        (a concurrent round at a time) until the first absent one."""
+        head = self.head(name)
+        entries = [] if head is None else [head]
+        while entries and entries[-1].seq > 0:
+            below = entries[-1].seq
+            keys = [
+                self.entry_key(name, q)
+                for q in range(below - 1, max(below - 1 - _PROBE_ROUND, -1), -1)
+            ]
+            for key, data in zip(keys, self.storage.map(self._get_optional, keys), strict=True):
+                if data is None:
+                    return entries
+                entries.append(self._parse(key, data))
+        return entries
+
+    def missing(self, name: str, kind: str = "branch") -> RefNotFound:
+        """The error for a branch (or ref) not found here, explained where the storage cannot
+        list (see :meth:`_probe_head_key`)."""
+        return RefNotFound(name, kind, "" if self.storage.supports_listing else UNLISTED_HINT)
 
     def read_entry(self, key: str) -> JournalEntry:
         """The journal entry stored under ``key`` (one of :meth:`entry_keys`).
@@ -225,12 +302,17 @@ class BranchJournal:
     def current(self, name: str) -> JournalEntry:
         """The head entry of a live branch. Raises :class:`RefNotFound`."""
         entry = self.head(name)
-        if entry is None or entry.snapshot is None:
+        if entry is None:
+            raise self.missing(name)
+        if entry.snapshot is None:
             raise RefNotFound(name, "branch")
         return entry
 
     def history(self, name: str) -> list[JournalEntry]:
-        """Every retained entry, newest first."""
+        """Every retained entry, newest first (without a listing: back from the head to the
+        first entry missing)."""
+        if not self.storage.supports_listing:
+            return self._walk_back(name)
         return self.storage.map(self.read_entry, self.entry_keys(name))
 
     def is_branch(self, name: str) -> bool:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarrlake.commit import BranchLock
 from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
-from zarrlake.core import RepositoryCore
+from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.errors import (
     BranchExists,
     NotMirrored,
@@ -116,9 +116,11 @@ class Repository:
         by them). Raises :class:`UnknownContentHash` for another name, :class:`RepositoryExists`,
         :class:`ConditionalWritesUnsupported` (before writing anything) where the server does not
         keep create-only writes.
+        :class:`ReadOnlyStorage` on a storage that cannot take the engine's writes (plain HTTP).
         """
         if content_hash not in CONTENT_HASHES:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
+        check_storage_writable(storage)
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config)
         config = config or RepositoryConfig()

@@ -86,6 +86,8 @@ class CountingStorage(Storage):
             "supports_conditional_writes",
             "conditional_writes_by_server",
             "supports_byte_ranges",
+            "supports_writes",
+            "supports_listing",
             "concurrency",
             "inline_read_bytes",
         ):

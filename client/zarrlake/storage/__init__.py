@@ -1,9 +1,10 @@
 """Object-store backends: one protocol (:class:`Storage`), one file per backend, one factory.
 
-``from_url(url)`` turns a URL into a storage; ``Storage.local``, ``Storage.memory`` and
-``Storage.s3`` build one from arguments. Importing this package registers every backend (see
-:mod:`zarrlake.storage.base` for how); nothing outside it needs to know the backends' classes —
-ask a storage's capabilities (``durable``, ``shared_across_processes``, ...) instead.
+``from_url(url)`` turns a URL into a storage; ``Storage.local``, ``Storage.memory``,
+``Storage.s3``, ``Storage.http`` and the others build one from arguments. Importing this package
+registers every backend (see :mod:`zarrlake.storage.base` for how); nothing outside it needs to
+know the backends' classes — ask a storage's capabilities (``durable``, ``supports_listing``, ...)
+instead.
 
 What the engine needs of a backend's listings is the listing contract in
 :mod:`zarrlake.storage.base`: every object under a plain prefix exactly once; no order, except
@@ -12,7 +13,8 @@ its newest entry so); folders named by ``list_dirs`` may be empty. Atomic create
 verified on S3 before the first write (:meth:`Storage.check_conditional_writes`).
 """
 
-from zarrlake.storage import local, memory, s3  # noqa: F401  (each registers its backend)
+from zarrlake.errors import ListingUnsupported, ReadOnlyStorage
+from zarrlake.storage import azure, gcs, http, local, memory, s3  # noqa: F401  (each registers its backend)
 from zarrlake.storage.base import (
     ConditionalWritesUnsupported,
     ObjectInfo,
@@ -26,9 +28,11 @@ from zarrlake.storage.base import (
 
 __all__ = [
     "ConditionalWritesUnsupported",
+    "ListingUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "PreconditionFailed",
+    "ReadOnlyStorage",
     "Storage",
     "StorageError",
     "TransientStorageError",

@@ -162,8 +162,10 @@ def backend_for_scheme(scheme: str) -> type[Storage]:
 
 
 def from_url(url: str) -> Storage:
-    """The storage a URL names: ``file:///path`` or a bare path, ``memory://``, or
-    ``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``s3a://`` too).
+    """The storage a URL names: ``file:///path`` or a bare path, ``memory://``,
+    ``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``s3a://`` too),
+    ``gs://bucket/prefix``, ``az://container/prefix?account_name=…`` (``abfs[s]://`` and
+    ``azure://`` too), or ``http(s)://host/path`` for a read-only published copy.
 
     A relative bare path is resolved against the current directory now. Raises
     :class:`StorageError` for a scheme no backend serves, or a URL its backend rejects.
@@ -183,14 +185,16 @@ def from_url(url: str) -> Storage:
 class Storage(abc.ABC):
     """An object store holding one repository under a prefix.
 
-    Use the constructors: :meth:`local`, :meth:`memory`, :meth:`s3`, :meth:`from_url`.
+    Use the constructors: :meth:`local`, :meth:`memory`, :meth:`s3`, :meth:`gcs`, :meth:`azure`,
+    :meth:`http`, :meth:`from_url`.
     Instances are picklable (S3 credentials only if they were given explicitly).
 
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
-    :attr:`supports_byte_ranges`, :attr:`concurrency` and :attr:`inline_read_bytes`. The one
-    exception is a promise a backend makes on a server's behalf (S3's conditional writes):
-    :meth:`check_conditional_writes` verifies it before the first write.
+    :attr:`supports_byte_ranges`, :attr:`supports_writes`, :attr:`supports_listing`,
+    :attr:`concurrency` and :attr:`inline_read_bytes`. The one exception is a promise a backend
+    makes on a server's behalf (S3's conditional writes): :meth:`check_conditional_writes`
+    verifies it before the first write.
 
     Listings keep the listing contract of the module docstring, no more: the engine never
     assumes an order across folders, nor that a folder :meth:`list_dirs` names holds objects.
@@ -212,6 +216,13 @@ class Storage(abc.ABC):
     conditional_writes_by_server: ClassVar[bool] = False
     #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
     supports_byte_ranges: ClassVar[bool] = True
+    #: ``put`` and ``delete_many`` work. False for plain HTTP, where they raise
+    #: :class:`~zarrlake.errors.ReadOnlyStorage`; the engine then opens repositories read-only.
+    supports_writes: ClassVar[bool] = True
+    #: ``list``, ``list_keys`` and ``list_dirs`` work. False for plain HTTP (they raise
+    #: :class:`~zarrlake.errors.ListingUnsupported`): the engine finds a branch head by probing
+    #: its journal's keys instead (see :mod:`zarrlake.refs`).
+    supports_listing: ClassVar[bool] = True
     #: How many requests the engine should keep in flight at once against this backend.
     concurrency: ClassVar[int] = 16
     #: Reads of at most this many bytes cost less made right on the calling thread (the event
@@ -251,8 +262,15 @@ class Storage(abc.ABC):
         secret_access_key: str | None = None,
         session_token: str | None = None,
         allow_http: bool = False,
+        anonymous: bool = False,
+        addressing_style: str | None = None,
     ) -> Storage:
-        """AWS S3 or an S3-compatible server. Credentials fall back to the AWS default chain."""
+        """AWS S3 or an S3-compatible server. Credentials fall back to the AWS default chain.
+
+        ``anonymous=True``: unsigned requests and no credentials, for public buckets.
+        ``addressing_style``: ``"path"`` (``endpoint/bucket/key``) or ``"virtual"``
+        (``bucket.endpoint/key``); None picks virtual hosts on AWS, path style elsewhere.
+        """
         make: Callable[..., Storage] = backend_for_scheme("s3")
         return make(
             bucket,
@@ -263,11 +281,88 @@ class Storage(abc.ABC):
             secret_access_key=secret_access_key,
             session_token=session_token,
             allow_http=allow_http,
+            anonymous=anonymous,
+            addressing_style=addressing_style,
         )
 
     @staticmethod
+    def azure(
+        container: str,
+        prefix: str = "",
+        *,
+        account_name: str | None = None,
+        account_key: str | None = None,
+        sas_token: str | None = None,
+        endpoint_url: str | None = None,
+        anonymous: bool = False,
+        allow_http: bool = False,
+    ) -> Storage:
+        """Azure Blob Storage: ``container`` of storage account ``account_name`` (else
+        ``AZURE_STORAGE_ACCOUNT_NAME``). Credentials: ``account_key`` or ``sas_token`` if
+        given, else Azure's chain (the ``AZURE_*`` variables: account key, SAS, service
+        principal, workload identity; then managed identity). ``endpoint_url`` for Azurite or
+        another cloud; ``anonymous=True`` for public containers. Needs ``zarrlake[azure]``."""
+        make: Callable[..., Storage] = backend_for_scheme("az")
+        return make(
+            container,
+            prefix,
+            account_name=account_name,
+            account_key=account_key,
+            sas_token=sas_token,
+            endpoint_url=endpoint_url,
+            anonymous=anonymous,
+            allow_http=allow_http,
+        )
+
+    @staticmethod
+    def gcs(
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        token: str | None = None,
+        service_account_file: str | None = None,
+        anonymous: bool = False,
+        allow_http: bool = False,
+    ) -> Storage:
+        """Google Cloud Storage. Credentials: an OAuth ``token`` or a ``service_account_file``
+        if given, else Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``,
+        gcloud, the metadata server). ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``) for an
+        emulator; ``anonymous=True`` for public buckets. Needs ``zarrlake[gcs]``."""
+        make: Callable[..., Storage] = backend_for_scheme("gs")
+        return make(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            token=token,
+            service_account_file=service_account_file,
+            anonymous=anonymous,
+            allow_http=allow_http,
+        )
+
+    @staticmethod
+    def http(
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> Storage:
+        """Read-only: a repository published on a static web server or CDN (``http://`` or
+        ``https://``; a plain copy of a repository's objects under ``url``).
+
+        Reads, byte ranges and existence checks work; writes raise
+        :class:`~zarrlake.errors.ReadOnlyStorage` and listings
+        :class:`~zarrlake.errors.ListingUnsupported` (HTTP has no listing): branches and tags
+        are opened by name, and ``list_branches``/``list_tags`` are not available. ``headers``
+        go with every request (e.g. ``{"Authorization": "Bearer ..."}``)."""
+        make: Callable[..., Storage] = backend_for_scheme("https")
+        return make(url, headers=headers, timeout=timeout)
+
+    @staticmethod
     def from_url(url: str) -> Storage:
-        """``file:///path``, a bare path, ``memory://``, or ``s3://bucket/prefix?endpoint_url=…``.
+        """``file:///path``, a bare path, ``memory://``, ``s3://bucket/prefix?endpoint_url=…``,
+        ``gs://bucket/prefix``, ``az://container/prefix?account_name=…`` (``abfs://`` too) or
+        ``https://host/path`` (read-only).
 
         The same as :func:`zarrlake.storage.from_url`.
         """
@@ -393,13 +488,15 @@ class Storage(abc.ABC):
 
     def _executor(self) -> ThreadPoolExecutor:
         pool: ThreadPoolExecutor | None = self.__dict__.get("_pool")
-        if pool is None:
+        # A pool inherited through fork has no threads in the child: waiting on it hangs.
+        if pool is None or self.__dict__.get("_pool_pid") != os.getpid():
             pool = ThreadPoolExecutor(
                 max_workers=self.concurrency,
                 thread_name_prefix="zarrlake-io",
                 initializer=_mark_pool_thread,
             )
             self.__dict__["_pool"] = pool
+            self.__dict__["_pool_pid"] = os.getpid()
         return pool
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> builtins.list[T]:
@@ -430,6 +527,7 @@ class Storage(abc.ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_pool", None)
+        state.pop("_pool_pid", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

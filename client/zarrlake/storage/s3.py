@@ -4,6 +4,12 @@ botocore is thread-safe per client, so one client with a large connection pool s
 I/O thread pool: many requests in flight from one Python process. Create-only writes use
 ``If-None-Match: *`` (S3 conditional writes); a 412 — or a 409 from a concurrent conditional write —
 is a :class:`PreconditionFailed`, never retried.
+
+``anonymous=True`` sends unsigned requests (botocore's ``UNSIGNED``): public buckets, read by
+anyone without credentials. ``addressing_style`` chooses between ``path`` URLs
+(``endpoint/bucket/key``) and ``virtual`` hosts (``bucket.endpoint/key``); by default AWS gets
+virtual hosts (path style for dotted bucket names, whose certificates would not match) and a
+custom endpoint path style, which every S3-compatible server understands.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class _Connection:
     credentials: Any  # botocore.credentials.Credentials | None: None when no chain has any
 
 
+_ADDRESSING_STYLES = ("path", "virtual")
+
 _connections: dict[tuple[Any, ...], _Connection] = {}
 _clients_lock = threading.Lock()
 
@@ -62,6 +70,8 @@ def _shared_connection(
     region: str | None,
     credentials: tuple[str | None, str | None, str | None],
     pool: int,
+    anonymous: bool = False,
+    addressing_style: str | None = None,
 ) -> _Connection:
     """One botocore client per configuration and process.
 
@@ -69,12 +79,15 @@ def _shared_connection(
     in every Spark task, or opened per request, would pay it each time. Clients are thread-safe;
     the process id in the key keeps a forked child from sharing its parent's connections.
     """
-    key = (os.getpid(), endpoint_url, region, credentials, pool)
+    key = (os.getpid(), endpoint_url, region, credentials, pool, anonymous, addressing_style)
     with _clients_lock:
         conn = _connections.get(key)
         if conn is None:
             import boto3
+            from botocore import UNSIGNED
             from botocore.config import Config
+
+            style = addressing_style or ("path" if endpoint_url else None)
 
             session = boto3.session.Session(
                 aws_access_key_id=credentials[0],
@@ -92,12 +105,14 @@ def _shared_connection(
                     retries={"total_max_attempts": 1, "mode": "standard"},
                     connect_timeout=10,
                     read_timeout=60,
-                    s3={"addressing_style": "path"} if endpoint_url else None,
+                    s3={"addressing_style": style} if style else None,
+                    signature_version=UNSIGNED if anonymous else None,
                 ),
             )
             # The session resolved (and cached) these credentials when it built the client: the
             # same object the client signs with, refreshable ones included.
-            conn = _connections[key] = _Connection(client, session.get_credentials())
+            signer = None if anonymous else session.get_credentials()
+            conn = _connections[key] = _Connection(client, signer)
         return conn
 
 
@@ -144,21 +159,32 @@ class S3Storage(Storage):
         secret_access_key: str | None = None,
         session_token: str | None = None,
         allow_http: bool = False,
+        anonymous: bool = False,
+        addressing_style: str | None = None,
     ) -> None:
         if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
             raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
+        if addressing_style not in (None, *_ADDRESSING_STYLES):
+            raise StorageError(
+                f"addressing_style must be 'path' or 'virtual' (or None), not {addressing_style!r}"
+            )
+        if anonymous and (access_key_id or secret_access_key or session_token):
+            raise StorageError("anonymous=True sends unsigned requests: it takes no credentials")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url
         self.region = region
         self.allow_http = allow_http
+        self.anonymous = anonymous
+        self.addressing_style = addressing_style
         self._credentials = (access_key_id, secret_access_key, session_token)
 
     @classmethod
     def from_parsed_url(cls, url: SplitResult) -> S3Storage:
-        """``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true`` (``endpoint`` is an
-        alias of ``endpoint_url``). An explicit ``http://`` endpoint in a URL is consent enough
-        for plain HTTP. Credentials never come from a URL: the AWS default chain supplies them."""
+        """``s3://bucket/prefix?endpoint_url=…&region=…&allow_http=true&anonymous=true&
+        addressing_style=path|virtual`` (``endpoint`` is an alias of ``endpoint_url``). An
+        explicit ``http://`` endpoint in a URL is consent enough for plain HTTP. Credentials
+        never come from a URL: the AWS default chain supplies them (none with ``anonymous``)."""
         if not url.netloc:
             raise StorageError(f"s3 URL needs a bucket: {url.geturl()!r}")
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -172,6 +198,8 @@ class S3Storage(Storage):
             endpoint_url=endpoint,
             region=q.get("region"),
             allow_http=allow_http,
+            anonymous=q.get("anonymous", "").lower() in _TRUE,
+            addressing_style=q.get("addressing_style") or None,
         )
 
     @property
@@ -183,6 +211,10 @@ class S3Storage(Storage):
             q["region"] = self.region
         if self.allow_http:
             q["allow_http"] = "true"
+        if self.anonymous:
+            q["anonymous"] = "true"
+        if self.addressing_style:
+            q["addressing_style"] = self.addressing_style
         query = ("?" + urlencode(q)) if q else ""
         return f"s3://{self.bucket}/{self.prefix.rstrip('/')}{query}"
 
@@ -191,7 +223,12 @@ class S3Storage(Storage):
         conn: _Connection | None = self.__dict__.get("_conn")
         if conn is None:
             conn = _shared_connection(
-                self.endpoint_url, self.region, self._credentials, self.concurrency * 2
+                self.endpoint_url,
+                self.region,
+                self._credentials,
+                self.concurrency * 2,
+                self.anonymous,
+                self.addressing_style,
             )
             self.__dict__["_conn"] = conn
         return conn
@@ -235,7 +272,9 @@ class S3Storage(Storage):
                     raise PreconditionFailed(key) from None
                 if code in _TRANSIENT_CODES or status >= 500 or status == 429:
                     raise TransientStorageError(f"S3 {code or status} on {key}") from e
-                raise StorageError(f"S3 {code or status} on {key}: {err.get('Message', '')}") from e
+                raise StorageError(
+                    f"S3 {code or status} on {key}: {err.get('Message', '')}{self._hint(status)}"
+                ) from e
             except (EndpointConnectionError, ConnectionError) as e:
                 raise TransientStorageError(f"S3 unreachable for {key}: {e}") from e
             except (HTTPClientError, IncompleteReadError) as e:
@@ -260,10 +299,18 @@ class S3Storage(Storage):
         return f"{base}/{path}" if virtual else f"{base}/{self.bucket}/{path}"
 
     def _endpoint(self) -> tuple[str, bool]:
+        """(base URL, whether it is the bucket's virtual host) for object requests."""
         if self.endpoint_url:
-            return self.endpoint_url.rstrip("/"), False
+            base = self.endpoint_url.rstrip("/")
+            if self.addressing_style != "virtual":
+                return base, False
+            scheme, _, host = base.partition("://")
+            return f"{scheme}://{self.bucket}.{host}", True
         region = self._signing_region()
-        if "." in self.bucket:  # dotted names break TLS on virtual hosts: use path style
+        # dotted names break TLS on virtual hosts: path style, unless asked otherwise
+        if self.addressing_style == "path" or (
+            "." in self.bucket and self.addressing_style != "virtual"
+        ):
             return f"https://s3.{region}.amazonaws.com", False
         return f"https://{self.bucket}.s3.{region}.amazonaws.com", True
 
@@ -283,14 +330,15 @@ class S3Storage(Storage):
 
         url = self._object_url(key)
         credentials = self._connection.credentials
-        if credentials is None:
+        if credentials is None and not self.anonymous:
             raise StorageError(f"no usable AWS credentials for s3://{self.bucket}")
         region = self._signing_region()
         pool = _shared_pool(self.concurrency * 2)
 
         def once() -> Any:
             request = AWSRequest(method=method, url=url, data=body, headers=dict(headers or {}))
-            S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
+            if credentials is not None:  # anonymous requests go unsigned
+                S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
             try:
                 r = pool.request(
                     method,
@@ -316,10 +364,21 @@ class S3Storage(Storage):
             code = _xml_code(r.data) or str(r.status)
             if code in _TRANSIENT_CODES:
                 raise TransientStorageError(f"S3 {code} on {key}")
-            hint = " (set region= to the bucket's region)" if r.status == 301 else ""
-            raise StorageError(f"S3 {code} on {key}{hint}")
+            raise StorageError(f"S3 {code} on {key}{self._hint(r.status)}")
 
         return with_retries(once)
+
+    def _hint(self, status: int) -> str:
+        """What a user can do about an HTTP status (for error messages)."""
+        if status == 301:
+            return " (set region= to the bucket's region)"
+        if status == 403 and self.anonymous:
+            # S3 also answers 403 for an absent key when the requester may not list the bucket.
+            return (
+                " (an anonymous request: the bucket must allow s3:GetObject and s3:ListBucket "
+                "to everyone)"
+            )
+        return ""
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         headers = {}

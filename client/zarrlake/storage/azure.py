@@ -1,0 +1,326 @@
+"""Azure Blob Storage, through obstore (the Rust ``object_store`` crate's Python bindings).
+
+obstore signs and sends the requests (shared key, SAS, or Entra ID tokens: a service principal,
+workload identity, managed identity, the Azure CLI — its credential chain reads the standard
+``AZURE_*`` variables), pools connections and retries transient failures; its calls release the
+GIL, so the engine's I/O threads run them concurrently. Create-only writes send
+``If-None-Match: *``: of two racing writers Azure lets exactly one create the blob, and the
+other gets 409 ``BlobAlreadyExists`` (:class:`PreconditionFailed`).
+
+Blob names are the repository's keys below ``prefix``. Azure lists blobs in key order, which
+the protocol asks for.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Literal, TypeVar
+from urllib.parse import SplitResult, parse_qs, unquote, urlencode
+
+from zarrlake.storage.base import (
+    Buffer,
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+    TransientStorageError,
+    register_backend,
+)
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+
+_stores: dict[tuple[Any, ...], Any] = {}
+_stores_lock = threading.Lock()
+#: The process whose obstore runtime is live (it started when that process first built a store).
+_runtime_pid: int | None = None
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def _transient(message: str) -> bool:
+    """Whether an obstore error that survived its own retries is still worth retrying later:
+    a 5xx or 429 answer, or no answer at all (a connection refused, reset or timed out)."""
+    first = message.strip().splitlines()[0].lower() if message.strip() else ""
+    status = _STATUS.search(first)
+    if status:
+        code = int(status.group(1))
+        return code >= 500 or code in (408, 429)
+    return any(sign in first for sign in ("sending request", "connect", "timed out", "timeout"))
+
+
+def _obstore_call(what: str, key: str, fn: Callable[[], T]) -> T:
+    """Run an obstore call, turning its errors into zarrlake's storage errors."""
+    from obstore.exceptions import (
+        AlreadyExistsError,
+        BaseError,
+        PermissionDeniedError,
+        PreconditionError,
+        UnauthenticatedError,
+    )
+
+    try:
+        return fn()
+    except FileNotFoundError:
+        raise ObjectNotFound(key) from None
+    except (AlreadyExistsError, PreconditionError):
+        raise PreconditionFailed(key) from None
+    except (PermissionDeniedError, UnauthenticatedError) as e:
+        raise StorageError(f"{what} {key}: access denied: {_first_line(e)}") from None
+    except BaseError as e:
+        if _transient(str(e)):
+            raise TransientStorageError(f"{what} {key}: {_first_line(e)}") from e
+        raise StorageError(f"{what} {key}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+@register_backend("az", "azure", "abfs", "abfss")
+class AzureStorage(Storage):
+    """A container (and a prefix in it) of an Azure storage account. Durable and shared."""
+
+    concurrency: ClassVar[int] = 32
+
+    def __init__(
+        self,
+        container: str,
+        prefix: str = "",
+        *,
+        account_name: str | None = None,
+        account_key: str | None = None,
+        sas_token: str | None = None,
+        endpoint_url: str | None = None,
+        anonymous: bool = False,
+        allow_http: bool = False,
+    ) -> None:
+        if not container:
+            raise StorageError("Azure storage needs a container name")
+        if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
+            raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
+        if anonymous and (account_key or sas_token):
+            raise StorageError("anonymous=True sends unsigned requests: it takes no credentials")
+        self.container = container
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.account_name = account_name or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+        self.endpoint_url = endpoint_url
+        self.anonymous = anonymous
+        self.allow_http = allow_http
+        self._credentials = (account_key, sas_token)
+        if not self.account_name and not endpoint_url:
+            raise StorageError(
+                "Azure storage needs an account: account_name=, AZURE_STORAGE_ACCOUNT_NAME, "
+                "or an endpoint_url"
+            )
+
+    @classmethod
+    def from_parsed_url(cls, url: SplitResult) -> AzureStorage:
+        """``az://container/prefix?account_name=…&endpoint_url=…&anonymous=true`` (``azure://``
+        too), or ``abfs[s]://container@account.dfs.core.windows.net/prefix``. Credentials never
+        come from a URL: the ``AZURE_*`` variables and Azure's credential chain supply them."""
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        container, _, host = url.netloc.partition("@")
+        account = q.get("account_name") or (host.split(".", 1)[0] if host else None)
+        if not container:
+            raise StorageError(f"Azure URL needs a container: {url.geturl()!r}")
+        endpoint = q.get("endpoint_url") or q.get("endpoint")
+        return cls(
+            unquote(container),
+            unquote(url.path.lstrip("/")),
+            account_name=account,
+            endpoint_url=endpoint,
+            anonymous=q.get("anonymous", "").lower() in _TRUE,
+            allow_http=q.get("allow_http", "").lower() in _TRUE
+            or bool(endpoint and endpoint.startswith("http://")),
+        )
+
+    @property
+    def url(self) -> str:
+        q = {}
+        if self.account_name:
+            q["account_name"] = self.account_name
+        if self.endpoint_url:
+            q["endpoint_url"] = self.endpoint_url
+        if self.anonymous:
+            q["anonymous"] = "true"
+        if self.allow_http:
+            q["allow_http"] = "true"
+        query = ("?" + urlencode(q)) if q else ""
+        return f"az://{self.container}/{self.prefix.rstrip('/')}{query}"
+
+    @property
+    def store(self) -> Any:
+        """The obstore ``AzureStore`` (one per configuration and process, built on first use).
+
+        Never one inherited through ``fork``: its pooled connections are the parent's sockets,
+        and two processes talking on one socket read each other's responses (or wait forever).
+        """
+        global _runtime_pid
+        pid = os.getpid()
+        mine = self.__dict__.get("_store")
+        if mine is not None and mine[0] == pid:
+            return mine[1]
+        if _runtime_pid is not None and _runtime_pid != pid:
+            # obstore's I/O runtime does not survive fork: a child's requests would hang, and
+            # its use of the inherited event queue would steal the parent's wake-ups.
+            raise StorageError(
+                f"{self.url} was used in process {_runtime_pid} before this one was forked from "
+                "it, and its client cannot be used after fork: start worker processes with "
+                "'spawn' or 'forkserver' (multiprocessing.get_context), or fork before first use"
+            )
+        _runtime_pid = pid
+        key = (
+            pid,
+            self.container,
+            self.prefix,
+            self.account_name,
+            self.endpoint_url,
+            self.anonymous,
+            self.allow_http,
+            self._credentials,
+        )
+        with _stores_lock:
+            store = _stores.get(key)
+            if store is None:
+                store = _stores[key] = self._build_store()
+        self.__dict__["_store"] = (pid, store)
+        return store
+
+    def _build_store(self) -> Any:
+        from obstore.store import AzureStore
+
+        config: dict[str, Any] = {}
+        if self.account_name:
+            config["account_name"] = self.account_name
+        if self.endpoint_url:
+            config["endpoint"] = self.endpoint_url.rstrip("/")
+        account_key, sas_token = self._credentials
+        if account_key:
+            config["account_key"] = account_key
+        if sas_token:
+            config["sas_key"] = sas_token.lstrip("?")
+        if self.anonymous:
+            config["skip_signature"] = True
+        return AzureStore(
+            self.container,
+            prefix=self.prefix.rstrip("/") or None,
+            config=config,  # type: ignore[arg-type]
+            client_options={"allow_http": self.allow_http, "timeout": "60s"},
+            # obstore retries 5xx, 429, timeouts and dropped connections itself (with backoff);
+            # bounded, so that a dead endpoint fails in seconds, not minutes.
+            retry_config={"max_retries": 4, "retry_timeout": dt.timedelta(seconds=30)},
+        )
+
+    # -- the protocol -----------------------------------------------------------------------------
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        import obstore
+
+        if byte_range is None:
+            return bytes(_obstore_call("get", key, lambda: obstore.get(self.store, key).bytes()))
+        start, end = byte_range
+        if end <= start:
+            if self.head(key) is None:
+                raise ObjectNotFound(key)
+            return b""
+        try:
+            data = _obstore_call(
+                "get", key, lambda: obstore.get_range(self.store, key, start=start, end=end)
+            )
+        except (ObjectNotFound, TransientStorageError):
+            raise
+        except StorageError:
+            # Azure refuses a range that starts at or past the end (416): the protocol answers
+            # with what there is, nothing.
+            info = self.head(key)
+            if info is None:
+                raise ObjectNotFound(key) from None
+            if start >= info.size:
+                return b""
+            raise
+        return bytes(data)
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        import obstore
+
+        mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
+        try:
+            _obstore_call(
+                "put",
+                key,
+                lambda: obstore.put(
+                    self.store, key, memoryview(data), mode=mode, use_multipart=False
+                ),
+            )
+        except ObjectNotFound:  # a put finds no blob missing: the container is
+            raise StorageError(
+                f"Azure container {self.container!r} not found (writing {key})"
+            ) from None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        import obstore
+
+        try:
+            meta = _obstore_call("head", key, lambda: obstore.head(self.store, key))
+        except ObjectNotFound:
+            return None
+        return ObjectInfo(key, int(meta["size"]), meta["last_modified"])
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        import obstore
+
+        # obstore lists by path segments; the protocol by string prefix: list the folder that
+        # holds the prefix and keep what starts with it (Azure lists in key order).
+        folder = prefix.rpartition("/")[0]
+        stream = _obstore_call(
+            "list", prefix, lambda: obstore.list(self.store, prefix=folder or None, chunk_size=1000)
+        )
+        while True:
+            try:
+                batch = _obstore_call("list", prefix, lambda: next(stream))
+            except StopIteration:
+                return
+            for meta in batch:
+                key = meta["path"]
+                if key.startswith(prefix):
+                    yield ObjectInfo(key, int(meta["size"]), meta["last_modified"])
+                elif key > prefix:
+                    return
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        import obstore
+
+        folder = prefix.rstrip("/")
+        found = _obstore_call(
+            "list", prefix, lambda: obstore.list_with_delimiter(self.store, prefix=folder or None)
+        )
+        start = len(folder) + 1 if folder else 0
+        return [p[start:] for p in found["common_prefixes"]]
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        import obstore
+
+        keys = builtins.list(keys)
+
+        def delete(key: str) -> None:
+            try:
+                _obstore_call("delete", key, lambda: obstore.delete(self.store, key))
+            except ObjectNotFound:
+                pass  # absent keys are fine
+
+        self.map(delete, keys)
+        return len(keys)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_store", None)
+        return state

@@ -1,0 +1,116 @@
+"""A static web server for tests: a directory served over HTTP/1.1 on a loopback port.
+
+What a CDN or any static host offers a published repository: GET, HEAD and byte ranges
+(``Range: bytes=a-b``, answered 206, or 416 past the end), nothing else — no listing, no writes.
+Python's :mod:`http.server` underneath, in a thread of the test process, with a listen backlog
+large enough for a client's concurrent requests (the default of 5 makes bursts wait on SYN
+retransmits). ``ranges=False`` serves whole objects only, as servers that ignore ``Range`` do;
+``listings=True`` shows a folder's index page (after redirecting ``dir`` to ``dir/``), as
+``python -m http.server`` and nginx's autoindex do.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: StaticHTTPServer._Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def list_directory(self, path: str | os.PathLike[str]) -> Any:
+        if self.server.listings:  # an index page, as python -m http.server or nginx show
+            return super().list_directory(path)
+        self.send_error(404, "no listings here")  # a CDN shows objects, never folders
+        return None
+
+    def _count(self) -> None:
+        with self.server.lock:
+            self.server.requests[self.command] += 1
+
+    def do_HEAD(self) -> None:
+        self._count()
+        super().do_HEAD()
+
+    def do_PUT(self) -> None:
+        self._count()
+        self.send_error(405, "read-only")
+
+    def do_GET(self) -> None:
+        self._count()
+        wanted = self.headers.get("Range")
+        path = self.translate_path(self.path)
+        match = _RANGE.match(wanted or "")
+        if not (self.server.ranges and match and os.path.isfile(path)):
+            super().do_GET()
+            return
+        data = Path(path).read_bytes()
+        start = int(match.group(1))
+        end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
+        if start >= len(data):
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{len(data)}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Last-Modified", self.date_time_string(int(os.stat(path).st_mtime)))
+        self.end_headers()
+        self.wfile.write(data[start:end])
+
+
+class StaticHTTPServer:
+    """Serve ``directory`` on ``http://127.0.0.1:<port>`` until :meth:`close` (or the ``with``
+    block ends). :attr:`requests` counts requests by method."""
+
+    class _Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 128
+        daemon_threads = True
+        ranges: bool
+        listings: bool
+        requests: Counter[str]
+        lock: threading.Lock
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, ranges: bool = True, listings: bool = False
+    ) -> None:
+        handler = functools.partial(_Handler, directory=str(directory))
+        self._server = self._Server(("127.0.0.1", 0), handler)
+        self._server.ranges = ranges
+        self._server.listings = listings
+        self._server.requests = Counter()
+        self._server.lock = threading.Lock()
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def requests(self) -> Counter[str]:
+        return self._server.requests
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+    def __enter__(self) -> StaticHTTPServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
