@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from zarrlake_operator import desired, metrics, reconcile
+from zarrlake_operator import desired, kube, metrics, reconcile
 from zarrlake_operator.models import GROUP, VERSION, MirrorSpec
 
 RESYNC_SECONDS = float(os.environ.get("ZARRLAKE_RESYNC_SECONDS", "60"))
@@ -45,6 +45,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = int(os.environ.get("ZARRLAKE_OPERATOR_WORKERS", "8"))
     settings.networking.request_timeout = 60
     settings.watching.server_timeout = 300
+    kube.observers.append(metrics.count_request)
     metrics.serve(int(os.environ.get("ZARRLAKE_METRICS_PORT", "9090")))
 
 
@@ -175,7 +176,14 @@ def policy_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*POLICIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def policy_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE, spark=SPARK)
+    _resync(
+        "RetentionPolicy",
+        reconcile.retention_policy,
+        body,
+        job_image=JOB_IMAGE,
+        spark=SPARK,
+        resync=True,
+    )
 
 
 @kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; children go by owner

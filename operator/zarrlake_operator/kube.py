@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from zarrlake.k8s import SecretReader, secret_reader
@@ -39,6 +39,20 @@ KINDS: dict[str, str] = {
 
 _lock = threading.Lock()
 _client: Any = None
+
+#: Called with (verb, resource) for every request, e.g. ``("PATCH", "repositories/status")``.
+observers: list[Callable[[str, str], None]] = []
+
+
+def _resource(path: str) -> str:
+    """The resource a request path names: its plural, and its subresource if any."""
+    parts = path.strip("/").split("/")
+    rest = parts[2:] if parts[0] == "api" else parts[3:]  # after /api/v1 or /apis/<g>/<v>
+    if len(rest) > 2 and rest[0] == "namespaces":
+        rest = rest[2:]
+    if not rest:
+        return "discovery"
+    return rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
 
 
 class KubeError(Exception):
@@ -87,6 +101,8 @@ def _call(
     from urllib3.exceptions import HTTPError
 
     client = api_client()
+    for observe in observers:
+        observe(method, _resource(path))
     try:
         resp = client.call_api(
             path,

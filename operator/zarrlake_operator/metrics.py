@@ -34,6 +34,18 @@ DURATION = Histogram(
     registry=REGISTRY,
 )
 
+API_REQUESTS = Counter(
+    "zarrlake_operator_api_requests_total",
+    "Kubernetes API requests of the reconciliations (not Kopf's watches), by verb and resource.",
+    ["verb", "resource"],
+    registry=REGISTRY,
+)
+
+
+def count_request(verb: str, resource: str) -> None:
+    API_REQUESTS.labels(verb, resource).inc()
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 

@@ -86,8 +86,23 @@ def observed(model: type[StatusT], body: Mapping[str, Any]) -> StatusT:
 
 
 def _write_status(body: Mapping[str, Any], status: ResourceStatus) -> None:
+    """Patch the status, unless it already says all of that (an idle resync writes nothing)."""
     ns, name, _ = _meta(body)
-    kube.patch_status(body["kind"], ns, name, status.patch())
+    patch = status.patch()
+    if not _already(body.get("status") or {}, patch):
+        kube.patch_status(body["kind"], ns, name, patch)
+
+
+def _already(current: Any, patch: Any) -> bool:
+    """Whether merge-patching ``current`` with ``patch`` would change nothing."""
+    if isinstance(patch, Mapping):
+        if not isinstance(current, Mapping):
+            return False
+        return all(
+            current.get(k) is None if v is None else k in current and _already(current[k], v)
+            for k, v in patch.items()
+        )
+    return bool(current == patch)
 
 
 def parse_spec(model: type[SpecT], body: Mapping[str, Any]) -> SpecT:
@@ -718,7 +733,11 @@ def retention_policy(
     body: Mapping[str, Any],
     job_image: str,
     spark: desired.SparkDefaults = desired.SPARK_DEFAULTS,
+    *,
+    resync: bool = False,
 ) -> ResourceStatus:
+    """CronJobs or Spark applications for a RetentionPolicy; returns the new status. A ``resync``
+    (a timer tick, nothing changed) removes only what the status says the policy made."""
     ns = body["metadata"]["namespace"]
     spec = parse_spec(RetentionPolicySpec, body)
     try:
@@ -751,7 +770,7 @@ def retention_policy(
         if action != "unchanged":
             kind, obj_name = obj["kind"], obj["metadata"]["name"]
             _event(body, f"{kind}{action.capitalize()}", f"{action} {kind} {obj_name}")
-    _remove_stale(body, cron_jobs, spark_apps, rbac)
+    _remove_stale(body, cron_jobs, spark_apps, rbac, sweep=not resync)
     schedules = f"gc {spec.gc.schedule}" + (
         f", compaction {spec.compaction.schedule}" if spec.compaction else ""
     )
@@ -798,9 +817,15 @@ def _remove_stale(
     cron_jobs: Mapping[str, Any],
     spark_apps: Mapping[str, Any],
     rbac: Sequence[Mapping[str, Any]],
+    *,
+    sweep: bool = True,
 ) -> None:
     """Delete what the policy made before and no longer asks for (another engine, compaction
-    dropped, the driver's ServiceAccount now given): by name, so nothing else is touched."""
+    dropped, the driver's ServiceAccount now given): by name, so nothing else is touched.
+
+    With ``sweep``, every name the policy could have used is tried; without, only those its
+    status names (a resync, when the status was written by the reconcile that made them): no
+    request for what does not exist."""
     ns, name, _ = _meta(policy)
     wanted = {
         (o["kind"], o["metadata"]["name"])
@@ -816,6 +841,17 @@ def _remove_stale(
     ]
     spark_names = desired.spark_names(name)
     candidates += [(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")]
+    if not sweep:
+        status = observed(RetentionPolicyStatus, policy)
+        named = {
+            ("CronJob", status.gc_cron_job),
+            ("CronJob", status.compaction_cron_job),
+            ("ScheduledSparkApplication", status.gc_spark_application),
+            ("ScheduledSparkApplication", status.compaction_spark_application),
+        }
+        if status.engine not in (None, "local"):
+            named |= {(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")}
+        candidates = [c for c in candidates if c in named]
     for kind, obj_name in candidates:
         if (kind, obj_name) in wanted:
             continue

@@ -464,6 +464,58 @@ def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
     assert "zarrlake_operator_reconcile_duration_seconds_bucket" in body
 
 
+def _api_requests(k8s: Env) -> dict[tuple[str, str], float]:
+    """The operator's count of its API requests, by (verb, resource)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with direct.open(f"http://127.0.0.1:{k8s.metrics_port}/metrics", timeout=30) as rsp:
+        text = rsp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("zarrlake_operator_api_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            verb = labels.split('verb="')[1].split('"')[0]
+            resource = labels.split('resource="')[1].split('"')[0]
+            out[verb, resource] = float(value)
+    return out
+
+
+def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
+    """Once everything is Ready and nothing changes, resyncs only read: no status patch, no
+    DELETE of CronJobs that do not exist, no apply — whatever the number of objects."""
+    k8s.ready_repository()
+    for name in ("b1", "b2", "b3"):
+        k8s.custom("Branch", name, {"repository": "repo"})
+    k8s.custom("Tag", "t1", {"repository": "repo", "ref": "main"})
+    k8s.custom(
+        "RetentionPolicy",
+        "with-compaction",
+        {
+            "repository": "repo",
+            "gc": {"schedule": "0 3 * * *"},
+            "compaction": {"schedule": "0 4 * * *"},
+        },
+    )
+    k8s.custom("RetentionPolicy", "gc-only", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    for kind, name in (
+        ("Branch", "b1"),
+        ("Branch", "b2"),
+        ("Branch", "b3"),
+        ("Tag", "t1"),
+        ("RetentionPolicy", "with-compaction"),
+        ("RetentionPolicy", "gc-only"),
+    ):
+        k8s.wait_condition(kind, name)
+    time.sleep(4)  # let the first resyncs settle what the change handlers wrote
+    before = _api_requests(k8s)
+    time.sleep(8)  # four resyncs of every object (every 2 s here)
+    after = _api_requests(k8s)
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    writes = {k: n for k, n in delta.items() if k[0] in ("POST", "PUT", "PATCH", "DELETE")}
+    print("IDLE DELTA", sorted(delta.items()))
+    assert not writes, delta
+    assert sum(delta.values()) > 0  # the resyncs did run (and read)
+
+
 def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: Any) -> None:
     from zarrlake_testkit.servers import start_redis, stop
 
