@@ -93,7 +93,13 @@ def repository_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def repository_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Repository", reconcile.repository, body)
+    _resync("Repository", reconcile.repository, body, resync=True)
+
+
+@kopf.on.event(*REPOSITORIES)
+def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    """Keep the watch's view of every Repository: the reconciles of what names one read it."""
+    kube.remember(body, "Repository", deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.delete(*REPOSITORIES)
@@ -122,7 +128,12 @@ def branch_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*BRANCHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def branch_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Branch", reconcile.branch, body)
+    _resync("Branch", reconcile.branch, body, resync=True)
+
+
+@kopf.on.event(*BRANCHES)
+def branch_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    kube.remember(body, "Branch", deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.delete(*BRANCHES)
@@ -149,7 +160,12 @@ def tag_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*TAGS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def tag_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Tag", reconcile.tag, body)
+    _resync("Tag", reconcile.tag, body, resync=True)
+
+
+@kopf.on.event(*TAGS)
+def tag_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    kube.remember(body, "Tag", deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.delete(*TAGS)
@@ -189,6 +205,12 @@ def policy_resync(body: kopf.Body, **_: Any) -> None:
 @kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; children go by owner
 def policy_deleted(body: kopf.Body, **_: Any) -> None:
     forget(body)
+
+
+@kopf.on.event("batch", "v1", "cronjobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
+def cron_job_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    """The watch's view of the policies' CronJobs: a resync compares with it (no request)."""
+    kube.remember(body, "CronJob", deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={desired.POLICY_LABEL: kopf.PRESENT})

@@ -155,6 +155,63 @@ def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
+# -- a watch-fed cache --------------------------------------------------------------------------
+# Every Branch, Tag, RetentionPolicy and Mirror reconcile looks its Repository up. The operator
+# watches Repositories anyway (Kopf does), so their bodies are kept here as the watch delivers
+# them, and those lookups cost no request; a miss (not seen yet) reads through.
+
+_cache: dict[tuple[str, str, str], dict[str, Any]] = {}
+_cache_lock = threading.Lock()
+
+
+def remember(body: Mapping[str, Any], kind: str, *, deleted: bool = False) -> None:
+    """Keep (or with ``deleted``, drop) the body of a watched object of ``kind``, as the watch
+    sees it (a listed item may not say its kind)."""
+    meta = body.get("metadata") or {}
+    key = (kind, str(meta.get("namespace")), str(meta.get("name")))
+    with _cache_lock:
+        if deleted:
+            _cache.pop(key, None)
+            return
+        known = _cache.get(key)
+        if known is not None and _version(known) > _version(body):
+            return  # an older event than what is kept (a read-through can be newer)
+        _cache[key] = _plain(body)  # a copy: the caller's body (Kopf's view) may change
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy as plain dicts and lists (Kopf hands bodies over as mapping views)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _version(body: Mapping[str, Any]) -> int:
+    rv = (body.get("metadata") or {}).get("resourceVersion")
+    return int(rv) if isinstance(rv, str) and rv.isdigit() else -1
+
+
+def cached(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object as the watch last delivered it, else read (and kept); None if it does not
+    exist."""
+    with _cache_lock:
+        body = _cache.get((kind, namespace, name))
+    if body is not None:
+        return body
+    body = get(kind, namespace, name)
+    if body is not None:
+        remember(body, kind)
+    return body
+
+
+def cached_list(kind: str, namespace: str) -> list[dict[str, Any]]:
+    """Every object of ``kind`` in ``namespace`` the watch has delivered (no request)."""
+    with _cache_lock:
+        return [b for (k, ns, _), b in _cache.items() if k == kind and ns == namespace]
+
+
 def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
     query = [("labelSelector", label_selector)] if label_selector else None
     return list((_call("GET", _path(kind, namespace), query=query) or {}).get("items") or [])
@@ -212,14 +269,23 @@ def delete(kind: str, namespace: str, name: str) -> bool:
         raise
 
 
-def apply(desired: Mapping[str, Any], *, create_only: bool = False) -> tuple[dict[str, Any], str]:
+def apply(
+    desired: Mapping[str, Any], *, create_only: bool = False, watched: bool = False
+) -> tuple[dict[str, Any], str]:
     """Make ``desired`` exist: create it, or merge-patch the fields that drifted.
 
     Returns the object and what happened: ``created``, ``updated`` or ``unchanged``.
-    ``create_only`` objects (password Secrets) are never rewritten once they exist.
+    ``create_only`` objects (password Secrets) are never rewritten once they exist. ``watched``:
+    compare with the watch's view of the object (see :func:`remember`), if it has one.
     """
     kind, meta = desired["kind"], desired["metadata"]
-    actual = get(kind, meta["namespace"], meta["name"])
+    if watched:
+        with _cache_lock:
+            actual = _cache.get((kind, meta["namespace"], meta["name"]))
+        if actual is None:
+            actual = get(kind, meta["namespace"], meta["name"])
+    else:
+        actual = get(kind, meta["namespace"], meta["name"])
     if actual is None:
         try:
             return create(desired), "created"
@@ -239,4 +305,15 @@ def secrets(namespace: str) -> SecretReader:
     """A per-call Secret reader for one namespace (decoded values; never logged)."""
     from kubernetes import client
 
-    return secret_reader(client.CoreV1Api(api_client()), namespace)
+    read = secret_reader(client.CoreV1Api(api_client()), namespace)
+
+    asked: set[str] = set()
+
+    def counted(name: str) -> Mapping[str, str] | None:
+        if name not in asked:  # the reader keeps what it read: one request per Secret
+            asked.add(name)
+            for observe in observers:
+                observe("GET", "secrets")
+        return read(name)
+
+    return counted

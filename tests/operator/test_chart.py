@@ -307,7 +307,7 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "secrets"): SECRET_VERBS,
     ("", "services"): CHILD_VERBS,
     ("apps", "deployments"): CHILD_VERBS,
-    ("batch", "cronjobs"): CHILD_VERBS | {"list"},
+    ("batch", "cronjobs"): CHILD_VERBS | {"list", "watch"},  # watched: idle resyncs compare
     ("batch", "jobs"): READ,
     ("", "pods"): {"list"},
     ("", "events"): {"create"},

@@ -131,10 +131,11 @@ operator uses; no wildcards.
   resources: ["deployments"]
   verbs: ["get", "create", "patch", "delete"]
 # The retention / GC / compaction schedules of each RetentionPolicy (listed by label to suspend
-# them when their Repository is gone), and their runs (watched for results).
+# them when their Repository is gone; watched, so an idle resync compares without a request),
+# and their runs (watched for results).
 - apiGroups: ["batch"]
   resources: ["cronjobs"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch"]
