@@ -20,7 +20,7 @@ import pytest
 import zarr
 
 import zarrlake
-from conftest import MotoS3
+from conftest import S3Server as MotoS3
 from zarrlake.storage import ObjectNotFound, PreconditionFailed, Storage, StorageError
 from zarrlake.storage.s3 import S3Storage
 
