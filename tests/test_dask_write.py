@@ -8,6 +8,7 @@ Zarr ``MemoryStore`` must read back identical to what ``to_zarrlake`` committed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,66 @@ def test_read_only_sessions_read_from_worker_processes(
     total = lazy["temp"].sum().compute()  # the read-only store travels to the workers
     assert float(total) == pytest.approx(float(ds["temp"].sum()))
     xr.testing.assert_identical(lazy.compute(), oracle((ds, {"mode": "w", "zarr_format": 2})))
+
+
+def test_merge_refuses_a_delete_and_a_write_that_did_not_see_each_other(
+    repo: zarrlake.Repository,
+) -> None:
+    """One fork deletes a group, another writes into it: merged together (either order) that is
+    a conflict, never the silent loss of the writes; forks from before a discard are refused."""
+    with repo.transaction("main", message="create") as store:
+        zarr.create_array(store, name="g/a", shape=(4,), chunks=(2,), dtype="i4")
+    session = repo.writable_session("main")
+
+    def writer() -> zarrlake.ForkedSession:
+        fork = session.fork()
+        zarr.open_array(fork.store, path="g/a", mode="r+")[:] = 7
+        return fork
+
+    def deleter() -> zarrlake.ForkedSession:
+        fork = session.fork()
+        asyncio.run(fork.store.delete_dir("g"))
+        return fork
+
+    for first, second in ((writer, deleter), (deleter, writer)):
+        a, b = first(), second()
+        with pytest.raises(zarrlake.ConflictError):
+            session.merge(a.changeset(), b.changeset())
+    stale = writer()
+    session.discard()
+    with pytest.raises(zarrlake.ZarrlakeError, match="before discard"):
+        session.merge(stale.changeset())
+    session.merge(writer().changeset())  # a fork made after the discard is fine
+    session.commit("7s")
+    got = zarr.open_array(repo.readonly_session("main").store, path="g/a", mode="r")[:]
+    np.testing.assert_array_equal(got, [7, 7, 7, 7])
+
+
+def _fail_late(block: np.ndarray[Any, Any], block_info: Any = None) -> Any:
+    if block_info is not None and block_info[0]["chunk-location"][0] == 1:
+        raise RuntimeError("the model crashed on day 11")
+    return block
+
+
+@pytest.mark.parametrize("scheduler", ["distributed"], indirect=True)
+def test_a_failed_append_leaves_the_session_as_it_was_and_a_retry_appends_once(
+    repo: zarrlake.Repository, scheduler: str
+) -> None:
+    first, more = weather(20), weather(20, start="2026-01-21", seed=3)
+    session = repo.writable_session("main")
+    to_zarrlake(first, session, mode="w", consolidated=False)
+    session.commit("20 days")
+
+    session = repo.writable_session("main")
+    broken = more.copy()
+    broken["temp"] = broken["temp"].copy(
+        data=broken["temp"].data.map_blocks(_fail_late, dtype="f8")
+    )
+    with pytest.raises(RuntimeError, match="day 11"):
+        to_zarrlake(broken, session, append_dim="time")
+    assert not session.has_changes  # not even the resize or the new time coordinates
+    to_zarrlake(more, session, append_dim="time")  # the retry
+    session.commit("20 more days")
+    got = committed(repo)
+    assert got.sizes["time"] == 40
+    xr.testing.assert_identical(got, oracle((first, {"mode": "w"}), (more, {"append_dim": "time"})))

@@ -342,7 +342,7 @@ class CommitEngine:
         """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
         ``refence``, a stale one is given back for a new one, else it is used as it is)."""
         meta = metadata
-        planned_on = changeset.base
+        rebased = False
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             # Without a lock, first try on the head this client last saw (the session's base,
             # usually), checking that its entry is still there alongside writing the commit's
@@ -373,6 +373,7 @@ class CommitEngine:
                         "(commit with rebase=True to rebase)",
                     )
                 changeset = self.rebase(changeset, head, policy)
+                rebased = True
                 self.stats["rebases"] += 1
             parent = self.objects.snapshot(head)
             built = self._build_snapshot(
@@ -384,7 +385,9 @@ class CommitEngine:
                 extra_parents,
                 relocation=policy.relocates,
                 reshard=reshard,
-                prebuilt=prebuilt if head == planned_on else None,
+                # The tasks' manifest is of the head the changes were planned on: only a
+                # changeset never rebased may use it.
+                prebuilt=prebuilt if not rebased else None,
             )
             snap = built.snapshot
             check = None if known is None else self.journal.entry_key(branch, head_entry.seq)

@@ -32,9 +32,10 @@ are rechunked so that they do. That also makes ``safe_chunks=False`` safe here. 
 collide (e.g. two calls into one session wrote the same chunk differently), the merge raises
 :class:`~zarrlake.ConflictError` and nothing is merged.
 
-If a task fails, its exception propagates and no chunk of this call reaches the session; the
-metadata of step 1 stays in the session (``session.discard()`` drops it). The repository is
-unchanged until you commit.
+If anything fails (xarray's checks, a task, the merge), its exception propagates and the session
+is as it was before the call (:meth:`Session.savepoint` / :meth:`Session.rollback`): a retry
+starts afresh, and a commit never publishes half of a call. The repository is unchanged until you
+commit.
 
 The storage must be reachable from every worker (a directory they share, or an object store).
 ``Storage.memory()`` can only be written with an in-process scheduler (threads, synchronous):
@@ -99,11 +100,17 @@ def to_zarrlake(
     group = _norm_group(group)
     _check_scheduler(session)
 
-    targets = _prepare(obj, session, group, to_zarr_kwargs)
-    if not targets:
-        return
-    changesets = _write_blocks(session, targets)
-    session.merge(*[cs for cs in changesets if not cs.is_empty()])
+    # All or nothing: on any failure the session is as it was before the call (a retry of an
+    # append must not grow the arrays twice, nor a commit publish half of it).
+    before = session.savepoint()
+    try:
+        targets = _prepare(obj, session, group, to_zarr_kwargs)
+        if targets:
+            changesets = _write_blocks(session, targets)
+            session.merge(*[cs for cs in changesets if not cs.is_empty()])
+    except BaseException:
+        session.rollback(before)
+        raise
 
 
 # -- step 1: metadata, in this process -------------------------------------------------------------
@@ -236,6 +243,8 @@ def _region_starts(
     for dim, where in region.items():
         if isinstance(where, slice):
             starts[dim] = _slice_start(where, ds.sizes[dim], dim)
+        elif where == "auto" and dim not in ds.indexes:
+            starts[dim] = 0  # no coordinate to find it by: the whole dimension, as xarray does
         elif where == "auto":
             if existing is None:
                 import xarray as xr

@@ -14,6 +14,7 @@ import datetime as dt
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
@@ -30,6 +31,7 @@ from zarrlake.errors import (
     ZarrlakeError,
 )
 from zarrlake.format import manifest
+from zarrlake.format.manifest import prefix_matches
 from zarrlake.format.model import ChunkRef, Snapshot
 from zarrlake.history import diff_nodes
 from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
@@ -296,6 +298,16 @@ class Workspace:
         return await asyncio.to_thread(self.status)
 
 
+@dataclass(frozen=True)
+class Savepoint:
+    """A session's uncommitted changes at one moment (see :meth:`Session.savepoint`)."""
+
+    session_id: str
+    changes: Changeset
+    merged: dict[str, tuple[Any, int]]
+    deletes: list[tuple[str, int]]
+
+
 class Session(Workspace):
     """A transaction on a branch, or a read-only view of a version. See :mod:`zarrlake.session`."""
 
@@ -321,7 +333,10 @@ class Session(Workspace):
         self._layers = [Changeset(self._session_id, base)]
         #: What merges brought, by key: (value, number of the merge) — see :meth:`merge`.
         self._merged: dict[str, tuple[Any, int]] = {}
+        #: Subtrees merges deleted (``delete_dir`` in a fork): (prefix, number of the merge).
+        self._merged_deletes: list[tuple[str, int]] = []
         self._merges = 0
+        self._discarded_at = 0
         self._committed: str | None = None
         self._init_workspace()
         self._snapshot()  # fail now, not on first read, if the base snapshot is missing or corrupt
@@ -433,6 +448,36 @@ class Session(Workspace):
             self._top()  # not while a commit of these changes runs
             self._layers = [Changeset(self._session_id, self._base_id)]
             self._merged.clear()
+            self._merged_deletes.clear()
+            # Forks made before now saw the dropped changes (and may have built on them).
+            self._merges += 1
+            self._discarded_at = self._merges
+
+    def savepoint(self) -> Savepoint:
+        """The uncommitted changes as they are now, to go back to with :meth:`rollback` (a copy
+        of them: it costs what they weigh)."""
+        self._check_writable()
+        with self._mutex:
+            return Savepoint(
+                self._session_id,
+                self._top().copy(),
+                dict(self._merged),
+                list(self._merged_deletes),
+            )
+
+    def rollback(self, point: Savepoint) -> None:
+        """Go back to the changes of ``point`` (a :meth:`savepoint` of this session): what was
+        written or merged since is dropped, and forks made since are refused by :meth:`merge`."""
+        self._check_writable()
+        if not isinstance(point, Savepoint) or point.session_id != self._session_id:
+            raise ZarrlakeError("not a savepoint of this session")
+        with self._mutex:
+            self._top()  # not while a commit of these changes runs
+            self._layers = [point.changes.copy()]
+            self._merged = dict(point.merged)
+            self._merged_deletes = list(point.deletes)
+            self._merges += 1
+            self._discarded_at = self._merges
 
     async def discard_async(self) -> None:
         """Async twin of :meth:`discard`: runs it on a worker thread."""
@@ -459,10 +504,11 @@ class Session(Workspace):
         """Fold forked work back into this session (then :meth:`commit`).
 
         Raises :class:`ConflictError` if two forks wrote different bytes to the same key, and
-        :class:`ZarrlakeError` for a changeset that does not belong to this session. Forks conflict
-        when neither saw the other's work: changesets merged together, or a fork made before an
-        earlier merge that wrote the key differently. A fork made after a merge saw its changes,
-        and may overwrite them.
+        :class:`ZarrlakeError` for a changeset that does not belong to this session (or comes from
+        a fork made before :meth:`discard`). Forks conflict when neither saw the other's work
+        (changesets merged together, or a fork made before an earlier merge) and they wrote a key
+        differently, or one deleted a subtree (``delete_dir``) the other wrote into. A fork made
+        after a merge saw its changes, and may overwrite them.
         """
         self._check_writable()
         for cs in changesets:
@@ -480,21 +526,46 @@ class Session(Workspace):
             # Check each changeset against earlier merges and the changesets before it in this
             # call (forks merged together must not overwrite each other silently either).
             seen = dict(self._merged)
+            gone = list(self._merged_deletes)
             number = self._merges
             for cs in changesets:
+                if cs.forked_at < self._discarded_at:
+                    raise ZarrlakeError(
+                        "changeset comes from a fork made before discard(): it may rest on the "
+                        "changes that were dropped; fork again"
+                    )
+                # A subtree this fork deleted, where another (unseen) merge wrote.
+                for prefix in cs.deleted_prefixes:
+                    hit = next(
+                        (
+                            k
+                            for k, (v, n) in seen.items()
+                            if v is not None and n >= cs.forked_at and prefix_matches(k, prefix)
+                        ),
+                        None,
+                    )
+                    if hit is not None:
+                        conflicts.append(Conflict("node", "/" + prefix.strip("/")))
                 for d in (cs.chunks, cs.nodes):
                     for k, v in d.items():
                         earlier = seen.get(k)
-                        if earlier is not None and earlier[0] != v and earlier[1] >= cs.forked_at:
+                        unseen_delete = any(
+                            n >= cs.forked_at and prefix_matches(k, p) for p, n in gone
+                        )
+                        if unseen_delete:  # written where another fork, unseen, deleted
+                            conflicts.append(Conflict("node", "/" + k.rsplit("/", 1)[0]))
+                        elif earlier is not None and earlier[0] != v and earlier[1] >= cs.forked_at:
                             if is_meta_key(k):
                                 conflicts.append(Conflict("node", meta_key_node(k)))
                             else:
                                 path, coords = split_chunk_key(k, arrays)
                                 conflicts.append(Conflict("chunk", path, coords))
                         seen[k] = (v, number)
+                gone += [(p, number) for p in cs.deleted_prefixes]
             if conflicts:
                 raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
             self._merged = seen
+            self._merged_deletes = gone
             self._merges += 1
             for cs in changesets:
                 top.fold(cs)

@@ -159,13 +159,19 @@ class Phase(NamedTuple):
     message: str
 
 
+#: LockServiceReady reasons that say the service is down, not misconfigured: clients can still
+#: connect (and commit optimistically). A missing password Secret, an invalid spec: they cannot.
+LOCK_OUTAGES = ("Unavailable", "Unreachable")
+
+
 def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = True) -> Phase:
     """The phase and Ready condition from the three component conditions.
 
     A lock service is an optimization, not a requirement, unless its clients were told to fail
     without it (``onUnavailable: fail``): with ``lock_required`` False, a lock service that is
-    down (for any reason but an invalid spec) leaves the repository Ready, in phase Degraded —
-    writers commit optimistically meanwhile, and nobody waits for it.
+    down (unreachable or unavailable, not misconfigured: clients can still connect) leaves the
+    repository Ready, in phase Degraded — writers commit optimistically meanwhile, and nobody
+    waits for it.
     """
     missing = [t for t in REPOSITORY_CONDITIONS if not is_true(conditions, t)]
     lock = condition(conditions, "LockServiceReady")
@@ -173,7 +179,7 @@ def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = T
         missing == ["LockServiceReady"]
         and not lock_required
         and lock is not None
-        and not lock.reason.startswith("Invalid")
+        and lock.reason in (*LOCK_OUTAGES, "Lost")
     ):
         return Phase(
             "Degraded",

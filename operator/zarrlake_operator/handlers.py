@@ -45,7 +45,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = int(os.environ.get("ZARRLAKE_OPERATOR_WORKERS", "8"))
     settings.networking.request_timeout = 60
     settings.watching.server_timeout = 300
-    kube.observers.append(metrics.count_request)
+    if metrics.count_request not in kube.observers:
+        kube.observers.append(metrics.count_request)
     metrics.serve(int(os.environ.get("ZARRLAKE_METRICS_PORT", "9090")))
 
 

@@ -8,7 +8,9 @@ dicts so the pure functions in :mod:`zarrlake_operator.desired` can build and co
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -158,9 +160,14 @@ def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
 # -- a watch-fed cache --------------------------------------------------------------------------
 # Every Branch, Tag, RetentionPolicy and Mirror reconcile looks its Repository up. The operator
 # watches Repositories anyway (Kopf does), so their bodies are kept here as the watch delivers
-# them, and those lookups cost no request; a miss (not seen yet) reads through.
+# them, and those lookups cost no request; a miss (not seen yet) reads through. A watch can miss
+# a deletion (a reconnect re-lists what exists, it never reports what went meanwhile), so an
+# entry is trusted for CACHE_TTL_S after the watch or a read last confirmed it, then read again;
+# a deletion leaves a tombstone, so a read that raced it cannot bring the object back.
 
-_cache: dict[tuple[str, str, str], dict[str, Any]] = {}
+CACHE_TTL_S = float(os.environ.get("ZARRLAKE_WATCH_CACHE_SECONDS", "300"))
+_cache: dict[tuple[str, str, str], tuple[dict[str, Any], float]] = {}
+_tombstones: dict[tuple[str, str, str], int] = {}
 _cache_lock = threading.Lock()
 
 
@@ -169,14 +176,20 @@ def remember(body: Mapping[str, Any], kind: str, *, deleted: bool = False) -> No
     sees it (a listed item may not say its kind)."""
     meta = body.get("metadata") or {}
     key = (kind, str(meta.get("namespace")), str(meta.get("name")))
+    version = _version(body)
     with _cache_lock:
         if deleted:
             _cache.pop(key, None)
+            _tombstones[key] = max(version, _tombstones.get(key, -1))
             return
+        if version <= _tombstones.get(key, -1):
+            return  # the object as it was before its deletion
+        _tombstones.pop(key, None)
         known = _cache.get(key)
-        if known is not None and _version(known) > _version(body):
+        if known is not None and _version(known[0]) > version:
             return  # an older event than what is kept (a read-through can be newer)
-        _cache[key] = _plain(body)  # a copy: the caller's body (Kopf's view) may change
+        # A copy as plain data: the caller's body (Kopf's view) may change.
+        _cache[key] = (_plain(body), time.monotonic())
 
 
 def _plain(value: Any) -> Any:
@@ -193,23 +206,35 @@ def _version(body: Mapping[str, Any]) -> int:
     return int(rv) if isinstance(rv, str) and rv.isdigit() else -1
 
 
-def cached(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    """The object as the watch last delivered it, else read (and kept); None if it does not
-    exist."""
+def _fresh(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     with _cache_lock:
-        body = _cache.get((kind, namespace, name))
+        found = _cache.get((kind, namespace, name))
+    if found is None or time.monotonic() - found[1] > CACHE_TTL_S:
+        return None
+    return found[0]
+
+
+def cached(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object as the watch last delivered it (if recently), else read (and kept); None if it
+    does not exist."""
+    body = _fresh(kind, namespace, name)
     if body is not None:
         return body
     body = get(kind, namespace, name)
-    if body is not None:
+    if body is None:
+        with _cache_lock:
+            _cache.pop((kind, namespace, name), None)
+    else:
         remember(body, kind)
     return body
 
 
 def cached_list(kind: str, namespace: str) -> list[dict[str, Any]]:
-    """Every object of ``kind`` in ``namespace`` the watch has delivered (no request)."""
+    """Every object of ``kind`` in ``namespace`` the watch has delivered (no request). Callers
+    use it only where an object it misses or one gone meanwhile cannot lead to harm, and confirm
+    with :func:`list_` before acting on what it shows."""
     with _cache_lock:
-        return [b for (k, ns, _), b in _cache.items() if k == kind and ns == namespace]
+        return [b for (k, ns, _), (b, _at) in _cache.items() if k == kind and ns == namespace]
 
 
 def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
@@ -280,10 +305,7 @@ def apply(
     """
     kind, meta = desired["kind"], desired["metadata"]
     if watched:
-        with _cache_lock:
-            actual = _cache.get((kind, meta["namespace"], meta["name"]))
-        if actual is None:
-            actual = get(kind, meta["namespace"], meta["name"])
+        actual = cached(kind, meta["namespace"], meta["name"])
     else:
         actual = get(kind, meta["namespace"], meta["name"])
     if actual is None:

@@ -259,6 +259,8 @@ def _claim(
         and desired.ref_name(other) == mine
     ]
     winner = desired.claim_winner(claims, include_deleting=deleting)
+    if resync and winner not in (None, body["metadata"]["name"]):
+        return _claim(body, kind, repository, deleting=deleting)  # confirm with the server
     return None if winner in (None, body["metadata"]["name"]) else winner
 
 
@@ -351,13 +353,15 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     lock = _lock_service(body, spec, resync=resync)
     # A service that was up and went down is "Lost" until it is back (one Warning event when it
     # goes, one Normal event when it returns; none while a new one starts).
+    # The same service, that is: a lock endpoint changed by the spec is a new one, not a loss.
     was = desired.condition(conds, "LockServiceReady")
-    lost = was is not None and (was.status == "True" or was.reason == "Lost")
-    if not lock.ready and lost and lock.reason != "InvalidSpec":
+    same = lock.fields is None or previous.lock_endpoint == lock.fields.lock_endpoint
+    lost = same and was is not None and (was.status == "True" or was.reason == "Lost")
+    if not lock.ready and lost and lock.reason in desired.LOCK_OUTAGES:
         if was is not None and was.status == "True":
             _event(body, "LockServiceUnavailable", lock.message, warning=True)
         lock = replace(lock, reason="Lost")
-    elif lock.ready and was is not None and was.reason == "Lost":
+    elif lock.ready and same and was is not None and was.reason == "Lost":
         _event(body, "LockServiceRecovered", lock.message)
     cond("LockServiceReady", lock.ready, lock.reason, lock.message)
     if lock.fields is not None:
@@ -449,6 +453,8 @@ def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | N
     found = kube.cached_list("Repository", ns) if resync else kube.list_("Repository", ns)
     same = [o for o in found if _location(o) == here]
     winner = desired.claim_winner(same)
+    if resync and winner not in (None, name):
+        return _location_owner(body)  # the watch's view says conflict: make sure it is one
     return None if winner in (None, name) else winner
 
 

@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -127,12 +128,20 @@ class LocalCluster:
         with self._mutex:
             self.down.add(key)
             running = self.redis.pop(key, None)
+        hold = None
         if running is not None:
             running[0].kill()
             running[0].wait()
+            # The Service's address refuses connections meanwhile: bound, not listening, so no
+            # other server started in the meantime can take it.
+            hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            hold.bind(("127.0.0.1", running[1]))
         try:
             yield
         finally:
+            if hold is not None:
+                hold.close()
             with self._mutex:
                 self.down.discard(key)
 

@@ -545,8 +545,9 @@ def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: 
         k8s.patch("Secret", "redis-auth", {"stringData": {"password": "wrong"}})
         k8s.patch("Repository", "repo", {"spec": {"lockService": {"url": url + "?x=1"}}})
         obj = k8s.wait_condition("Repository", "repo", "LockServiceReady", "False")
-        lost = condition(obj, "LockServiceReady")
-        assert lost["reason"] == "Lost" and "cannot reach" in lost["message"]
+        down = condition(obj, "LockServiceReady")
+        # A new endpoint that does not answer (not the loss of the one that did)
+        assert down["reason"] == "Unreachable" and "cannot reach" in down["message"]
         # onUnavailable: fail — its clients refuse to commit without it, so it is not Ready
         assert condition(obj, "Ready")["status"] == "False"
         assert "wrong" not in json.dumps(obj)

@@ -185,6 +185,11 @@ def compact_run(
     refs: list[ChunkRef] = []
     for info in run.shards:
         shard = objects.shard(info)
+        if len(shard.keys) != info.count:  # the positions of every run rest on the counts
+            raise CorruptObject(
+                manifest_key(info.digest),
+                f"holds {len(shard.keys)} refs, the snapshot's index says {info.count}",
+            )
         keys.extend(shard.keys)
         refs.extend(shard.refs)
     wanted = sum(run.sizes)
