@@ -486,6 +486,7 @@ def _cron_job(
     extra_env: Sequence[Mapping[str, Any]] = (),
     run_as_user: int = 10001,
     name_suffix: str = "",
+    default_resources: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     name = policy["metadata"]["name"]
     job_labels = _job_labels(policy, kind, spec)
@@ -502,6 +503,8 @@ def _cron_job(
     }
     if schedule.resources:
         container["resources"] = schedule.resources.to_k8s()
+    elif default_resources is not None:
+        container["resources"] = dict(default_resources)
     return {
         "apiVersion": "batch/v1",
         "kind": "CronJob",
@@ -570,7 +573,16 @@ def retention_cron_jobs(
     jobs = {}
     for kind, args in maintenance_arguments(spec, str(resource.status.url)).items():
         schedule = _schedule(spec, kind)
-        jobs[kind] = _cron_job(policy, kind, schedule, ["zarrlake", *args], resource, spec, image)
+        jobs[kind] = _cron_job(
+            policy,
+            kind,
+            schedule,
+            ["zarrlake", *args],
+            resource,
+            spec,
+            image,
+            default_resources=DEFAULT_JOB_RESOURCES,
+        )
     return jobs
 
 
@@ -981,6 +993,13 @@ REPLICATOR = "mirror-replicator"
 #: source's: both sides may need different keys, and one process reads both).
 DESTINATION_ENV_PREFIX = "ZARRLAKE_DEST_"
 MIN_MIRROR_INTERVAL = 1.0  # seconds: the floor of both the replicator's and the status' pace
+#: A local maintenance Job's pod when the policy names no resources: what GC over a million chunk
+#: objects and compaction of a large branch were measured to need, with room (bench/RESULTS.md).
+DEFAULT_JOB_RESOURCES = {
+    "requests": {"cpu": "250m", "memory": "512Mi"},
+    "limits": {"memory": "4Gi"},
+}
+
 DEFAULT_REPLICATOR_RESOURCES = {
     "requests": {"cpu": "100m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},

@@ -690,7 +690,8 @@ def test_cron_job_resources_image_and_suspend() -> None:
     assert jobs["compact"]["spec"]["suspend"] is False
     assert container(gc)["image"] == "registry.example/zarrlake:dev"
     assert container(gc)["resources"] == {"requests": {"cpu": "250m"}, "limits": {"memory": "2Gi"}}
-    assert "resources" not in container(jobs["compact"])
+    # Without resources in the spec, the measured defaults: never a pod without requests.
+    assert container(jobs["compact"])["resources"] == desired.DEFAULT_JOB_RESOURCES
 
 
 def test_cron_jobs_carry_no_secret_values() -> None:
