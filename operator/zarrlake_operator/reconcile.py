@@ -40,6 +40,7 @@ from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
 from zarrlake.resources import (
+    API_VERSION,
     BranchSpec,
     BranchStatus,
     Condition,
@@ -611,7 +612,8 @@ def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
             phase="Refused",
             fields=BranchStatus(branch=name),
         )
-    _, repo = _ready_repository(body, spec.repository)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body)
     winner = _claim(body, "Branch", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Branch", name, winner)
@@ -686,16 +688,37 @@ def _create_branch(
     return head, None
 
 
+def _follow(body: Mapping[str, Any], repo_body: Mapping[str, Any]) -> None:
+    """Make a Branch/Tag resource a dependent of its Repository resource, so that it goes when
+    the Repository goes (the refs in the data follow the Repository's reclaimPolicy)."""
+    ns, name, _ = _meta(body)
+    refs = list((body.get("metadata") or {}).get("ownerReferences") or [])
+    uid = repo_body["metadata"]["uid"]
+    if any(r.get("uid") == uid for r in refs):
+        return
+    refs.append(
+        {
+            "apiVersion": repo_body.get("apiVersion") or API_VERSION,
+            "kind": "Repository",
+            "name": repo_body["metadata"]["name"],
+            "uid": uid,
+        }
+    )
+    kube.merge_patch(body["kind"], ns, name, {"metadata": {"ownerReferences": refs}})
+
+
 def _owned_ref_repository(body: Mapping[str, Any], kind: str) -> tuple[Repository | None, str]:
     """For deleting a Branch/Tag resource: the repository to delete the ref from, or None and
-    why the ref stays (the Repository is gone, or another resource owns the ref)."""
+    why the ref stays (the Repository is gone or going — its reclaimPolicy decides what happens
+    to the data, not the deletion of its dependents —, or another resource owns the ref)."""
     name = desired.ref_name(body)
     repository = (body.get("spec") or {}).get("repository")
-    if (
-        not repository
-        or kube.cached("Repository", body["metadata"]["namespace"], repository) is None
-    ):
+    ns = body["metadata"]["namespace"]
+    found = kube.get("Repository", ns, repository) if repository else None
+    if found is None or not repository:
         return None, "the Repository is gone; nothing to delete"
+    if (found.get("metadata") or {}).get("deletionTimestamp"):
+        return None, "the Repository is being deleted; its reclaimPolicy decides for its refs"
     if _claim(body, kind, repository, deleting=True):
         return None, f"another {kind} resource manages {name!r}; left in place"
     return _ready_repository(body, repository)[1], ""
@@ -722,7 +745,8 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
     spec = parse_spec(TagSpec, body)
     name = desired.ref_name(body)
     previous = observed(TagStatus, body)
-    _, repo = _ready_repository(body, spec.repository)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body)
     winner = _claim(body, "Tag", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Tag", name, winner)

@@ -733,6 +733,34 @@ def test_a_repository_deleted_behind_the_operators_back_is_not_recreated_empty(k
         k8s.open_repository()  # clients are told why, instead of finding an empty repository
 
 
+def test_branches_and_tags_go_with_their_repository_and_retain_keeps_the_refs(k8s: Env) -> None:
+    """Branch and Tag resources are dependents of their Repository resource: deleting it takes
+    them along (nothing left behind saying RepositoryNotFound); with reclaimPolicy Retain the
+    branch and tag stay in the data, as the policy says."""
+    k8s.ready_repository()
+    repo = k8s.open_repository()
+    commit(repo, "main", 1.0, "one")
+    k8s.custom("Branch", "dev", {"repository": "repo"})
+    k8s.custom("Tag", "v1", {"repository": "repo", "ref": "main"})
+    uid = k8s.get("Repository", "repo")["metadata"]["uid"]
+    for kind, name in (("Branch", "dev"), ("Tag", "v1")):
+        k8s.wait_condition(kind, name)
+        wait_for(
+            f"{kind} owned",
+            lambda k=kind, n=name: (
+                (o := k8s.get(k, n))
+                and any(r["uid"] == uid for r in o["metadata"].get("ownerReferences") or [])
+                and o
+            ),
+        )
+    k8s.delete("Repository", "repo")
+    wait_for(
+        "Branch and Tag resources gone",
+        lambda: k8s.get("Branch", "dev") is None and k8s.get("Tag", "v1") is None,
+    )
+    assert "dev" in repo.list_branches() and "v1" in repo.list_tags()  # Retain: the data stays
+
+
 def test_delete_works_without_the_lock_secret_and_dependents_pause(k8s: Env) -> None:
     k8s.secret()
     bucket = k8s.repository(lock="managed", reclaim="Delete")
