@@ -340,14 +340,19 @@ def lock_deployment(
                         {
                             "name": "redis",
                             "image": lock.image,
-                            # The password reaches redis-server as configuration on stdin
-                            # (printf is a shell builtin): never in any process's arguments.
+                            # The password reaches redis-server as a configuration file on a
+                            # memory volume only this user reads (printf is a shell builtin):
+                            # never in any process's arguments. Then redis-server replaces the
+                            # shell: PID 1, so it gets the kubelet's SIGTERM and shuts down
+                            # cleanly (an AOF rewrite is not cut off).
                             "command": ["sh", "-c"],
                             "args": [
                                 # Quoted for Redis' config syntax (backslash, double quote).
-                                'printf \'requirepass "%s"\\n\' "$(printf %s "$REDIS_PASSWORD"'
-                                " | sed 's/[\\\\\"]/\\\\&/g')\" | exec redis-server"
-                                f" - --port {REDIS_PORT} --appendonly yes --dir /data"
+                                "umask 077 && printf 'requirepass \"%s\"\\n' "
+                                '"$(printf %s "$REDIS_PASSWORD"'
+                                " | sed 's/[\\\\\"]/\\\\&/g')\" > /run/redis/redis.conf"
+                                " && exec redis-server /run/redis/redis.conf"
+                                f" --port {REDIS_PORT} --appendonly yes --dir /data"
                             ],
                             "env": [password_env, cli_env],
                             "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
@@ -363,10 +368,16 @@ def lock_deployment(
                                 "periodSeconds": 10,
                             },
                             "securityContext": locked_down_container(),
-                            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                            "volumeMounts": [
+                                {"name": "data", "mountPath": "/data"},
+                                {"name": "conf", "mountPath": "/run/redis"},
+                            ],
                         }
                     ],
-                    "volumes": [{"name": "data", "emptyDir": {}}],
+                    "volumes": [
+                        {"name": "data", "emptyDir": {}},
+                        {"name": "conf", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                    ],
                 },
             },
         },

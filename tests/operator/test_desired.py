@@ -509,6 +509,9 @@ def test_lock_deployment_is_locked_down_and_takes_the_password_by_reference() ->
     # The data directory is writable although the root file system is not.
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert "--dir /data" in script and "/data" in mounts
+    # ... and so is its configuration's, a volume in memory.
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert "/run/redis" in mounts and volumes["conf"]["emptyDir"]["medium"] == "Memory"
 
 
 def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None:
@@ -530,6 +533,7 @@ def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None
             .replace("redis-server", redis_server_binary())
             .replace(f"--port {desired.REDIS_PORT}", f"--port {port} --bind 127.0.0.1 --save ''")
             .replace("--dir /data", f"--dir {tmp_path}")
+            .replace("/run/redis", str(tmp_path))
         )
         return [*c["command"], script]
 
@@ -540,6 +544,11 @@ def test_lock_container_command_really_sets_the_password(tmp_path: Path) -> None
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, password="wrong").ping()
         assert redis.Redis(port=port, password=PASSWORD).ping()
+        # The shell is gone: redis-server is the process the container started (its PID 1
+        # in a pod), so the kubelet's SIGTERM reaches it.
+        comm = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+        assert comm.startswith("redis-server"), comm
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0  # only its user reads it
     finally:
         stop(proc)
 
