@@ -94,6 +94,23 @@ def test_only_the_highest_priority_replica_acts(tmp_path: Path, moto_s3: Any) ->
         kube.create(_repository("second", moto_s3.endpoint))
         wait_for("second Ready", lambda: _ready("second"))
         assert "repository_changed" in low_log.read_text()
+
+        # A replica that dies without a word (SIGKILL): the standby takes over within 15 s.
+        standby_log = tmp_path / "standby.log"
+        standby, _, _ = start_operator(
+            kubeconfig, log_path=standby_log, peering=PEERING, priority=50
+        )
+        time.sleep(3)  # the standby has seen the active one's record
+        assert "Resuming" not in standby_log.read_text()
+        killed = time.monotonic()
+        low.kill()
+        low.wait()
+        wait_for("the standby to resume", lambda: "Resuming" in standby_log.read_text(), 60)
+        failover = time.monotonic() - killed
+        assert failover <= 15, f"failover took {failover:.1f} s"
+        kube.create(_repository("third", moto_s3.endpoint))
+        wait_for("third Ready", lambda: _ready("third"))
+        stop(standby)
     finally:
         stop(low)
         stop(high)
