@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import random
+import re
 import sys
 
 
@@ -32,6 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class RoutineAtDebug(logging.Filter):
+    """Kopf's routine lines at their true weight: a timer tick that succeeded, or a handler that
+    is invoked, is DEBUG (not one INFO line per object and tick); a handler that "failed
+    temporarily" is waiting (for a Repository to become Ready, a Secret to appear), which is
+    INFO, not ERROR — the condition and its events say what it waits for. Records below the
+    level the operator logs at are dropped."""
+
+    _ROUTINE = re.compile(r"^(Timer|Handler|Daemon) '[^']*' (succeeded|is invoked)\.?$")
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno == logging.INFO and self._ROUTINE.match(message):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        elif record.levelno == logging.ERROR and " failed temporarily: " in message:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return record.levelno >= self.level
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = os.environ.get("ZARRLAKE_LOG_LEVEL", "INFO").upper()
@@ -43,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     # logs response bodies (Secrets included) and botocore logs signed request headers.
     for name in ("kubernetes", "botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("kopf.objects").addFilter(
+        RoutineAtDebug(logging.getLogger().getEffectiveLevel())
+    )
     if args.metrics_port is not None:
         os.environ["ZARRLAKE_METRICS_PORT"] = str(args.metrics_port)
 

@@ -1423,3 +1423,21 @@ def test_cron_schedules_are_checked_as_kubernetes_checks_them(
         assert found is not None and problem in found
         with pytest.raises(ValidationError):  # (the CRD's pattern catches some first)
             GCSchedule(schedule=schedule)
+
+
+def test_routine_kopf_lines_drop_to_debug_and_waits_to_info() -> None:
+    import logging
+
+    from zarrlake_operator.__main__ import RoutineAtDebug
+
+    def record(level: int, message: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, message, None, None)
+
+    at_info = RoutineAtDebug(logging.INFO)
+    tick = record(logging.INFO, "Timer 'branch_resync' succeeded.")
+    assert not at_info.filter(tick) and tick.levelname == "DEBUG"
+    wait = record(logging.ERROR, "Handler 'branch_changed' failed temporarily: Repository 'r' …")
+    assert at_info.filter(wait) and wait.levelname == "INFO"
+    real = record(logging.ERROR, "Handler 'branch_changed' failed with an exception. Will retry.")
+    assert at_info.filter(real) and real.levelname == "ERROR"
+    assert RoutineAtDebug(logging.DEBUG).filter(record(logging.INFO, "Timer 'x' succeeded."))

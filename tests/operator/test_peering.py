@@ -19,6 +19,8 @@ from zarrlake_testkit.kubeapi import KubeAPI
 from zarrlake_testkit.servers import stop
 
 PEERING = "zarrlake-operator"
+#: Handler successes are DEBUG lines: the checks below read them.
+DEBUG = {"ZARRLAKE_LOG_LEVEL": "DEBUG"}
 
 
 def _repository(name: str, endpoint: str) -> dict[str, Any]:
@@ -75,8 +77,12 @@ def test_only_the_highest_priority_replica_acts(tmp_path: Path, moto_s3: Any) ->
             }
         )
         low_log, high_log = tmp_path / "low.log", tmp_path / "high.log"
-        high, _, _ = start_operator(kubeconfig, log_path=high_log, peering=PEERING, priority=200)
-        low, _, _ = start_operator(kubeconfig, log_path=low_log, peering=PEERING, priority=100)
+        high, _, _ = start_operator(
+            kubeconfig, log_path=high_log, peering=PEERING, priority=200, extra_env=DEBUG
+        )
+        low, _, _ = start_operator(
+            kubeconfig, log_path=low_log, peering=PEERING, priority=100, extra_env=DEBUG
+        )
         # Kopf starts every peer paused; only the highest priority resumes.
         wait_for("the high replica to resume", lambda: "Resuming" in high_log.read_text())
         kube.create(_repository("first", moto_s3.endpoint))
@@ -98,7 +104,7 @@ def test_only_the_highest_priority_replica_acts(tmp_path: Path, moto_s3: Any) ->
         # A replica that dies without a word (SIGKILL): the standby takes over within 15 s.
         standby_log = tmp_path / "standby.log"
         standby, _, _ = start_operator(
-            kubeconfig, log_path=standby_log, peering=PEERING, priority=50
+            kubeconfig, log_path=standby_log, peering=PEERING, priority=50, extra_env=DEBUG
         )
         time.sleep(3)  # the standby has seen the active one's record
         assert "Resuming" not in standby_log.read_text()
