@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind clean \
+.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image clean \
         redis-server-available kubectl-available azurite-available
 
 $(BIN)/python:
@@ -107,6 +107,15 @@ crds: $(VENV)/.dev-installed
 ## e2e: the operator scenario against an emulated Kubernetes API (no cluster or Docker needed)
 e2e: $(VENV)/.dev-installed redis-server-available kubectl-available
 	$(BIN)/python e2e/run.py
+
+## image: the operator/jobs image and the Spark jobs' image the chart defaults to (needs Docker);
+## IMAGE_REGISTRY=registry.example.com/team to build for your registry, then docker push them
+VERSION        := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/zarrlake-operator/Chart.yaml)
+IMAGE_REGISTRY ?= ghcr.io/zarrlake
+image:
+	docker build -t $(IMAGE_REGISTRY)/zarrlake:$(VERSION) .
+	docker build -f examples/spark/Dockerfile -t $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION) .
+	@echo "built $(IMAGE_REGISTRY)/zarrlake:$(VERSION) and $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION)"
 
 ## e2e-kind: the same scenario on a real kind cluster (needs Docker, kind, kubectl, helm)
 e2e-kind:
