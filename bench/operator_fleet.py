@@ -1,0 +1,198 @@
+"""Operator fleet benchmark (issue 15): objects → time to Ready, then the cost of doing nothing.
+
+    python bench/operator_fleet.py                       # 350 and 1,400 objects
+    python bench/operator_fleet.py --sizes 350,1400,5000 --markdown bench/results/operator_fleet.md
+
+The real operator process (standalone, log level INFO, resync every 60 s as deployed) against the
+emulated Kubernetes API of the test kit and one moto_server; all in one namespace. Each
+repository brings 7 objects: a Repository (``lockService: none``, bucket provisioned), 4 Branches,
+1 Tag and 1 RetentionPolicy. Measured:
+
+- **time to Ready**: from the first create until every object reports Ready=True;
+- **at rest**, over ``--idle`` seconds after that (covering at least one resync of everything):
+  the operator's CPU (utime + stime from /proc, as a share of one core), its API requests per
+  minute (``zarrlake_operator_api_requests_total``: every request of the reconciliations; Kopf's
+  watch streams are long-lived and not counted) and its resident memory (VmRSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zarrlake_operator import kube
+from zarrlake_testkit.emulated import start_operator
+from zarrlake_testkit.kubeapi import KubeAPI
+from zarrlake_testkit.servers import start_moto, stop
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = "default"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+PER_REPOSITORY = 7
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def custom(kind: str, name: str, spec: dict[str, Any]) -> None:
+    kube.create(
+        {
+            "apiVersion": "zarrlake.io/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": name, "namespace": NS},
+            "spec": spec,
+        }
+    )
+
+
+def ready_count(kind: str) -> int:
+    n = 0
+    for obj in kube.list_(kind, NS):
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Ready" and cond.get("status") == "True":
+                n += 1
+    return n
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def api_requests(metrics_port: int) -> float:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as rsp:
+        text = rsp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("zarrlake_operator_api_requests_total{")
+    )
+
+
+def run(size: int, idle: float, work: Path) -> dict[str, float]:
+    repos = max(1, size // PER_REPOSITORY)
+    moto, endpoint = start_moto()
+    api = KubeAPI().start()
+    operator = None
+    try:
+        kubeconfig = api.write_kubeconfig(work / "kubeconfig")
+        kube.use_kubeconfig(str(kubeconfig))
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            kube._call(
+                "POST",
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                body=yaml.safe_load(path.read_text()),
+            )
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "creds", "namespace": NS},
+                "stringData": CREDENTIALS,
+            }
+        )
+        operator, _, metrics_port = start_operator(
+            kubeconfig,
+            log_path=work / "operator.log",
+            resync_seconds=60,
+            extra_env={"ZARRLAKE_LOG_LEVEL": "INFO"},
+        )
+        started = time.monotonic()
+        for r in range(repos):
+            repo = f"r{r:04d}"
+            custom(
+                "Repository",
+                repo,
+                {
+                    "storage": {
+                        "bucket": f"fleet-{r:04d}",
+                        "endpointURL": endpoint,
+                        "region": "us-east-1",
+                        "credentialsSecret": {"name": "creds"},
+                        "provision": True,
+                    },
+                    "lockService": {"mode": "none"},
+                },
+            )
+            for b in range(4):
+                custom("Branch", f"{repo}-b{b}", {"repository": repo, "name": f"b{b}"})
+            custom("Tag", f"{repo}-t", {"repository": repo, "name": "v1", "ref": "main"})
+            custom(
+                "RetentionPolicy", f"{repo}-p", {"repository": repo, "gc": {"schedule": "@daily"}}
+            )
+        total = repos * PER_REPOSITORY
+        while True:
+            ready = sum(ready_count(k) for k in ("Repository", "Branch", "Tag", "RetentionPolicy"))
+            if ready >= total:
+                break
+            if time.monotonic() - started > 1800:
+                raise SystemExit(f"only {ready} of {total} Ready after 30 min")
+            time.sleep(1)
+        to_ready = time.monotonic() - started
+        progress(f"{total} objects Ready in {to_ready:.1f} s; at rest for {idle:.0f} s")
+        time.sleep(5)
+        cpu0, req0, t0 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
+        time.sleep(idle)
+        cpu1, req1, t1 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
+        return {
+            "objects": total,
+            "to_ready_s": to_ready,
+            "per_object_ms": 1000 * to_ready / total,
+            "idle_cpu": (cpu1 - cpu0) / (t1 - t0),
+            "idle_requests_per_min": 60 * (req1 - req0) / (t1 - t0),
+            "rss_mib": rss_mib(operator.pid),
+        }
+    finally:
+        stop(operator)
+        api.stop()
+        stop(moto)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="350,1400")
+    ap.add_argument("--idle", type=float, default=75.0, help="seconds at rest (> one resync)")
+    ap.add_argument("--markdown", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+            progress(f"{size} objects")
+            rows.append(run(size, args.idle, Path(tmp)))
+    lines = [
+        "| objects | time to Ready | per object | idle CPU (share of a core) "
+        "| idle API requests/min | operator RSS |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['objects']:,.0f} | {r['to_ready_s']:.1f} s | {r['per_object_ms']:.0f} ms "
+            f"| {100 * r['idle_cpu']:.1f}% | {r['idle_requests_per_min']:.0f} "
+            f"| {r['rss_mib']:.0f} MiB |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
