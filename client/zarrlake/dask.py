@@ -371,7 +371,7 @@ def _check_scheduler(session: Session) -> None:
         )
 
 
-class _Forks:
+class _ForkSource:
     """What every task makes its own fork from: the fork as bytes, or (for a storage that is not
     shared across processes, under an in-process scheduler) the session itself."""
 
@@ -396,11 +396,11 @@ class _Forks:
                 f"{self._url} (e.g. Storage.memory()) cannot be written from dask worker "
                 "processes; use the threaded scheduler or a shared storage"
             )
-        return (_forks_from_bytes, (self._bytes, self._url))
+        return (_fork_source_from_bytes, (self._bytes, self._url))
 
 
-def _forks_from_bytes(data: bytes, url: str) -> _Forks:
-    forks = _Forks.__new__(_Forks)
+def _fork_source_from_bytes(data: bytes, url: str) -> _ForkSource:
+    forks = _ForkSource.__new__(_ForkSource)
     forks._bytes, forks._session, forks._url = data, None, url
     return forks
 
@@ -414,7 +414,7 @@ def _write_blocks(session: Session, targets: Sequence[_Target]) -> list[Changese
 
     # One task per block: the block's computation and its write fuse into one task, so a block is
     # written where it was computed and never travels between workers. The fork travels once.
-    forks = delayed(_Forks(session), name=f"zarrlake-fork-{uuid.uuid4().hex}")
+    forks = delayed(_ForkSource(session), name=f"zarrlake-fork-{uuid.uuid4().hex}")
     written = []
     for target in targets:
         stored = zarr.open_array(session.store, path=target.path, mode="r")
@@ -476,7 +476,7 @@ class _BlockSpec:
 
 
 def _write_block(
-    block: np.ndarray[Any, Any], forks: _Forks, *, spec: _BlockSpec, block_info: Any = None
+    block: np.ndarray[Any, Any], forks: _ForkSource, *, spec: _BlockSpec, block_info: Any = None
 ) -> np.ndarray[Any, Any]:
     """One task: write ``block`` through a fresh fork at its place in the stored array; return
     the fork's changes (in a one-element array: the result of a ``map_blocks`` block)."""

@@ -7,8 +7,14 @@
   need within ``keep_journal`` — and never one younger than :data:`zarrlake.refs.PRUNE_FLOOR`
   (8 days), which clients that know a recent head rely on.
 
-Compaction commits like any writer, with ``UseTheirs`` semantics: a user commit that races it and
-touches a packed chunk keeps its own data, and the relocation is simply dropped for that chunk.
+Compaction commits like any writer, with the :class:`Relocation` rebase policy: a user commit
+that races it and touches a packed chunk keeps its own data, and the relocation is simply dropped
+for that chunk.
+
+The work is done in runs (:func:`plan_runs`, :func:`compact_run`): slices of the head's manifest by
+position, cut where the new shards will begin, each packed and re-cut on its own — one after
+another here, as Spark tasks in :func:`zarrlake.maintenance.spark_jobs.compact_spark`. Cut so, the
+runs together write the very shards a re-cut of the whole manifest in one process would.
 """
 
 from __future__ import annotations
@@ -184,7 +190,7 @@ def compact_run(
     keys: list[str] = []
     refs: list[ChunkRef] = []
     for info in run.shards:
-        shard = objects.shard(info)
+        shard = objects.shard(info, cache=False)  # a pass over every shard: keep readers' cache
         if len(shard.keys) != info.count:  # the positions of every run rest on the counts
             raise CorruptObject(
                 manifest_key(info.digest),
