@@ -9,7 +9,7 @@ repository brings 7 objects: a Repository (``lockService: none``, bucket provisi
 1 Tag and 1 RetentionPolicy. Measured:
 
 - **time to Ready**: from the first create until every object reports Ready=True;
-- **at rest**, over ``--idle`` seconds after that (covering at least one resync of everything):
+- **at rest**, over ``--idle`` seconds after ``--settle`` more (covering a resync of everything):
   the operator's CPU (utime + stime from /proc, as a share of one core), its API requests per
   minute (``zarrlake_operator_api_requests_total``: every request of the reconciliations; Kopf's
   watch streams are long-lived and not counted) and its resident memory (VmRSS).
@@ -75,18 +75,22 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def api_requests(metrics_port: int) -> float:
+def api_requests(metrics_port: int) -> dict[str, float]:
+    """The operator's API request counts by ``verb resource``."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as rsp:
         text = rsp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("zarrlake_operator_api_requests_total{")
-    )
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("zarrlake_operator_api_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            verb = labels.split('verb="')[1].split('"')[0]
+            resource = labels.split('resource="')[1].split('"')[0]
+            out[f"{verb} {resource}"] = float(value)
+    return out
 
 
-def run(size: int, idle: float, work: Path) -> dict[str, float]:
+def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
     repos = max(1, size // PER_REPOSITORY)
     moto, endpoint = start_moto()
     api = KubeAPI().start()
@@ -146,17 +150,25 @@ def run(size: int, idle: float, work: Path) -> dict[str, float]:
                 raise SystemExit(f"only {ready} of {total} Ready after 30 min")
             time.sleep(1)
         to_ready = time.monotonic() - started
-        progress(f"{total} objects Ready in {to_ready:.1f} s; at rest for {idle:.0f} s")
-        time.sleep(5)
+        progress(f"{total} objects Ready in {to_ready:.1f} s; settling for {settle:.0f} s")
+        time.sleep(settle)  # retries of handlers that waited for their Repository, first resyncs
+        progress(f"at rest for {idle:.0f} s")
         cpu0, req0, t0 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
         time.sleep(idle)
         cpu1, req1, t1 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
+        per_min = {k: 60 * (v - req0.get(k, 0)) / (t1 - t0) for k, v in req1.items()}
+        progress(
+            "at rest, requests/min: "
+            + ", ".join(
+                f"{k} {v:.0f}" for k, v in sorted(per_min.items(), key=lambda kv: -kv[1]) if v
+            )
+        )
         return {
             "objects": total,
             "to_ready_s": to_ready,
             "per_object_ms": 1000 * to_ready / total,
             "idle_cpu": (cpu1 - cpu0) / (t1 - t0),
-            "idle_requests_per_min": 60 * (req1 - req0) / (t1 - t0),
+            "idle_requests_per_min": sum(per_min.values()),
             "rss_mib": rss_mib(operator.pid),
         }
     finally:
@@ -169,13 +181,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="350,1400")
     ap.add_argument("--idle", type=float, default=75.0, help="seconds at rest (> one resync)")
+    ap.add_argument("--settle", type=float, default=90.0, help="seconds after Ready, not measured")
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
             progress(f"{size} objects")
-            rows.append(run(size, args.idle, Path(tmp)))
+            rows.append(run(size, args.idle, args.settle, Path(tmp)))
     lines = [
         "| objects | time to Ready | per object | idle CPU (share of a core) "
         "| idle API requests/min | operator RSS |",

@@ -323,19 +323,40 @@ def apply(
     return merge_patch(kind, meta["namespace"], meta["name"], compared), "updated"
 
 
-def secrets(namespace: str) -> SecretReader:
-    """A per-call Secret reader for one namespace (decoded values; never logged)."""
+#: How long a Secret read stays good for reconciles (a rotated credential is seen within it).
+SECRET_TTL_S = float(os.environ.get("ZARRLAKE_SECRET_CACHE_SECONDS", "120"))
+_secret_cache: dict[tuple[str, str], tuple[Mapping[str, str], float]] = {}
+
+
+def secrets(namespace: str, *, kept: bool = False) -> SecretReader:
+    """A Secret reader for one namespace (decoded values; never logged), one request per Secret.
+
+    With ``kept`` (a resync: nothing changed), a Secret read within :data:`SECRET_TTL_S` is
+    reused: every resync of every object opens its repository with its credentials Secret, and
+    re-reading it each time was most of an idle fleet's API traffic. A change (create, update,
+    resume) always reads afresh, and a missing Secret is never kept."""
     from kubernetes import client
 
     read = secret_reader(client.CoreV1Api(api_client()), namespace)
-
     asked: set[str] = set()
 
-    def counted(name: str) -> Mapping[str, str] | None:
+    def get_secret(name: str) -> Mapping[str, str] | None:
+        key = (namespace, name)
+        if kept:
+            with _cache_lock:
+                found = _secret_cache.get(key)
+            if found is not None and time.monotonic() - found[1] <= SECRET_TTL_S:
+                return found[0]
         if name not in asked:  # the reader keeps what it read: one request per Secret
             asked.add(name)
             for observe in observers:
                 observe("GET", "secrets")
-        return read(name)
+        value = read(name)
+        with _cache_lock:
+            if value is None:
+                _secret_cache.pop(key, None)
+            else:
+                _secret_cache[key] = (value, time.monotonic())
+        return value
 
-    return counted
+    return get_secret

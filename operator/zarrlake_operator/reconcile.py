@@ -30,6 +30,7 @@ from zarrlake import (
     RepositoryExists,
     RepositoryNotFound,
     RetentionRules,
+    Storage,
     StorageError,
     TagExists,
     ZarrlakeError,
@@ -177,13 +178,17 @@ def _event(body: Mapping[str, Any], reason: str, message: str, *, warning: bool 
     (kopf.warn if warning else kopf.info)(about, reason=reason, message=message)
 
 
-def _connection(body: Mapping[str, Any], *, require_ready: bool) -> Connection:
+def _connection(
+    body: Mapping[str, Any], *, require_ready: bool, resync: bool = False
+) -> Connection:
     ns = body["metadata"]["namespace"]
-    return connection_from_resource(body, kube.secrets(ns), require_ready=require_ready)
+    return connection_from_resource(
+        body, kube.secrets(ns, kept=resync), require_ready=require_ready
+    )
 
 
 def _ready_repository(
-    body: Mapping[str, Any], repository: str
+    body: Mapping[str, Any], repository: str, *, resync: bool = False
 ) -> tuple[dict[str, Any], Repository]:
     """The Repository resource a Branch/Tag/RetentionPolicy names, opened; retries until Ready.
 
@@ -201,7 +206,7 @@ def _ready_repository(
         )
         raise kopf.TemporaryError(f"Repository {repository!r} not found", delay=15)
     try:
-        conn = _connection(repo_body, require_ready=True)
+        conn = _connection(repo_body, require_ready=True, resync=resync)
         expected = ((repo_body.get("status") or {}).get("repositoryID")) or None
         return repo_body, _open(conn, expected)
     except (KubernetesError, ZarrlakeError, StorageError) as e:
@@ -209,33 +214,49 @@ def _ready_repository(
         raise kopf.TemporaryError(f"Repository {repository!r} not ready: {e}", delay=10) from None
 
 
-# Opened repositories, by location and credentials: opening one builds an S3 client and reads the
-# repository record (~0.2 s of CPU), which every resync of every Branch and Tag would repeat.
-# A Repository object reads its branch heads afresh; only its record (immutable) is reused.
-_OPENED_MAX = 256
+# Storage clients and opened repositories, by location and credentials: building an S3 client
+# costs ~0.2 s of CPU, which every resync of every Repository, Branch and Tag would repeat (at
+# 1,400 objects that was most of a core). A Repository object reads its branch heads afresh; a
+# Repository resource's own reconcile still re-reads the repository record each time (through
+# the kept client), so a repository replaced at its location is noticed.
+_KEPT_MAX = 256
+_storages: OrderedDict[tuple[str | None, ...], Storage] = OrderedDict()
 _opened: OrderedDict[tuple[str | None, ...], Repository] = OrderedDict()
-_opened_lock = threading.Lock()
+_kept_lock = threading.Lock()
+
+
+def _key(conn: Connection) -> tuple[str | None, ...]:
+    return (conn.storage_url, conn.access_key_id, conn.secret_access_key, conn.session_token)
+
+
+def _keep(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    with _kept_lock:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _KEPT_MAX:
+            table.popitem(last=False)
+
+
+def _storage(conn: Connection) -> Storage:
+    """The storage at ``conn``, one client per location and credentials."""
+    key = _key(conn)
+    with _kept_lock:
+        storage = _storages.get(key)
+    if storage is None:
+        storage = conn.storage()
+        _keep(_storages, key, storage)
+    return storage
 
 
 def _open(conn: Connection, expected_id: str | None) -> Repository:
     """The repository at ``conn``, reused while it is the one the resource reported."""
-    key = (
-        conn.storage_url,
-        conn.access_key_id,
-        conn.secret_access_key,
-        conn.session_token,
-    )
-    with _opened_lock:
+    key = _key(conn)
+    with _kept_lock:
         repo = _opened.get(key)
-        if repo is not None:
-            _opened.move_to_end(key)
     if repo is not None and (expected_id is None or repo.id == expected_id):
         return repo
-    repo = Repository.open(conn.storage())
-    with _opened_lock:
-        _opened[key] = repo
-        while len(_opened) > _OPENED_MAX:
-            _opened.popitem(last=False)
+    repo = Repository.open(_storage(conn))
+    _keep(_opened, key, repo)
     return repo
 
 
@@ -332,7 +353,7 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     # Storage: credentials, then the bucket.
     conn: Connection | None = None
     try:
-        conn = _connection(body, require_ready=False)
+        conn = _connection(body, require_ready=False, resync=resync)
     except KubernetesError as e:
         cond("BucketReady", False, "CredentialsNotFound", str(e))
         retry = kopf.TemporaryError(str(e), delay=20)
@@ -379,9 +400,9 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
             # it vanished (either would hide a loss, and reclaimPolicy: Delete would then act on
             # a repository this resource never managed).
             if known is None:
-                repo = Repository.open_or_create(conn.storage(), config=config)
+                repo = Repository.open_or_create(_storage(conn), config=config)
             else:
-                repo = Repository.open(conn.storage())
+                repo = Repository.open(_storage(conn))
             if known is not None and repo.id != known:
                 cond(
                     "Initialized",
@@ -612,7 +633,7 @@ def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
             phase="Refused",
             fields=BranchStatus(branch=name),
         )
-    repo_body, repo = _ready_repository(body, spec.repository)
+    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
     _follow(body, repo_body)
     winner = _claim(body, "Branch", spec.repository, resync=resync)
     if winner:
@@ -745,7 +766,7 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
     spec = parse_spec(TagSpec, body)
     name = desired.ref_name(body)
     previous = observed(TagStatus, body)
-    repo_body, repo = _ready_repository(body, spec.repository)
+    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
     _follow(body, repo_body)
     winner = _claim(body, "Tag", spec.repository, resync=resync)
     if winner:
@@ -834,7 +855,7 @@ def retention_policy(
         raise refuse(body, message)
     if kube.cached("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
-    repo_body, _ = _ready_repository(body, spec.repository)
+    repo_body, _ = _ready_repository(body, spec.repository, resync=resync)
     engine = retention_engine(spec)
     cron_jobs: dict[str, dict[str, Any]] = {}
     spark_apps: dict[str, dict[str, Any]] = {}
