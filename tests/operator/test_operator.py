@@ -465,17 +465,20 @@ def test_metrics_count_reconciles_per_kind(k8s: Env) -> None:
 
 
 def _api_requests(k8s: Env) -> dict[tuple[str, str], float]:
-    """The operator's count of its API requests, by (verb, resource)."""
+    """The operator's count of its API requests, by (verb, resource), and of its reconciles
+    (under ``("reconciles", "")``)."""
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with direct.open(f"http://127.0.0.1:{k8s.metrics_port}/metrics", timeout=30) as rsp:
         text = rsp.read().decode()
-    out = {}
+    out: dict[tuple[str, str], float] = {("reconciles", ""): 0.0}
     for line in text.splitlines():
         if line.startswith("zarrlake_operator_api_requests_total{"):
             labels, value = line.rsplit(" ", 1)
             verb = labels.split('verb="')[1].split('"')[0]
             resource = labels.split('resource="')[1].split('"')[0]
             out[verb, resource] = float(value)
+        elif line.startswith("zarrlake_operator_reconciles_total{"):
+            out["reconciles", ""] += float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -510,13 +513,14 @@ def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
     time.sleep(8)  # several resyncs of every object (every second here)
     after = _api_requests(k8s)
     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    reconciles = delta.pop(("reconciles", ""), 0)
+    assert reconciles >= 7, delta  # every object resynced in the window ...
+    # ... and asked the API server nothing: the Repository, Branch, Tag and policy bodies and the
+    # CronJobs come from the watches, and a credentials Secret read within the last 2 minutes is
+    # reused. A Secret re-read every 2 minutes is all a resting fleet costs.
     writes = {k: n for k, n in delta.items() if k[0] in ("POST", "PUT", "PATCH", "DELETE")}
-    print("IDLE DELTA", sorted(delta.items()))
     assert not writes, delta
-    # What is left are the reads of the credentials Secret (the Repository, Branch, Tag and
-    # policy bodies and the CronJobs come from the watch): at most a few per object and resync.
-    assert set(delta) == {("GET", "secrets")}, delta
-    assert 0 < delta["GET", "secrets"] <= 3 * 7 * 10, delta
+    assert sum(delta.values()) <= 2, delta
 
 
 def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: Any) -> None:
