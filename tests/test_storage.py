@@ -1068,3 +1068,19 @@ def test_local_delete_stale_puts_back_what_was_rewritten_before_its_turn(tmp_pat
     assert deleted == [] and [k.key for k in kept] == ["chunks/bb/k"]
     assert storage.get("chunks/bb/k") == b"old"
     assert not any((tmp_path / "s" / ".tmp").iterdir())  # nothing left aside
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("s3://b/p?alow_http=true", "unknown option alow_http"),
+        ("gs://b/p?anonymus=1", "unknown option anonymus"),
+        ("az://c/p?account_name=a&bogus=1", "unknown option bogus"),
+        ("s3://b/p?anonymous=maybe", "is not true or false"),
+    ],
+)
+def test_a_misspelt_or_unreadable_url_option_is_an_error(url: str, message: str) -> None:
+    """A typo must not silently turn a setting off (e.g. anonymous reads signed, or plain HTTP
+    refused for a reason the user cannot see)."""
+    with pytest.raises(zarrlake.StorageError, match=message):
+        zarrlake.Storage.from_url(url)

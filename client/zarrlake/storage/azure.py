@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Literal, TypeVar
-from urllib.parse import SplitResult, parse_qs, unquote, urlencode
+from urllib.parse import SplitResult, unquote, urlencode
 
 from zarrlake.storage.base import (
     Buffer,
@@ -30,12 +30,12 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    UrlOptions,
     register_backend,
 )
 
 T = TypeVar("T")
 
-_TRUE = {"1", "true", "yes", "on"}
 
 _stores: dict[tuple[Any, ...], Any] = {}
 _stores_lock = threading.Lock()
@@ -127,20 +127,19 @@ class AzureStorage(Storage):
         """``az://container/prefix?account_name=…&endpoint_url=…&anonymous=true`` (``azure://``
         too), or ``abfs[s]://container@account.dfs.core.windows.net/prefix``. Credentials never
         come from a URL: the ``AZURE_*`` variables and Azure's credential chain supply them."""
-        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        q = UrlOptions(url, "account_name", "endpoint_url", "endpoint", "anonymous", "allow_http")
         container, _, host = url.netloc.partition("@")
         account = q.get("account_name") or (host.split(".", 1)[0] if host else None)
         if not container:
             raise StorageError(f"Azure URL needs a container: {url.geturl()!r}")
-        endpoint = q.get("endpoint_url") or q.get("endpoint")
+        endpoint = q.get("endpoint_url", "endpoint")
         return cls(
             unquote(container),
             unquote(url.path.lstrip("/")),
             account_name=account,
             endpoint_url=endpoint,
-            anonymous=q.get("anonymous", "").lower() in _TRUE,
-            allow_http=q.get("allow_http", "").lower() in _TRUE
-            or bool(endpoint and endpoint.startswith("http://")),
+            anonymous=q.flag("anonymous"),
+            allow_http=q.flag("allow_http") or bool(endpoint and endpoint.startswith("http://")),
         )
 
     @property

@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from zarrlake.errors import (
     ConditionalWritesUnsupported,
@@ -87,6 +87,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "TransientStorageError",
+    "UrlOptions",
     "backend_for_scheme",
     "from_url",
     "register_backend",
@@ -177,6 +178,37 @@ def from_url(url: str) -> Storage:
     if backend is None:
         raise StorageError(f"unsupported storage URL scheme {parsed.scheme!r} in {url!r}")
     return backend.from_parsed_url(parsed)
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
+
+
+class UrlOptions:
+    """The query options of a storage URL, for a backend's :meth:`Storage.from_parsed_url`: only
+    the names the backend knows (a misspelt option, e.g. ``alow_http``, is an error, not a
+    silently ignored setting), and booleans that say yes or no."""
+
+    def __init__(self, url: SplitResult, *names: str) -> None:
+        self._url = url.geturl()
+        self._values = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        unknown = sorted(set(self._values) - set(names))
+        if unknown:
+            raise StorageError(
+                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
+                f"{self._url!r} (known: {', '.join(sorted(names))})"
+            )
+
+    def get(self, *names: str) -> str | None:
+        """The value of the first of ``names`` (aliases) that is given and not empty."""
+        return next((self._values[n] for n in names if self._values.get(n)), None)
+
+    def flag(self, name: str) -> bool:
+        value = self._values.get(name, "").lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise StorageError(f"option {name}={value!r} in {self._url!r} is not true or false")
 
 
 # -- the protocol ---------------------------------------------------------------------------------

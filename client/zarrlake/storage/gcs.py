@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
-from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode
+from urllib.parse import SplitResult, quote, unquote, urlencode
 
 from zarrlake.storage.base import (
     Buffer,
@@ -34,11 +34,11 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    UrlOptions,
     register_backend,
     with_retries,
 )
 
-_TRUE = {"1", "true", "yes", "on"}
 _SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 _DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 _LIST_FIELDS = "items(name,size,updated),prefixes,nextPageToken"
@@ -125,15 +125,14 @@ class GCSStorage(Storage):
         never come from a URL: Application Default Credentials supply them."""
         if not url.netloc:
             raise StorageError(f"GCS URL needs a bucket: {url.geturl()!r}")
-        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        endpoint = q.get("endpoint_url") or q.get("endpoint")
+        q = UrlOptions(url, "endpoint_url", "endpoint", "anonymous", "allow_http")
+        endpoint = q.get("endpoint_url", "endpoint")
         return cls(
             url.netloc,
             unquote(url.path.lstrip("/")),
             endpoint_url=endpoint,
-            anonymous=q.get("anonymous", "").lower() in _TRUE,
-            allow_http=q.get("allow_http", "").lower() in _TRUE
-            or bool(endpoint and endpoint.startswith("http://")),
+            anonymous=q.flag("anonymous"),
+            allow_http=q.flag("allow_http") or bool(endpoint and endpoint.startswith("http://")),
         )
 
     @property

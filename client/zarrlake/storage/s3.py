@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import SplitResult, parse_qs, quote, unquote, urlencode
+from urllib.parse import SplitResult, quote, unquote, urlencode
 
 from zarrlake.storage.base import (
     Buffer,
@@ -31,11 +31,10 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    UrlOptions,
     register_backend,
     with_retries,
 )
-
-_TRUE = {"1", "true", "yes", "on"}
 
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -187,19 +186,18 @@ class S3Storage(Storage):
         never come from a URL: the AWS default chain supplies them (none with ``anonymous``)."""
         if not url.netloc:
             raise StorageError(f"s3 URL needs a bucket: {url.geturl()!r}")
-        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        endpoint = q.get("endpoint_url") or q.get("endpoint")
-        allow_http = q.get("allow_http", "").lower() in _TRUE or bool(
-            endpoint and endpoint.startswith("http://")
+        q = UrlOptions(
+            url, "endpoint_url", "endpoint", "region", "allow_http", "anonymous", "addressing_style"
         )
+        endpoint = q.get("endpoint_url", "endpoint")
         return cls(
             url.netloc,
             unquote(url.path.lstrip("/")),
             endpoint_url=endpoint,
             region=q.get("region"),
-            allow_http=allow_http,
-            anonymous=q.get("anonymous", "").lower() in _TRUE,
-            addressing_style=q.get("addressing_style") or None,
+            allow_http=q.flag("allow_http") or bool(endpoint and endpoint.startswith("http://")),
+            anonymous=q.flag("anonymous"),
+            addressing_style=q.get("addressing_style"),
         )
 
     @property
