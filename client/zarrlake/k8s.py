@@ -13,7 +13,7 @@ import base64
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
@@ -23,7 +23,7 @@ from zarrlake.storage import Storage
 
 if TYPE_CHECKING:
     from zarrlake.locks import RedisLock
-    from zarrlake.resources import CredentialsSecretRef, MirrorDestinationSpec, StorageSpec
+    from zarrlake.resources import MirrorDestinationSpec, StorageSpec
 
 GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -37,6 +37,8 @@ class Connection:
     """Everything needed to open one repository, with the secrets resolved.
 
     ``storage_url`` and ``lock_url`` carry no secrets and are safe to log.
+    ``provider`` is ``s3``, ``gcs``, ``azure`` or ``http``; ``bucket`` is the bucket (azure: the
+    container; http: empty, ``url`` says where).
     """
 
     bucket: str
@@ -49,15 +51,76 @@ class Connection:
     lock_url: str | None
     lock_password: str | None
     on_unavailable: str = "optimistic"
+    provider: str = "s3"
+    account_name: str | None = None
+    url: str | None = None
+    account_key: str | None = None
+    sas_token: str | None = None
+    service_account_info: str | None = field(default=None, repr=False)
+    authorization: str | None = field(default=None, repr=False)
 
     @property
     def storage_url(self) -> str:
-        pairs = (("endpoint_url", self.endpoint_url), ("region", self.region))
+        """The location as :meth:`Storage.from_url` reads it (credentials never in it)."""
+        if self.provider == "http":
+            return str(self.url)
+        scheme = {"s3": "s3", "gcs": "gs", "azure": "az"}[self.provider]
+        pairs = (
+            ("account_name", self.account_name),
+            ("endpoint_url", self.endpoint_url),
+            ("region", self.region),
+        )
         query = {k: v for k, v in pairs if v}
-        base = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        base = f"{scheme}://{self.bucket}/{self.prefix}".rstrip("/")
         return base + ("?" + urlencode(query) if query else "")
 
+    @property
+    def credentials(self) -> tuple[str | None, ...]:
+        """Every secret the connection carries (for telling two connections' clients apart)."""
+        return (
+            self.access_key_id,
+            self.secret_access_key,
+            self.session_token,
+            self.account_key,
+            self.sas_token,
+            self.service_account_info,
+            self.authorization,
+        )
+
+    @property
+    def read_only(self) -> bool:
+        return self.provider == "http"
+
+    def with_credentials(self, values: Mapping[str, str | None]) -> Connection:
+        fields: dict[str, Any] = dict(values)
+        return replace(self, **fields)
+
     def storage(self) -> Storage:
+        plain_http = bool(self.endpoint_url and self.endpoint_url.startswith("http://"))
+        if self.provider == "gcs":
+            info = None
+            if self.service_account_info is not None:
+                info = json.loads(self.service_account_info)  # checked when read from the Secret
+            return Storage.gcs(
+                self.bucket,
+                self.prefix,
+                endpoint_url=self.endpoint_url,
+                service_account_info=info,
+                allow_http=plain_http,
+            )
+        if self.provider == "azure":
+            return Storage.azure(
+                self.bucket,
+                self.prefix,
+                account_name=self.account_name,
+                account_key=self.account_key,
+                sas_token=self.sas_token,
+                endpoint_url=self.endpoint_url,
+                allow_http=plain_http,
+            )
+        if self.provider == "http":
+            headers = {"Authorization": self.authorization} if self.authorization else None
+            return Storage.http(str(self.url), headers=headers)
         return Storage.s3(
             self.bucket,
             self.prefix,
@@ -66,17 +129,17 @@ class Connection:
             access_key_id=self.access_key_id,
             secret_access_key=self.secret_access_key,
             session_token=self.session_token,
-            allow_http=bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
+            allow_http=plain_http,
         )
 
     def lock(self, lock_url: str | None = None) -> RedisLock | None:
-        """The RedisLock, or None for ``lockService.mode: none``.
+        """The RedisLock, or None for ``lockService.mode: none`` (and read-only storage).
 
         ``lock_url`` replaces the host part (for example a ``kubectl port-forward`` address when
         running outside the cluster); the password still comes from the Secret.
         """
         url = lock_url or self.lock_url
-        if url is None:
+        if url is None or self.read_only:
             return None
         from zarrlake.locks import RedisLock
 
@@ -127,12 +190,8 @@ def connection_from_resource(
     def secret_value(secret: str, key: str) -> str | None:
         return _secret_value(read_secret, secret, key, f"Repository {name!r}")
 
-    access, secret, token = _credentials(
-        spec.storage.credentials_secret, read_secret, f"Repository {name!r}"
-    )
-
     lock_spec = spec.lock_service
-    mode = lock_spec.mode if with_lock else "none"
+    mode = lock_spec.mode if with_lock and not spec.storage.read_only else "none"
     lock_url = lock_password = None
     if mode == "external":
         lock_url = lock_spec.url
@@ -145,14 +204,8 @@ def connection_from_resource(
             lock_password = secret_value(status.lock_secret, "password")
         if lock_url is None and require_ready:
             raise KubernetesError(f"Repository {name!r} has no lock endpoint in its status")
-    return Connection(
-        bucket=spec.storage.bucket,
-        prefix=spec.storage.prefix,
-        endpoint_url=spec.storage.endpoint_url,
-        region=spec.storage.region,
-        access_key_id=access,
-        secret_access_key=secret,
-        session_token=token,
+    return replace(
+        storage_connection(spec.storage, read_secret, f"Repository {name!r}"),
         lock_url=lock_url,
         lock_password=lock_password,
         on_unavailable=lock_spec.on_unavailable,
@@ -173,19 +226,46 @@ def _secret_value(
 
 
 def _credentials(
-    creds: CredentialsSecretRef | None, read_secret: SecretReader, owner: str
-) -> tuple[str | None, str | None, str | None]:
-    """(access key id, secret access key, session token) from a credentials Secret."""
+    storage: StorageSpec | MirrorDestinationSpec, read_secret: SecretReader, owner: str
+) -> dict[str, str | None]:
+    """The :class:`Connection` fields the storage's credentials Secret fills, by provider."""
+    creds = storage.credentials_secret
     if creds is None:
-        return None, None, None
-    access = _secret_value(read_secret, creds.name, creds.access_key_id_key, owner)
-    secret = _secret_value(read_secret, creds.name, creds.secret_access_key_key, owner)
-    token = None
+        return {}
+    provider = getattr(storage, "provider", "s3")
+
+    def value(key: str, *, required: bool = True) -> str | None:
+        return _secret_value(read_secret, creds.name, key, owner, required=required)
+
+    if provider == "azure":
+        key_key, sas_key = creds.azure_keys
+        found = {"account_key": value(key_key, required=False)}
+        found["sas_token"] = value(sas_key, required=False)
+        if not any(found.values()):
+            raise KubernetesError(
+                f"Secret {creds.name!r} has neither {key_key!r} (an account key) nor "
+                f"{sas_key!r} (a SAS token)"
+            )
+        return found
+    if provider == "gcs":
+        key_file = value(creds.gcs_key)
+        try:
+            json.loads(key_file or "")
+        except ValueError:
+            raise KubernetesError(
+                f"Secret {creds.name!r} key {creds.gcs_key!r} is not a service-account key file "
+                "(JSON)"
+            ) from None
+        return {"service_account_info": key_file}
+    if provider == "http":
+        return {"authorization": value(creds.http_key)}
+    found = {
+        "access_key_id": value(creds.access_key_id_key),
+        "secret_access_key": value(creds.secret_access_key_key),
+    }
     if creds.session_token_key:
-        token = _secret_value(
-            read_secret, creds.name, creds.session_token_key, owner, required=False
-        )
-    return access, secret, token
+        found["session_token"] = value(creds.session_token_key, required=False)
+    return found
 
 
 def storage_connection(
@@ -197,20 +277,21 @@ def storage_connection(
     destination). Without ``read_secret`` no credentials are resolved: for its URL only.
     Raises :class:`KubernetesError` when a Secret or key it names is missing (``owner`` names
     the resource in that message)."""
-    creds: tuple[str | None, str | None, str | None] = (None, None, None)
-    if read_secret is not None:
-        creds = _credentials(storage.credentials_secret, read_secret, owner)
+    creds = {} if read_secret is None else _credentials(storage, read_secret, owner)
     return Connection(
-        bucket=storage.bucket,
+        bucket=storage.bucket or "",
         prefix=storage.prefix,
         endpoint_url=storage.endpoint_url,
         region=storage.region,
-        access_key_id=creds[0],
-        secret_access_key=creds[1],
-        session_token=creds[2],
+        access_key_id=None,
+        secret_access_key=None,
+        session_token=None,
         lock_url=None,
         lock_password=None,
-    )
+        provider=getattr(storage, "provider", "s3"),
+        account_name=getattr(storage, "account_name", None),
+        url=getattr(storage, "url", None),
+    ).with_credentials(creds)
 
 
 def current_namespace() -> str:

@@ -27,6 +27,7 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 SchemaExtra = dict[str, Any]
@@ -58,10 +59,14 @@ class ResourceModel(BaseModel):
 def problems(error: ValidationError, prefix: str = "", limit: int = 3) -> str:
     """A validation error as ``spec.storage.bucket: Field required; ...``: where and what, never
     the value (a wrong field could hold anything, a credential included)."""
-    return "; ".join(
-        prefix + ".".join(str(p) for p in err["loc"]) + ": " + err["msg"]
-        for err in error.errors()[:limit]
-    )
+
+    def one(err: Any) -> str:
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if message.startswith("spec."):  # a cross-field rule names its fields itself
+            return message
+        return (prefix + ".".join(str(p) for p in err["loc"])).rstrip(".") + ": " + message
+
+    return "; ".join(one(err) for err in error.errors()[:limit])
 
 
 class CustomResource(ResourceModel):
@@ -148,7 +153,9 @@ class SecretKeyRef(ResourceModel):
 
 
 class CredentialsSecretRef(ResourceModel):
-    """A Secret holding S3 credentials; the key names default to the AWS environment names."""
+    """A Secret holding the storage's credentials. Which keys are read depends on the provider:
+    s3 the AWS keys, azure an account key or a SAS token, gcs a service-account key file, http
+    an Authorization header value."""
 
     name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Secret name.")
     access_key_id_key: str = Field(
@@ -164,6 +171,45 @@ class CredentialsSecretRef(ResourceModel):
     session_token_key: str | None = Field(
         default=None, alias="sessionTokenKey", description="Key holding a session token, if any."
     )
+    account_key_key: str | None = Field(
+        default=None,
+        alias="accountKeyKey",
+        description="azure: key holding the storage account key "
+        "(default AZURE_STORAGE_ACCOUNT_KEY; the Secret needs it or a SAS token).",
+    )
+    sas_token_key: str | None = Field(
+        default=None,
+        alias="sasTokenKey",
+        description="azure: key holding a SAS token (default AZURE_STORAGE_SAS_TOKEN).",
+    )
+    service_account_json_key: str | None = Field(
+        default=None,
+        alias="serviceAccountJSONKey",
+        description="gcs: key holding a service-account key file, JSON "
+        "(default service-account.json).",
+    )
+    authorization_key: str | None = Field(
+        default=None,
+        alias="authorizationKey",
+        description="http: key holding the Authorization header's value, e.g. 'Bearer ...' "
+        "(default Authorization).",
+    )
+
+    @property
+    def azure_keys(self) -> tuple[str, str]:
+        """(account key, SAS token) key names, defaults applied."""
+        return (
+            self.account_key_key or "AZURE_STORAGE_ACCOUNT_KEY",
+            self.sas_token_key or "AZURE_STORAGE_SAS_TOKEN",
+        )
+
+    @property
+    def gcs_key(self) -> str:
+        return self.service_account_json_key or "service-account.json"
+
+    @property
+    def http_key(self) -> str:
+        return self.authorization_key or "Authorization"
 
 
 Quantity = int | str
@@ -226,11 +272,73 @@ class ResourceStatus(ResourceModel):
 # -- Repository --
 
 
+#: Storage providers a Repository may live on.
+StorageProvider = Literal["s3", "gcs", "azure", "http"]
+
+#: Cross-field rules of ``spec.storage``: (CEL rule for the CRD, the same in Python, message).
+#: The API server enforces the CEL; the operator checks the Python (older servers, no CEL).
+_STORAGE_RULES: tuple[tuple[str, Any, str], ...] = (
+    (
+        "self.provider == 'http' || has(self.bucket)",
+        lambda s: s.provider == "http" or s.bucket is not None,
+        "spec.storage.bucket is required (for azure: the container)",
+    ),
+    (
+        "self.provider != 'http' || (has(self.url) && !has(self.bucket) && self.prefix == '')",
+        lambda s: s.provider != "http" or (s.url is not None and s.bucket is None and not s.prefix),
+        "provider http takes spec.storage.url only (no bucket or prefix: the URL says where)",
+    ),
+    (
+        "self.provider == 'http' || !has(self.url)",
+        lambda s: s.provider == "http" or s.url is None,
+        "spec.storage.url is for provider http only",
+    ),
+    (
+        "self.provider != 'http' || !has(self.endpointURL)",
+        lambda s: s.provider != "http" or s.endpoint_url is None,
+        "provider http takes its address in spec.storage.url, not endpointURL",
+    ),
+    (
+        "self.provider == 's3' || !has(self.region)",
+        lambda s: s.provider == "s3" or s.region is None,
+        "spec.storage.region is for provider s3 only",
+    ),
+    (
+        "(self.provider == 'azure') == has(self.accountName)",
+        lambda s: (s.provider == "azure") == (s.account_name is not None),
+        "spec.storage.accountName is required for provider azure, and only for it",
+    ),
+    (
+        "self.provider == 's3' || !self.provision",
+        lambda s: s.provider == "s3" or not s.provision,
+        "spec.storage.provision is supported for provider s3 only: create the bucket or container "
+        "beforehand",
+    ),
+)
+
+
 class StorageSpec(ResourceModel):
     """Where the repository lives. The location cannot change: data is not moved."""
 
-    bucket: str = Field(
-        pattern=BUCKET, description="S3 bucket name.", json_schema_extra=immutable("storage.bucket")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": rule, "message": message} for rule, _, message in _STORAGE_RULES
+            ]
+        }
+    )
+
+    provider: StorageProvider = Field(
+        default="s3",
+        description="s3 (AWS or S3-compatible), gcs (Google Cloud Storage), azure (Azure Blob "
+        "Storage) or http (read-only: a repository published on a web server or CDN).",
+        json_schema_extra=immutable("storage.provider"),
+    )
+    bucket: str | None = Field(
+        default=None,
+        pattern=BUCKET,
+        description="Bucket name (azure: the container). Not for http.",
+        json_schema_extra=immutable("storage.bucket"),
     )
     prefix: str = Field(
         default="",
@@ -239,23 +347,52 @@ class StorageSpec(ResourceModel):
         description="Key prefix inside the bucket (no leading or trailing slash).",
         json_schema_extra=immutable("storage.prefix"),
     )
-    region: str | None = Field(default=None, description="Bucket region, e.g. eu-west-1.")
+    region: str | None = Field(default=None, description="s3: bucket region, e.g. eu-west-1.")
     endpoint_url: str | None = Field(
         default=None,
         alias="endpointURL",
         pattern=r"^https?://",
-        description="S3 endpoint for non-AWS stores (MinIO, Ceph, ...).",
+        description="s3, gcs, azure: endpoint of a non-default service (MinIO, Ceph, an "
+        "emulator, another cloud).",
+    )
+    account_name: str | None = Field(
+        default=None,
+        alias="accountName",
+        pattern=r"^[a-z0-9]{3,24}$",
+        description="azure: the storage account.",
+        json_schema_extra=immutable("storage.accountName"),
+    )
+    url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^@/?#]+(/[^?#]*)?$",
+        max_length=2048,
+        description="http: where the repository is published (no credentials in it: use "
+        "credentialsSecret).",
+        json_schema_extra=immutable("storage.url"),
     )
     credentials_secret: CredentialsSecretRef | None = Field(
         default=None,
         alias="credentialsSecret",
-        description="Secret with S3 credentials; without it the pod's ambient identity is used.",
+        description="Secret with the credentials; without it the provider's standard chain "
+        "(the pod's identity) is used.",
     )
     provision: bool = Field(
         default=False,
-        description="Create the bucket (public access blocked, encryption on, "
+        description="s3: create the bucket (public access blocked, encryption on, "
         "incomplete multipart uploads aborted) if it does not exist.",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        for _, holds, message in _STORAGE_RULES:
+            if not holds(self):
+                raise ValueError(message)
+        return self
+
+    @property
+    def read_only(self) -> bool:
+        """Storage nothing can be written to (http): no commits, no maintenance, no lock."""
+        return self.provider == "http"
 
 
 class LockServiceSpec(ResourceModel):
@@ -294,6 +431,18 @@ class EngineConfigSpec(ResourceModel):
 
 
 class RepositorySpec(ResourceModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.storage.provider != 'http' || self.reclaimPolicy == 'Retain'",
+                    "message": "spec.reclaimPolicy Delete needs writable storage "
+                    "(http is read-only)",
+                }
+            ]
+        }
+    )
+
     storage: StorageSpec
     lock_service: LockServiceSpec = Field(default_factory=LockServiceSpec, alias="lockService")
     config: EngineConfigSpec = Field(default_factory=EngineConfigSpec)
@@ -302,6 +451,12 @@ class RepositorySpec(ResourceModel):
         alias="reclaimPolicy",
         description="On deletion: Retain keeps the data; Delete removes the repository's objects.",
     )
+
+    @model_validator(mode="after")
+    def _deletable(self) -> Self:
+        if self.storage.read_only and self.reclaim_policy == "Delete":
+            raise ValueError("spec.reclaimPolicy Delete needs writable storage (http is read-only)")
+        return self
 
 
 class RepositoryStatus(ResourceStatus):
@@ -318,7 +473,8 @@ class RepositoryStatus(ResourceStatus):
 
 
 class Repository(CustomResource):
-    """A zarrlake repository on S3, with an optional managed lock service."""
+    """A zarrlake repository on object storage (S3, GCS, Azure; or read-only over HTTP), with an
+    optional managed lock service."""
 
     spec: RepositorySpec
     status: RepositoryStatus = Field(default_factory=RepositoryStatus)

@@ -1,5 +1,6 @@
-"""Buckets: check and provision them (locked down) through boto3, and delete a repository's
-objects through its :class:`zarrlake.Storage`.
+"""Buckets: check and provision them (locked down) through boto3 (S3; GCS buckets and Azure
+containers are checked, never created), and delete a repository's objects through its
+:class:`zarrlake.Storage`.
 
 The storage engine itself never creates buckets; only the operator does, and only when a
 Repository says ``provision: true``. Repository data is the engine's: it is listed and deleted
@@ -76,6 +77,8 @@ def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
     settings are left as its owner made them.
     Raises :class:`BucketMissing` or :class:`BucketUnreachable`.
     """
+    if conn.provider != "s3":
+        return _check_container(conn, provision=provision)
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3_client(conn)
@@ -147,12 +150,37 @@ def _lock_down(s3: Any, bucket: str) -> None:
     )
 
 
+def _check_container(conn: Connection, *, provision: bool) -> BucketState:
+    """A GCS bucket or an Azure container: listed (one key) through the engine's own storage,
+    which proves it exists and the credentials may read it. Never created (the spec refuses
+    ``provision`` for these providers); read-only HTTP storage has nothing to check."""
+    from zarrlake import StorageError
+    from zarrlake.errors import ObjectNotFound
+
+    if conn.read_only:
+        return BucketState(existed=True, created=False)
+    what = "container" if conn.provider == "azure" else "bucket"
+    try:
+        conn.storage().list_keys("", limit=1)
+    except ObjectNotFound:
+        raise BucketMissing(f"{what} {conn.bucket!r} does not exist (create it first)") from None
+    except StorageError as e:
+        raise BucketUnreachable(f"cannot list {what} {conn.bucket!r}: {e}") from None
+    return BucketState(existed=True, created=False)
+
+
 class NotOurRepository(Exception):
     """The location holds a different repository (or none): nothing is deleted."""
 
 
 def bucket_exists(conn: Connection) -> bool:
     """Whether the bucket exists. Raises :class:`BucketUnreachable`."""
+    if conn.provider != "s3":
+        try:
+            _check_container(conn, provision=False)
+        except BucketMissing:
+            return False
+        return True
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:

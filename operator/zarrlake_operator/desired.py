@@ -28,6 +28,7 @@ from zarrlake.resources import (
     Repository,
     RepositorySpec,
     RetentionPolicySpec,
+    StorageSpec,
 )
 
 MANAGED_BY = "zarrlake-operator"
@@ -438,6 +439,54 @@ def credential_env(creds: CredentialsSecretRef | None, prefix: str = "") -> list
     return env
 
 
+#: Where a GCS service-account key from a credentials Secret is mounted (the whole Secret, so the
+#: file is named as its key, as Spark's own secret mounts name it too).
+GCS_KEY_DIR = "/var/run/secrets/zarrlake/gcs"
+GCS_VOLUME = "gcs-credentials"
+
+
+def _secret_env(var: str, secret: str, key: str, *, optional: bool = False) -> dict[str, Any]:
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": var, "valueFrom": {"secretKeyRef": ref}}
+
+
+def storage_env(storage: StorageSpec) -> list[dict[str, Any]]:
+    """The variables through which a pod's zarrlake finds the storage's credentials, in each
+    provider's standard names (AWS_*, AZURE_STORAGE_*, GOOGLE_APPLICATION_CREDENTIALS); Secrets
+    by reference only, never by value. Without a credentials Secret, the pod's identity."""
+    creds = storage.credentials_secret
+    if storage.provider == "s3":
+        env = credential_env(creds)
+        if storage.region:
+            env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
+        return env
+    if creds is None:
+        return []
+    if storage.provider == "azure":
+        account_key, sas_token = creds.azure_keys
+        # Either may be absent (the operator checked that one is there).
+        return [
+            _secret_env("AZURE_STORAGE_ACCOUNT_KEY", creds.name, account_key, optional=True),
+            _secret_env("AZURE_STORAGE_SAS_TOKEN", creds.name, sas_token, optional=True),
+        ]
+    if storage.provider == "gcs":
+        path = f"{GCS_KEY_DIR}/{creds.gcs_key}"
+        return [{"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": path}]
+    return []  # http: read-only, no job ever runs against it
+
+
+def storage_volumes(storage: StorageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts) that put the storage's credentials file in place: the
+    GCS service-account key Secret at :data:`GCS_KEY_DIR`; none for the other providers."""
+    creds = storage.credentials_secret
+    if storage.provider != "gcs" or creds is None:
+        return [], []
+    volume = {"name": GCS_VOLUME, "secret": {"secretName": creds.name}}
+    return [volume], [{"name": GCS_VOLUME, "mountPath": GCS_KEY_DIR, "readOnly": True}]
+
+
 def lock_env(repository: Repository) -> list[dict[str, Any]]:
     """``ZARRLAKE_LOCK`` and ``ZARRLAKE_LOCK_PASSWORD`` (by Secret reference) for the
     repository's lock service; none without one."""
@@ -465,14 +514,11 @@ def lock_env(repository: Repository) -> list[dict[str, Any]]:
 
 def job_env(repository: Repository) -> list[dict[str, Any]]:
     """Environment of a maintenance job: credentials by Secret reference only, never by value."""
-    storage = repository.spec.storage
-    env: list[dict[str, Any]] = [
+    return [
         {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
-        *credential_env(storage.credentials_secret),
+        *storage_env(repository.spec.storage),
+        *lock_env(repository),
     ]
-    if storage.region:
-        env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
-    return env + lock_env(repository)
 
 
 def _job_labels(policy: Mapping[str, Any], kind: str, spec: RetentionPolicySpec) -> dict[str, str]:
@@ -501,6 +547,7 @@ def _cron_job(
 ) -> dict[str, Any]:
     name = policy["metadata"]["name"]
     job_labels = _job_labels(policy, kind, spec)
+    volumes, mounts = storage_volumes(repository.spec.storage)
     container: dict[str, Any] = {
         "name": kind,
         "image": image,
@@ -510,7 +557,7 @@ def _cron_job(
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": locked_down_container(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
     if schedule.resources:
         container["resources"] = schedule.resources.to_k8s()
@@ -546,7 +593,7 @@ def _cron_job(
                                 "seccompProfile": {"type": "RuntimeDefault"},
                             },
                             "containers": [container],
-                            "volumes": [{"name": "tmp", "emptyDir": {}}],
+                            "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
                         },
                     },
                 },
@@ -765,6 +812,10 @@ def spark_submit_command(
             )
         else:
             conf[f"spark.executorEnv.{var['name']}"] = str(var["value"])
+    for volume, mount in zip(*storage_volumes(repository.spec.storage), strict=True):
+        conf[f"spark.kubernetes.executor.secrets.{volume['secret']['secretName']}"] = mount[
+            "mountPath"
+        ]
     if spec.image_pull_secrets:
         conf["spark.kubernetes.container.image.pullSecrets"] = ",".join(spec.image_pull_secrets)
     conf |= dict(sorted(s.spark_conf.items()))
@@ -877,6 +928,13 @@ def scheduled_spark_applications(
                 "env": executor_env,
             },
         }
+        secrets = [
+            {"name": v["secret"]["secretName"], "path": m["mountPath"], "secretType": "Generic"}
+            for v, m in zip(*storage_volumes(resource.spec.storage), strict=True)
+        ]
+        if secrets:
+            template["driver"]["secrets"] = secrets
+            template["executor"]["secrets"] = secrets
         if s.spark_conf:
             template["sparkConf"] = dict(sorted(s.spark_conf.items()))
         if spec.image_pull_secrets:
@@ -1081,7 +1139,7 @@ def replicator_env(spec: MirrorSpec, repository: Repository) -> list[dict[str, A
     """The source's credentials as ``AWS_*``, the destination's as ``ZARRLAKE_DEST_AWS_*``, and
     the source repository's lock service: all by Secret reference, never by value."""
     return [
-        *credential_env(repository.spec.storage.credentials_secret),
+        *storage_env(repository.spec.storage),
         *credential_env(spec.destination.credentials_secret, DESTINATION_ENV_PREFIX),
         *lock_env(repository),
     ]
@@ -1106,6 +1164,7 @@ def replicator_deployment(
     name = mirror["metadata"]["name"]
     selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": REPLICATOR}
     pod_labels = labels(name, REPLICATOR) | {MIRROR_LABEL: name, REPOSITORY_LABEL: spec.repository}
+    volumes, mounts = storage_volumes(resource.spec.storage)
     container: dict[str, Any] = {
         "name": "replicator",
         "image": spec.image or default_image,
@@ -1121,7 +1180,7 @@ def replicator_deployment(
             "failureThreshold": 3,
         },
         "securityContext": locked_down_container(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
     identity: dict[str, Any] = {}
     if spec.service_account_name:
@@ -1148,7 +1207,7 @@ def replicator_deployment(
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
                 },
             },
         },

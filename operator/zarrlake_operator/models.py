@@ -100,6 +100,7 @@ KINDS: dict[str, Kind] = {
         "columns": [
             _col("Ready", READY),
             _col("Phase", ".status.phase"),
+            _col("Provider", ".spec.storage.provider"),
             _col("Bucket", ".spec.storage.bucket"),
             _col("Lock", ".spec.lockService.mode"),
             _col("Branches", ".status.branches", "integer"),

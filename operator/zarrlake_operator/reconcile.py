@@ -205,6 +205,14 @@ def _ready_repository(
             message=f"Repository {repository!r} does not exist in namespace {ns!r}",
         )
         raise kopf.TemporaryError(f"Repository {repository!r} not found", delay=15)
+    if _read_only(repo_body):
+        # The provider is immutable: this does not change by waiting.
+        message = (
+            f"Repository {repository!r} is on read-only storage (provider http): a "
+            f"{body['kind']} cannot act on it"
+        )
+        _report(body, ready=False, reason="ReadOnlyRepository", message=message, phase="Failed")
+        raise kopf.PermanentError(message)
     try:
         conn = _connection(repo_body, require_ready=True, resync=resync)
         expected = ((repo_body.get("status") or {}).get("repositoryID")) or None
@@ -212,6 +220,12 @@ def _ready_repository(
     except (KubernetesError, ZarrlakeError, StorageError) as e:
         _report(body, ready=False, reason="RepositoryNotReady", message=str(e))
         raise kopf.TemporaryError(f"Repository {repository!r} not ready: {e}", delay=10) from None
+
+
+def _read_only(repo_body: Mapping[str, Any]) -> bool:
+    """Whether a Repository resource's storage takes no writes (provider http)."""
+    storage = (repo_body.get("spec") or {}).get("storage") or {}
+    return bool(storage.get("provider") == "http")
 
 
 # Storage clients and opened repositories, by location and credentials: building an S3 client
@@ -226,7 +240,7 @@ _kept_lock = threading.Lock()
 
 
 def _key(conn: Connection) -> tuple[str | None, ...]:
-    return (conn.storage_url, conn.access_key_id, conn.secret_access_key, conn.session_token)
+    return (conn.storage_url, *conn.credentials)
 
 
 def _keep(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
@@ -357,11 +371,14 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     except KubernetesError as e:
         cond("BucketReady", False, "CredentialsNotFound", str(e))
         retry = kopf.TemporaryError(str(e), delay=20)
-    if conn is not None:
+    if conn is not None and conn.read_only:
+        cond("BucketReady", True, "ReadOnly", f"read-only storage at {conn.storage_url}")
+    elif conn is not None:
         try:
             state = buckets.ensure_bucket(conn, provision=spec.storage.provision)
             detail = "created by the operator" if state.created else "exists"
-            cond("BucketReady", True, "BucketReady", f"bucket {conn.bucket!r} {detail}")
+            what = "container" if conn.provider == "azure" else "bucket"
+            cond("BucketReady", True, "BucketReady", f"{what} {conn.bucket!r} {detail}")
             if state.created:
                 _event(body, "BucketCreated", f"created bucket {conn.bucket!r}")
         except buckets.BucketMissing as e:
@@ -399,9 +416,10 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
             # adopts another repository found at the location, nor creates a new, empty one where
             # it vanished (either would hide a loss, and reclaimPolicy: Delete would then act on
             # a repository this resource never managed).
-            if known is None:
+            if known is None and not conn.read_only:
                 repo = Repository.open_or_create(_storage(conn), config=config)
             else:
+                # Read-only storage publishes a repository; it cannot have one created.
                 repo = Repository.open(_storage(conn))
             if known is not None and repo.id != known:
                 cond(
@@ -412,26 +430,31 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
                     "resource manages); it is not adopted, and not deleted with the resource",
                 )
             else:
-                status = status.model_copy(
-                    update={
-                        "repository_id": repo.id,
-                        "url": conn.storage_url,
+                # HTTP cannot list: a published repository's refs are opened by name.
+                counts = (
+                    {}
+                    if conn.read_only
+                    else {
                         "branches": len(repo.list_branches()),
                         "tags": len(repo.list_tags()),
                     }
+                )
+                status = status.model_copy(
+                    update={"repository_id": repo.id, "url": conn.storage_url, **counts}
                 )
                 message = f"repository {repo.id} at {conn.storage_url}"
                 cond("Initialized", True, "Initialized", message)
                 if known is None:
                     _event(body, "Initialized", message)
         except RepositoryNotFound:
-            cond(
-                "Initialized",
-                False,
-                "RepositoryMissing",
+            missing = (
                 f"repository {known} is gone from {conn.storage_url}; the operator does not "
-                "create an empty one in its place",
+                "create an empty one in its place"
+                if known is not None
+                else f"no repository is published at {conn.storage_url} (read-only storage: "
+                "the operator cannot create one there)"
             )
+            cond("Initialized", False, "RepositoryMissing", missing)
             retry = retry or kopf.TemporaryError("repository missing", delay=30)
         except (ZarrlakeError, StorageError) as e:
             cond("Initialized", False, "StorageError", str(e))
@@ -455,14 +478,20 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     return status
 
 
-def _location(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(endpoint, bucket, prefix) of a Repository resource; None for a spec that does not parse
-    (the API server refuses those, so it claims nothing)."""
+def _location(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """(provider, endpoint, account, bucket or URL, prefix) of a Repository resource; None for
+    a spec that does not parse (the API server refuses those, so it claims nothing)."""
     try:
         storage = RepositorySpec.model_validate(body.get("spec") or {}).storage
     except ValidationError:
         return None
-    return (storage.endpoint_url or "").rstrip("/"), storage.bucket, storage.prefix
+    return (
+        storage.provider,
+        (storage.endpoint_url or "").rstrip("/"),
+        storage.account_name or "",
+        storage.bucket or (storage.url or "").rstrip("/"),
+        storage.prefix,
+    )
 
 
 def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | None:
@@ -496,18 +525,20 @@ def _lock_service(
 ) -> LockServiceState:
     """Make the repository's lock service what the spec asks for, and say how it is."""
     ns, name, _ = _meta(body)
-    mode = spec.lock_service.mode
+    mode = "none" if spec.storage.read_only else spec.lock_service.mode
     managed_before = observed(RepositoryStatus, body).lock_endpoint == desired.lock_endpoint(
         name, ns
     )
     if mode != "managed" and (managed_before or not resync):
         _remove_managed_lock(ns, name)
     if mode == "none":
+        why = (
+            "read-only storage takes no commits (no lock service)"
+            if spec.storage.read_only
+            else "optimistic commits (no lock service)"
+        )
         return LockServiceState(
-            True,
-            "NotRequired",
-            "optimistic commits (no lock service)",
-            RepositoryStatus(lockEndpoint=None, lockSecret=None),
+            True, "NotRequired", why, RepositoryStatus(lockEndpoint=None, lockSecret=None)
         )
     if mode == "external":
         lock = spec.lock_service
@@ -740,6 +771,8 @@ def _owned_ref_repository(body: Mapping[str, Any], kind: str) -> tuple[Repositor
         return None, "the Repository is gone; nothing to delete"
     if (found.get("metadata") or {}).get("deletionTimestamp"):
         return None, "the Repository is being deleted; its reclaimPolicy decides for its refs"
+    if _read_only(found):
+        return None, "the Repository is read-only; nothing to delete"
     if _claim(body, kind, repository, deleting=True):
         return None, f"another {kind} resource manages {name!r}; left in place"
     return _ready_repository(body, repository)[1], ""
@@ -1094,15 +1127,24 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
         message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"
         _report_mirror(body, reason="RepositoryNotFound", message=message)
         raise kopf.TemporaryError(message, delay=15)
+    if _read_only(repo_body):
+        message = (
+            f"Repository {spec.repository!r} is on read-only storage (provider http), which "
+            "cannot list its branches: it cannot be mirrored"
+        )
+        _report_mirror(body, reason="ReadOnlyRepository", message=message, phase="Failed")
+        raise kopf.PermanentError(message)
     try:
         source = _connection(repo_body, require_ready=True)
     except KubernetesError as e:
         _report_mirror(body, reason="RepositoryNotReady", message=str(e))
         raise kopf.TemporaryError(str(e), delay=10) from None
     dest_spec = spec.destination
-    same = (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip(
-        "/"
-    ) and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
+    same = (
+        source.provider == "s3"
+        and (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip("/")
+        and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
+    )
     if same:
         message = (
             f"spec.destination is Repository {spec.repository!r}'s own location "

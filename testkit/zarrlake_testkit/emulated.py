@@ -259,8 +259,11 @@ class LocalCluster:
             # A Secret the Job needs may not be there yet: like a kubelet, try again next step
             # (raising here leaves the Job unmarked); once the process starts, it runs once.
             pod_name = f"{job['metadata']['name']}-{uid[:5]}"
-            container = job["spec"]["template"]["spec"]["containers"][0]
-            env = container_environment(ns, container, pod_name=pod_name)
+            pod_spec = job["spec"]["template"]["spec"]
+            container = pod_spec["containers"][0]
+            mounts = secret_mounts(container, pod_spec)
+            mounted = mount_secrets(ns, mounts, self.workdir / "pods" / pod_name)
+            env = container_environment(ns, container, pod_name=pod_name, mounted=mounted)
             self.jobs_done.add(uid)
             self._run_job(ns, job, env)
 
@@ -460,12 +463,53 @@ def start_operator(
     return proc, liveness, metrics_port
 
 
+def secret_mounts(container: Mapping[str, Any], pod_spec: Mapping[str, Any]) -> list[SecretMount]:
+    """The Secret volumes ``container`` mounts, as (Secret name, mount path, items or None)."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    found: list[SecretMount] = []
+    for mount in container.get("volumeMounts") or []:
+        secret = (volumes.get(mount["name"]) or {}).get("secret")
+        if secret:
+            found.append((secret["secretName"], mount["mountPath"], secret.get("items")))
+    return found
+
+
+SecretMount = tuple[str, str, list[dict[str, str]] | None]
+
+
+def mount_secrets(ns: str, mounts: list[SecretMount], root: Path) -> dict[str, str]:
+    """Write mounted Secrets' keys as files, as a kubelet does, but under ``root`` (no process
+    here may write ``/var/run/...``); returns mount path -> local directory, for
+    :func:`container_environment` to point the variables that name those paths at the copies.
+    A missing Secret raises ``RuntimeError`` (a kubelet would not start the pod)."""
+    read = kube.secrets(ns)
+    where: dict[str, str] = {}
+    for secret, mount_path, items in mounts:
+        data = read(secret)
+        if data is None:
+            raise RuntimeError(f"Secret {secret!r} (a volume) missing")
+        local = root / mount_path.strip("/")
+        local.mkdir(parents=True, exist_ok=True)
+        for item in items or [{"key": k, "path": k} for k in data]:
+            path = local / item["path"]
+            path.write_text(data[item["key"]])
+            path.chmod(0o400)
+        where[mount_path] = str(local)
+    return where
+
+
 def container_environment(
-    ns: str, container: Mapping[str, Any], *, pod_name: str = "pod"
+    ns: str,
+    container: Mapping[str, Any],
+    *,
+    pod_name: str = "pod",
+    mounted: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """A container's environment as the kubelet builds it: values, Secret references read
     (a missing optional key is left out; a missing required one raises ``RuntimeError``) and
-    the pod's own fields (its name, namespace and IP, which is 127.0.0.1 here)."""
+    the pod's own fields (its name, namespace and IP, which is 127.0.0.1 here). A value that
+    names a file under a mount path of ``mounted`` (from :func:`mount_secrets`) names the
+    local copy instead."""
     env: dict[str, str] = {}
     read = kube.secrets(ns)
     fields = {
@@ -476,7 +520,11 @@ def container_environment(
     }
     for var in container.get("env") or []:
         if "value" in var:
-            env[var["name"]] = _expand(str(var["value"]), env)
+            value = _expand(str(var["value"]), env)
+            for mount_path, local in (mounted or {}).items():
+                if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                    value = local + value[len(mount_path.rstrip("/")) :]
+            env[var["name"]] = value
             continue
         field_ref = (var.get("valueFrom") or {}).get("fieldRef")
         if field_ref:
@@ -519,14 +567,17 @@ def run_replicator_pass(deployment: Mapping[str, Any], *, timeout: float = 120) 
             argv.append(arg)
     if "--json" not in argv:
         argv.append("--json")
-    env = {**os.environ, **container_environment(ns, container)}
-    done = subprocess.run(
-        [sys.executable, "-m", "zarrlake", *argv, "--once"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    pod_spec = deployment["spec"]["template"]["spec"]
+    with tempfile.TemporaryDirectory(prefix="replicator-pod-") as root:
+        mounted = mount_secrets(ns, secret_mounts(container, pod_spec), Path(root))
+        env = {**os.environ, **container_environment(ns, container, mounted=mounted)}
+        done = subprocess.run(
+            [sys.executable, "-m", "zarrlake", *argv, "--once"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     if done.returncode != 0:
         raise RuntimeError(f"replicator pass failed ({done.returncode}): {done.stderr.strip()}")
     status: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -699,7 +750,9 @@ def run_spark_application(
     driver = template.get("driver") or {}
     app = f"{meta['name']}-{int(dt.datetime.now(dt.UTC).timestamp())}"
     pod_name = f"{app}-driver"
-    env = container_environment(ns, driver, pod_name=pod_name)
+    secrets = [(x["name"], x["path"], None) for x in driver.get("secrets") or []]
+    mounted = mount_secrets(ns, secrets, Path(workdir) / "pods" / pod_name)
+    env = container_environment(ns, driver, pod_name=pod_name, mounted=mounted)
     fd, report = tempfile.mkstemp(prefix="termination-log-", dir=str(workdir))
     os.close(fd)
     if "ZARRLAKE_REPORT_FILE" in env:

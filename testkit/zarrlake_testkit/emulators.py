@@ -188,3 +188,100 @@ def fake_gcs_create_bucket(endpoint: str, bucket: str) -> None:
     )
     with contextlib.suppress(urllib.error.HTTPError):  # 409: it exists already
         urllib.request.urlopen(request, timeout=30).close()
+
+
+class TokenServer:
+    """Google's OAuth 2.0 token endpoint for service-account keys, on a loopback port, in a
+    thread of the test process: fake-gcs-server takes any bearer token but issues none, and a
+    service-account key file names the endpoint its credentials are exchanged at
+    (``token_uri``). The server makes its own RSA key pair, hands out key files
+    (:meth:`service_account_info`) and answers the JWT-bearer grant only for an assertion
+    signed with that key, recording who asked (:attr:`issued`: the ``iss`` of each grant).
+    """
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self._pem = self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode()
+        self.issued: list[str] = []
+        self.refused = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                from urllib.parse import parse_qs
+
+                length = int(self.headers.get("Content-Length") or 0)
+                form = parse_qs(self.rfile.read(length).decode())
+                issuer = server._verify((form.get("assertion") or [""])[0])
+                if issuer is None:
+                    server.refused += 1
+                    body, code = {"error": "invalid_grant"}, 400
+                else:
+                    server.issued.append(issuer)
+                    token = "zl-test-token-" + hashlib.sha256(os.urandom(8)).hexdigest()[:16]
+                    body = {"access_token": token, "expires_in": 3600, "token_type": "Bearer"}
+                    code = 200
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def service_account_info(self, email: str = "zl-test@zl-test.iam.gserviceaccount.com") -> dict:
+        """A service-account key file's contents whose grants this server answers."""
+        return {
+            "type": "service_account",
+            "project_id": "zl-test",
+            "private_key_id": "zl-test-key",
+            "private_key": self._pem,
+            "client_email": email,
+            "client_id": "1",
+            "token_uri": f"{self.url}/token",
+        }
+
+    def _verify(self, assertion: str) -> str | None:
+        """The issuer of a JWT signed (RS256) with this server's key; None for anything else."""
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        def decode(part: str) -> bytes:
+            return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+
+        try:
+            header, payload, signature = assertion.split(".")
+            self._key.public_key().verify(
+                decode(signature),
+                f"{header}.{payload}".encode(),
+                padding.PKCS1v15(),
+                hashes.SHA256(),
+            )
+            claims = json.loads(decode(payload))
+        except (ValueError, InvalidSignature):
+            return None
+        return str(claims.get("iss"))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)

@@ -6,7 +6,8 @@ Python's :mod:`http.server` underneath, in a thread of the test process, with a 
 large enough for a client's concurrent requests (the default of 5 makes bursts wait on SYN
 retransmits). ``ranges=False`` serves whole objects only, as servers that ignore ``Range`` do;
 ``listings=True`` shows a folder's index page (after redirecting ``dir`` to ``dir/``), as
-``python -m http.server`` and nginx's autoindex do.
+``python -m http.server`` and nginx's autoindex do. ``authorization`` makes every request without
+exactly that ``Authorization`` header a 401, as a private bucket's gateway would.
 """
 
 from __future__ import annotations
@@ -40,9 +41,18 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         with self.server.lock:
             self.server.requests[self.command] += 1
 
+    def _refused(self) -> bool:
+        """401 unless the request carries the Authorization the server requires (if any)."""
+        wanted = self.server.authorization
+        if wanted is None or self.headers.get("Authorization") == wanted:
+            return False
+        self.send_error(401, "authorization required")
+        return True
+
     def do_HEAD(self) -> None:
         self._count()
-        super().do_HEAD()
+        if not self._refused():
+            super().do_HEAD()
 
     def do_PUT(self) -> None:
         self._count()
@@ -50,6 +60,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._count()
+        if self._refused():
+            return
         wanted = self.headers.get("Range")
         path = self.translate_path(self.path)
         match = _RANGE.match(wanted or "")
@@ -83,16 +95,23 @@ class StaticHTTPServer:
         daemon_threads = True
         ranges: bool
         listings: bool
+        authorization: str | None
         requests: Counter[str]
         lock: threading.Lock
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, ranges: bool = True, listings: bool = False
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        ranges: bool = True,
+        listings: bool = False,
+        authorization: str | None = None,
     ) -> None:
         handler = functools.partial(_Handler, directory=str(directory))
         self._server = self._Server(("127.0.0.1", 0), handler)
         self._server.ranges = ranges
         self._server.listings = listings
+        self._server.authorization = authorization
         self._server.requests = Counter()
         self._server.lock = threading.Lock()
         self.port = self._server.server_address[1]

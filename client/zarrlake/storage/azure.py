@@ -115,6 +115,10 @@ class AzureStorage(Storage):
         self.endpoint_url = endpoint_url
         self.anonymous = anonymous
         self.allow_http = allow_http
+        if not (anonymous or account_key or sas_token):
+            # Spelled out rather than left to the client's own environment parsing: the operator
+            # hands jobs a SAS token under this name.
+            sas_token = os.environ.get("AZURE_STORAGE_SAS_TOKEN") or None
         self._credentials = (account_key, sas_token)
         if not self.account_name and not endpoint_url:
             raise StorageError(

@@ -60,7 +60,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -356,11 +356,13 @@ class Storage(abc.ABC):
         service_account_file: str | None = None,
         anonymous: bool = False,
         allow_http: bool = False,
+        service_account_info: Mapping[str, Any] | None = None,
     ) -> Storage:
-        """Google Cloud Storage. Credentials: an OAuth ``token`` or a ``service_account_file``
-        if given, else Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``,
-        gcloud, the metadata server). ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``) for an
-        emulator; ``anonymous=True`` for public buckets. Needs ``zarrlake[gcs]``."""
+        """Google Cloud Storage. Credentials: an OAuth ``token``, a ``service_account_file``
+        or its parsed contents ``service_account_info`` if given, else Application Default
+        Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud, the metadata server).
+        ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``) for an emulator; ``anonymous=True`` for
+        public buckets. Needs ``zarrlake[gcs]``."""
         make: Callable[..., Storage] = backend_for_scheme("gs")
         return make(
             bucket,
@@ -370,6 +372,7 @@ class Storage(abc.ABC):
             service_account_file=service_account_file,
             anonymous=anonymous,
             allow_http=allow_http,
+            service_account_info=service_account_info,
         )
 
     @staticmethod

@@ -22,7 +22,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 from urllib.parse import SplitResult, quote, unquote, urlencode
 
@@ -101,23 +101,29 @@ class GCSStorage(Storage):
         service_account_file: str | None = None,
         anonymous: bool = False,
         allow_http: bool = False,
+        service_account_info: Mapping[str, Any] | None = None,
     ) -> None:
         if not bucket:
             raise StorageError("GCS storage needs a bucket name")
+        # The key file's contents, canonical: one token source per key, however it was passed.
+        info = (
+            json.dumps(dict(service_account_info), sort_keys=True) if service_account_info else None
+        )
+        explicit = bool(token or service_account_file or info)
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if endpoint_url is None and emulator:  # Google's clients' convention for emulators
             endpoint_url = emulator if "://" in emulator else f"http://{emulator}"
-            allow_http, anonymous = True, not (token or service_account_file)
+            allow_http, anonymous = True, not explicit
         if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
             raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
-        if anonymous and (token or service_account_file):
+        if anonymous and explicit:
             raise StorageError("anonymous=True sends unsigned requests: it takes no credentials")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url
         self.anonymous = anonymous
         self.allow_http = allow_http
-        self._credentials = (token, service_account_file)
+        self._credentials = (token, service_account_file, info)
 
     @classmethod
     def from_parsed_url(cls, url: SplitResult) -> GCSStorage:
@@ -164,8 +170,8 @@ class GCSStorage(Storage):
         return {"Authorization": f"Bearer {source.token()}"}
 
     def _token_source(self) -> _TokenSource:
-        token, service_account_file = self._credentials
-        key = (os.getpid(), token, service_account_file)
+        token, service_account_file, info = self._credentials
+        key = (os.getpid(), token, service_account_file, info)
         with _shared_lock:
             found = _tokens.get(key)
             if found is not None:
@@ -185,7 +191,10 @@ class GCSStorage(Storage):
                     "token= or anonymous=True"
                 ) from None
             try:
-                if service_account_file:
+                if info:
+                    parse = service_account.Credentials.from_service_account_info
+                    credentials = parse(json.loads(info), scopes=[_SCOPE])  # type: ignore[no-untyped-call]
+                elif service_account_file:
                     make = service_account.Credentials.from_service_account_file
                     credentials = make(service_account_file, scopes=[_SCOPE])  # type: ignore[no-untyped-call]
                 else:
