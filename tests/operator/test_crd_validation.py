@@ -296,6 +296,16 @@ def test_a_cel_rule_on_the_whole_object_limits_the_name(api: Api) -> None:
     assert api.create("Repository", "r" * 63, repository()).status == 201
 
 
+def test_external_lock_service_needs_a_url(api: Api) -> None:
+    spec = {**repository(), "lockService": {"mode": "external"}}
+    causes = refused(api.create("Repository", "ext", spec), "Repository", "ext")
+    assert causes == {
+        "spec.lockService": 'Invalid value: "object": lockService.url is required in external mode'
+    }
+    spec["lockService"]["url"] = "redis://redis.example:6379/0"
+    assert api.create("Repository", "ext", spec).status == 201
+
+
 def test_immutable_fields_refuse_every_kind_of_change(api: Api) -> None:
     assert api.create("Repository", "fixed", repository(prefix="a")).status == 201
     immutable = 'Invalid value: "string": storage.bucket is immutable'
