@@ -456,7 +456,7 @@ class _SchemaCheck:
             least = schema["minProperties"]
             self.invalid(name, at, count, f"should have at least {least} properties")
         for key in schema.get("required") or []:
-            if value.get(key) is None:
+            if key not in value:  # a null is present (kube-apiserver keeps it where nullable)
                 where = f"{name}.{key}" if name else key
                 self.errors.append(FieldError("FieldValueRequired", where, at=at))
         props = schema.get("properties") or {}

@@ -495,6 +495,9 @@ def test_nullable_int_or_string_and_preserved_fields() -> None:
         },
     }
     assert check(schema, {"n": None, "q": 3, "free": {"a": [1, {"b": None}]}}) == []
+    required = {**schema, "required": ["n"]}
+    assert check(required, {"n": None}) == []  # present, as null: kept where nullable
+    assert check(required, {}) == ["spec.n: Required value", NOT_CHECKED]
     assert check(schema, {"q": "50%", "list": ["a"]}) == []
     assert check(schema, {"list": [None]}) == [
         'spec.list[0]: Invalid value: "null": spec.list[0] in body must be of type string: "null"',
