@@ -105,7 +105,15 @@ SLOW_TESTS = {
 
 # Modules whose tests run the operator (a real process, or Kopf in-process) against the emulated
 # API, or the e2e scenario; test_desired and test_chart (pure functions, Helm) are not among them.
-OPERATOR_MODULES = {"test_operator", "test_peering", "test_kubeapi", "test_e2e"}
+OPERATOR_MODULES = {
+    "test_operator",
+    "test_peering",
+    "test_kubeapi",
+    "test_crd_validation",
+    "test_e2e",
+}
+# Of those, the ones that start an API server of their own (not the shared operator cluster).
+OWN_API_MODULES = {"test_kubeapi", "test_crd_validation"}
 # Generous per-test limits where a test legitimately starts a whole stack of processes.
 LONG_TIMEOUTS = {"test_e2e": 1200, "test_peering": 900}
 
@@ -137,7 +145,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUTS[module]))
         if item.get_closest_marker("spark") or module == "test_e2e":
             item.add_marker(pytest.mark.xdist_group("spark"))
-        elif item.get_closest_marker("operator") and module != "test_kubeapi":
+        elif item.get_closest_marker("operator") and module not in OWN_API_MODULES:
             item.add_marker(pytest.mark.xdist_group("operator"))
 
 

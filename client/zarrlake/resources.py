@@ -398,6 +398,17 @@ class StorageSpec(ResourceModel):
 class LockServiceSpec(ResourceModel):
     """The Redis lock service that serializes branch-pointer updates."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.mode != 'external' || has(self.url)",
+                    "message": "lockService.url is required in external mode",
+                }
+            ]
+        }
+    )
+
     mode: Literal["managed", "external", "none"] = Field(
         default="managed",
         description="managed: the operator runs Redis for this repository; external: use url; "

@@ -25,6 +25,11 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
   collection (background, foreground-as-background, orphan);
 * discovery of built-ins and of CRDs applied at runtime, ``meta.k8s.io/v1`` Tables with the
   CRDs' ``additionalPrinterColumns`` (for ``kubectl get``);
+* custom resources validated as kube-apiserver validates them (:mod:`zarrlake_testkit.crdschema`):
+  pruning and defaults, the OpenAPI v3 schema, the CEL rules of ``x-kubernetes-validations``
+  (transition rules on updates), a DNS-subdomain name, ``fieldValidation`` for unknown fields;
+  a refusal is 422 Invalid with one cause per problem, worded as the real server words it. A CRD
+  whose rules do not compile is refused. Built-in kinds are not validated;
 * bounded memory: the request log, the event history and each watch queue are capped.
 
 :class:`KubeAPI` runs the server in a child process (``python -m zarrlake_testkit.kubeapi``)
@@ -61,6 +66,14 @@ import aiohttp.web
 import kmock
 import yaml
 
+from zarrlake_testkit.crdschema import (
+    FieldError,
+    aggregate,
+    apply_schema,
+    name_errors,
+    rule_problems,
+    validate,
+)
 from zarrlake_testkit.servers import free_port, spawn_on_free_port, stop, wait_for_port
 
 JSON = dict[str, Any]
@@ -298,6 +311,26 @@ def _invalid(res: Resource, name: str, fld: str, message: str) -> kmock.Kubernet
     return _error(
         422, "Invalid", f'{kind}.{res.group or "core"} "{name}" is invalid: {message}', details
     )
+
+
+def _refused(res: Resource, name: str, errors: list[FieldError]) -> kmock.KubernetesError:
+    """422 Invalid with one cause per error, worded as kube-apiserver's ``errors.NewInvalid``."""
+    qualified = f"{res.kind}.{res.group}" if res.group else res.kind
+    details: JSON = {"name": name, "kind": res.kind, "causes": [e.cause() for e in errors]}
+    if res.group:
+        details["group"] = res.group
+    message = f'{qualified} "{name}" is invalid: {aggregate(errors)}'
+    return _error(422, "Invalid", message, details)
+
+
+def _unknown_fields(res: Resource, version: str, unknown: list[str]) -> kmock.KubernetesError:
+    """400 for unknown fields under ``fieldValidation=Strict`` (kubectl's default)."""
+    fields = ", ".join(f'unknown field "{f}"' for f in unknown)
+    message = (
+        f'{res.kind} in version "{version}" cannot be handled as a {res.kind}: '
+        f"strict decoding error: {fields}"
+    )
+    return _bad_request(message)
 
 
 def _status_body(code: int, reason: str, message: str, details: JSON | None) -> JSON:
@@ -633,52 +666,6 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
     if isinstance(patch.get("$retainKeys"), list):
         result = {k: v for k, v in result.items() if k in patch["$retainKeys"]}
     return result
-
-
-# --------------------------------------------------------------------------------------------
-# Structural schemas: pruning and defaulting of custom resources
-# --------------------------------------------------------------------------------------------
-
-_OBJECT_META_KEYS = ("apiVersion", "kind", "metadata")
-
-
-def apply_schema(value: Any, schema: Any, *, root: bool = False) -> Any:
-    """Prune unknown fields and fill in defaults, as kube-apiserver does for custom resources.
-
-    Unknown fields of an object are dropped unless its schema has
-    ``x-kubernetes-preserve-unknown-fields: true`` (maps use ``additionalProperties``); ``null``
-    for a non-nullable field is dropped; a missing field with a ``default`` gets it (and the
-    default is pruned and defaulted in turn). No validation: types, ``required``, ``enum``,
-    patterns and CEL rules (``x-kubernetes-validations``) are not checked.
-    """
-    if not isinstance(schema, dict):
-        return value
-    if isinstance(value, list):
-        items = schema.get("items")
-        return [apply_schema(v, items) for v in value] if isinstance(items, dict) else value
-    if not isinstance(value, dict) or schema.get("x-kubernetes-int-or-string"):
-        return value
-    props = schema.get("properties") or {}
-    extra = schema.get("additionalProperties")
-    keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields") is True or extra is True
-    embedded = root or schema.get("x-kubernetes-embedded-resource") is True
-    out: JSON = {}
-    for key, item in value.items():
-        sub = props.get(key)
-        if embedded and key in _OBJECT_META_KEYS:
-            out[key] = item
-        elif isinstance(sub, dict):
-            if item is None and not sub.get("nullable"):
-                continue
-            out[key] = apply_schema(item, sub)
-        elif isinstance(extra, dict):
-            out[key] = apply_schema(item, extra)
-        elif keep_unknown:
-            out[key] = item
-    for key, sub in props.items():
-        if key not in out and isinstance(sub, dict) and "default" in sub:
-            out[key] = apply_schema(copy.deepcopy(sub["default"]), sub)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1115,6 +1102,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._history_floor = 0  # events up to this resourceVersion are forgotten
         self._watches: set[Watch] = set()
         self._request_count = 0
+        # Per write request (all synchronous): kubectl's ``fieldValidation`` and the warnings
+        # to answer with. Writes of the server's own (garbage collection) ignore unknown fields.
+        self._field_validation = "Ignore"
+        self._warnings: list[str] = []
         for res in BUILTINS:
             self._register(copy.deepcopy(res))
 
@@ -1244,10 +1235,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return await kmock.RawHandler._handle(self, request)
 
     @staticmethod
-    def _json(payload: Any, status: int = 200) -> kmock.Response:
-        return kmock.Response(
-            status=status, payload=payload, headers={"Content-Type": "application/json"}
-        )
+    def _json(payload: Any, status: int = 200, warnings: Iterable[str] = ()) -> kmock.Response:
+        # KMock merges each answer's headers into its reaction's, which outlive the request: a
+        # header that is not set to None here would be sent again with every later answer.
+        warning = ", ".join(f"299 - {json.dumps(w)}" for w in warnings) or None
+        headers = {"Content-Type": "application/json", "Warning": warning}
+        return kmock.Response(status=status, payload=payload, headers=headers)
+
+    def _written(self, payload: Any, status: int = 200) -> kmock.Response:
+        """The answer to a write, with its warnings (``Warning: 299 - "..."``, as kubectl and
+        client-go read them)."""
+        return self._json(payload, status, self._warnings)
 
     # --- discovery ---------------------------------------------------------------------------
 
@@ -1388,8 +1386,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
         kubectl's default ``--validate=strict`` asks OpenAPI v3 whether the PATCH endpoint of a
         kind takes the ``fieldValidation`` query parameter; when it does, kubectl leaves the
-        validation to the server (which this one skips) instead of downloading the OpenAPI v2
-        schemas. No request bodies are described, so ``kubectl apply`` computes strategic merge
+        validation to the server (this one validates custom resources and refuses their unknown
+        fields under ``fieldValidation=Strict``) instead of downloading the OpenAPI v2 schemas.
+        No request bodies are described, so ``kubectl apply`` computes strategic merge
         patches from its built-in Go types and JSON merge patches for custom resources.
         """
         paths: JSON = {}
@@ -1489,6 +1488,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         params = request.params
         method = str(request.method.value).upper()
         dry_run = "All" in (params.get("dryRun") or "").split(",")
+        self._field_validation = params.get("fieldValidation") or "Warn"  # the server's default
+        self._warnings = []
         if ns is not None and not res.namespaced:
             raise _error(404, "NotFound", "the server could not find the requested resource")
         if name is not None and res.namespaced and ns is None:
@@ -1525,18 +1526,18 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if method == "POST" and name is None:
             body = self._body(request)
             created = self._create_object(res, version, ns, body, dry_run=dry_run)
-            return self._json(self._versioned(res, version, created), 201)
+            return self._written(self._versioned(res, version, created), 201)
         if method == "PUT" and name is not None:
             body = self._body(request)
             updated = self._replace(res, ns, name, body, sub, dry_run=dry_run)
-            return self._json(self._versioned(res, version, updated))
+            return self._written(self._versioned(res, version, updated))
         if method == "PATCH" and name is not None:
             content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
             body = self._body(request, yaml_ok=content_type == "application/apply-patch+yaml")
             status, patched = self._patch(
                 res, version, ns, name, sub, content_type, body, dry_run=dry_run
             )
-            return self._json(self._versioned(res, version, patched), status)
+            return self._written(self._versioned(res, version, patched), status)
         if method == "DELETE" and name is not None and sub is None:
             options = self._body(request) or {}
             if not isinstance(options, dict):
@@ -1764,10 +1765,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if res.status:
             obj.pop("status", None)
         if res.schema is not None:
-            obj = apply_schema(obj, res.schema, root=True)
+            obj = self._prune_and_default(res, obj)
             meta = obj["metadata"]
         self._defaults(res, obj)
         _normalize_meta(meta)
+        if res.crd is not None:
+            self._validate_custom(res, obj, None)
         if dry_run:
             return obj
         meta["resourceVersion"] = self._next_rv()
@@ -1778,6 +1781,28 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._register_crd(obj)
         self._collect_if_orphaned(res, obj)
         return obj
+
+    def _prune_and_default(self, res: Resource, obj: JSON) -> JSON:
+        """The object pruned and defaulted by its CRD's schema; unknown fields are refused
+        (``fieldValidation=Strict``), warned about (``Warn``, the default) or not (``Ignore``)."""
+        unknown: list[str] = []
+        out = apply_schema(obj, res.schema, root=True, unknown=unknown)
+        if unknown and self._field_validation == "Strict":
+            raise _unknown_fields(res, res.versions[0], unknown)
+        if self._field_validation == "Warn":
+            self._warnings += [f'unknown field "{f}"' for f in unknown]
+        return out
+
+    @staticmethod
+    def _validate_custom(res: Resource, obj: JSON, old: JSON | None) -> None:
+        """Refuse (422 Invalid) what kube-apiserver would: a name that is no DNS subdomain, and
+        anything the CRD's schema or CEL rules refuse (:func:`crdschema.validate`)."""
+        name = _meta(obj).get("name", "")
+        errors = name_errors(name) if old is None else []
+        if res.schema is not None:
+            errors += validate(obj, old, res.schema)
+        if errors:
+            raise _refused(res, name, errors)
 
     def _defaults(self, res: Resource, obj: JSON) -> None:
         meta = obj["metadata"]
@@ -1944,7 +1969,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     "Forbidden: no new finalizers can be added if the object is being deleted",
                 )
         if res.schema is not None:
-            new = apply_schema(new, res.schema, root=True)
+            new = self._prune_and_default(res, new)
             meta = new["metadata"]
         if res.key == NAMESPACE_KEY:
             self._defaults(res, new)
@@ -1952,6 +1977,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if res.key == CRD_KEY:
             self._validate_crd(new)
             new["status"] = self._crd_status(res, new)
+        if res.crd is not None:
+            self._validate_custom(res, new, old)
         ignored = ("metadata", "status") if res.status else ("metadata",)
         if _without(old, ignored) != _without(new, ignored):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
@@ -2113,6 +2140,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise _invalid(
                 res, name, "spec.versions", "exactly one version must be the storage version"
             )
+        problems = [
+            problem
+            for i, v in enumerate(versions)
+            if isinstance((v.get("schema") or {}).get("openAPIV3Schema"), dict)
+            for problem in rule_problems(
+                v["schema"]["openAPIV3Schema"], f"spec.versions[{i}].schema.openAPIV3Schema"
+            )
+        ]
+        if problems:
+            raise _refused(res, name, problems)
         taken = self._registry.get((group, plural))
         if taken is not None and taken.crd != name:
             raise _invalid(res, name, "spec.names.plural", f"{plural}.{group} is already served")

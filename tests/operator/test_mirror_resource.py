@@ -23,6 +23,7 @@ from k8s_env import CREDENTIALS, Env, condition, wait_for
 
 import zarrlake
 from cli_helpers import CHUNK, commit_random
+from zarrlake_operator import kube
 from zarrlake_testkit import emulated
 from zarrlake_testkit.servers import start_moto, stop
 
@@ -261,13 +262,31 @@ def test_a_mirror_where_nothing_promotes_goes_stalled_with_the_missing_count(
 
 
 @pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"mode": "mirror"}, 'spec.mode: Unsupported value: "mirror"'),
+        ({"stalledAfter": "soon"}, 'spec.stalledAfter: Invalid value: "soon"'),
+    ],
+)
+def test_specs_the_schema_refuses_never_reach_the_operator(
+    k8s: Env, west: str, spec: dict[str, Any], words: str
+) -> None:
+    k8s.ready_repository("repo")
+    with pytest.raises(kube.KubeError) as refused:
+        apply_mirror(k8s, west, "bad", **spec)
+    assert refused.value.status == 422
+    assert 'Mirror.zarrlake.io "bad" is invalid' in str(refused.value)
+    assert words in str(refused.value)
+    assert k8s.get("Mirror", "bad") is None
+    assert k8s.get("Deployment", "zl-bad-mirror") is None
+
+
+@pytest.mark.parametrize(
     ("spec", "reason", "words"),
     [
         ({"repository": "nope"}, "RepositoryNotFound", "Repository 'nope' does not exist"),
-        ({"mode": "mirror"}, "InvalidSpec", "spec.mode"),
         ({"branches": ["main", "rel[ease"]}, "InvalidBranchGlob", "'rel[ease'"),
         ({"interval": "0s"}, "InvalidDuration", "spec.interval"),
-        ({"stalledAfter": "soon"}, "InvalidSpec", "spec.stalledAfter"),
     ],
 )
 def test_bad_specs_get_a_precise_reason_and_no_replicator(

@@ -108,13 +108,29 @@ def test_missing_credentials_secret_is_reported_then_picked_up(k8s: Env) -> None
     k8s.wait_condition("Repository", "repo")
 
 
-def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
+def test_invalid_spec_is_refused_by_the_api_server(k8s: Env) -> None:
+    """What the CRD's schema refuses never reaches the operator: the API server answers 422 and
+    names every bad field (on a real cluster as on the emulated API)."""
     k8s.secret()
-    k8s.custom(
-        "Repository",
-        "bad",
-        {"storage": {"bucket": "Not_A_Bucket!"}, "lockService": {"mode": "sometimes"}},
-    )
+    with pytest.raises(kube.KubeError) as refused:
+        k8s.custom(
+            "Repository",
+            "bad",
+            {"storage": {"bucket": "Not_A_Bucket!"}, "lockService": {"mode": "sometimes"}},
+        )
+    assert refused.value.status == 422
+    message = str(refused.value)
+    assert 'Repository.zarrlake.io "bad" is invalid' in message
+    assert 'spec.storage.bucket: Invalid value: "Not_A_Bucket!"' in message
+    assert 'spec.lockService.mode: Unsupported value: "sometimes"' in message
+    assert k8s.get("Repository", "bad") is None
+
+
+def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
+    """What the schema cannot express, the operator refuses with a condition a person can act
+    on: a session lifetime the pattern accepts but the engine does not (at most 7 days)."""
+    k8s.secret()
+    k8s.repository("bad", config={"sessionTTL": "30d"})
     obj = wait_for(
         "InvalidSpec",
         lambda: (
@@ -124,8 +140,10 @@ def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
         ),
     )
     message = condition(obj, "Ready")["message"]
-    assert "spec.storage.bucket" in message and "spec.lockService.mode" in message
+    assert message == "spec.config: session_ttl must be positive and at most 7 days"
     assert obj["status"]["phase"] == "Failed"
+    assert condition(obj, "Ready")["status"] == "False"
+    wait_for("the InvalidSpec Warning event", lambda: "InvalidSpec" in k8s.event_reasons())
 
 
 def test_lock_service_drift_is_corrected_and_mode_change_removes_it(k8s: Env) -> None:
@@ -382,11 +400,17 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
         "short",
         {"repository": "repo", "gc": {"schedule": "@daily", "grace": "1d"}},
     )
-    k8s.custom(
-        "RetentionPolicy",
-        "cron",
-        {"repository": "repo", "gc": {"schedule": "every tuesday"}},
-    )
+    # A schedule that is not five fields or a macro: the CRD's pattern refuses it (422).
+    with pytest.raises(kube.KubeError) as refused:
+        k8s.custom(
+            "RetentionPolicy",
+            "cron",
+            {"repository": "repo", "gc": {"schedule": "every tuesday"}},
+        )
+    assert refused.value.status == 422
+    assert 'spec.gc.schedule: Invalid value: "every tuesday"' in str(refused.value)
+    assert k8s.get("RetentionPolicy", "cron") is None
+    # Five fields out of range, and a grace below 7 days: only the operator can tell.
     k8s.custom(
         "RetentionPolicy",
         "out-of-range",
@@ -398,7 +422,6 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
     )
     for name, needle in (
         ("short", "below 7d"),
-        ("cron", "schedule"),
         ("out-of-range", "minute 61 is out of range 0-59"),
         ("out-of-range", "day of month range '5-1' runs backwards"),
     ):
@@ -416,11 +439,7 @@ def test_bad_retention_specs_are_refused(k8s: Env) -> None:
     # Each refusal is a Warning event too — once, not once per resync.
     time.sleep(5)  # a few resyncs (every 2 s here)
     refusals = [e for e in k8s.events() if e.get("reason") == "InvalidSpec"]
-    assert sorted(e["involvedObject"]["name"] for e in refusals) == [
-        "cron",
-        "out-of-range",
-        "short",
-    ]
+    assert sorted(e["involvedObject"]["name"] for e in refusals) == ["out-of-range", "short"]
     assert all(e["type"] == "Warning" for e in refusals)
 
 
@@ -610,18 +629,18 @@ def test_tag_spec_changes_do_not_move_the_tag(k8s: Env) -> None:
     k8s.wait_condition("Branch", "other")
     second = commit(repo, "other", 2.0, "two")
     k8s.custom("Tag", "t", {"repository": "repo", "ref": "main"})
-    assert k8s.wait_condition("Tag", "t")["status"]["snapshot"] == first
-    # The CRD's CEL rule refuses this on a real API server; the emulator lets it through, and
-    # the operator still never re-points a tag.
-    k8s.patch("Tag", "t", {"spec": {"ref": "other"}})
-    wait_for(
-        "the update handled",
-        lambda: (
-            (o := k8s.get("Tag", "t"))["status"].get("observedGeneration")
-            == o["metadata"]["generation"]
-        ),
-    )
-    assert k8s.get("Tag", "t")["status"]["snapshot"] == first
+    tagged = k8s.wait_condition("Tag", "t")
+    assert tagged["status"]["snapshot"] == first
+    # The CRD's CEL transition rule refuses the change, on a real API server as on the emulated
+    # one; the resource and the tag stay as they were.
+    with pytest.raises(kube.KubeError) as refused:
+        k8s.patch("Tag", "t", {"spec": {"ref": "other"}})
+    assert refused.value.status == 422
+    assert 'spec.ref: Invalid value: "string": ref is immutable' in str(refused.value)
+    after = k8s.get("Tag", "t") or {}
+    assert after["spec"]["ref"] == "main"
+    assert after["metadata"]["generation"] == tagged["metadata"]["generation"]
+    assert after["status"]["snapshot"] == first
     assert repo.lookup_tag("t") == first != second
 
 
