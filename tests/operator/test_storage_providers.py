@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 import zarr
-from k8s_env import Env, condition, wait_for
+from k8s_env import ROOT, Env, condition, wait_for
 
 import zarrlake
 from zarrlake.errors import ReadOnlyStorage
@@ -466,6 +467,20 @@ def test_storage_rules_per_provider(storage: dict[str, Any], message: str) -> No
     with pytest.raises(pydantic.ValidationError) as e:
         Repository.model_validate({"spec": {"storage": storage}})
     assert message in problems(e.value, prefix="spec.")
+    # The API server refuses the same object, by the CRD's schema and CEL rules.
+    refused = _crd_errors({"spec": {"storage": storage}})
+    assert refused and any(message in error for error in refused), refused
+
+
+def _crd_errors(obj: dict[str, Any]) -> list[str]:
+    """Why the API server would refuse ``obj`` as a Repository (pruned and defaulted first)."""
+    from zarrlake_testkit.crdschema import apply_schema, validate
+
+    crd = yaml.safe_load((ROOT / "crds" / "zarrlake.io_repositories.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    full = {"apiVersion": "zarrlake.io/v1alpha1", "kind": "Repository", **obj}
+    full["metadata"] = {"name": "climate", "namespace": "default"}
+    return [str(e) for e in validate(apply_schema(full, schema, root=True), None, schema)]
 
 
 def test_http_repository_cannot_be_reclaimed_by_deletion() -> None:
@@ -479,6 +494,12 @@ def test_http_repository_cannot_be_reclaimed_by_deletion() -> None:
     assert "spec.reclaimPolicy Delete needs writable storage" in problems(e.value)
     ok = Repository.model_validate({"spec": {"storage": http}})
     assert ok.spec.storage.read_only and ok.spec.storage.bucket is None
+    assert any(
+        "spec.reclaimPolicy Delete needs writable storage" in e
+        for e in _crd_errors({"spec": {"storage": http, "reclaimPolicy": "Delete"}})
+    )
+    assert _crd_errors({"spec": {"storage": http}}) == []
+    assert _crd_errors({"spec": {"storage": {"bucket": "abc"}}}) == []
 
 
 def test_connection_urls_read_back_as_the_same_storage() -> None:
