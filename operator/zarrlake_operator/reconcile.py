@@ -9,6 +9,7 @@ objects; they never reach a log line, an event or a status field.
 
 from __future__ import annotations
 
+import os
 import secrets as pysecrets
 import threading
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
+from zarrlake.refs import Refs
 from zarrlake.resources import (
     API_VERSION,
     BranchSpec,
@@ -187,6 +189,15 @@ def _connection(
     )
 
 
+class RepositoryNotReady(kopf.TemporaryError):
+    """A Branch, Tag or RetentionPolicy waits for its Repository (missing, or not Ready):
+    retried after ``delay``, or as soon as the Repository turns Ready (see the handlers)."""
+
+    def __init__(self, message: str, repository: str, delay: float) -> None:
+        super().__init__(message, delay=delay)
+        self.repository = repository
+
+
 def _ready_repository(
     body: Mapping[str, Any], repository: str, *, resync: bool = False
 ) -> tuple[dict[str, Any], Repository]:
@@ -204,22 +215,25 @@ def _ready_repository(
             reason="RepositoryNotFound",
             message=f"Repository {repository!r} does not exist in namespace {ns!r}",
         )
-        raise kopf.TemporaryError(f"Repository {repository!r} not found", delay=15)
+        raise RepositoryNotReady(f"Repository {repository!r} not found", repository, 15)
     try:
         conn = _connection(repo_body, require_ready=True, resync=resync)
         expected = ((repo_body.get("status") or {}).get("repositoryID")) or None
         return repo_body, _open(conn, expected)
     except (KubernetesError, ZarrlakeError, StorageError) as e:
         _report(body, ready=False, reason="RepositoryNotReady", message=str(e))
-        raise kopf.TemporaryError(f"Repository {repository!r} not ready: {e}", delay=10) from None
+        message = f"Repository {repository!r} not ready: {e}"
+        raise RepositoryNotReady(message, repository, 10) from None
 
 
 # Storage clients and opened repositories, by location and credentials: building an S3 client
-# costs ~0.2 s of CPU, which every resync of every Repository, Branch and Tag would repeat (at
-# 1,400 objects that was most of a core). A Repository object reads its branch heads afresh; a
-# Repository resource's own reconcile still re-reads the repository record each time (through
-# the kept client), so a repository replaced at its location is noticed.
-_KEPT_MAX = 256
+# costs ~0.2 s of CPU, which every resync would repeat (at 1,400 objects that was most of a
+# core). A kept Repository object remembers the branch heads and tag records it has read, so a
+# resync reads only what moved; a Repository resource's own reconcile still re-reads the
+# repository record each time (through the kept client), so a repository replaced at its
+# location is noticed. One entry per repository the operator manages: the bound only caps a
+# fleet far beyond one operator (an evicted entry costs its next resync a client and its refs).
+_KEPT_MAX = int(os.environ.get("ZARRLAKE_KEPT_REPOSITORIES", "4096"))
 _storages: OrderedDict[tuple[str | None, ...], Storage] = OrderedDict()
 _opened: OrderedDict[tuple[str | None, ...], Repository] = OrderedDict()
 _kept_lock = threading.Lock()
@@ -248,6 +262,18 @@ def _storage(conn: Connection) -> Storage:
     return storage
 
 
+def _kept(conn: Connection, repo: Repository) -> Repository:
+    """The repository object kept for ``conn`` when it is ``repo``'s repository (what it has
+    read, branch heads and tag records, saves requests), else ``repo``, kept from now on."""
+    key = _key(conn)
+    with _kept_lock:
+        kept = _opened.get(key)
+    if kept is not None and kept.id == repo.id:
+        return kept
+    _keep(_opened, key, repo)
+    return repo
+
+
 def _open(conn: Connection, expected_id: str | None) -> Repository:
     """The repository at ``conn``, reused while it is the one the resource reported."""
     key = _key(conn)
@@ -270,13 +296,19 @@ def _claim(
 ) -> str | None:
     """The name of the resource that owns this branch/tag when it is not ``body`` (a conflict).
 
-    A change, creation or deletion asks the API server; a resync (nothing changed) looks at the
-    watch's view, which the change handlers of any newcomer have already decided against."""
+    A change, creation or deletion asks the API server (for the resources of ``repository``
+    only); a resync (nothing changed) looks at the watch's view, which the change handlers of any
+    newcomer have already decided against."""
     ns = body["metadata"]["namespace"]
     mine = desired.ref_name(body)
+    found = (
+        kube.cached_dependents(kind, ns, repository)
+        if resync
+        else kube.list_(kind, ns, field=("spec.repository", repository))
+    )
     claims = [
         other
-        for other in (kube.cached_list(kind, ns) if resync else kube.list_(kind, ns))
+        for other in found
         if (other.get("spec") or {}).get("repository") == repository
         and desired.ref_name(other) == mine
     ]
@@ -321,8 +353,11 @@ def engine_config(spec: RepositorySpec) -> RepositoryConfig:
 
 
 def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
-    """Bucket, lock service and repository for one Repository resource; returns the new status."""
-    _, _, gen = _meta(body)
+    """Bucket, lock service and repository for one Repository resource; returns the new status.
+
+    What it saw of the repository's refs is kept for :func:`dependents`."""
+    ns, name, gen = _meta(body)
+    _seen_refs.pop((ns, name), None)
     spec = parse_spec(RepositorySpec, body)
     try:
         config = engine_config(spec)
@@ -412,12 +447,14 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
                     "resource manages); it is not adopted, and not deleted with the resource",
                 )
             else:
+                refs = _kept(conn, repo).refs()
+                _seen_refs[ns, name] = SeenRefs(repo.id, refs)
                 status = status.model_copy(
                     update={
                         "repository_id": repo.id,
                         "url": conn.storage_url,
-                        "branches": len(repo.list_branches()),
-                        "tags": len(repo.list_tags()),
+                        "branches": len(refs.branches),
+                        "tags": len(refs.tags),
                     }
                 )
                 message = f"repository {repo.id} at {conn.storage_url}"
@@ -455,6 +492,63 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     return status
 
 
+@dataclass(frozen=True)
+class SeenRefs:
+    """What the last reconcile of a Repository resource read of its repository's refs."""
+
+    repository_id: str
+    refs: Refs
+
+
+# (namespace, Repository) -> its refs as its last reconcile read them (dropped when it could not).
+_seen_refs: dict[tuple[str, str], SeenRefs] = {}
+
+
+@dataclass(frozen=True)
+class Dependent:
+    """A Branch, Tag or RetentionPolicy of a Repository resource, as a resync of that
+    Repository finds it: ``confirmed`` when what the resync read of the refs is what its status
+    already says (no reconcile needed)."""
+
+    kind: str
+    body: dict[str, Any]
+    confirmed: bool
+
+
+def dependents(repo_body: Mapping[str, Any]) -> list[Dependent]:
+    """The Branches, Tags and RetentionPolicies of a Repository resource (from the watch's
+    view), each checked against what its resync just read of the refs.
+
+    A Branch or Tag is confirmed when its status already says that: Ready for its generation,
+    the owner of its ref among the claims, the ref where it was seen; anything else (the ref
+    moved or went, a claim or the spec changed, not Ready, refs not read) needs its reconcile.
+    A RetentionPolicy is never confirmed: its reconcile needs no storage request. So a resting
+    repository costs one listing of its refs however many resources name it."""
+    ns, name, _ = _meta(repo_body)
+    seen = _seen_refs.get((ns, name))
+    known_id = observed(RepositoryStatus, repo_body).repository_id
+    if seen is not None and seen.repository_id != known_id:
+        seen = None  # read from another repository than the one the status names: trust nothing
+    found: list[Dependent] = []
+    for kind in ("Branch", "Tag"):
+        # A listed item may not say its kind; the reconciles of these bodies need it.
+        bodies = [{**b, "kind": kind} for b in kube.cached_dependents(kind, ns, name)]
+        claims: dict[str, list[dict[str, Any]]] = {}
+        for body in bodies:
+            claims.setdefault(desired.ref_name(body), []).append(body)
+        for body in bodies:
+            ref = desired.ref_name(body)
+            if seen is None:
+                target = None
+            else:
+                target = (seen.refs.branches if kind == "Branch" else seen.refs.tags).get(ref)
+            ok = desired.ref_reported(body, target, desired.claim_winner(claims[ref]))
+            found.append(Dependent(kind, body, ok))
+    for body in kube.cached_dependents("RetentionPolicy", ns, name):
+        found.append(Dependent("RetentionPolicy", {**body, "kind": "RetentionPolicy"}, False))
+    return found
+
+
 def _location(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
     """(endpoint, bucket, prefix) of a Repository resource; None for a spec that does not parse
     (the API server refuses those, so it claims nothing)."""
@@ -465,6 +559,11 @@ def _location(body: Mapping[str, Any]) -> tuple[str, str, str] | None:
     return (storage.endpoint_url or "").rstrip("/"), storage.bucket, storage.prefix
 
 
+def _bucket(body: Mapping[str, Any]) -> str:
+    storage = (body.get("spec") or {}).get("storage") or {}
+    return str(storage.get("bucket") or "")
+
+
 def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | None:
     """The older Repository resource in this namespace with the same location, if any (on a
     resync, from the watch's view)."""
@@ -472,7 +571,13 @@ def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | N
     here = _location(body)
     if here is None:
         return None
-    found = kube.cached_list("Repository", ns) if resync else kube.list_("Repository", ns)
+    # Only the Repositories of the same bucket can share the location (asked of the server by
+    # that field, or picked from the watch's view before any spec is parsed).
+    bucket = _bucket(body)
+    if resync:
+        found = [o for o in kube.cached_list("Repository", ns) if _bucket(o) == bucket]
+    else:
+        found = kube.list_("Repository", ns, field=("spec.storage.bucket", bucket))
     same = [o for o in found if _location(o) == here]
     winner = desired.claim_winner(same)
     if resync and winner not in (None, name):
