@@ -215,6 +215,23 @@ def test_log_reads_the_head_then_one_round_of_history_pages(
     assert all(key.startswith("history/") for op, key in counts.calls()[2:] if op == "get")
 
 
+def test_the_newest_commit_alone_is_the_read_of_the_head(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """``next(iter(log(ref, limit=1)))`` (what the operator reports of a branch head): the
+    head's entry carries its snapshot, which is its record; the expiry marks and history pages
+    are read only if the walk goes on past it."""
+    ids = _repo_with_commits(counted, 3)
+    repo = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    history = repo.log("main", limit=1)
+    assert next(iter(history)).id == ids[0]
+    assert _ops(counts) == ["list", "get"]
+    assert list(history) == [] and history.truncated == []
+    assert _ops(counts)[2:] == ["list"]  # exhausted: the expiry marks, to say where it ends
+
+
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
     _repo_with_commits(counted, 2)
     repo = zarrlake.Repository.open(counted())
