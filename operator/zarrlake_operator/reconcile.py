@@ -745,7 +745,12 @@ def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
         return _report_claimed(body, "Branch", name, winner)
     recreated = None
     try:
-        head = repo.lookup_branch(name)
+        if previous.head is None and previous.branch is None:
+            # Never reported: most likely a new branch, so it is created without a lookup
+            # first (one that exists already is adopted).
+            head, recreated = _create_branch(body, repo, name, spec, previous)
+        else:
+            head = repo.lookup_branch(name)
     except RefNotFound:
         head, recreated = _create_branch(body, repo, name, spec, previous)
     except InvalidName as e:
@@ -796,6 +801,10 @@ def _create_branch(
     except BranchExists:
         return repo.lookup_branch(name), None  # created concurrently: adopt
     except RefNotFound:
+        try:  # spec.from only matters to a new branch: one that exists is adopted
+            return repo.lookup_branch(name), None
+        except RefNotFound:
+            pass
         message = f"spec.from {spec.from_!r} is not a branch, tag or snapshot of the repository"
         _report(body, ready=False, reason="FromNotFound", message=message)
         raise kopf.TemporaryError(message, delay=30) from None
@@ -876,10 +885,16 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
     winner = _claim(body, "Tag", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Tag", name, winner)
-    tags = repo.list_tags()
+    try:
+        current: str | None = repo.lookup_tag(name)
+    except RefNotFound:
+        current = None
+    except InvalidName as e:
+        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
     recorded = previous.snapshot
     if recorded:
-        if tags.get(name) != recorded:
+        if current != recorded:
             return _report(
                 body,
                 ready=False,
@@ -889,8 +904,8 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
                 phase="Failed",
             )
         snapshot = recorded
-    elif name in tags:
-        snapshot = tags[name]  # adopt a tag made before the resource
+    elif current is not None:
+        snapshot = current  # adopt a tag made before the resource
     else:
         try:
             snapshot = repo.resolve(spec.ref)
@@ -1030,9 +1045,11 @@ def _remove_stale(
     """Delete what the policy made before and no longer asks for (another engine, compaction
     dropped, the driver's ServiceAccount now given): by name, so nothing else is touched.
 
-    With ``sweep``, every name the policy could have used is tried; without, only those its
-    status names (a resync, when the status was written by the reconcile that made them): no
-    request for what does not exist."""
+    With ``sweep``, every name the policy could have used, of what exists: its CronJobs as the
+    watch shows them, its ScheduledSparkApplications listed by its label, and the driver's
+    ServiceAccount, Role and RoleBinding where the policy runs or ran on Spark (nothing else
+    makes them). Without, only those its status names (a resync, when the status was written
+    by the reconcile that made them). No request for what does not exist."""
     ns, name, _ = _meta(policy)
     wanted = {
         (o["kind"], o["metadata"]["name"])
@@ -1048,8 +1065,17 @@ def _remove_stale(
     ]
     spark_names = desired.spark_names(name)
     candidates += [(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")]
-    if not sweep:
-        status = observed(RetentionPolicyStatus, policy)
+    status = observed(RetentionPolicyStatus, policy)
+    if sweep:
+        present = {c for c in candidates if c[0] == "CronJob" and kube.watched(c[0], ns, c[1])}
+        present |= {
+            ("ScheduledSparkApplication", o["metadata"]["name"]) for o in _spark_apps(policy)
+        }
+        engine = (policy.get("spec") or {}).get("engine") or "local"
+        if engine != "local" or status.engine not in (None, "local"):
+            present |= {(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")}
+        candidates = [c for c in candidates if c in present]
+    else:
         named = {
             ("CronJob", status.gc_cron_job),
             ("CronJob", status.compaction_cron_job),
@@ -1070,6 +1096,18 @@ def _remove_stale(
             raise
         if gone:
             _event(policy, f"{kind}Deleted", f"deleted {kind} {obj_name}")
+
+
+def _spark_apps(policy: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The policy's ScheduledSparkApplications, by its label (none where the Spark operator is
+    not installed, or not ours to list)."""
+    ns, name, _ = _meta(policy)
+    try:
+        return kube.list_("ScheduledSparkApplication", ns, f"{desired.POLICY_LABEL}={name}")
+    except kube.KubeError as e:
+        if e.status in (403, 404):
+            return []
+        raise
 
 
 def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:
