@@ -256,8 +256,8 @@ BRANCHES = (GROUP, VERSION, "branches")
 @kopf.on.resume(*BRANCHES)
 @kopf.on.create(*BRANCHES)
 @kopf.on.update(*BRANCHES, field="spec")
-async def branch_changed(body: kopf.Body, **_: Any) -> None:
-    await _dependent_changed("Branch", reconcile.branch, body)
+async def branch_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    await _dependent_changed("Branch", reconcile.branch, body, patch=patch)
 
 
 @kopf.timer(*BRANCHES, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
@@ -287,8 +287,8 @@ TAGS = (GROUP, VERSION, "tags")
 @kopf.on.resume(*TAGS)
 @kopf.on.create(*TAGS)
 @kopf.on.update(*TAGS, field="spec")
-async def tag_changed(body: kopf.Body, **_: Any) -> None:
-    await _dependent_changed("Tag", reconcile.tag, body)
+async def tag_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    await _dependent_changed("Tag", reconcile.tag, body, patch=patch)
 
 
 @kopf.timer(*TAGS, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)

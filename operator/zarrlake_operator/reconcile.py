@@ -13,7 +13,7 @@ import os
 import secrets as pysecrets
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -199,7 +199,7 @@ class RepositoryNotReady(kopf.TemporaryError):
 
 
 def _ready_repository(
-    body: Mapping[str, Any], repository: str, *, resync: bool = False
+    body: Mapping[str, Any], repository: str
 ) -> tuple[dict[str, Any], Repository]:
     """The Repository resource a Branch/Tag/RetentionPolicy names, opened; retries until Ready.
 
@@ -217,7 +217,10 @@ def _ready_repository(
         )
         raise RepositoryNotReady(f"Repository {repository!r} not found", repository, 15)
     try:
-        conn = _connection(repo_body, require_ready=True, resync=resync)
+        # Through the Secret cache even on a change: a dependent's change is not one of its
+        # Repository's credentials, and those are re-read within SECRET_TTL_S by every reconcile
+        # (the Repository's own changes read them afresh).
+        conn = _connection(repo_body, require_ready=True, resync=True)
         expected = ((repo_body.get("status") or {}).get("repositoryID")) or None
         return repo_body, _open(conn, expected)
     except (KubernetesError, ZarrlakeError, StorageError) as e:
@@ -600,12 +603,14 @@ def _lock_service(
     body: Mapping[str, Any], spec: RepositorySpec, *, resync: bool = False
 ) -> LockServiceState:
     """Make the repository's lock service what the spec asks for, and say how it is."""
-    ns, name, _ = _meta(body)
+    ns, name, gen = _meta(body)
     mode = spec.lock_service.mode
     managed_before = observed(RepositoryStatus, body).lock_endpoint == desired.lock_endpoint(
         name, ns
     )
-    if mode != "managed" and (managed_before or not resync):
+    # A change looks for a managed service the status may not name (a reconcile that made one
+    # and stopped before its status); a spec never changed (generation 1) never asked for one.
+    if mode != "managed" and (managed_before or (not resync and gen != 1)):
         _remove_managed_lock(ns, name)
     if mode == "none":
         return LockServiceState(
@@ -724,7 +729,15 @@ def _delete_data(
 # -- Branch --
 
 
-def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
+def branch(
+    body: Mapping[str, Any],
+    *,
+    resync: bool = False,
+    patch: MutableMapping[str, Any] | None = None,
+) -> ResourceStatus:
+    """The branch of one Branch resource; returns the new status. ``patch``: where to put a
+    change of the resource's own metadata (the one Kopf applies after a handler), else it is
+    patched here."""
     spec = parse_spec(BranchSpec, body)
     name = desired.ref_name(body)
     previous = observed(BranchStatus, body)
@@ -738,8 +751,8 @@ def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
             phase="Refused",
             fields=BranchStatus(branch=name),
         )
-    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
-    _follow(body, repo_body)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body, patch)
     winner = _claim(body, "Branch", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Branch", name, winner)
@@ -823,9 +836,14 @@ def _create_branch(
     return head, None
 
 
-def _follow(body: Mapping[str, Any], repo_body: Mapping[str, Any]) -> None:
+def _follow(
+    body: Mapping[str, Any],
+    repo_body: Mapping[str, Any],
+    patch: MutableMapping[str, Any] | None = None,
+) -> None:
     """Make a Branch/Tag resource a dependent of its Repository resource, so that it goes when
-    the Repository goes (the refs in the data follow the Repository's reclaimPolicy)."""
+    the Repository goes (the refs in the data follow the Repository's reclaimPolicy): in
+    ``patch`` when there is one (Kopf applies it with its own, one request instead of two)."""
     ns, name, _ = _meta(body)
     refs = list((body.get("metadata") or {}).get("ownerReferences") or [])
     uid = repo_body["metadata"]["uid"]
@@ -839,6 +857,9 @@ def _follow(body: Mapping[str, Any], repo_body: Mapping[str, Any]) -> None:
             "uid": uid,
         }
     )
+    if patch is not None:
+        patch.setdefault("metadata", {})["ownerReferences"] = refs
+        return
     kube.merge_patch(body["kind"], ns, name, {"metadata": {"ownerReferences": refs}})
 
 
@@ -876,24 +897,27 @@ def delete_branch(body: Mapping[str, Any]) -> str:
 # -- Tag --
 
 
-def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
+def tag(
+    body: Mapping[str, Any],
+    *,
+    resync: bool = False,
+    patch: MutableMapping[str, Any] | None = None,
+) -> ResourceStatus:
+    """The tag of one Tag resource; returns the new status (``patch`` as for :func:`branch`)."""
     spec = parse_spec(TagSpec, body)
     name = desired.ref_name(body)
     previous = observed(TagStatus, body)
-    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
-    _follow(body, repo_body)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body, patch)
     winner = _claim(body, "Tag", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Tag", name, winner)
-    try:
-        current: str | None = repo.lookup_tag(name)
-    except RefNotFound:
-        current = None
-    except InvalidName as e:
-        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
-        raise kopf.PermanentError(str(e)) from None
     recorded = previous.snapshot
     if recorded:
+        try:
+            current: str | None = repo.lookup_tag(name)
+        except RefNotFound:
+            current = None
         if current != recorded:
             return _report(
                 body,
@@ -904,25 +928,8 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
                 phase="Failed",
             )
         snapshot = recorded
-    elif current is not None:
-        snapshot = current  # adopt a tag made before the resource
     else:
-        try:
-            snapshot = repo.resolve(spec.ref)
-            repo.create_tag(name, snapshot)
-        except RefNotFound:
-            message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
-            _report(body, ready=False, reason="RefNotFound", message=message)
-            raise kopf.TemporaryError(message, delay=30) from None
-        except TagExists as e:
-            if repo.list_tags().get(name) != snapshot:  # made concurrently to the same: adopt
-                _report(body, ready=False, reason="TagNameUsed", message=str(e), phase="Failed")
-                raise kopf.PermanentError(str(e)) from None
-        except InvalidName as e:
-            _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
-            raise kopf.PermanentError(str(e)) from None
-        else:
-            _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+        snapshot = _create_tag(body, repo, name, spec)
     return _report(
         body,
         ready=True,
@@ -932,6 +939,31 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
         also=[NO_CONFLICT],
         fields=TagStatus(tag=name, snapshot=snapshot),
     )
+
+
+def _create_tag(body: Mapping[str, Any], repo: Repository, name: str, spec: TagSpec) -> str:
+    """Tag ``spec.ref`` (never reported yet, so most likely new: no lookup first), or adopt the
+    tag of that name that exists (made before the resource, or concurrently); returns its
+    snapshot. A deleted tag's name is refused for good (never reused)."""
+    try:
+        snapshot = repo.resolve(spec.ref)
+        repo.create_tag(name, snapshot)
+    except (RefNotFound, TagExists) as e:
+        try:
+            return repo.lookup_tag(name)
+        except RefNotFound:
+            pass
+        if isinstance(e, TagExists):
+            _report(body, ready=False, reason="TagNameUsed", message=str(e), phase="Failed")
+            raise kopf.PermanentError(str(e)) from None
+        message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
+        _report(body, ready=False, reason="RefNotFound", message=message)
+        raise kopf.TemporaryError(message, delay=30) from None
+    except InvalidName as e:
+        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
+    _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+    return snapshot
 
 
 def delete_tag(body: Mapping[str, Any]) -> str:
@@ -975,7 +1007,7 @@ def retention_policy(
         raise refuse(body, message)
     if kube.cached("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
-    repo_body, _ = _ready_repository(body, spec.repository, resync=resync)
+    repo_body, _ = _ready_repository(body, spec.repository)
     engine = retention_engine(spec)
     cron_jobs: dict[str, dict[str, Any]] = {}
     spark_apps: dict[str, dict[str, Any]] = {}
@@ -1045,12 +1077,12 @@ def _remove_stale(
     """Delete what the policy made before and no longer asks for (another engine, compaction
     dropped, the driver's ServiceAccount now given): by name, so nothing else is touched.
 
-    With ``sweep``, every name the policy could have used, of what exists: its CronJobs as the
-    watch shows them, its ScheduledSparkApplications listed by its label, and the driver's
-    ServiceAccount, Role and RoleBinding where the policy runs or ran on Spark (nothing else
-    makes them). Without, only those its status names (a resync, when the status was written
-    by the reconcile that made them). No request for what does not exist."""
-    ns, name, _ = _meta(policy)
+    With ``sweep``, every name the policy could have used, of what may exist: its CronJobs as
+    the watch shows them; its ScheduledSparkApplications (listed by its label) and the
+    driver's ServiceAccount, Role and RoleBinding unless the policy never ran on Spark (local
+    now, never otherwise in its status, its spec never changed). Without, only those its
+    status names (a resync, when the status was written by the reconcile that made them)."""
+    ns, name, gen = _meta(policy)
     wanted = {
         (o["kind"], o["metadata"]["name"])
         for o in [*cron_jobs.values(), *spark_apps.values(), *rbac]
@@ -1068,11 +1100,13 @@ def _remove_stale(
     status = observed(RetentionPolicyStatus, policy)
     if sweep:
         present = {c for c in candidates if c[0] == "CronJob" and kube.watched(c[0], ns, c[1])}
-        present |= {
-            ("ScheduledSparkApplication", o["metadata"]["name"]) for o in _spark_apps(policy)
-        }
         engine = (policy.get("spec") or {}).get("engine") or "local"
-        if engine != "local" or status.engine not in (None, "local"):
+        # Spark objects only where the policy runs on Spark, ran on it (its status says so), or
+        # may have (its spec changed since it was made, and a status can miss a last run).
+        if engine != "local" or status.engine not in (None, "local") or gen != 1:
+            present |= {
+                ("ScheduledSparkApplication", o["metadata"]["name"]) for o in _spark_apps(policy)
+            }
             present |= {(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")}
         candidates = [c for c in candidates if c in present]
     else:
