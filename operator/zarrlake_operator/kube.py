@@ -168,7 +168,9 @@ def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
 CACHE_TTL_S = float(os.environ.get("ZARRLAKE_WATCH_CACHE_SECONDS", "300"))
 _cache: dict[tuple[str, str, str], tuple[dict[str, Any], float]] = {}
 _tombstones: dict[tuple[str, str, str], int] = {}
-# (kind, namespace, spec.repository) -> names: a Repository's dependents without a scan of all.
+# (kind, namespace) -> names, and (kind, namespace, spec.repository) -> names: the objects of
+# one kind in a namespace, or a Repository's dependents, without a scan of everything kept.
+_in_namespace: dict[tuple[str, str], set[str]] = {}
 _dependents: dict[tuple[str, str, str], set[str]] = {}
 _cache_lock = threading.Lock()
 
@@ -180,9 +182,16 @@ def _named_repository(body: Mapping[str, Any]) -> str | None:
 
 
 def _drop(key: tuple[str, str, str]) -> None:
-    """Forget a cached object and its place in the dependents' index (``_cache_lock`` held)."""
+    """Forget a cached object and its places in the indexes (``_cache_lock`` held)."""
     found = _cache.pop(key, None)
-    repository = _named_repository(found[0]) if found else None
+    if found is None:
+        return
+    names = _in_namespace.get(key[:2])
+    if names is not None:
+        names.discard(key[2])
+        if not names:
+            del _in_namespace[key[:2]]
+    repository = _named_repository(found[0])
     if repository is not None:
         names = _dependents.get((key[0], key[1], repository))
         if names is not None:
@@ -192,9 +201,11 @@ def _drop(key: tuple[str, str, str]) -> None:
 
 
 def _put(key: tuple[str, str, str], body: dict[str, Any]) -> None:
-    """Keep ``body`` under ``key``, indexed by the Repository it names (``_cache_lock`` held)."""
+    """Keep ``body`` under ``key``, indexed by kind and namespace and by the Repository it names
+    (``_cache_lock`` held)."""
     _drop(key)
     _cache[key] = (body, time.monotonic())
+    _in_namespace.setdefault(key[:2], set()).add(key[2])
     repository = _named_repository(body)
     if repository is not None:
         _dependents.setdefault((key[0], key[1], repository), set()).add(key[2])
@@ -271,7 +282,7 @@ def cached_list(kind: str, namespace: str) -> list[dict[str, Any]]:
     use it only where an object it misses or one gone meanwhile cannot lead to harm, and confirm
     with :func:`list_` before acting on what it shows."""
     with _cache_lock:
-        return [b for (k, ns, _), (b, _at) in _cache.items() if k == kind and ns == namespace]
+        return [_cache[kind, namespace, n][0] for n in _in_namespace.get((kind, namespace), ())]
 
 
 def cached_dependents(kind: str, namespace: str, repository: str) -> list[dict[str, Any]]:
