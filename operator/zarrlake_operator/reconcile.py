@@ -395,19 +395,34 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     except KubernetesError as e:
         cond("BucketReady", False, "CredentialsNotFound", str(e))
         retry = kopf.TemporaryError(str(e), delay=20)
-    if conn is not None:
+
+    def check_bucket(conn: Connection) -> bool:
+        """Whether the bucket is (now) there; sets BucketReady either way."""
+        nonlocal retry
         try:
             state = buckets.ensure_bucket(conn, provision=spec.storage.provision)
-            detail = "created by the operator" if state.created else "exists"
-            cond("BucketReady", True, "BucketReady", f"bucket {conn.bucket!r} {detail}")
-            if state.created:
-                _event(body, "BucketCreated", f"created bucket {conn.bucket!r}")
         except buckets.BucketMissing as e:
             cond("BucketReady", False, "BucketNotFound", str(e))
             retry = kopf.TemporaryError(str(e), delay=30)
+            return False
         except buckets.BucketUnreachable as e:
             cond("BucketReady", False, "StorageUnreachable", str(e))
             retry = kopf.TemporaryError(str(e), delay=15)
+            return False
+        detail = "created by the operator" if state.created else "exists"
+        cond("BucketReady", True, "BucketReady", f"bucket {conn.bucket!r} {detail}")
+        if state.created:
+            _event(body, "BucketCreated", f"created bucket {conn.bucket!r}")
+        return True
+
+    # A resync of a repository found in its bucket last time reads the repository first: found,
+    # the bucket is there too (a request fewer per resync); else the bucket is checked then,
+    # to say which of the two went.
+    bucket_checked = not (
+        resync and previous.repository_id and desired.is_true(conds, "BucketReady")
+    )
+    if conn is not None and bucket_checked:
+        check_bucket(conn)
 
     # The lock service.
     lock = _lock_service(body, spec, resync=resync)
@@ -465,17 +480,19 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
                 if known is None:
                     _event(body, "Initialized", message)
         except RepositoryNotFound:
-            cond(
-                "Initialized",
-                False,
-                "RepositoryMissing",
-                f"repository {known} is gone from {conn.storage_url}; the operator does not "
-                "create an empty one in its place",
-            )
-            retry = retry or kopf.TemporaryError("repository missing", delay=30)
+            if bucket_checked or check_bucket(conn):
+                cond(
+                    "Initialized",
+                    False,
+                    "RepositoryMissing",
+                    f"repository {known} is gone from {conn.storage_url}; the operator does not "
+                    "create an empty one in its place",
+                )
+                retry = retry or kopf.TemporaryError("repository missing", delay=30)
         except (ZarrlakeError, StorageError) as e:
-            cond("Initialized", False, "StorageError", str(e))
-            retry = retry or kopf.TemporaryError(str(e), delay=15)
+            if bucket_checked or check_bucket(conn):
+                cond("Initialized", False, "StorageError", str(e))
+                retry = retry or kopf.TemporaryError(str(e), delay=15)
     elif not desired.condition(conds, "Initialized"):
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 

@@ -880,6 +880,27 @@ def test_a_repository_deleted_behind_the_operators_back_is_not_recreated_empty(k
         k8s.open_repository()  # clients are told why, instead of finding an empty repository
 
 
+def test_a_bucket_deleted_behind_the_operators_back_is_reported(k8s: Env) -> None:
+    """A resync reads the repository first and checks the bucket only when that fails: a bucket
+    deleted under a Ready repository is still reported as the bucket missing."""
+    k8s.secret()
+    bucket = f"zl-{k8s.namespace}-gone"
+    s3(k8s).create_bucket(Bucket=bucket)
+    k8s.repository(bucket=bucket, provision=False)
+    k8s.wait_condition("Repository", "repo")
+    time.sleep(2)  # a resync or two of the Ready repository
+    for key in keys(k8s, bucket, ""):
+        s3(k8s).delete_object(Bucket=bucket, Key=key)
+    s3(k8s).delete_bucket(Bucket=bucket)
+    obj = k8s.wait_condition("Repository", "repo", "BucketReady", "False")
+    assert condition(obj, "BucketReady")["reason"] == "BucketNotFound"
+    assert condition(obj, "Ready")["status"] == "False"
+    s3(k8s).create_bucket(Bucket=bucket)  # back, but empty: the repository is missing
+    obj = k8s.wait_condition("Repository", "repo", "Initialized", "False")
+    assert condition(obj, "Initialized")["reason"] == "RepositoryMissing"
+    assert condition(obj, "BucketReady")["status"] == "True"
+
+
 def test_branches_and_tags_go_with_their_repository_and_retain_keeps_the_refs(k8s: Env) -> None:
     """Branch and Tag resources are dependents of their Repository resource: deleting it takes
     them along (nothing left behind saying RepositoryNotFound); with reclaimPolicy Retain the
