@@ -525,12 +525,17 @@ def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
     ):
         k8s.wait_condition(kind, name)
     time.sleep(4)  # let the first resyncs settle what the change handlers wrote
+    checked0 = _series(k8s, "zarrlake_operator_dependents_checked_total")
     before = _api_requests(k8s)
     time.sleep(8)  # several resyncs of every object (every second here)
     after = _api_requests(k8s)
+    checked = _series(k8s, "zarrlake_operator_dependents_checked_total")
     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     reconciles = delta.pop(("reconciles", ""), 0)
-    assert reconciles >= 7, delta  # every object resynced in the window ...
+    assert reconciles >= 3, delta  # the Repository and its policies resynced in the window ...
+    # ... and its Branches and Tag checked by those resyncs (confirmed: nothing to reconcile) ...
+    confirmed = {k[0]: v - checked0.get(k, 0) for k, v in checked.items() if k[1] == "confirmed"}
+    assert confirmed.get("Branch", 0) >= 3 and confirmed.get("Tag", 0) >= 1, checked
     # ... and asked the API server nothing: the Repository, Branch, Tag and policy bodies and the
     # CronJobs come from the watches, and a credentials Secret read within the last 2 minutes is
     # reused. A Secret re-read every 2 minutes is all a resting fleet costs.
