@@ -562,6 +562,7 @@ REPOSITORY_TWINS = [
     "reset_branch",
     "delete_branch",
     "list_tags",
+    "refs",
     "lookup_tag",
     "create_tag",
     "delete_tag",

@@ -215,6 +215,23 @@ def test_log_reads_the_head_then_one_round_of_history_pages(
     assert all(key.startswith("history/") for op, key in counts.calls()[2:] if op == "get")
 
 
+def test_the_newest_commit_alone_is_the_read_of_the_head(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """``next(iter(log(ref, limit=1)))`` (what the operator reports of a branch head): the
+    head's entry carries its snapshot, which is its record; the expiry marks and history pages
+    are read only if the walk goes on past it."""
+    ids = _repo_with_commits(counted, 3)
+    repo = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    history = repo.log("main", limit=1)
+    assert next(iter(history)).id == ids[0]
+    assert _ops(counts) == ["list", "get"]
+    assert list(history) == [] and history.truncated == []
+    assert _ops(counts)[2:] == ["list"]  # exhausted: the expiry marks, to say where it ends
+
+
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
     _repo_with_commits(counted, 2)
     repo = zarrlake.Repository.open(counted())
@@ -298,6 +315,62 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
     base.commit("mine, rebased")
     data = zarr.open_array(mine.readonly_session("main").store, path="data", mode="r")[:]
     assert list(data[:C]) == [13] * C and list(data[C : 2 * C]) == [5] * C
+
+
+def test_refs_are_one_listing_and_a_read_of_what_moved(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """``Repository.refs()`` (what the operator polls): one listing, then reads of only the
+    head entries and tag records not seen as they are now; the same answer as
+    ``list_branches()`` and ``list_tags()``, deleted branches and tags left out."""
+    _repo_with_commits(counted, 2)
+    writer = zarrlake.Repository.open(counted())
+    for name in ("dev", "gone"):
+        writer.create_branch(name)
+    writer.create_tag("v1", "main")
+    writer.create_tag("v0", "main")
+    writer.delete_tag("v0")
+    writer.delete_branch("gone")
+    watcher = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    refs = watcher.refs()
+    assert refs.branches == writer.list_branches() and list(refs.branches) == ["dev", "main"]
+    assert refs.tags == writer.list_tags() == {"v1": writer.lookup_branch("main")}
+    counts.reset()
+    assert watcher.refs() == refs
+    assert _ops(counts) == ["list"]  # nothing moved: nothing read
+
+    s = writer.writable_session("dev")
+    zarr.open_array(s.store, path="data")[0:C] = 3
+    moved = s.commit("on dev")
+    writer.create_tag("v2", "dev")
+    main = writer.lookup_branch("main")
+    counts.reset()  # the writer's requests counted too: from here on, only the watcher's
+    refs = watcher.refs()
+    assert refs.branches == {"dev": moved, "main": main}
+    assert refs.tags["v2"] == moved
+    # The listing, then the new head of dev and the new tag's record, in one round.
+    assert _ops(counts) == ["list", "get", "get"]
+    assert {k for _, k in counts.calls()[1:]} == {branch_entry_key("dev", 1), "refs/tag.v2"}
+    # What the listing taught the journal serves the next read of the head (no listing).
+    counts.reset()
+    assert watcher.lookup_branch("dev") == moved
+    assert _ops(counts) == ["get", "get"]
+
+
+def test_refs_without_a_listing_read_each_ref(counted: Callable[[], CountingStorage]) -> None:
+    _repo_with_commits(counted, 1)
+    writer = zarrlake.Repository.open(counted())
+    writer.create_tag("v1", "main")
+    unlisted = counted()
+    unlisted.supports_listing = False  # as a read-only HTTP storage: heads found by probing
+    repo = zarrlake.Repository.open(unlisted)
+    unlisted.counts.reset()
+    refs = repo.refs()
+    # What list_branches and list_tags do there, not the one listing of every ref.
+    assert ("list", "refs/") not in unlisted.counts.calls()
+    assert (refs.branches, refs.tags) == (writer.list_branches(), writer.list_tags())
 
 
 def _packed_array(make: Callable[[], CountingStorage], chunks: int) -> np.ndarray:

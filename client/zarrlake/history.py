@@ -114,11 +114,12 @@ class History(Iterator[CommitInfo]):
         records = CommitRecords(self._objects)
         records.learn(first)
         # The expiry marks and, unless the head's own records cover the limit, the newest history
-        # pages: one concurrent round.
+        # pages: one concurrent round, when the walk first looks past the head (the head's own
+        # record is known: ``log(limit=1)``, taken alone, reads nothing more).
         prefetch = (limit is None or limit > len(records.known)) and not records.complete()
         # With a limit, only the pages it can reach (each holds up to PAGE records).
         wanted = None if limit is None else -(-(limit - len(records.known)) // HistoryIndex.PAGE)
-        expired = records.fetch_pages(expiry, expiry_only=not prefetch, at_most=wanted)
+        expired: frozenset[str] | None = None
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
         produced = 0
@@ -127,6 +128,8 @@ class History(Iterator[CommitInfo]):
             commit = records.info(sid)
             yield commit
             produced += 1
+            if expired is None:
+                expired = records.fetch_pages(expiry, expiry_only=not prefetch, at_most=wanted)
             for parent in commit.parents:
                 if parent in seen:
                     continue

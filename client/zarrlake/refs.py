@@ -15,21 +15,24 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists, ZarrlakeError
 from zarrlake.format.model import (
+    REFS_PREFIX,
     JournalEntry,
     TagRecord,
     branch_entry_key,
     branch_prefix,
+    parse_ref_key,
     ref_name_from_key,
     seq_from_entry_key,
     tag_key,
     tag_tombstone_key,
 )
-from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
+from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -112,6 +115,9 @@ class BranchJournal:
         self._adopt = adopt
         # Branch -> (the head entry this client last saw, time.monotonic() when it was the head).
         self._known: dict[str, tuple[JournalEntry, float]] = {}
+        # Head entries read by :func:`read_refs`, by key, with the size and time the listing gave
+        # them: a later listing that shows the same object needs no read of it.
+        self._listed: dict[str, tuple[int, dt.datetime, JournalEntry]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # What a client learned (and when, on its own monotonic clock) stays with that client.
@@ -332,6 +338,30 @@ class BranchJournal:
             n: e.snapshot for n, e in sorted(zip(names, entries, strict=True)) if e and e.snapshot
         }
 
+    def heads_listed(self, newest: dict[str, ObjectInfo], asked: float) -> dict[str, str]:
+        """Every live branch, from the newest entry of each journal as a listing of them all
+        found it (asked at ``asked``, a ``time.monotonic()``): see :func:`read_refs`.
+
+        An entry the listing shows with the size and modification time it had when this journal
+        read it is not read again: entries are written create-only, never rewritten."""
+        to_read = [
+            info
+            for info in newest.values()
+            if self._listed.get(info.key, (None, None))[:2] != (info.size, info.modified)
+        ]
+        read = self.storage.map(lambda info: self.read_entry(info.key), to_read)
+        listed = {i.key: self._listed[i.key] for i in newest.values() if i.key in self._listed}
+        for info, entry in zip(to_read, read, strict=True):
+            listed[info.key] = (info.size, info.modified, entry)
+        self._listed = listed
+        heads: dict[str, str] = {}
+        for name, info in sorted(newest.items()):
+            head = listed[info.key][2]
+            self._learn(name, head, asked)
+            if head.snapshot is not None:
+                heads[name] = head.snapshot
+        return heads
+
     def prune(self, name: str, seqs: Iterable[int]) -> None:
         """Delete the entries ``seqs`` of the branch (compaction; never the head's)."""
         self.storage.delete_many(self.entry_key(name, seq) for seq in seqs)
@@ -379,6 +409,8 @@ class Tags:
     def __init__(self, storage: Storage, *, root: str = "") -> None:
         self.storage = storage
         self.root = root  # prepended to every key, as BranchJournal.root
+        # Tag records read by :func:`read_refs` (key -> size, time, snapshot), as the journal's.
+        self._listed: dict[str, tuple[int, dt.datetime, str]] = {}
 
     def get(self, name: str) -> str:
         """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag).
@@ -425,6 +457,24 @@ class Tags:
         except PreconditionFailed:
             raise RefNotFound(name, "tag") from None
 
+    def listed(self, records: dict[str, ObjectInfo]) -> dict[str, str]:
+        """Name -> snapshot id of the live tags whose records a listing found (tombstoned ones
+        left out by the caller), sorted by name: see :func:`read_refs`. A record seen before with
+        the same size and modification time is not read again (records are create-only)."""
+        to_read = [
+            info
+            for info in records.values()
+            if self._listed.get(info.key, (None, None))[:2] != (info.size, info.modified)
+        ]
+        snapshots = self.storage.map(
+            lambda info: TagRecord.decode(self.storage.get(info.key), info.key).snapshot, to_read
+        )
+        listed = {i.key: self._listed[i.key] for i in records.values() if i.key in self._listed}
+        for info, snapshot in zip(to_read, snapshots, strict=True):
+            listed[info.key] = (info.size, info.modified, snapshot)
+        self._listed = listed
+        return {name: listed[records[name].key][2] for name in sorted(records)}
+
     def all(self) -> dict[str, str]:
         """Every live tag: name -> snapshot id."""
         live: dict[str, str] = {}
@@ -439,3 +489,47 @@ class Tags:
             if name not in deleted:
                 live[name] = rec.snapshot
         return live
+
+
+@dataclass(frozen=True)
+class Refs:
+    """Every live branch's head and every live tag of a repository, at one moment."""
+
+    branches: dict[str, str]  # name -> head snapshot id, sorted by name
+    tags: dict[str, str]  # name -> snapshot id, sorted by name
+
+
+def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
+    """Every live branch and tag from one listing of the refs, reading only the head entries
+    and tag records that this journal and these tags have not read as the listing shows them.
+
+    For a process that polls many repositories (the operator): a repository whose refs fit in
+    one listing page (1,000 keys on S3) costs one request when nothing moved, where
+    :meth:`BranchJournal.heads` and :meth:`Tags.all` cost a listing each and two reads per
+    branch. The listing holds every retained journal entry, so long journals (compaction prunes
+    them) cost more pages. A storage that cannot list answers through those two.
+    """
+    if journal.storage is not tags.storage or journal.root != tags.root:
+        raise ValueError("read_refs needs the journal and the tags of one repository")
+    storage = journal.storage
+    if not storage.supports_listing:
+        return Refs(journal.heads(), dict(sorted(tags.all().items())))
+    asked = time.monotonic()
+    entries: dict[str, list[ObjectInfo]] = {}
+    records: dict[str, ObjectInfo] = {}
+    deleted: set[str] = set()
+    for info in storage.list(journal.root + REFS_PREFIX):
+        parsed = parse_ref_key(info.key[len(journal.root) :])
+        if parsed is None:
+            continue  # the write probe
+        kind, name, _ = parsed
+        if kind == "branch":
+            entries.setdefault(name, []).append(info)
+        elif kind == "tag":
+            records[name] = info
+        else:
+            deleted.add(name)
+    # Entry names are fixed-width in one folder: the smallest is the newest.
+    newest = {name: min(infos, key=lambda i: i.key) for name, infos in entries.items()}
+    live_tags = {name: info for name, info in records.items() if name not in deleted}
+    return Refs(journal.heads_listed(newest, asked), tags.listed(live_tags))

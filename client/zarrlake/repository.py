@@ -45,7 +45,7 @@ from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, comp
 from zarrlake.maintenance.expire import ExpireReport, expire
 from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.maintenance.retention import RetentionRules
-from zarrlake.refs import new_writer_id, validate_name
+from zarrlake.refs import Refs, new_writer_id, read_refs, validate_name
 from zarrlake.session import Session
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 from zarrlake.types import CommitInfo, Diff
@@ -300,6 +300,13 @@ class Repository:
     def list_tags(self) -> dict[str, str]:
         """Every live tag: name -> snapshot id, sorted by name."""
         return dict(sorted(self._core.tags.all().items()))
+
+    def refs(self) -> Refs:
+        """Every live branch's head and every live tag, from one listing of the refs and a read
+        of each head entry or tag record not seen before: what a process that polls many
+        repositories for moved refs calls (see :func:`zarrlake.refs.read_refs` for the costs).
+        """
+        return read_refs(self._core.journal, self._core.tags)
 
     def lookup_tag(self, name: str) -> str:
         """The snapshot id tag ``name`` points at. Raises :class:`RefNotFound`."""
@@ -601,6 +608,10 @@ class Repository:
     async def list_tags_async(self) -> dict[str, str]:
         """Async twin of :meth:`list_tags`."""
         return await asyncio.to_thread(self.list_tags)
+
+    async def refs_async(self) -> Refs:
+        """Async twin of :meth:`refs`."""
+        return await asyncio.to_thread(self.refs)
 
     async def lookup_tag_async(self, name: str) -> str:
         """Async twin of :meth:`lookup_tag`."""

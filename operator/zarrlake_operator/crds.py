@@ -107,6 +107,16 @@ def crd(kind: str) -> dict[str, Any]:
             }
         ]
     plural = entry["plural"]
+    version: dict[str, Any] = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": entry["columns"],
+    }
+    if entry.get("selectable"):
+        version["selectableFields"] = [{"jsonPath": path} for path in entry["selectable"]]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -125,16 +135,7 @@ def crd(kind: str) -> dict[str, Any]:
                 "shortNames": entry["short"],
                 "categories": [CATEGORY],
             },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": entry["columns"],
-                }
-            ],
+            "versions": [version],
         },
     }
 

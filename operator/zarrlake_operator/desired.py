@@ -1054,6 +1054,26 @@ def ref_name(body: Mapping[str, Any]) -> str:
     return str((body.get("spec") or {}).get("name") or body["metadata"]["name"])
 
 
+def ref_reported(body: Mapping[str, Any], target: str | None, winner: str | None) -> bool:
+    """Whether a Branch or Tag resource's status already says what was observed: Ready for its
+    current generation, the owner of its ref (``winner`` of the claims on it), and that ref at
+    ``target`` (the snapshot the branch head or the tag was seen at; None, the ref is gone,
+    is never confirmed). False means: reconcile it."""
+    meta = body["metadata"]
+    status = body.get("status") or {}
+    if target is None or winner != meta["name"]:
+        return False
+    if status.get("observedGeneration") != meta.get("generation"):
+        return False
+    conditions = status.get("conditions") or []
+    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+        return False
+    ref = ref_name(body)
+    if body.get("kind") == "Tag":
+        return bool(status.get("tag") == ref and status.get("snapshot") == target)
+    return bool(status.get("branch") == ref and status.get("head") == target)
+
+
 # -- Mirror: the replicator Deployment and the status --
 
 MIRROR_LABEL = "zarrlake.io/mirror"

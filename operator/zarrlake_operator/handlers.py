@@ -1,18 +1,30 @@
 """Kopf handlers: thin. Each one hands the resource body to :mod:`zarrlake_operator.reconcile`.
 
 Change handlers (create, update, resume) run a reconciliation and retry it with backoff until it
-succeeds; a timer runs it again every ``ZARRLAKE_RESYNC_SECONDS`` to report branch heads and
-correct drift (a lock Deployment edited by hand, a branch deleted behind the operator's back).
+succeeds. A Branch, Tag or RetentionPolicy whose Repository is missing or not Ready waits for it:
+its handler tries again the moment the watch shows that Repository Ready, or after the delay.
+
+At rest, one timer per Repository, every ``ZARRLAKE_RESYNC_SECONDS``, resyncs the Repository and
+then its dependents: it reads the repository's refs once (one listing), and reconciles only the
+Branches and Tags whose status that does not confirm, and every RetentionPolicy (which costs no
+storage request). So drift is noticed within one interval — a branch moved or deleted behind the
+operator's back, a tag deleted, a bucket or repository gone, a lock Deployment or a CronJob
+edited by hand — while a resting fleet costs one listing per repository and interval. Each
+dependent also has a slow timer (``ZARRLAKE_DEPENDENT_RESYNC_SECONDS``, ten intervals by default)
+that resyncs it only if no resync of its Repository covered it in the last two intervals (its
+Repository is missing, say).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import kopf
 from pydantic import ValidationError
@@ -21,6 +33,9 @@ from zarrlake_operator import desired, kube, metrics, reconcile
 from zarrlake_operator.models import GROUP, VERSION, MirrorSpec
 
 RESYNC_SECONDS = float(os.environ.get("ZARRLAKE_RESYNC_SECONDS", "60"))
+DEPENDENT_RESYNC_SECONDS = float(
+    os.environ.get("ZARRLAKE_DEPENDENT_RESYNC_SECONDS") or 10 * RESYNC_SECONDS
+)
 JOB_IMAGE = os.environ.get("ZARRLAKE_JOB_IMAGE", desired.JOB_IMAGE)
 # engine: spark defaults (Helm values spark.image and spark.serviceAccountName).
 SPARK = desired.SparkDefaults(
@@ -32,8 +47,13 @@ FINALIZER = f"{GROUP}/finalizer"
 log = logging.getLogger("zarrlake_operator")
 
 
+# Kopf's settings, for the executor its sync handlers run on (the async ones use it too).
+_settings: list[kopf.OperatorSettings] = []
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    _settings[:] = [settings]
     settings.persistence.finalizer = FINALIZER
     # A replica that dies without leaving the peering (SIGKILL, a lost node) is taken over when
     # its record expires: Kopf refreshes it every lifetime minus 5-10 s, a standby waits out a
@@ -58,7 +78,7 @@ _object_locks: dict[str, threading.Lock] = {}
 _object_locks_guard = threading.Lock()
 
 
-def serialized(body: kopf.Body) -> threading.Lock:
+def serialized(body: Mapping[str, Any]) -> threading.Lock:
     """One lock per object: Kopf runs timers beside change handlers, and two reconciliations of
     one object at once would race on its status and on what they create."""
     uid = body["metadata"]["uid"]
@@ -71,7 +91,7 @@ def forget(body: kopf.Body) -> None:
         _object_locks.pop(body["metadata"]["uid"], None)
 
 
-def _resync(kind: str, fn: Callable[..., object], body: kopf.Body, **kwargs: Any) -> None:
+def _resync(kind: str, fn: Callable[..., object], body: Mapping[str, Any], **kwargs: Any) -> None:
     """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
     try:
         with serialized(body):
@@ -80,6 +100,108 @@ def _resync(kind: str, fn: Callable[..., object], body: kopf.Body, **kwargs: Any
         log.info("resync of %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], e)
     except kopf.PermanentError:
         pass  # the condition says what is wrong
+
+
+T = TypeVar("T")
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """Run blocking code as Kopf runs a sync handler: on its executor, in a copy of this context
+    (where Kopf's event posting lives); a cancellation waits for the thread to finish."""
+    loop = asyncio.get_running_loop()
+    executor = _settings[0].execution.executor if _settings else None
+    future = loop.run_in_executor(executor, contextvars.copy_context().run, fn)
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as e:
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
+    return future.result()
+
+
+# -- waiting for a Repository --
+# Handlers of dependents waiting for a Repository to turn Ready, by (namespace, name); the watch
+# of Repositories wakes them (everything here runs on the event loop).
+_waiting: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+
+
+def _is_ready(body: Mapping[str, Any] | None) -> bool:
+    conditions = ((body or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+async def _repository_ready(namespace: str, name: str, timeout: float) -> bool:
+    """Whether the watch shows Repository ``name`` Ready now or within ``timeout`` seconds."""
+    if _is_ready(kube.watched("Repository", namespace, name)):
+        return True
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiters = _waiting.setdefault((namespace, name), set())
+    waiters.add(waiter)
+    try:
+        await asyncio.wait_for(waiter, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        waiters.discard(waiter)
+        if not waiters and _waiting.get((namespace, name)) is waiters:
+            del _waiting[namespace, name]
+
+
+async def _dependent_changed(
+    kind: str, fn: Callable[..., object], body: kopf.Body, **kwargs: Any
+) -> None:
+    """A change of a Branch, Tag or RetentionPolicy: reconcile it; if its Repository is missing
+    or not Ready, wait for the watch to show it Ready (at most the retry delay) and try again
+    then — at once, not a delay after it turned Ready."""
+
+    def attempt() -> None:
+        with serialized(body):
+            metrics.instrumented(kind)(fn)(body, **kwargs)
+
+    try:
+        await _in_thread(attempt)
+        return
+    except reconcile.RepositoryNotReady as e:
+        woken = await _repository_ready(body["metadata"]["namespace"], e.repository, e.delay or 0)
+        metrics.REPOSITORY_WAITS.labels(kind, "woken" if woken else "timeout").inc()
+        if not woken:
+            # Waited as long as Kopf would have: its retry can come at once.
+            raise kopf.TemporaryError(str(e), delay=0) from None
+    await _in_thread(attempt)
+
+
+# -- the resync of a Repository and its dependents --
+# (namespace, Repository) -> time.monotonic() of its last resync that went on to its dependents.
+_passed: dict[tuple[str, str], float] = {}
+
+
+def _covered(body: Mapping[str, Any]) -> bool:
+    """Whether a resync of the dependent's Repository checked it in the last two intervals."""
+    repository = str((body.get("spec") or {}).get("repository"))
+    passed = _passed.get((body["metadata"]["namespace"], repository))
+    return passed is not None and time.monotonic() - passed < 2 * RESYNC_SECONDS
+
+
+def _resync_dependents(repo_body: kopf.Body) -> None:
+    """After a Repository's resync: reconcile those of its dependents whose status what it read
+    does not confirm (see :func:`reconcile.dependents`). One failing does not stop the others."""
+    for dependent in reconcile.dependents(repo_body):
+        outcome = "confirmed" if dependent.confirmed else "reconciled"
+        metrics.DEPENDENTS_CHECKED.labels(dependent.kind, outcome).inc()
+        if dependent.confirmed:
+            continue
+        fn, kwargs = RESYNCS[dependent.kind]
+        try:
+            _resync(dependent.kind, fn, dependent.body, **kwargs)
+        except Exception:
+            meta = dependent.body["metadata"]
+            log.exception("resync of %s %s/%s", dependent.kind, meta["namespace"], meta["name"])
+    meta = repo_body["metadata"]
+    _passed[meta["namespace"], meta["name"]] = time.monotonic()
 
 
 # -- Repository --
@@ -99,12 +221,20 @@ def repository_changed(body: kopf.Body, **_: Any) -> None:
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def repository_resync(body: kopf.Body, **_: Any) -> None:
     _resync("Repository", reconcile.repository, body, resync=True)
+    _resync_dependents(body)
 
 
 @kopf.on.event(*REPOSITORIES)
-def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
-    """Keep the watch's view of every Repository: the reconciles of what names one read it."""
-    kube.remember(body, "Repository", deleted=event.get("type") == "DELETED")
+async def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    """Keep the watch's view of every Repository (the reconciles of what names one read it), and
+    wake the dependents that wait for one to turn Ready."""
+    deleted = event.get("type") == "DELETED"
+    kube.remember(body, "Repository", deleted=deleted)
+    if not deleted and _is_ready(body):
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        for waiter in _waiting.get(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 @kopf.on.delete(*REPOSITORIES)
@@ -113,6 +243,7 @@ def repository_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     with serialized(body):
         outcome = reconcile.delete_repository(body)
     forget(body)
+    _passed.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
     logger.info(outcome)
     kopf.info(body, reason="Reclaimed", message=outcome)
 
@@ -125,19 +256,18 @@ BRANCHES = (GROUP, VERSION, "branches")
 @kopf.on.resume(*BRANCHES)
 @kopf.on.create(*BRANCHES)
 @kopf.on.update(*BRANCHES, field="spec")
-@metrics.instrumented("Branch")
-def branch_changed(body: kopf.Body, **_: Any) -> None:
-    with serialized(body):
-        reconcile.branch(body)
+async def branch_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    await _dependent_changed("Branch", reconcile.branch, body, patch=patch)
 
 
-@kopf.timer(*BRANCHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@kopf.timer(*BRANCHES, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
 def branch_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Branch", reconcile.branch, body, resync=True)
+    if not _covered(body):
+        _resync("Branch", reconcile.branch, body, resync=True)
 
 
 @kopf.on.event(*BRANCHES)
-def branch_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+async def branch_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
     kube.remember(body, "Branch", deleted=event.get("type") == "DELETED")
 
 
@@ -157,19 +287,18 @@ TAGS = (GROUP, VERSION, "tags")
 @kopf.on.resume(*TAGS)
 @kopf.on.create(*TAGS)
 @kopf.on.update(*TAGS, field="spec")
-@metrics.instrumented("Tag")
-def tag_changed(body: kopf.Body, **_: Any) -> None:
-    with serialized(body):
-        reconcile.tag(body)
+async def tag_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    await _dependent_changed("Tag", reconcile.tag, body, patch=patch)
 
 
-@kopf.timer(*TAGS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@kopf.timer(*TAGS, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
 def tag_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Tag", reconcile.tag, body, resync=True)
+    if not _covered(body):
+        _resync("Tag", reconcile.tag, body, resync=True)
 
 
 @kopf.on.event(*TAGS)
-def tag_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+async def tag_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
     kube.remember(body, "Tag", deleted=event.get("type") == "DELETED")
 
 
@@ -189,22 +318,33 @@ POLICIES = (GROUP, VERSION, "retentionpolicies")
 @kopf.on.resume(*POLICIES)
 @kopf.on.create(*POLICIES)
 @kopf.on.update(*POLICIES, field="spec")
-@metrics.instrumented("RetentionPolicy")
-def policy_changed(body: kopf.Body, **_: Any) -> None:
-    with serialized(body):
-        reconcile.retention_policy(body, JOB_IMAGE, SPARK)
-
-
-@kopf.timer(*POLICIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def policy_resync(body: kopf.Body, **_: Any) -> None:
-    _resync(
-        "RetentionPolicy",
-        reconcile.retention_policy,
-        body,
-        job_image=JOB_IMAGE,
-        spark=SPARK,
-        resync=True,
+async def policy_changed(body: kopf.Body, **_: Any) -> None:
+    await _dependent_changed(
+        "RetentionPolicy", reconcile.retention_policy, body, job_image=JOB_IMAGE, spark=SPARK
     )
+
+
+@kopf.timer(*POLICIES, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
+def policy_resync(body: kopf.Body, **_: Any) -> None:
+    if not _covered(body):
+        fn, kwargs = RESYNCS["RetentionPolicy"]
+        _resync("RetentionPolicy", fn, body, **kwargs)
+
+
+@kopf.on.event(*POLICIES)
+async def policy_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+    kube.remember(body, "RetentionPolicy", deleted=event.get("type") == "DELETED")
+
+
+# The resync of each kind of dependent: its reconcile and the arguments that make it a resync.
+RESYNCS: dict[str, tuple[Callable[..., object], dict[str, Any]]] = {
+    "Branch": (reconcile.branch, {"resync": True}),
+    "Tag": (reconcile.tag, {"resync": True}),
+    "RetentionPolicy": (
+        reconcile.retention_policy,
+        {"job_image": JOB_IMAGE, "spark": SPARK, "resync": True},
+    ),
+}
 
 
 @kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; children go by owner
@@ -213,7 +353,7 @@ def policy_deleted(body: kopf.Body, **_: Any) -> None:
 
 
 @kopf.on.event("batch", "v1", "cronjobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
-def cron_job_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
+async def cron_job_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
     """The watch's view of the policies' CronJobs: a resync compares with it (no request)."""
     kube.remember(body, "CronJob", deleted=event.get("type") == "DELETED")
 

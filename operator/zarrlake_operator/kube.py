@@ -168,7 +168,47 @@ def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
 CACHE_TTL_S = float(os.environ.get("ZARRLAKE_WATCH_CACHE_SECONDS", "300"))
 _cache: dict[tuple[str, str, str], tuple[dict[str, Any], float]] = {}
 _tombstones: dict[tuple[str, str, str], int] = {}
+# (kind, namespace) -> names, and (kind, namespace, spec.repository) -> names: the objects of
+# one kind in a namespace, or a Repository's dependents, without a scan of everything kept.
+_in_namespace: dict[tuple[str, str], set[str]] = {}
+_dependents: dict[tuple[str, str, str], set[str]] = {}
 _cache_lock = threading.Lock()
+
+
+def _named_repository(body: Mapping[str, Any]) -> str | None:
+    spec = body.get("spec")
+    repository = spec.get("repository") if isinstance(spec, Mapping) else None
+    return repository if isinstance(repository, str) else None
+
+
+def _drop(key: tuple[str, str, str]) -> None:
+    """Forget a cached object and its places in the indexes (``_cache_lock`` held)."""
+    found = _cache.pop(key, None)
+    if found is None:
+        return
+    names = _in_namespace.get(key[:2])
+    if names is not None:
+        names.discard(key[2])
+        if not names:
+            del _in_namespace[key[:2]]
+    repository = _named_repository(found[0])
+    if repository is not None:
+        names = _dependents.get((key[0], key[1], repository))
+        if names is not None:
+            names.discard(key[2])
+            if not names:
+                del _dependents[key[0], key[1], repository]
+
+
+def _put(key: tuple[str, str, str], body: dict[str, Any]) -> None:
+    """Keep ``body`` under ``key``, indexed by kind and namespace and by the Repository it names
+    (``_cache_lock`` held)."""
+    _drop(key)
+    _cache[key] = (body, time.monotonic())
+    _in_namespace.setdefault(key[:2], set()).add(key[2])
+    repository = _named_repository(body)
+    if repository is not None:
+        _dependents.setdefault((key[0], key[1], repository), set()).add(key[2])
 
 
 def remember(body: Mapping[str, Any], kind: str, *, deleted: bool = False) -> None:
@@ -179,7 +219,7 @@ def remember(body: Mapping[str, Any], kind: str, *, deleted: bool = False) -> No
     version = _version(body)
     with _cache_lock:
         if deleted:
-            _cache.pop(key, None)
+            _drop(key)
             _tombstones[key] = max(version, _tombstones.get(key, -1))
             return
         if version <= _tombstones.get(key, -1):
@@ -189,7 +229,7 @@ def remember(body: Mapping[str, Any], kind: str, *, deleted: bool = False) -> No
         if known is not None and _version(known[0]) > version:
             return  # an older event than what is kept (a read-through can be newer)
         # A copy as plain data: the caller's body (Kopf's view) may change.
-        _cache[key] = (_plain(body), time.monotonic())
+        _put(key, _plain(body))
 
 
 def _plain(value: Any) -> Any:
@@ -214,6 +254,14 @@ def _fresh(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     return found[0]
 
 
+def watched(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object as the watch last delivered it, however long ago, or None; never a request
+    (for code on the event loop)."""
+    with _cache_lock:
+        found = _cache.get((kind, namespace, name))
+    return None if found is None else found[0]
+
+
 def cached(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """The object as the watch last delivered it (if recently), else read (and kept); None if it
     does not exist."""
@@ -223,7 +271,7 @@ def cached(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     body = get(kind, namespace, name)
     if body is None:
         with _cache_lock:
-            _cache.pop((kind, namespace, name), None)
+            _drop((kind, namespace, name))
     else:
         remember(body, kind)
     return body
@@ -234,12 +282,63 @@ def cached_list(kind: str, namespace: str) -> list[dict[str, Any]]:
     use it only where an object it misses or one gone meanwhile cannot lead to harm, and confirm
     with :func:`list_` before acting on what it shows."""
     with _cache_lock:
-        return [b for (k, ns, _), (b, _at) in _cache.items() if k == kind and ns == namespace]
+        return [_cache[kind, namespace, n][0] for n in _in_namespace.get((kind, namespace), ())]
 
 
-def list_(kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-    query = [("labelSelector", label_selector)] if label_selector else None
-    return list((_call("GET", _path(kind, namespace), query=query) or {}).get("items") or [])
+def cached_dependents(kind: str, namespace: str, repository: str) -> list[dict[str, Any]]:
+    """The objects of ``kind`` in ``namespace`` whose ``spec.repository`` is ``repository``, as
+    the watch delivered them (no request; what :func:`cached_list` says of those)."""
+    with _cache_lock:
+        names = sorted(_dependents.get((kind, namespace, repository), ()))
+        return [_cache[kind, namespace, n][0] for n in names]
+
+
+# (kind, field) pairs the API server would not select on: listed whole and filtered here.
+_unselectable: set[tuple[str, str]] = set()
+
+
+def list_(
+    kind: str,
+    namespace: str,
+    label_selector: str | None = None,
+    *,
+    field: tuple[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The objects of ``kind`` in ``namespace``, those with the labels of ``label_selector``,
+    and with ``field`` = (dotted path, value), those whose field has that value.
+
+    The field is selected by the API server where the CRD declares it selectable (Kubernetes
+    1.31 and later), so the answer does not grow with the namespace; a server that refuses the
+    selector (400) is asked for everything, filtered here, from then on."""
+    query = [("labelSelector", label_selector)] if label_selector else []
+    if field is not None and (kind, field[0]) not in _unselectable:
+        try:
+            selected = [*query, ("fieldSelector", f"{field[0]}={field[1]}")]
+            return _items(_call("GET", _path(kind, namespace), query=selected))
+        except KubeError as e:
+            if e.status != 400:
+                raise
+            _unselectable.add((kind, field[0]))
+    items = _items(_call("GET", _path(kind, namespace), query=query or None))
+    if field is None:
+        return items
+    return [o for o in items if _field_text(o, field[0]) == field[1]]
+
+
+def _items(answer: Any) -> list[dict[str, Any]]:
+    return list((answer or {}).get("items") or [])
+
+
+def _field_text(obj: Mapping[str, Any], path: str) -> str:
+    """A field as a field selector compares it: its text, "" when absent."""
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def served(api_version: str, plural: str) -> bool:

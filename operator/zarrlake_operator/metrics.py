@@ -42,6 +42,24 @@ API_REQUESTS = Counter(
 )
 
 
+DEPENDENTS_CHECKED = Counter(
+    "zarrlake_operator_dependents_checked_total",
+    "Branches, Tags and RetentionPolicies a Repository's resync checked, by kind and outcome "
+    "(confirmed: its status already said what the resync read; reconciled).",
+    ["kind", "outcome"],
+    registry=REGISTRY,
+)
+
+
+REPOSITORY_WAITS = Counter(
+    "zarrlake_operator_repository_waits_total",
+    "Changes of Branches, Tags and RetentionPolicies that waited for their Repository to turn "
+    "Ready, by kind and outcome (woken: it did, and they went on at once; timeout: retried).",
+    ["kind", "outcome"],
+    registry=REGISTRY,
+)
+
+
 def count_request(verb: str, resource: str) -> None:
     API_REQUESTS.labels(verb, resource).inc()
 

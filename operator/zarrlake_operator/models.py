@@ -75,6 +75,9 @@ class Kind(_KindRequired, total=False):
     """One row of :data:`KINDS`: the resource model and its CRD presentation."""
 
     name_max: int  # a CEL limit on metadata.name, for names that end up in label values
+    # Fields a list may select on (CRD selectableFields): the operator asks for one Repository's
+    # dependents, or the Repositories of one bucket, without listing the whole namespace.
+    selectable: list[str]
 
 
 def _col(
@@ -94,6 +97,7 @@ AGE = _col("Age", ".metadata.creationTimestamp", "date")
 KINDS: dict[str, Kind] = {
     "Repository": {
         "model": Repository,
+        "selectable": [".spec.storage.bucket"],
         "name_max": 63,  # the name goes into label values of the lock service objects
         "plural": "repositories",
         "short": ["zlrepo"],
@@ -111,6 +115,7 @@ KINDS: dict[str, Kind] = {
     },
     "Branch": {
         "model": Branch,
+        "selectable": [".spec.repository"],
         "plural": "branches",
         "short": ["zlbranch"],
         "columns": [
@@ -125,6 +130,7 @@ KINDS: dict[str, Kind] = {
     },
     "Tag": {
         "model": Tag,
+        "selectable": [".spec.repository"],
         "plural": "tags",
         "short": ["zltag"],
         "columns": [
@@ -138,6 +144,7 @@ KINDS: dict[str, Kind] = {
     },
     "RetentionPolicy": {
         "model": RetentionPolicy,
+        "selectable": [".spec.repository"],
         "name_max": 63,  # the name goes into label values of the CronJobs
         "plural": "retentionpolicies",
         "short": ["zlretention"],
@@ -153,6 +160,7 @@ KINDS: dict[str, Kind] = {
     },
     "Mirror": {
         "model": Mirror,
+        "selectable": [".spec.repository"],
         "name_max": 63,  # the name goes into label values of the replicator Deployment
         "plural": "mirrors",
         "short": ["zlmirror"],

@@ -9,10 +9,11 @@ objects; they never reach a log line, an event or a status field.
 
 from __future__ import annotations
 
+import os
 import secrets as pysecrets
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -40,6 +41,7 @@ from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
+from zarrlake.refs import Refs
 from zarrlake.resources import (
     API_VERSION,
     BranchSpec,
@@ -187,8 +189,17 @@ def _connection(
     )
 
 
+class RepositoryNotReady(kopf.TemporaryError):
+    """A Branch, Tag or RetentionPolicy waits for its Repository (missing, or not Ready):
+    retried after ``delay``, or as soon as the Repository turns Ready (see the handlers)."""
+
+    def __init__(self, message: str, repository: str, delay: float) -> None:
+        super().__init__(message, delay=delay)
+        self.repository = repository
+
+
 def _ready_repository(
-    body: Mapping[str, Any], repository: str, *, resync: bool = False
+    body: Mapping[str, Any], repository: str
 ) -> tuple[dict[str, Any], Repository]:
     """The Repository resource a Branch/Tag/RetentionPolicy names, opened; retries until Ready.
 
@@ -204,7 +215,7 @@ def _ready_repository(
             reason="RepositoryNotFound",
             message=f"Repository {repository!r} does not exist in namespace {ns!r}",
         )
-        raise kopf.TemporaryError(f"Repository {repository!r} not found", delay=15)
+        raise RepositoryNotReady(f"Repository {repository!r} not found", repository, 15)
     if _read_only(repo_body):
         # The provider is immutable: this does not change by waiting.
         message = (
@@ -214,12 +225,16 @@ def _ready_repository(
         _report(body, ready=False, reason="ReadOnlyRepository", message=message, phase="Failed")
         raise kopf.PermanentError(message)
     try:
-        conn = _connection(repo_body, require_ready=True, resync=resync)
+        # Through the Secret cache even on a change: a dependent's change is not one of its
+        # Repository's credentials, and those are re-read within SECRET_TTL_S by every reconcile
+        # (the Repository's own changes read them afresh).
+        conn = _connection(repo_body, require_ready=True, resync=True)
         expected = ((repo_body.get("status") or {}).get("repositoryID")) or None
         return repo_body, _open(conn, expected)
     except (KubernetesError, ZarrlakeError, StorageError) as e:
         _report(body, ready=False, reason="RepositoryNotReady", message=str(e))
-        raise kopf.TemporaryError(f"Repository {repository!r} not ready: {e}", delay=10) from None
+        message = f"Repository {repository!r} not ready: {e}"
+        raise RepositoryNotReady(message, repository, 10) from None
 
 
 def _read_only(repo_body: Mapping[str, Any]) -> bool:
@@ -229,11 +244,13 @@ def _read_only(repo_body: Mapping[str, Any]) -> bool:
 
 
 # Storage clients and opened repositories, by location and credentials: building an S3 client
-# costs ~0.2 s of CPU, which every resync of every Repository, Branch and Tag would repeat (at
-# 1,400 objects that was most of a core). A Repository object reads its branch heads afresh; a
-# Repository resource's own reconcile still re-reads the repository record each time (through
-# the kept client), so a repository replaced at its location is noticed.
-_KEPT_MAX = 256
+# costs ~0.2 s of CPU, which every resync would repeat (at 1,400 objects that was most of a
+# core). A kept Repository object remembers the branch heads and tag records it has read, so a
+# resync reads only what moved; a Repository resource's own reconcile still re-reads the
+# repository record each time (through the kept client), so a repository replaced at its
+# location is noticed. One entry per repository the operator manages: the bound only caps a
+# fleet far beyond one operator (an evicted entry costs its next resync a client and its refs).
+_KEPT_MAX = int(os.environ.get("ZARRLAKE_KEPT_REPOSITORIES", "4096"))
 _storages: OrderedDict[tuple[str | None, ...], Storage] = OrderedDict()
 _opened: OrderedDict[tuple[str | None, ...], Repository] = OrderedDict()
 _kept_lock = threading.Lock()
@@ -262,6 +279,18 @@ def _storage(conn: Connection) -> Storage:
     return storage
 
 
+def _kept(conn: Connection, repo: Repository) -> Repository:
+    """The repository object kept for ``conn`` when it is ``repo``'s repository (what it has
+    read, branch heads and tag records, saves requests), else ``repo``, kept from now on."""
+    key = _key(conn)
+    with _kept_lock:
+        kept = _opened.get(key)
+    if kept is not None and kept.id == repo.id:
+        return kept
+    _keep(_opened, key, repo)
+    return repo
+
+
 def _open(conn: Connection, expected_id: str | None) -> Repository:
     """The repository at ``conn``, reused while it is the one the resource reported."""
     key = _key(conn)
@@ -284,13 +313,19 @@ def _claim(
 ) -> str | None:
     """The name of the resource that owns this branch/tag when it is not ``body`` (a conflict).
 
-    A change, creation or deletion asks the API server; a resync (nothing changed) looks at the
-    watch's view, which the change handlers of any newcomer have already decided against."""
+    A change, creation or deletion asks the API server (for the resources of ``repository``
+    only); a resync (nothing changed) looks at the watch's view, which the change handlers of any
+    newcomer have already decided against."""
     ns = body["metadata"]["namespace"]
     mine = desired.ref_name(body)
+    found = (
+        kube.cached_dependents(kind, ns, repository)
+        if resync
+        else kube.list_(kind, ns, field=("spec.repository", repository))
+    )
     claims = [
         other
-        for other in (kube.cached_list(kind, ns) if resync else kube.list_(kind, ns))
+        for other in found
         if (other.get("spec") or {}).get("repository") == repository
         and desired.ref_name(other) == mine
     ]
@@ -335,8 +370,11 @@ def engine_config(spec: RepositorySpec) -> RepositoryConfig:
 
 
 def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
-    """Bucket, lock service and repository for one Repository resource; returns the new status."""
-    _, _, gen = _meta(body)
+    """Bucket, lock service and repository for one Repository resource; returns the new status.
+
+    What it saw of the repository's refs is kept for :func:`dependents`."""
+    ns, name, gen = _meta(body)
+    _seen_refs.pop((ns, name), None)
     spec = parse_spec(RepositorySpec, body)
     try:
         config = engine_config(spec)
@@ -371,22 +409,38 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     except KubernetesError as e:
         cond("BucketReady", False, "CredentialsNotFound", str(e))
         retry = kopf.TemporaryError(str(e), delay=20)
-    if conn is not None and conn.read_only:
-        cond("BucketReady", True, "ReadOnly", f"read-only storage at {conn.storage_url}")
-    elif conn is not None:
+
+    def check_bucket(conn: Connection) -> bool:
+        """Whether the bucket is (now) there; sets BucketReady either way."""
+        nonlocal retry
+        if conn.read_only:
+            cond("BucketReady", True, "ReadOnly", f"read-only storage at {conn.storage_url}")
+            return True
         try:
             state = buckets.ensure_bucket(conn, provision=spec.storage.provision)
-            detail = "created by the operator" if state.created else "exists"
-            what = "container" if conn.provider == "azure" else "bucket"
-            cond("BucketReady", True, "BucketReady", f"{what} {conn.bucket!r} {detail}")
-            if state.created:
-                _event(body, "BucketCreated", f"created bucket {conn.bucket!r}")
         except buckets.BucketMissing as e:
             cond("BucketReady", False, "BucketNotFound", str(e))
             retry = kopf.TemporaryError(str(e), delay=30)
+            return False
         except buckets.BucketUnreachable as e:
             cond("BucketReady", False, "StorageUnreachable", str(e))
             retry = kopf.TemporaryError(str(e), delay=15)
+            return False
+        detail = "created by the operator" if state.created else "exists"
+        what = "container" if conn.provider == "azure" else "bucket"
+        cond("BucketReady", True, "BucketReady", f"{what} {conn.bucket!r} {detail}")
+        if state.created:
+            _event(body, "BucketCreated", f"created {what} {conn.bucket!r}")
+        return True
+
+    # A resync of a repository found in its bucket last time reads the repository first: found,
+    # the bucket is there too (a request fewer per resync); else the bucket is checked then,
+    # to say which of the two went.
+    bucket_checked = not (
+        resync and previous.repository_id and desired.is_true(conds, "BucketReady")
+    )
+    if conn is not None and bucket_checked:
+        check_bucket(conn)
 
     # The lock service.
     lock = _lock_service(body, spec, resync=resync)
@@ -430,15 +484,11 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
                     "resource manages); it is not adopted, and not deleted with the resource",
                 )
             else:
-                # HTTP cannot list: a published repository's refs are opened by name.
-                counts = (
-                    {}
-                    if conn.read_only
-                    else {
-                        "branches": len(repo.list_branches()),
-                        "tags": len(repo.list_tags()),
-                    }
-                )
+                counts: dict[str, int] = {}
+                if not conn.read_only:  # HTTP cannot list: a published repository's refs are
+                    refs = _kept(conn, repo).refs()  # opened by name
+                    _seen_refs[ns, name] = SeenRefs(repo.id, refs)
+                    counts = {"branches": len(refs.branches), "tags": len(refs.tags)}
                 status = status.model_copy(
                     update={"repository_id": repo.id, "url": conn.storage_url, **counts}
                 )
@@ -447,18 +497,20 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
                 if known is None:
                     _event(body, "Initialized", message)
         except RepositoryNotFound:
-            missing = (
-                f"repository {known} is gone from {conn.storage_url}; the operator does not "
-                "create an empty one in its place"
-                if known is not None
-                else f"no repository is published at {conn.storage_url} (read-only storage: "
-                "the operator cannot create one there)"
-            )
-            cond("Initialized", False, "RepositoryMissing", missing)
-            retry = retry or kopf.TemporaryError("repository missing", delay=30)
+            if bucket_checked or check_bucket(conn):
+                missing = (
+                    f"repository {known} is gone from {conn.storage_url}; the operator does not "
+                    "create an empty one in its place"
+                    if known is not None
+                    else f"no repository is published at {conn.storage_url} (read-only "
+                    "storage: the operator cannot create one there)"
+                )
+                cond("Initialized", False, "RepositoryMissing", missing)
+                retry = retry or kopf.TemporaryError("repository missing", delay=30)
         except (ZarrlakeError, StorageError) as e:
-            cond("Initialized", False, "StorageError", str(e))
-            retry = retry or kopf.TemporaryError(str(e), delay=15)
+            if bucket_checked or check_bucket(conn):
+                cond("Initialized", False, "StorageError", str(e))
+                retry = retry or kopf.TemporaryError(str(e), delay=15)
     elif not desired.condition(conds, "Initialized"):
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 
@@ -478,6 +530,63 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     return status
 
 
+@dataclass(frozen=True)
+class SeenRefs:
+    """What the last reconcile of a Repository resource read of its repository's refs."""
+
+    repository_id: str
+    refs: Refs
+
+
+# (namespace, Repository) -> its refs as its last reconcile read them (dropped when it could not).
+_seen_refs: dict[tuple[str, str], SeenRefs] = {}
+
+
+@dataclass(frozen=True)
+class Dependent:
+    """A Branch, Tag or RetentionPolicy of a Repository resource, as a resync of that
+    Repository finds it: ``confirmed`` when what the resync read of the refs is what its status
+    already says (no reconcile needed)."""
+
+    kind: str
+    body: dict[str, Any]
+    confirmed: bool
+
+
+def dependents(repo_body: Mapping[str, Any]) -> list[Dependent]:
+    """The Branches, Tags and RetentionPolicies of a Repository resource (from the watch's
+    view), each checked against what its resync just read of the refs.
+
+    A Branch or Tag is confirmed when its status already says that: Ready for its generation,
+    the owner of its ref among the claims, the ref where it was seen; anything else (the ref
+    moved or went, a claim or the spec changed, not Ready, refs not read) needs its reconcile.
+    A RetentionPolicy is never confirmed: its reconcile needs no storage request. So a resting
+    repository costs one listing of its refs however many resources name it."""
+    ns, name, _ = _meta(repo_body)
+    seen = _seen_refs.get((ns, name))
+    known_id = observed(RepositoryStatus, repo_body).repository_id
+    if seen is not None and seen.repository_id != known_id:
+        seen = None  # read from another repository than the one the status names: trust nothing
+    found: list[Dependent] = []
+    for kind in ("Branch", "Tag"):
+        # A listed item may not say its kind; the reconciles of these bodies need it.
+        bodies = [{**b, "kind": kind} for b in kube.cached_dependents(kind, ns, name)]
+        claims: dict[str, list[dict[str, Any]]] = {}
+        for body in bodies:
+            claims.setdefault(desired.ref_name(body), []).append(body)
+        for body in bodies:
+            ref = desired.ref_name(body)
+            if seen is None:
+                target = None
+            else:
+                target = (seen.refs.branches if kind == "Branch" else seen.refs.tags).get(ref)
+            ok = desired.ref_reported(body, target, desired.claim_winner(claims[ref]))
+            found.append(Dependent(kind, body, ok))
+    for body in kube.cached_dependents("RetentionPolicy", ns, name):
+        found.append(Dependent("RetentionPolicy", {**body, "kind": "RetentionPolicy"}, False))
+    return found
+
+
 def _location(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     """(provider, endpoint, account, bucket or URL, prefix) of a Repository resource; None for
     a spec that does not parse (the API server refuses those, so it claims nothing)."""
@@ -494,6 +603,11 @@ def _location(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     )
 
 
+def _bucket(body: Mapping[str, Any]) -> str:
+    storage = (body.get("spec") or {}).get("storage") or {}
+    return str(storage.get("bucket") or "")
+
+
 def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | None:
     """The older Repository resource in this namespace with the same location, if any (on a
     resync, from the watch's view)."""
@@ -501,7 +615,15 @@ def _location_owner(body: Mapping[str, Any], *, resync: bool = False) -> str | N
     here = _location(body)
     if here is None:
         return None
-    found = kube.cached_list("Repository", ns) if resync else kube.list_("Repository", ns)
+    # Only the Repositories of the same bucket can share the location (asked of the server by
+    # that field, or picked from the watch's view before any spec is parsed).
+    bucket = _bucket(body)
+    if resync:
+        found = [o for o in kube.cached_list("Repository", ns) if _bucket(o) == bucket]
+    elif bucket:
+        found = kube.list_("Repository", ns, field=("spec.storage.bucket", bucket))
+    else:  # provider http names a URL, not a bucket: no field narrows these down
+        found = kube.list_("Repository", ns)
     same = [o for o in found if _location(o) == here]
     winner = desired.claim_winner(same)
     if resync and winner not in (None, name):
@@ -524,12 +646,14 @@ def _lock_service(
     body: Mapping[str, Any], spec: RepositorySpec, *, resync: bool = False
 ) -> LockServiceState:
     """Make the repository's lock service what the spec asks for, and say how it is."""
-    ns, name, _ = _meta(body)
+    ns, name, gen = _meta(body)
     mode = "none" if spec.storage.read_only else spec.lock_service.mode
     managed_before = observed(RepositoryStatus, body).lock_endpoint == desired.lock_endpoint(
         name, ns
     )
-    if mode != "managed" and (managed_before or not resync):
+    # A change looks for a managed service the status may not name (a reconcile that made one
+    # and stopped before its status); a spec never changed (generation 1) never asked for one.
+    if mode != "managed" and (managed_before or (not resync and gen != 1)):
         _remove_managed_lock(ns, name)
     if mode == "none":
         why = (
@@ -650,7 +774,15 @@ def _delete_data(
 # -- Branch --
 
 
-def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
+def branch(
+    body: Mapping[str, Any],
+    *,
+    resync: bool = False,
+    patch: MutableMapping[str, Any] | None = None,
+) -> ResourceStatus:
+    """The branch of one Branch resource; returns the new status. ``patch``: where to put a
+    change of the resource's own metadata (the one Kopf applies after a handler), else it is
+    patched here."""
     spec = parse_spec(BranchSpec, body)
     name = desired.ref_name(body)
     previous = observed(BranchStatus, body)
@@ -664,14 +796,19 @@ def branch(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
             phase="Refused",
             fields=BranchStatus(branch=name),
         )
-    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
-    _follow(body, repo_body)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body, patch)
     winner = _claim(body, "Branch", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Branch", name, winner)
     recreated = None
     try:
-        head = repo.lookup_branch(name)
+        if previous.head is None and previous.branch is None:
+            # Never reported: most likely a new branch, so it is created without a lookup
+            # first (one that exists already is adopted).
+            head, recreated = _create_branch(body, repo, name, spec, previous)
+        else:
+            head = repo.lookup_branch(name)
     except RefNotFound:
         head, recreated = _create_branch(body, repo, name, spec, previous)
     except InvalidName as e:
@@ -722,6 +859,10 @@ def _create_branch(
     except BranchExists:
         return repo.lookup_branch(name), None  # created concurrently: adopt
     except RefNotFound:
+        try:  # spec.from only matters to a new branch: one that exists is adopted
+            return repo.lookup_branch(name), None
+        except RefNotFound:
+            pass
         message = f"spec.from {spec.from_!r} is not a branch, tag or snapshot of the repository"
         _report(body, ready=False, reason="FromNotFound", message=message)
         raise kopf.TemporaryError(message, delay=30) from None
@@ -740,9 +881,14 @@ def _create_branch(
     return head, None
 
 
-def _follow(body: Mapping[str, Any], repo_body: Mapping[str, Any]) -> None:
+def _follow(
+    body: Mapping[str, Any],
+    repo_body: Mapping[str, Any],
+    patch: MutableMapping[str, Any] | None = None,
+) -> None:
     """Make a Branch/Tag resource a dependent of its Repository resource, so that it goes when
-    the Repository goes (the refs in the data follow the Repository's reclaimPolicy)."""
+    the Repository goes (the refs in the data follow the Repository's reclaimPolicy): in
+    ``patch`` when there is one (Kopf applies it with its own, one request instead of two)."""
     ns, name, _ = _meta(body)
     refs = list((body.get("metadata") or {}).get("ownerReferences") or [])
     uid = repo_body["metadata"]["uid"]
@@ -756,6 +902,9 @@ def _follow(body: Mapping[str, Any], repo_body: Mapping[str, Any]) -> None:
             "uid": uid,
         }
     )
+    if patch is not None:
+        patch.setdefault("metadata", {})["ownerReferences"] = refs
+        return
     kube.merge_patch(body["kind"], ns, name, {"metadata": {"ownerReferences": refs}})
 
 
@@ -795,19 +944,28 @@ def delete_branch(body: Mapping[str, Any]) -> str:
 # -- Tag --
 
 
-def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
+def tag(
+    body: Mapping[str, Any],
+    *,
+    resync: bool = False,
+    patch: MutableMapping[str, Any] | None = None,
+) -> ResourceStatus:
+    """The tag of one Tag resource; returns the new status (``patch`` as for :func:`branch`)."""
     spec = parse_spec(TagSpec, body)
     name = desired.ref_name(body)
     previous = observed(TagStatus, body)
-    repo_body, repo = _ready_repository(body, spec.repository, resync=resync)
-    _follow(body, repo_body)
+    repo_body, repo = _ready_repository(body, spec.repository)
+    _follow(body, repo_body, patch)
     winner = _claim(body, "Tag", spec.repository, resync=resync)
     if winner:
         return _report_claimed(body, "Tag", name, winner)
-    tags = repo.list_tags()
     recorded = previous.snapshot
     if recorded:
-        if tags.get(name) != recorded:
+        try:
+            current: str | None = repo.lookup_tag(name)
+        except RefNotFound:
+            current = None
+        if current != recorded:
             return _report(
                 body,
                 ready=False,
@@ -817,25 +975,8 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
                 phase="Failed",
             )
         snapshot = recorded
-    elif name in tags:
-        snapshot = tags[name]  # adopt a tag made before the resource
     else:
-        try:
-            snapshot = repo.resolve(spec.ref)
-            repo.create_tag(name, snapshot)
-        except RefNotFound:
-            message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
-            _report(body, ready=False, reason="RefNotFound", message=message)
-            raise kopf.TemporaryError(message, delay=30) from None
-        except TagExists as e:
-            if repo.list_tags().get(name) != snapshot:  # made concurrently to the same: adopt
-                _report(body, ready=False, reason="TagNameUsed", message=str(e), phase="Failed")
-                raise kopf.PermanentError(str(e)) from None
-        except InvalidName as e:
-            _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
-            raise kopf.PermanentError(str(e)) from None
-        else:
-            _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+        snapshot = _create_tag(body, repo, name, spec)
     return _report(
         body,
         ready=True,
@@ -845,6 +986,31 @@ def tag(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
         also=[NO_CONFLICT],
         fields=TagStatus(tag=name, snapshot=snapshot),
     )
+
+
+def _create_tag(body: Mapping[str, Any], repo: Repository, name: str, spec: TagSpec) -> str:
+    """Tag ``spec.ref`` (never reported yet, so most likely new: no lookup first), or adopt the
+    tag of that name that exists (made before the resource, or concurrently); returns its
+    snapshot. A deleted tag's name is refused for good (never reused)."""
+    try:
+        snapshot = repo.resolve(spec.ref)
+        repo.create_tag(name, snapshot)
+    except (RefNotFound, TagExists) as e:
+        try:
+            return repo.lookup_tag(name)
+        except RefNotFound:
+            pass
+        if isinstance(e, TagExists):
+            _report(body, ready=False, reason="TagNameUsed", message=str(e), phase="Failed")
+            raise kopf.PermanentError(str(e)) from None
+        message = f"spec.ref {spec.ref!r} is not a branch, tag or snapshot of the repository"
+        _report(body, ready=False, reason="RefNotFound", message=message)
+        raise kopf.TemporaryError(message, delay=30) from None
+    except InvalidName as e:
+        _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
+        raise kopf.PermanentError(str(e)) from None
+    _event(body, "TagCreated", f"tag {name!r} -> {snapshot} (from {spec.ref!r})")
+    return snapshot
 
 
 def delete_tag(body: Mapping[str, Any]) -> str:
@@ -888,7 +1054,7 @@ def retention_policy(
         raise refuse(body, message)
     if kube.cached("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
-    repo_body, _ = _ready_repository(body, spec.repository, resync=resync)
+    repo_body, _ = _ready_repository(body, spec.repository)
     engine = retention_engine(spec)
     cron_jobs: dict[str, dict[str, Any]] = {}
     spark_apps: dict[str, dict[str, Any]] = {}
@@ -958,10 +1124,12 @@ def _remove_stale(
     """Delete what the policy made before and no longer asks for (another engine, compaction
     dropped, the driver's ServiceAccount now given): by name, so nothing else is touched.
 
-    With ``sweep``, every name the policy could have used is tried; without, only those its
-    status names (a resync, when the status was written by the reconcile that made them): no
-    request for what does not exist."""
-    ns, name, _ = _meta(policy)
+    With ``sweep``, every name the policy could have used, of what may exist: its CronJobs as
+    the watch shows them; its ScheduledSparkApplications (listed by its label) and the
+    driver's ServiceAccount, Role and RoleBinding unless the policy never ran on Spark (local
+    now, never otherwise in its status, its spec never changed). Without, only those its
+    status names (a resync, when the status was written by the reconcile that made them)."""
+    ns, name, gen = _meta(policy)
     wanted = {
         (o["kind"], o["metadata"]["name"])
         for o in [*cron_jobs.values(), *spark_apps.values(), *rbac]
@@ -976,8 +1144,19 @@ def _remove_stale(
     ]
     spark_names = desired.spark_names(name)
     candidates += [(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")]
-    if not sweep:
-        status = observed(RetentionPolicyStatus, policy)
+    status = observed(RetentionPolicyStatus, policy)
+    if sweep:
+        present = {c for c in candidates if c[0] == "CronJob" and kube.watched(c[0], ns, c[1])}
+        engine = (policy.get("spec") or {}).get("engine") or "local"
+        # Spark objects only where the policy runs on Spark, ran on it (its status says so), or
+        # may have (its spec changed since it was made, and a status can miss a last run).
+        if engine != "local" or status.engine not in (None, "local") or gen != 1:
+            present |= {
+                ("ScheduledSparkApplication", o["metadata"]["name"]) for o in _spark_apps(policy)
+            }
+            present |= {(k, spark_names) for k in ("RoleBinding", "Role", "ServiceAccount")}
+        candidates = [c for c in candidates if c in present]
+    else:
         named = {
             ("CronJob", status.gc_cron_job),
             ("CronJob", status.compaction_cron_job),
@@ -998,6 +1177,18 @@ def _remove_stale(
             raise
         if gone:
             _event(policy, f"{kind}Deleted", f"deleted {kind} {obj_name}")
+
+
+def _spark_apps(policy: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The policy's ScheduledSparkApplications, by its label (none where the Spark operator is
+    not installed, or not ours to list)."""
+    ns, name, _ = _meta(policy)
+    try:
+        return kube.list_("ScheduledSparkApplication", ns, f"{desired.POLICY_LABEL}={name}")
+    except kube.KubeError as e:
+        if e.status in (403, 404):
+            return []
+        raise
 
 
 def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:

@@ -15,7 +15,9 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
   ``generation`` (+1 when anything outside ``metadata`` changes; ``status`` does not count
   where it is a subresource);
 * create (201, 409 AlreadyExists), get, list (``<Kind>List``), ``labelSelector`` (equality and
-  set-based) and ``fieldSelector`` (any dotted field, ``=``/``==``/``!=``);
+  set-based) and ``fieldSelector`` (``=``/``==``/``!=``; any dotted field of a built-in kind,
+  but of a custom resource only ``metadata.name``, ``metadata.namespace`` and the CRD's
+  ``selectableFields``, as kube-apiserver: any other is 400 BadRequest);
 * watch streams with ``resourceVersion`` replay, ``timeoutSeconds``, ``sendInitialEvents`` and
   selector-aware ADDED/MODIFIED/DELETED transitions;
 * PUT and PATCH (merge, JSON patch with ``test``, strategic merge for built-ins, server-side
@@ -134,6 +136,9 @@ class Resource:
     schema: JSON | None = None  # the CRD's openAPIV3Schema (of the preferred version)
     list_kind: str = ""
     crd: str | None = None  # the name of the CRD that defines it
+    # A custom resource's fields a field selector may name besides metadata.name/namespace (its
+    # CRD's selectableFields, as dotted paths); None for built-ins (any field here).
+    selectable: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         self.singular = self.singular or self.kind.lower()
@@ -1664,9 +1669,22 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise _not_found(res, name)
         return obj
 
+    @staticmethod
+    def _field_selector(res: Resource, text: str | None) -> list[FieldRequirement]:
+        fields = parse_field_selector(text)
+        if res.selectable is not None:
+            allowed = {("metadata", "name"), ("metadata", "namespace")}
+            allowed |= {tuple(path.split(".")) for path in res.selectable}
+            for f in fields:
+                if f.path not in allowed:
+                    raise _bad_request(
+                        f"field label not supported: {'.'.join(f.path)} for {res.group_resource}"
+                    )
+        return fields
+
     def _select(self, res: Resource, ns: str | None, params: Any) -> list[JSON]:
         labels = parse_label_selector(params.get("labelSelector"))
-        fields = parse_field_selector(params.get("fieldSelector"))
+        fields = self._field_selector(res, params.get("fieldSelector"))
         items = []
         for (obj_ns, _), obj in sorted(self._store.get(res.key, {}).items()):
             if ns is not None and obj_ns != ns:
@@ -2223,6 +2241,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
             ),
             list_kind=names.get("listKind") or "",
             crd=_meta(crd)["name"],
+            # Of the preferred version (the one a selector is evaluated against here).
+            selectable=frozenset(
+                str(f.get("jsonPath", "")).lstrip(".")
+                for v in served
+                if v["name"] == (versions[0] if versions else None)
+                for f in v.get("selectableFields") or []
+            ),
         )
         if not versions:
             self._unregister(res.key)
@@ -2256,7 +2281,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             namespace=ns,
             name=name,
             labels=parse_label_selector(params.get("labelSelector")),
-            fields=parse_field_selector(params.get("fieldSelector")),
+            fields=self._field_selector(res, params.get("fieldSelector")),
         )
         since_text = params.get("resourceVersion") or ""
         initial_events = params.get("sendInitialEvents", "").lower() == "true"

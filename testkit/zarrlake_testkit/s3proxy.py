@@ -8,7 +8,9 @@ that out before it writes (``Storage.check_conditional_writes``): the tests poin
 this proxy to see it refuse. Real HTTP end to end; the storage code and botocore run unmodified.
 
 The proxy changes what the client signed, so the server behind it must not check signatures
-(moto does not; SeaweedFS does).
+(moto does not; SeaweedFS does). With ``drop=()`` it changes nothing and only counts: every
+request it forwards is recorded (:meth:`HeaderStrippingProxy.requests`), so a test can count
+what another process (the operator) asks of S3.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class HeaderStrippingProxy:
         self.upstream = (target.hostname, target.port or 80)
         self.drop = {h.lower() for h in drop}
         self.stripped = 0
+        self._forwarded: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -74,6 +77,19 @@ class HeaderStrippingProxy:
         with self._lock:
             self.stripped += 1
 
+    def record(self, method: str, path: str) -> None:
+        """One more request forwarded (called by the request handlers)."""
+        with self._lock:
+            self._forwarded.append((method, path))
+
+    def requests(self, *, clear: bool = False) -> list[tuple[str, str]]:
+        """(method, path with query) of every request forwarded (since the last ``clear``)."""
+        with self._lock:
+            out = list(self._forwarded)
+            if clear:
+                self._forwarded.clear()
+        return out
+
 
 def _handler_for(proxy: HeaderStrippingProxy) -> type[BaseHTTPRequestHandler]:
     class Forward(BaseHTTPRequestHandler):
@@ -85,6 +101,7 @@ def _handler_for(proxy: HeaderStrippingProxy) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             body = self._read_body()
+            proxy.record(self.command, self.path)
             headers = [(n, v) for n, v in self.headers.items() if n.lower() not in proxy.drop]
             if len(headers) < len(self.headers):
                 proxy.count_stripped()

@@ -434,6 +434,43 @@ def test_claim_winner_skips_resources_being_deleted() -> None:
     assert desired.claim_winner([claims[0]]) is None
 
 
+def _reported(kind: str, **status: Any) -> dict[str, Any]:
+    """A Ready Branch or Tag resource (generation 2, observed) whose status says ``status``."""
+    return {
+        "kind": kind,
+        "metadata": {"name": "dev-res", "generation": 2},
+        "spec": {"repository": "climate", "name": "dev"},
+        "status": {
+            "observedGeneration": 2,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}],
+            **status,
+        },
+    }
+
+
+def test_a_status_is_confirmed_only_by_the_ref_where_it_says_it_is() -> None:
+    """What lets a Repository's resync skip a dependent's reconcile: Ready for its generation,
+    the owner of its ref, the ref where the status says. Anything else is reconciled."""
+    branch = _reported("Branch", branch="dev", head="S1")
+    assert desired.ref_reported(branch, "S1", "dev-res")
+    assert not desired.ref_reported(branch, "S2", "dev-res")  # moved
+    assert not desired.ref_reported(branch, None, "dev-res")  # gone: recreate it
+    assert not desired.ref_reported(branch, "S1", "other")  # another resource's claim won
+    assert not desired.ref_reported(branch, "S1", None)
+    changed = json.loads(json.dumps(branch))
+    changed["metadata"]["generation"] = 3  # a spec change not reconciled yet
+    assert not desired.ref_reported(changed, "S1", "dev-res")
+    waiting = json.loads(json.dumps(branch))
+    waiting["status"]["conditions"][0]["status"] = "False"
+    assert not desired.ref_reported(waiting, "S1", "dev-res")
+    renamed = _reported("Branch", branch="old-name", head="S1")  # spec.name changed since
+    assert not desired.ref_reported(renamed, "S1", "dev-res")
+    tag = _reported("Tag", tag="dev", snapshot="S1")
+    assert desired.ref_reported(tag, "S1", "dev-res")
+    assert not desired.ref_reported(tag, None, "dev-res")  # deleted behind the operator's back
+    assert not desired.ref_reported({**tag, "status": {}}, "S1", "dev-res")
+
+
 def test_ref_name_is_spec_name_or_the_resource_name() -> None:
     assert desired.ref_name({"metadata": {"name": "exp-1"}, "spec": {"name": "exp/1"}}) == "exp/1"
     assert desired.ref_name({"metadata": {"name": "exp-1"}, "spec": {"repository": "r"}}) == "exp-1"

@@ -279,6 +279,34 @@ def test_list_and_selectors(api: Http) -> None:
     assert status == 400 and bad["reason"] == "BadRequest"
 
 
+def test_custom_resources_select_only_on_their_selectable_fields(api: Http) -> None:
+    """As kube-apiserver: a custom resource's list or watch selects on metadata.name,
+    metadata.namespace and the CRD's selectableFields; any other field is 400 (the operator's
+    fallback relies on that answer)."""
+    group = "select.zarrlake.test"  # a group of its own: another test starts without GROUP
+    definition = crd("widgets", "Widget")
+    definition["metadata"]["name"] = f"widgets.{group}"
+    definition["spec"]["group"] = group
+    definition["spec"]["versions"][0]["selectableFields"] = [{"jsonPath": ".spec.owner"}]
+    api.ok("POST", CRDS, definition)
+    path = f"/apis/{group}/v1/namespaces/default/widgets"
+    for name, owner in (("w1", "a"), ("w2", "b"), ("w3", "a")):
+        body = {"apiVersion": f"{group}/v1", "kind": "Widget", "metadata": {"name": name}}
+        api.ok("POST", path, {**body, "spec": {"owner": owner, "size": 1}})
+
+    def names(**params: str) -> list[str]:
+        return [i["metadata"]["name"] for i in api.ok("GET", path, **params)["items"]]
+
+    assert names(fieldSelector="spec.owner=a") == ["w1", "w3"]
+    assert names(fieldSelector="spec.owner!=a,metadata.name=w2") == ["w2"]
+    for params in ({"fieldSelector": "spec.size=1"}, {"fieldSelector": "status.x=1"}):
+        status, bad = api.call("GET", path, **params)
+        assert status == 400 and bad["reason"] == "BadRequest", bad
+        assert "field label not supported" in bad["message"]
+        status, _ = api.call("GET", path, watch="true", timeoutSeconds="1", **params)
+        assert status == 400
+
+
 def test_watch_replays_from_resource_version(api: Http) -> None:
     path = "/api/v1/namespaces/default/configmaps"
     first = api.ok("POST", path, cm("w-old", {"w": "1"}))

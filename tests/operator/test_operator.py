@@ -250,6 +250,22 @@ def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
     assert "shared" in repo.list_branches()
 
 
+def test_when_the_owner_of_a_branch_goes_the_next_claimant_takes_it_over(k8s: Env) -> None:
+    """The loser of a claim is Conflict, not Ready: each resync of its Repository reconciles
+    it, so once the owner is gone (and with it the branch) it takes the branch over. (Names in
+    creation order: a claim made in the same second goes to the first name.)"""
+    k8s.ready_repository()
+    k8s.custom("Branch", "one", {"repository": "repo", "name": "shared"})
+    k8s.wait_condition("Branch", "one")
+    k8s.custom("Branch", "two", {"repository": "repo", "name": "shared"})
+    k8s.wait_condition("Branch", "two", "Conflict", "True")
+    k8s.delete("Branch", "one")
+    wait_for("one gone", lambda: k8s.get("Branch", "one") is None)
+    obj = k8s.wait_condition("Branch", "two")
+    assert condition(obj, "Conflict")["status"] == "False"
+    assert "shared" in k8s.open_repository().list_branches()
+
+
 def test_main_and_bad_from_are_refused_with_conditions(k8s: Env) -> None:
     k8s.ready_repository()
     k8s.custom("Branch", "main", {"repository": "repo"})
@@ -528,18 +544,150 @@ def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
     ):
         k8s.wait_condition(kind, name)
     time.sleep(4)  # let the first resyncs settle what the change handlers wrote
+    checked0 = _series(k8s, "zarrlake_operator_dependents_checked_total")
     before = _api_requests(k8s)
     time.sleep(8)  # several resyncs of every object (every second here)
     after = _api_requests(k8s)
+    checked = _series(k8s, "zarrlake_operator_dependents_checked_total")
     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     reconciles = delta.pop(("reconciles", ""), 0)
-    assert reconciles >= 7, delta  # every object resynced in the window ...
+    assert reconciles >= 3, delta  # the Repository and its policies resynced in the window ...
+    # ... and its Branches and Tag checked by those resyncs (confirmed: nothing to reconcile) ...
+    confirmed = {k[0]: v - checked0.get(k, 0) for k, v in checked.items() if k[1] == "confirmed"}
+    assert confirmed.get("Branch", 0) >= 3 and confirmed.get("Tag", 0) >= 1, checked
     # ... and asked the API server nothing: the Repository, Branch, Tag and policy bodies and the
     # CronJobs come from the watches, and a credentials Secret read within the last 2 minutes is
     # reused. A Secret re-read every 2 minutes is all a resting fleet costs.
     writes = {k: n for k, n in delta.items() if k[0] in ("POST", "PUT", "PATCH", "DELETE")}
     assert not writes, delta
     assert sum(delta.values()) <= 2, delta
+
+
+def _series(k8s: Env, name: str) -> dict[tuple[str, ...], float]:
+    """One metric of the operator, by its label values (in the order the labels come)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with direct.open(f"http://127.0.0.1:{k8s.metrics_port}/metrics", timeout=30) as rsp:
+        text = rsp.read().decode()
+    out: dict[tuple[str, ...], float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[tuple(v.split('"')[1] for v in labels[len(name) + 1 : -1].split(","))] = float(
+                value
+            )
+    return out
+
+
+def test_a_resting_repository_costs_one_listing_of_its_refs_per_resync(k8s: Env) -> None:
+    """At rest, a resync of a Repository and of everything that names it asks S3 for the
+    repository's record and one listing of its refs, however many Branches and Tags there are:
+    their statuses are checked against that listing, and no branch head or tag is read. A
+    branch moved behind the operator's back costs one read of its new head entry. (S3 requests
+    counted by a proxy between the operator and the S3 server.)"""
+    from zarrlake_testkit.s3proxy import HeaderStrippingProxy
+
+    with HeaderStrippingProxy(k8s.s3_endpoint, drop=()) as proxy:
+        k8s.secret()
+        bucket = f"zl-{k8s.namespace}-counted"
+        storage = {
+            "bucket": bucket,
+            "prefix": "repos/repo",
+            "endpointURL": proxy.endpoint,
+            "region": "us-east-1",
+            "provision": True,
+            "credentialsSecret": {"name": "s3-creds"},
+        }
+        k8s.custom("Repository", "repo", {"storage": storage, "lockService": {"mode": "none"}})
+        k8s.wait_condition("Repository", "repo")
+        for name in ("b1", "b2", "b3"):
+            k8s.custom("Branch", name, {"repository": "repo"})
+        k8s.custom("Tag", "t1", {"repository": "repo", "ref": "main"})
+        for kind, name in (("Branch", "b1"), ("Branch", "b2"), ("Branch", "b3"), ("Tag", "t1")):
+            k8s.wait_condition(kind, name)
+        time.sleep(4)  # resyncs (every second here) settle what the change handlers wrote
+        checked0 = _series(k8s, "zarrlake_operator_dependents_checked_total")
+        proxy.requests(clear=True)
+        time.sleep(6)
+        requests = proxy.requests(clear=True)
+        checked = _series(k8s, "zarrlake_operator_dependents_checked_total")
+        delta = {k: v - checked0.get(k, 0) for k, v in checked.items()}
+
+        mine = [(m, p) for m, p in requests if p.split("?")[0].startswith(f"/{bucket}")]
+        listings = [p for m, p in mine if m == "GET" and "list-type=2" in p]
+        resyncs = len(listings)
+        assert resyncs >= 2, requests  # several resyncs in the window ...
+        # ... each a listing of refs/, and no read of a journal entry or tag record.
+        assert all("refs%2F" in p for p in listings), listings
+        assert not [p for _, p in mine if "/refs/" in p.split("?")[0]], mine
+        # What else a resync asks: the bucket (HEAD) and the repository's record (two GETs).
+        assert len(mine) <= 4 * resyncs + 4, mine
+        # Every Branch and Tag was checked by those resyncs, and confirmed.
+        assert delta.get(("Branch", "confirmed"), 0) >= 3 * (resyncs - 1), delta
+        assert delta.get(("Tag", "confirmed"), 0) >= resyncs - 1, delta
+        assert not delta.get(("Branch", "reconciled")) and not delta.get(("Tag", "reconciled"))
+
+        # A commit outside Kubernetes (through the proxy too: its requests are not counted).
+        repo = k8s.open_repository()
+        head = commit(repo, "b2", 1.0, "moved")
+        proxy.requests(clear=True)
+        wait_for("status.head follows", lambda: k8s.get("Branch", "b2")["status"]["head"] == head)
+        time.sleep(3)
+        entries = [p for m, p in proxy.requests() if m == "GET" and "/refs/branch.b2/" in p]
+        # Read by the resync that saw the head move and by the Branch's reconcile then (the
+        # head and the key after it), and never again while it rests.
+        assert len(entries) <= 3, entries
+
+
+def test_dependents_created_before_their_repository_go_on_when_it_turns_ready(
+    k8s: Env,
+) -> None:
+    """Branches, Tags and RetentionPolicies whose Repository does not exist yet wait for it, and
+    their handlers are woken by the watch when it turns Ready (not retried a delay later)."""
+    k8s.secret()
+    dependents = [("Branch", f"early-{i}") for i in range(3)]
+    for _, name in dependents:
+        k8s.custom("Branch", name, {"repository": "repo"})
+    dependents += [("Tag", "early-tag"), ("RetentionPolicy", "early-policy")]
+    k8s.custom("Tag", "early-tag", {"repository": "repo", "ref": "main"})
+    k8s.custom(
+        "RetentionPolicy", "early-policy", {"repository": "repo", "gc": {"schedule": "@daily"}}
+    )
+    for kind, name in dependents:
+        obj = k8s.wait_condition(kind, name, "Ready", "False")
+        assert condition(obj, "Ready")["reason"] == "RepositoryNotFound"
+    before = _series(k8s, "zarrlake_operator_repository_waits_total")
+    k8s.repository()
+    for kind, name in dependents:
+        k8s.wait_condition(kind, name)
+    after = _series(k8s, "zarrlake_operator_repository_waits_total")
+    woken = sum(v - before.get(k, 0) for k, v in after.items() if k[1] == "woken")
+    # Each was waiting when the Repository turned Ready, but for the instant between two waits
+    # (when its next attempt finds the Repository Ready itself): at least one was woken.
+    assert woken >= 1, (before, after)
+
+
+def test_lists_by_a_field_the_server_cannot_select_on_are_filtered_here(k8s: Env) -> None:
+    """The operator asks the API server for one Repository's dependents (a field selector on
+    spec.repository, which the CRDs declare selectable); where a server refuses a field (400),
+    it lists everything and filters, and keeps doing so without asking again."""
+    k8s.secret()
+    k8s.custom("Branch", "x", {"repository": "one", "name": "shared"})
+    k8s.custom("Branch", "y", {"repository": "two", "name": "shared"})
+    k8s.custom("Branch", "z", {"repository": "two", "name": "other"})
+    asked: list[tuple[str, str]] = []
+    kube.observers.append(lambda verb, resource: asked.append((verb, resource)))
+    try:
+        by_repo = kube.list_("Branch", k8s.namespace, field=("spec.repository", "two"))
+        assert sorted(o["metadata"]["name"] for o in by_repo) == ["y", "z"]
+        assert asked == [("GET", "branches")]
+        # spec.name is not selectable: the emulated API answers 400, as kube-apiserver does.
+        for _ in range(2):
+            asked.clear()
+            by_name = kube.list_("Branch", k8s.namespace, field=("spec.name", "shared"))
+            assert sorted(o["metadata"]["name"] for o in by_name) == ["x", "y"]
+        assert asked == [("GET", "branches")]  # the refusal is remembered: one list now
+    finally:
+        kube.observers.pop()
 
 
 def test_external_lock_service_is_checked_with_its_password(k8s: Env, tmp_path: Any) -> None:
@@ -754,6 +902,27 @@ def test_a_repository_deleted_behind_the_operators_back_is_not_recreated_empty(k
     assert keys(k8s, bucket, "repos/repo/") == []  # nothing created in its place
     with pytest.raises(zarrlake.KubernetesError, match="is gone from"):
         k8s.open_repository()  # clients are told why, instead of finding an empty repository
+
+
+def test_a_bucket_deleted_behind_the_operators_back_is_reported(k8s: Env) -> None:
+    """A resync reads the repository first and checks the bucket only when that fails: a bucket
+    deleted under a Ready repository is still reported as the bucket missing."""
+    k8s.secret()
+    bucket = f"zl-{k8s.namespace}-gone"
+    s3(k8s).create_bucket(Bucket=bucket)
+    k8s.repository(bucket=bucket, provision=False)
+    k8s.wait_condition("Repository", "repo")
+    time.sleep(2)  # a resync or two of the Ready repository
+    for key in keys(k8s, bucket, ""):
+        s3(k8s).delete_object(Bucket=bucket, Key=key)
+    s3(k8s).delete_bucket(Bucket=bucket)
+    obj = k8s.wait_condition("Repository", "repo", "BucketReady", "False")
+    assert condition(obj, "BucketReady")["reason"] == "BucketNotFound"
+    assert condition(obj, "Ready")["status"] == "False"
+    s3(k8s).create_bucket(Bucket=bucket)  # back, but empty: the repository is missing
+    obj = k8s.wait_condition("Repository", "repo", "Initialized", "False")
+    assert condition(obj, "Initialized")["reason"] == "RepositoryMissing"
+    assert condition(obj, "BucketReady")["status"] == "True"
 
 
 def test_branches_and_tags_go_with_their_repository_and_retain_keeps_the_refs(k8s: Env) -> None:

@@ -113,6 +113,23 @@ def tag_tombstone_key(name: str) -> str:
     return f"refs/tagdel.{_ref_name(name)}"
 
 
+#: Where every ref lives: branch journals, tags and tag tombstones (and the write probe).
+REFS_PREFIX = "refs/"
+_REF_KEY = re.compile(r"^refs/(?:branch\.([^/]+)/([0-9a-f]{16})|(tag|tagdel)\.([^/]+))$")
+
+
+def parse_ref_key(key: str) -> tuple[str, str, int | None] | None:
+    """What a key under :data:`REFS_PREFIX` holds: ``("branch", name, seq)`` for a journal
+    entry, ``("tag", name, None)`` for a tag, ``("tagdel", name, None)`` for a tag's tombstone;
+    None for any other key (the write probe)."""
+    m = _REF_KEY.match(key)
+    if m is None:
+        return None
+    if m[1] is not None:
+        return "branch", ref_name_from_key(m[1]), seq_from_entry_key(key)
+    return m[3], ref_name_from_key(m[4]), None
+
+
 # -- chunk references ----------------------------------------------------------------------------
 # A chunk reference is a small tuple, because manifests hold millions of them:
 #   (INLINE, data)                      the bytes themselves
