@@ -26,6 +26,7 @@ from zarrlake.objects import ObjectStore
 def small_pages(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(HistoryIndex, "PAGE", 3)
     monkeypatch.setattr(HistoryIndex, "WINDOW", 2)
+    monkeypatch.setattr(HistoryIndex, "FOLD", 3)
     yield
 
 
@@ -165,6 +166,45 @@ def test_losing_every_page_of_early_history_still_reads_and_later_pages_build_on
         commit(repo, "main", i)
     head = repo.lookup_branch("main")
     assert indexed(repo, "main") == walked(repo, head)
+
+
+def test_seals_fold_the_newest_page_in_up_to_fold_pages_of_records() -> None:
+    # PAGE 3, FOLD 3 (the fixture): a seal every 3 commits folds the newest page in while the
+    # two hold at most 9 records, so a long line of commits is named by pages of 7 to 9 records
+    # (not 3): a log reads a third of the pages.
+    repo = new_repo()
+    for i in range(40):
+        commit(repo, "main", i)
+    head = repo.lookup_branch("main")
+    objects = ObjectStore(repo.core.storage, repo.core.record.content_hash)
+    index = objects.snapshot(head).index
+    assert index is not None
+    sizes, todo = [], list(index.pages)
+    while todo:
+        page = objects.history_page(todo.pop(0))
+        sizes.append(len(page.ids))
+        todo = todo or list(page.older)  # the window ends: follow the oldest page's link
+    assert all(s <= HistoryIndex.PAGE * HistoryIndex.FOLD for s in sizes), sizes
+    assert sum(s > HistoryIndex.PAGE for s in sizes) >= 3, sizes
+    assert sum(sizes) >= 40 - HistoryIndex.PAGE  # every commit but the open ones is in a page
+    assert indexed(repo, "main") == walked(repo, head)
+
+
+def test_a_seal_whose_newest_page_is_unreadable_seals_its_records_alone() -> None:
+    repo = new_repo()
+    for i in range(7):
+        commit(repo, "main", i)
+    storage = repo.core.storage
+    index = repo.core.objects.snapshot(repo.lookup_branch("main")).index
+    assert index is not None and index.pages
+    storage.put(history_page_key(index.pages[0]), b"garbage")
+    fresh = zarrlake.Repository.open(storage)  # no page in a cache
+    for i in range(7, 14):
+        commit(fresh, "main", i)
+    head = fresh.lookup_branch("main")
+    assert indexed(fresh, "main") == walked(fresh, head)
+    problems = {(p.kind, p.key) for p in fresh.fsck().problems}
+    assert problems == {("corrupt", history_page_key(index.pages[0]))}
 
 
 def test_an_index_naming_no_object_is_not_trusted_and_never_becomes_a_path() -> None:

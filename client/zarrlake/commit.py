@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,7 +34,15 @@ from zarrlake.conflicts import (
     resized_arrays,
     three_way,
 )
-from zarrlake.errors import Conflict, ConflictError, MergeConflictError, RefNotFound, ZarrlakeError
+from zarrlake.errors import (
+    Conflict,
+    ConflictError,
+    CorruptObject,
+    MergeConflictError,
+    RefNotFound,
+    UnsupportedFormat,
+    ZarrlakeError,
+)
 from zarrlake.format import manifest
 from zarrlake.format.ids import content_hash, new_snapshot_id
 from zarrlake.format.manifest import ManifestUpdate, prefix_matches
@@ -51,6 +60,8 @@ from zarrlake.history import CommitGraph
 from zarrlake.nodes import array_paths, meta_key_node
 from zarrlake.objects import CommitObjects, ObjectStore
 from zarrlake.refs import BranchJournal, new_writer_id
+
+log = logging.getLogger("zarrlake")
 
 #: The lock name garbage collection's sweep and deduplicating commits share.
 GC_LOCK_BRANCH = "__gc__"
@@ -153,15 +164,21 @@ def _open_records(snap: Snapshot) -> list[tuple[str, AncestorRecord]]:
 
 
 def _index_for(
-    parent: Snapshot, extra: list[Snapshot], inline: int
+    parent: Snapshot,
+    extra: list[Snapshot],
+    inline: int,
+    page_of: Callable[[str], HistoryPage | None],
 ) -> tuple[HistoryIndex, tuple[str, bytes] | None]:
     """The history index of a child of ``parent`` (and of ``extra`` merge parents) that carries
     ``inline`` history records, and the page it seals, if any (digest, encoded).
 
     The open records grow by one per commit; at :attr:`HistoryIndex.PAGE` of them (or when the
     child's inline records could no longer hold them all, or at a merge, whose other line must
-    become reachable) they are sealed into one page naming the pages before it. Bytes per commit
-    stay bounded: a page of records every ``PAGE`` commits, ``WINDOW`` digests in the snapshot.
+    become reachable) they are sealed into one page naming the pages before it. Outside merges,
+    the seal folds in the newest page (read with ``page_of``; None: unreadable, not folded) while
+    the two hold at most ``PAGE * FOLD`` records, so a log reads one page per 1,008 commits, not
+    one per 63. Bytes per commit stay bounded: at most ``PAGE * FOLD`` records every ``PAGE``
+    commits, ``WINDOW`` digests in the snapshot.
     """
     pages = parent.index.pages if parent.index is not None else ()
     opened = (parent.index.unsealed if parent.index is not None else 0) + 1
@@ -169,6 +186,15 @@ def _index_for(
         return HistoryIndex(opened, pages), None
     records = _open_records(parent)
     older = list(pages)
+    if not extra and pages:
+        newest = page_of(pages[0])
+        if newest is not None and len(newest.ids) + len(records) <= (
+            HistoryIndex.PAGE * HistoryIndex.FOLD
+        ):
+            # The folded page's records continue the open ones (it was sealed from the records
+            # just before them); the pages before it stay where they were.
+            records += zip(newest.ids, newest.records, strict=True)
+            older, pages = list(newest.older), pages[1:]
     for snap in extra:
         records += _open_records(snap)
         older += snap.index.pages if snap.index is not None else ()
@@ -552,6 +578,15 @@ class CommitEngine:
             update = rebuilt
         return update
 
+    def _history_page(self, digest: str) -> HistoryPage | None:
+        """A page to fold into the one a commit seals; None if it cannot be read (the commit
+        then seals its records alone, as an index never decides what a commit holds)."""
+        try:
+            return self.objects.history_page(digest)
+        except (RefNotFound, CorruptObject, UnsupportedFormat) as e:
+            log.warning("history page %s is unreadable (%s): not folded", digest, e)
+            return None
+
     def _build_snapshot(
         self,
         parent: Snapshot,
@@ -594,7 +629,10 @@ class CommitEngine:
         )
         history = _history_for(parent)
         index, sealed = _index_for(
-            parent, [self.objects.snapshot(p) for p in extra_parents], len(history)
+            parent,
+            [self.objects.snapshot(p) for p in extra_parents],
+            len(history),
+            self._history_page,
         )
         snap = Snapshot(
             id=new_snapshot_id(),

@@ -295,8 +295,27 @@ class AncestorRecord:
 def _history(items: Any, ancestry: list[str], key: str) -> list[AncestorRecord]:
     if not isinstance(items, list) or len(items) > len(ancestry):
         raise CorruptObject(key, "history does not match ancestry")
+    # A page holds up to ~1,000 records and log() decodes them all: the checks run inline on
+    # exact types (what msgpack decodes to), the careful path below only names what is wrong.
     out = []
+    new = AncestorRecord
     for item in items:
+        if (
+            type(item) is list
+            and len(item) == 5
+            and type(item[0]) is list
+            and all(type(p) is str for p in item[0])
+            and type(item[1]) is int
+            and (item[2] is None or type(item[2]) is str)
+            and type(item[3]) is str
+            and type(item[4]) is dict
+        ):
+            try:
+                when = _EPOCH + dt.timedelta(microseconds=item[1])
+            except OverflowError:
+                raise CorruptObject(key, f"history has an invalid time ({item[1]})") from None
+            out.append(new(tuple(item[0]), when, item[2], item[3], item[4]))
+            continue
         if not isinstance(item, list) or len(item) != 5:
             raise CorruptObject(key, f"bad history record {item!r}")
         parents, when, author, message, metadata = item
@@ -319,7 +338,10 @@ class HistoryIndex:
     ``unsealed``: how many of the snapshot's inline ``history`` records (its newest first-parent
     ancestors) are in no history page yet. ``pages``: digests of the newest sealed
     :class:`HistoryPage` objects of its history (at most ``WINDOW``), newest first; each page names
-    the pages before it, so everything older is reachable too. It is an index, never the truth:
+    the pages before it, so everything older is reachable too. A seal folds the newest page into
+    the new one until they hold ``PAGE * FOLD`` records, so pages grow to 1,008 records and the
+    history of 1,000 commits is one page, 64,000 commits one round of 16. It is an index, never
+    the truth:
     a reader that misses a commit in it (a missing or corrupt page, history from before the index
     existed) reads the snapshots instead.
     """
@@ -329,6 +351,7 @@ class HistoryIndex:
 
     PAGE = 63  # records per page; a page is sealed from inline records, of which there are 64
     WINDOW = 16  # pages a snapshot names: one concurrent round lists 1,008 older commits
+    FOLD = 16  # a seal folds the newest page in while the two hold at most PAGE * FOLD records
 
 
 def _index(obj: dict[str, Any], history_len: int, key: str) -> HistoryIndex | None:
