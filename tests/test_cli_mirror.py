@@ -359,6 +359,32 @@ def test_destination_holding_another_repository(
     assert "source itself" in msg
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"ZARRLAKE_DEST_AZURE_STORAGE_ACCOUNT_KEY": "a2V5"}, "for a az:// destination"),
+        ({"ZARRLAKE_DEST_GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}, "for a gs:// destination"),
+        ({"ZARRLAKE_DEST_AWS_ACCESS_KEY_ID": "AKIA"}, "for a s3:// destination"),
+    ],
+)
+def test_destination_credentials_for_another_provider(
+    source: Path,
+    tmp_path: Path,
+    zl_cli: Callable[..., Result],
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    says: str,
+) -> None:
+    # Credentials meant for one provider never silently go unused on another: the operator
+    # sets them from the Mirror's destination, so a mismatch is a wrong DEST.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dest = tmp_path / "mirror"
+    msg = assert_one_line_error(zl_cli("mirror", "run", source, dest, "--once"), 2)
+    assert says in msg and str(dest) in msg
+    assert not dest.exists()
+
+
 def test_unknown_source(tmp_path: Path, zl_cli: Callable[..., Result]) -> None:
     missing, dest = tmp_path / "nothing-here", tmp_path / "mirror"
     for argv in (["run", missing, dest, "--once"], ["status", missing, dest]):

@@ -237,6 +237,9 @@ def test_missing_bucket_or_container_is_a_clear_error(
         assert not isinstance(info.value, ObjectNotFound)
         with pytest.raises(ObjectNotFound):
             s.get("k")
+        # Listing a missing container or bucket says so too (a missing prefix lists nothing).
+        with pytest.raises(ObjectNotFound, match="no-such"):
+            s.list_keys("", limit=1)
 
 
 def test_azure_wrong_key_is_refused(request: pytest.FixtureRequest) -> None:

@@ -232,7 +232,7 @@ def _credentials(
     creds = storage.credentials_secret
     if creds is None:
         return {}
-    provider = getattr(storage, "provider", "s3")
+    provider = storage.provider
 
     def value(key: str, *, required: bool = True) -> str | None:
         return _secret_value(read_secret, creds.name, key, owner, required=required)
@@ -288,9 +288,9 @@ def storage_connection(
         session_token=None,
         lock_url=None,
         lock_password=None,
-        provider=getattr(storage, "provider", "s3"),
-        account_name=getattr(storage, "account_name", None),
-        url=getattr(storage, "url", None),
+        provider=storage.provider,
+        account_name=storage.account_name,
+        url=getattr(storage, "url", None),  # a destination is never published (http)
     ).with_credentials(creds)
 
 

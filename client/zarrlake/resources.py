@@ -275,6 +275,30 @@ class ResourceStatus(ResourceModel):
 #: Storage providers a Repository may live on.
 StorageProvider = Literal["s3", "gcs", "azure", "http"]
 
+
+def _provider_rules(where: str) -> tuple[tuple[str, Any, str], ...]:
+    """(CEL rule, the same check in Python, message) of the fields only some providers take,
+    for the storage spec at ``where`` (a Repository's or a Mirror destination's)."""
+    return (
+        (
+            "self.provider == 's3' || !has(self.region)",
+            lambda s: s.provider == "s3" or s.region is None,
+            f"{where}.region is for provider s3 only",
+        ),
+        (
+            "(self.provider == 'azure') == has(self.accountName)",
+            lambda s: (s.provider == "azure") == (s.account_name is not None),
+            f"{where}.accountName is required for provider azure, and only for it",
+        ),
+        (
+            "self.provider == 's3' || !self.provision",
+            lambda s: s.provider == "s3" or not s.provision,
+            f"{where}.provision is supported for provider s3 only: create the bucket or "
+            "container beforehand",
+        ),
+    )
+
+
 #: Cross-field rules of ``spec.storage``: (CEL rule for the CRD, the same in Python, message).
 #: The API server enforces the CEL; the operator checks the Python (older servers, no CEL).
 _STORAGE_RULES: tuple[tuple[str, Any, str], ...] = (
@@ -298,22 +322,7 @@ _STORAGE_RULES: tuple[tuple[str, Any, str], ...] = (
         lambda s: s.provider != "http" or s.endpoint_url is None,
         "provider http takes its address in spec.storage.url, not endpointURL",
     ),
-    (
-        "self.provider == 's3' || !has(self.region)",
-        lambda s: s.provider == "s3" or s.region is None,
-        "spec.storage.region is for provider s3 only",
-    ),
-    (
-        "(self.provider == 'azure') == has(self.accountName)",
-        lambda s: (s.provider == "azure") == (s.account_name is not None),
-        "spec.storage.accountName is required for provider azure, and only for it",
-    ),
-    (
-        "self.provider == 's3' || !self.provision",
-        lambda s: s.provider == "s3" or not s.provision,
-        "spec.storage.provision is supported for provider s3 only: create the bucket or container "
-        "beforehand",
-    ),
+    *_provider_rules("spec.storage"),
 )
 
 
@@ -808,12 +817,30 @@ class RetentionPolicy(CustomResource):
 REF_GLOB = r"^[A-Za-z0-9*?\[][A-Za-z0-9._/*?\[\]!-]{0,254}$"
 
 
-class MirrorDestinationSpec(ResourceModel):
-    """Where the mirror lives: another bucket, prefix, endpoint or region. It cannot move."""
+_DESTINATION_RULES = _provider_rules("spec.destination")
 
+
+class MirrorDestinationSpec(ResourceModel):
+    """Where the mirror lives: another bucket, prefix, endpoint, region or provider. It cannot
+    move."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": rule, "message": message} for rule, _, message in _DESTINATION_RULES
+            ]
+        }
+    )
+
+    provider: Literal["s3", "gcs", "azure"] = Field(
+        default="s3",
+        description="s3 (AWS or S3-compatible), gcs (Google Cloud Storage) or azure (Azure Blob "
+        "Storage); any source provider mirrors to any of them.",
+        json_schema_extra=immutable("destination.provider"),
+    )
     bucket: str = Field(
         pattern=BUCKET,
-        description="S3 bucket name.",
+        description="Bucket name (azure: the container).",
         json_schema_extra=immutable("destination.bucket"),
     )
     prefix: str = Field(
@@ -823,23 +850,39 @@ class MirrorDestinationSpec(ResourceModel):
         description="Key prefix inside the bucket (no leading or trailing slash).",
         json_schema_extra=immutable("destination.prefix"),
     )
-    region: str | None = Field(default=None, description="Bucket region, e.g. us-west-2.")
+    region: str | None = Field(default=None, description="s3: bucket region, e.g. us-west-2.")
     endpoint_url: str | None = Field(
         default=None,
         alias="endpointURL",
         pattern=r"^https?://",
-        description="S3 endpoint for non-AWS stores (MinIO, Ceph, another cloud's S3 API).",
+        description="Endpoint of a non-default service (MinIO, Ceph, an emulator, another "
+        "cloud's S3 API).",
+    )
+    account_name: str | None = Field(
+        default=None,
+        alias="accountName",
+        pattern=r"^[a-z0-9]{3,24}$",
+        description="azure: the storage account.",
+        json_schema_extra=immutable("destination.accountName"),
     )
     credentials_secret: CredentialsSecretRef | None = Field(
         default=None,
         alias="credentialsSecret",
-        description="Secret with the destination's S3 credentials; without it the replicator "
-        "uses the same credentials as for the source (or the pod's ambient identity).",
+        description="Secret with the destination's credentials (keys as for a Repository of "
+        "that provider); without it the replicator uses the provider's standard chain (for s3, "
+        "the source's keys when the source is on s3 too, or the pod's identity).",
     )
     provision: bool = Field(
         default=False,
-        description="Create the bucket (locked down as for a Repository) if it does not exist.",
+        description="s3: create the bucket (locked down as for a Repository) if it does not exist.",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        for _, holds, message in _DESTINATION_RULES:
+            if not holds(self):
+                raise ValueError(message)
+        return self
 
 
 class MirrorGCSpec(ResourceModel):

@@ -23,6 +23,7 @@ from zarrlake.resources import (
     CredentialsSecretRef,
     JobRun,
     JobSchedule,
+    MirrorDestinationSpec,
     MirrorRefStatus,
     MirrorSpec,
     Repository,
@@ -443,23 +444,34 @@ def credential_env(creds: CredentialsSecretRef | None, prefix: str = "") -> list
 #: file is named as its key, as Spark's own secret mounts name it too).
 GCS_KEY_DIR = "/var/run/secrets/zarrlake/gcs"
 GCS_VOLUME = "gcs-credentials"
+#: A Mirror destination's credentials reach the replicator in its provider's variables with this
+#: in front (the unprefixed ones are the source's: both sides may need different keys, and one
+#: process reads both) ...
+DESTINATION_ENV_PREFIX = "ZARRLAKE_DEST_"
+#: ... and its GCS key file is mounted here.
+DEST_GCS_KEY_DIR = "/var/run/secrets/zarrlake/gcs-destination"
+DEST_GCS_VOLUME = "gcs-destination-credentials"
 
 
-def _secret_env(var: str, secret: str, key: str, *, optional: bool = False) -> dict[str, Any]:
+def _secret_env(var: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:
     ref: dict[str, Any] = {"name": secret, "key": key}
     if optional:
         ref["optional"] = True
     return {"name": var, "valueFrom": {"secretKeyRef": ref}}
 
 
-def storage_env(storage: StorageSpec) -> list[dict[str, Any]]:
+def storage_env(
+    storage: StorageSpec | MirrorDestinationSpec, *, destination: bool = False
+) -> list[dict[str, Any]]:
     """The variables through which a pod's zarrlake finds the storage's credentials, in each
-    provider's standard names (AWS_*, AZURE_STORAGE_*, GOOGLE_APPLICATION_CREDENTIALS); Secrets
-    by reference only, never by value. Without a credentials Secret, the pod's identity."""
+    provider's standard names (AWS_*, AZURE_STORAGE_*, GOOGLE_APPLICATION_CREDENTIALS; for a
+    Mirror's ``destination``, the same with :data:`DESTINATION_ENV_PREFIX` in front); Secrets by
+    reference only, never by value. Without a credentials Secret, the pod's identity."""
     creds = storage.credentials_secret
+    prefix = DESTINATION_ENV_PREFIX if destination else ""
     if storage.provider == "s3":
-        env = credential_env(creds)
-        if storage.region:
+        env = credential_env(creds, prefix)
+        if storage.region and not destination:  # a destination's region is in its URL
             env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
         return env
     if creds is None:
@@ -468,23 +480,27 @@ def storage_env(storage: StorageSpec) -> list[dict[str, Any]]:
         account_key, sas_token = creds.azure_keys
         # Either may be absent (the operator checked that one is there).
         return [
-            _secret_env("AZURE_STORAGE_ACCOUNT_KEY", creds.name, account_key, optional=True),
-            _secret_env("AZURE_STORAGE_SAS_TOKEN", creds.name, sas_token, optional=True),
+            _secret_env(f"{prefix}AZURE_STORAGE_ACCOUNT_KEY", creds.name, account_key, True),
+            _secret_env(f"{prefix}AZURE_STORAGE_SAS_TOKEN", creds.name, sas_token, True),
         ]
     if storage.provider == "gcs":
-        path = f"{GCS_KEY_DIR}/{creds.gcs_key}"
-        return [{"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": path}]
+        path = f"{DEST_GCS_KEY_DIR if destination else GCS_KEY_DIR}/{creds.gcs_key}"
+        return [{"name": f"{prefix}GOOGLE_APPLICATION_CREDENTIALS", "value": path}]
     return []  # http: read-only, no job ever runs against it
 
 
-def storage_volumes(storage: StorageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def storage_volumes(
+    storage: StorageSpec | MirrorDestinationSpec, *, destination: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, container mounts) that put the storage's credentials file in place: the
-    GCS service-account key Secret at :data:`GCS_KEY_DIR`; none for the other providers."""
+    GCS service-account key Secret at :data:`GCS_KEY_DIR` (a Mirror destination's at
+    :data:`DEST_GCS_KEY_DIR`); none for the other providers."""
     creds = storage.credentials_secret
     if storage.provider != "gcs" or creds is None:
         return [], []
-    volume = {"name": GCS_VOLUME, "secret": {"secretName": creds.name}}
-    return [volume], [{"name": GCS_VOLUME, "mountPath": GCS_KEY_DIR, "readOnly": True}]
+    name, path = (DEST_GCS_VOLUME, DEST_GCS_KEY_DIR) if destination else (GCS_VOLUME, GCS_KEY_DIR)
+    volume = {"name": name, "secret": {"secretName": creds.name}}
+    return [volume], [{"name": name, "mountPath": path, "readOnly": True}]
 
 
 def lock_env(repository: Repository) -> list[dict[str, Any]]:
@@ -1078,9 +1094,6 @@ def ref_reported(body: Mapping[str, Any], target: str | None, winner: str | None
 
 MIRROR_LABEL = "zarrlake.io/mirror"
 REPLICATOR = "mirror-replicator"
-#: The destination's credentials reach the replicator under these names (``AWS_*`` are the
-#: source's: both sides may need different keys, and one process reads both).
-DESTINATION_ENV_PREFIX = "ZARRLAKE_DEST_"
 MIN_MIRROR_INTERVAL = 1.0  # seconds: the floor of both the replicator's and the status' pace
 #: A local maintenance Job's pod when the policy names no resources: what GC over a million chunk
 #: objects and compaction of a large branch were measured to need, with room (bench/RESULTS.md).
@@ -1156,11 +1169,12 @@ def replicator_command(spec: MirrorSpec, source_url: str, destination_url: str) 
 
 
 def replicator_env(spec: MirrorSpec, repository: Repository) -> list[dict[str, Any]]:
-    """The source's credentials as ``AWS_*``, the destination's as ``ZARRLAKE_DEST_AWS_*``, and
-    the source repository's lock service: all by Secret reference, never by value."""
+    """The source's credentials in its provider's variables, the destination's in its
+    provider's with ``ZARRLAKE_DEST_`` in front, and the source repository's lock service: all
+    by Secret reference, never by value."""
     return [
         *storage_env(repository.spec.storage),
-        *credential_env(spec.destination.credentials_secret, DESTINATION_ENV_PREFIX),
+        *storage_env(spec.destination, destination=True),
         *lock_env(repository),
     ]
 
@@ -1185,6 +1199,8 @@ def replicator_deployment(
     selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": REPLICATOR}
     pod_labels = labels(name, REPLICATOR) | {MIRROR_LABEL: name, REPOSITORY_LABEL: spec.repository}
     volumes, mounts = storage_volumes(resource.spec.storage)
+    dest_volumes, dest_mounts = storage_volumes(spec.destination, destination=True)
+    volumes, mounts = volumes + dest_volumes, mounts + dest_mounts
     container: dict[str, Any] = {
         "name": "replicator",
         "image": spec.image or default_image,

@@ -1332,8 +1332,9 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
         raise kopf.TemporaryError(str(e), delay=10) from None
     dest_spec = spec.destination
     same = (
-        source.provider == "s3"
+        source.provider == dest_spec.provider
         and (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip("/")
+        and (source.account_name or "") == (dest_spec.account_name or "")
         and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
     )
     if same:

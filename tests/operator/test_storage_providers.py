@@ -22,7 +22,8 @@ import zarr
 from k8s_env import ROOT, Env, condition, wait_for
 
 import zarrlake
-from zarrlake.errors import ReadOnlyStorage
+from zarrlake.errors import ReadOnlyError, ReadOnlyStorage
+from zarrlake_testkit import emulated
 from zarrlake_testkit.emulators import (
     AZURITE_ACCOUNT,
     AZURITE_KEY,
@@ -182,6 +183,9 @@ def test_azure_credentials_and_container_problems_are_reported(k8s: Env, azurite
     _repository(k8s, "missing", missing)
     obj = k8s.wait_condition("Repository", "missing", "BucketReady", "False")
     assert condition(obj, "Ready")["status"] == "False"
+    bucket = condition(obj, "BucketReady")
+    assert bucket["reason"] == "BucketNotFound", bucket
+    assert f"container 'zl-none-{k8s.namespace}' does not exist" in bucket["message"]
 
     # A Secret with neither an account key nor a SAS token.
     container = f"zl-{k8s.namespace}"
@@ -340,6 +344,140 @@ PROVIDER_STORAGE: dict[str, dict[str, Any]] = {
 }
 
 
+# -- Mirrors to every provider --
+
+
+def _mirror_to(k8s: Env, destination: dict[str, Any]) -> tuple[zarrlake.Repository, dict[str, Any]]:
+    """An S3 Repository with two commits, and a Mirror of it to ``destination``; returns the
+    source and the replicator Deployment."""
+    k8s.ready_repository("repo", lock="none")
+    source = k8s.open_repository("repo")
+    _commit(source, 1.0, "one")
+    _commit(source, 2.0, "two")
+    k8s.custom("Mirror", "dr", {"repository": "repo", "destination": destination})
+    dep = wait_for("the replicator", lambda: k8s.get("Deployment", "zl-dr-mirror"), 60)
+    return source, dep
+
+
+def _replicate(k8s: Env, dep: dict[str, Any], source: zarrlake.Repository) -> dict[str, Any]:
+    """Passes of the replicator's own command until the mirror has the source's main head."""
+    head = source.lookup_branch("main")
+    for _ in range(5):
+        status = emulated.run_replicator_pass(dep)
+        mirrored = {r["name"]: r["mirrored_head"] for r in status["refs"] if r["kind"] == "branch"}
+        if mirrored.get("main") == head:
+            break
+    assert mirrored.get("main") == head, status
+    done = k8s.wait_condition("Mirror", "dr")
+    assert condition(done, "Ready")["reason"] == "Mirroring", done["status"]
+    return done
+
+
+def test_mirror_of_an_s3_repository_to_azure(k8s: Env, azurite: Any) -> None:
+    container = f"dr-{k8s.namespace}"
+    azurite_create_container(azurite.endpoint, container)
+    k8s.secret("dr-az", {"AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY})
+    source, dep = _mirror_to(
+        k8s,
+        {
+            "provider": "azure",
+            "bucket": container,
+            "prefix": "mirrors/repo",
+            "accountName": AZURITE_ACCOUNT,
+            "endpointURL": azurite.endpoint,
+            "credentialsSecret": {"name": "dr-az"},
+        },
+    )
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    ref = env["ZARRLAKE_DEST_AZURE_STORAGE_ACCOUNT_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "dr-az", "key": "AZURE_STORAGE_ACCOUNT_KEY", "optional": True}
+    assert "AZURE_STORAGE_ACCOUNT_KEY" not in env  # the unprefixed names are the source's
+    assert c["command"][4].startswith(f"az://{container}/mirrors/repo?account_name=")
+    assert AZURITE_KEY not in json.dumps(dep)
+
+    done = _replicate(k8s, dep, source)
+    assert done["status"]["destination"] == c["command"][4]
+    mirror = zarrlake.Repository.open(
+        zarrlake.Storage.azure(
+            container,
+            "mirrors/repo",
+            account_name=AZURITE_ACCOUNT,
+            account_key=AZURITE_KEY,
+            endpoint_url=azurite.endpoint,
+            allow_http=True,
+        )
+    )
+    assert mirror.lookup_branch("main") == source.lookup_branch("main")
+    assert np.all(zarr.open_array(mirror.readonly_session("main").store, path="a")[:] == 2.0)
+    with pytest.raises(ReadOnlyError, match="read-only mirror"):
+        mirror.writable_session("main")
+
+
+def test_mirror_of_an_s3_repository_to_gcs_with_a_mounted_key(
+    k8s: Env, fake_gcs: Any, token_server: TokenServer
+) -> None:
+    bucket = f"dr-{k8s.namespace}"
+    fake_gcs_create_bucket(fake_gcs.endpoint, bucket)
+    key = token_server.service_account_info(f"dr-{k8s.namespace}@zl-test.iam.gserviceaccount.com")
+    k8s.secret("dr-gcs", {"key.json": json.dumps(key)})
+    source, dep = _mirror_to(
+        k8s,
+        {
+            "provider": "gcs",
+            "bucket": bucket,
+            "endpointURL": fake_gcs.endpoint,
+            "credentialsSecret": {"name": "dr-gcs", "serviceAccountJSONKey": "key.json"},
+        },
+    )
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {"name": "gcs-destination-credentials", "secret": {"secretName": "dr-gcs"}} in (
+        pod["volumes"]
+    )
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["ZARRLAKE_DEST_GOOGLE_APPLICATION_CREDENTIALS"] == (
+        "/var/run/secrets/zarrlake/gcs-destination/key.json"
+    )
+    before = token_server.issued.count(key["client_email"])
+    _replicate(k8s, dep, source)
+    # The replicator's own process read the mounted key file and got a token with it.
+    assert token_server.issued.count(key["client_email"]) > before
+    mirror = zarrlake.Repository.open(
+        zarrlake.Storage.gcs(
+            bucket,
+            endpoint_url=fake_gcs.endpoint,
+            service_account_info=key,
+            allow_http=True,
+        )
+    )
+    assert mirror.lookup_branch("main") == source.lookup_branch("main")
+    assert np.all(zarr.open_array(mirror.readonly_session("main").store, path="a")[:] == 2.0)
+
+
+@pytest.mark.parametrize(
+    ("destination", "message"),
+    [
+        ({"provider": "gcs", "bucket": "abc", "region": "eu"}, "spec.destination.region is for"),
+        ({"provider": "azure", "bucket": "abc"}, "spec.destination.accountName is required"),
+        ({"bucket": "abc", "accountName": "acct"}, "spec.destination.accountName is required"),
+        ({"provider": "azure", "bucket": "abc", "accountName": "ac1", "provision": True}, "s3 on"),
+        ({"provider": "http", "bucket": "abc"}, "spec.destination.provider"),
+    ],
+)  # fmt: skip
+def test_destination_rules_per_provider(destination: dict[str, Any], message: str) -> None:
+    import pydantic
+
+    from zarrlake.resources import MirrorSpec, problems
+
+    spec = {"repository": "repo", "destination": destination}
+    with pytest.raises(pydantic.ValidationError) as e:
+        MirrorSpec.model_validate(spec)
+    assert message in problems(e.value, prefix="spec.")
+    refused = _crd_errors({"spec": spec}, "mirrors")
+    assert refused and any(message in error for error in refused), refused
+
+
 def _provider_repository(provider: str) -> dict[str, Any]:
     from test_desired import repository_body
 
@@ -472,13 +610,14 @@ def test_storage_rules_per_provider(storage: dict[str, Any], message: str) -> No
     assert refused and any(message in error for error in refused), refused
 
 
-def _crd_errors(obj: dict[str, Any]) -> list[str]:
-    """Why the API server would refuse ``obj`` as a Repository (pruned and defaulted first)."""
+def _crd_errors(obj: dict[str, Any], plural: str = "repositories") -> list[str]:
+    """Why the API server would refuse ``obj`` as a Repository (or another kind, by its CRD's
+    plural), pruned and defaulted first."""
     from zarrlake_testkit.crdschema import apply_schema, validate
 
-    crd = yaml.safe_load((ROOT / "crds" / "zarrlake.io_repositories.yaml").read_text())
+    crd = yaml.safe_load((ROOT / "crds" / f"zarrlake.io_{plural}.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    full = {"apiVersion": "zarrlake.io/v1alpha1", "kind": "Repository", **obj}
+    full = {"apiVersion": "zarrlake.io/v1alpha1", "kind": crd["spec"]["names"]["kind"], **obj}
     full["metadata"] = {"name": "climate", "namespace": "default"}
     return [str(e) for e in validate(apply_schema(full, schema, root=True), None, schema)]
 

@@ -7,10 +7,12 @@ in a worker thread while the main thread only waits for signals: a signal handle
 stop event itself could interrupt the pass's own wait on that event while it holds the event's
 lock, and never return. ``status`` reads both sides and writes nothing anywhere.
 
-The destination's S3 credentials may differ from the source's: ``$ZARRLAKE_DEST_AWS_ACCESS_KEY_ID``,
-``$ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY`` and ``$ZARRLAKE_DEST_AWS_SESSION_TOKEN`` (what the
-operator's replicator gets from the Mirror's credentials Secret) are used for DEST when set; else
-both sides use the AWS default chain.
+The destination's credentials may differ from the source's: the provider's own variables with
+``ZARRLAKE_DEST_`` in front (``$ZARRLAKE_DEST_AWS_ACCESS_KEY_ID``/``..._SECRET_ACCESS_KEY``/
+``..._SESSION_TOKEN`` for s3://, ``$ZARRLAKE_DEST_AZURE_STORAGE_ACCOUNT_KEY`` or ``..._SAS_TOKEN``
+for az://, ``$ZARRLAKE_DEST_GOOGLE_APPLICATION_CREDENTIALS`` for gs://; what the operator's
+replicator gets from the Mirror's credentials Secret) are used for DEST when set; else both sides
+use the provider's standard chain.
 
 With ``--lock`` (or ``$ZARRLAKE_LOCK``) only the promoter holding the lock named after the
 destination acts; the others stand by, asking again at least every second so that a signal
@@ -167,31 +169,73 @@ DEST_CREDENTIALS = (
     "ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY",
     "ZARRLAKE_DEST_AWS_SESSION_TOKEN",
 )
+#: ... its Azure credentials (an account key or a SAS token) ...
+DEST_AZURE_CREDENTIALS = (
+    "ZARRLAKE_DEST_AZURE_STORAGE_ACCOUNT_KEY",
+    "ZARRLAKE_DEST_AZURE_STORAGE_SAS_TOKEN",
+)
+#: ... and the path of its GCS service-account key file.
+DEST_GCS_CREDENTIALS = "ZARRLAKE_DEST_GOOGLE_APPLICATION_CREDENTIALS"
 
 
 def destination_storage(url: str) -> Storage:
-    """The storage DEST names, with the destination's own credentials from
-    ``$ZARRLAKE_DEST_AWS_*`` when they are set (S3 only)."""
+    """The storage DEST names, with the destination's own credentials when they are set:
+    ``$ZARRLAKE_DEST_AWS_*`` for s3://, ``$ZARRLAKE_DEST_AZURE_STORAGE_ACCOUNT_KEY`` or
+    ``..._SAS_TOKEN`` for az://, ``$ZARRLAKE_DEST_GOOGLE_APPLICATION_CREDENTIALS`` for gs://
+    (the provider's own variable names, prefixed: the unprefixed ones are the source's)."""
     storage = open_storage(url)
+    parts = urlsplit(storage.url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    prefix = unquote(parts.path.lstrip("/"))
     key_id, secret, token = (os.environ.get(name) or None for name in DEST_CREDENTIALS)
-    if key_id is None and secret is None:
+    account_key, sas_token = (os.environ.get(name) or None for name in DEST_AZURE_CREDENTIALS)
+    key_file = os.environ.get(DEST_GCS_CREDENTIALS) or None
+    given = {
+        "s3": key_id is not None or secret is not None,
+        "az": account_key is not None or sas_token is not None,
+        "gs": key_file is not None,
+    }
+    for scheme, found in given.items():
+        if found and parts.scheme != scheme:
+            raise UsageError(
+                f"$ZARRLAKE_DEST_* credentials for a {scheme}:// destination are set, but DEST "
+                f"is {storage.url}"
+            )
+    if not given.get(parts.scheme):
         return storage
-    if not storage.url.startswith("s3://") or key_id is None or secret is None:
+    allow_http = query.get("allow_http") == "true"
+    if parts.scheme == "az":
+        return Storage.azure(
+            parts.netloc,
+            prefix,
+            account_name=query.get("account_name"),
+            endpoint_url=query.get("endpoint_url"),
+            account_key=account_key,
+            sas_token=sas_token,
+            allow_http=allow_http,
+        )
+    if parts.scheme == "gs":
+        return Storage.gcs(
+            parts.netloc,
+            prefix,
+            endpoint_url=query.get("endpoint_url"),
+            service_account_file=key_file,
+            allow_http=allow_http,
+        )
+    if key_id is None or secret is None:
         raise UsageError(
             "$ZARRLAKE_DEST_AWS_ACCESS_KEY_ID and $ZARRLAKE_DEST_AWS_SECRET_ACCESS_KEY go "
             f"together, for an s3:// destination (DEST is {storage.url})"
         )
-    parts = urlsplit(storage.url)
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     return Storage.s3(
         parts.netloc,
-        unquote(parts.path.lstrip("/")),
+        prefix,
         endpoint_url=query.get("endpoint_url"),
         region=query.get("region"),
         access_key_id=key_id,
         secret_access_key=secret,
         session_token=token,
-        allow_http=query.get("allow_http") == "true",
+        allow_http=allow_http,
     )
 
 

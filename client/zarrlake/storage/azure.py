@@ -292,6 +292,14 @@ class AzureStorage(Storage):
                 batch = _obstore_call("list", prefix, lambda: next(stream))
             except StopIteration:
                 return
+            except StorageError as e:
+                # obstore reports a listing's 404 as a generic error: on a container listing it
+                # can only mean the container is missing (a missing prefix lists nothing).
+                if "status code: 404" in str(e):
+                    raise ObjectNotFound(
+                        f"{self.container} (Azure container not found, listing {prefix!r})"
+                    ) from None
+                raise
             for meta in batch:
                 key = meta["path"]
                 if key.startswith(prefix):

@@ -312,7 +312,13 @@ class GCSStorage(Storage):
             query = {"prefix": self.prefix + prefix, "fields": _LIST_FIELDS, **extra}
             if token:
                 query["pageToken"] = token
-            page = json.loads(self._request("GET", path, prefix, query=query).data)
+            try:
+                data = self._request("GET", path, prefix, query=query).data
+            except ObjectNotFound:  # a listing's 404: the bucket (a missing prefix lists nothing)
+                raise ObjectNotFound(
+                    f"{self.bucket} (GCS bucket not found, listing {prefix!r})"
+                ) from None
+            page = json.loads(data)
             yield page
             token = page.get("nextPageToken")
             if not token:
