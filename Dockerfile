@@ -7,7 +7,9 @@
 #
 #   docker build -t ghcr.io/zarrlake/zarrlake:0.1.0 .
 
-ARG PYTHON_IMAGE=python:3.11-slim
+# A pinned base (a patch release on a Debian release; pass PYTHON_IMAGE=python@sha256:... to pin the
+# digest your registry serves). requirements/image.txt is locked for CPython 3.11 on linux/amd64.
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 # -- build: wheels of zarrlake and of everything it needs -------------------------------------------
 FROM ${PYTHON_IMAGE} AS build
@@ -17,13 +19,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 
 WORKDIR /src
+COPY requirements/image.txt requirements/image.txt
+# Every dependency exactly as locked (version and sha256 of each file: `make lock` writes the
+# lock), then the project's own wheel: the final stage installs offline from /wheels and carries
+# no build tooling.
+RUN pip wheel --wheel-dir /wheels --require-hashes --only-binary=:all: -r requirements/image.txt
 COPY pyproject.toml README.md ./
 COPY client/ client/
 COPY operator/ operator/
-
-# The project wheel plus wheels of all its [s3,operator] dependencies, so the final stage installs
-# offline from /wheels and carries no build tooling.
-RUN pip wheel --wheel-dir /wheels ".[s3,operator]"
+RUN pip wheel --wheel-dir /wheels --no-deps .
 
 # -- runtime ----------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
@@ -48,8 +52,8 @@ RUN groupadd --system --gid 10001 zarrlake \
 
 # The wheels are bind-mounted from the build stage, so they never become a layer of this image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels "zarrlake[s3,operator]" \
- && python -c "import zarrlake, zarrlake_operator" \
+    pip install --no-index --find-links /wheels "zarrlake[s3,gcs,azure,http,operator]" \
+ && python -c "import zarrlake, zarrlake_operator, boto3, obstore, google.auth, urllib3" \
  && zarrlake --help > /dev/null
 
 WORKDIR /home/zarrlake

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image clean \
+.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image lock clean \
         redis-server-available kubectl-available azurite-available
 
 $(BIN)/python:
@@ -116,6 +116,10 @@ image:
 	docker build -t $(IMAGE_REGISTRY)/zarrlake:$(VERSION) .
 	docker build -f examples/spark/Dockerfile -t $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION) .
 	@echo "built $(IMAGE_REGISTRY)/zarrlake:$(VERSION) and $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION)"
+
+## lock: pin the image's dependencies with hashes (requirements/image.txt; needs the package index)
+lock: $(VENV)/.dev-installed
+	$(BIN)/python requirements/lock.py
 
 ## e2e-kind: the same scenario on a real kind cluster (needs Docker, kind, kubectl, helm)
 e2e-kind:

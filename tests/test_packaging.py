@@ -160,3 +160,50 @@ def test_the_checks_catch_test_code(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "t.py").write_text("")
     assert docker_context(tmp_path) == {"client/a.py"}
+
+
+def _locked() -> tuple[list[str], dict[str, tuple[str, list[str]]]]:
+    """(the extras it was made for, name -> (version, sha256s)) of ``requirements/image.txt``."""
+    text = (ROOT / "requirements" / "image.txt").read_text().replace("\\\n", " ")
+    extras: list[str] = []
+    pins: dict[str, tuple[str, list[str]]] = {}
+    for line in text.splitlines():
+        if line.startswith("# extras:"):
+            extras = line.split(":", 1)[1].strip().split(",")
+        elif line.strip() and not line.startswith("#"):
+            pin, *options = line.split()
+            name, _, version = pin.partition("==")
+            pins[name] = (version, [o.removeprefix("--hash=sha256:") for o in options])
+    return extras, pins
+
+
+def test_the_image_installs_exactly_its_locked_dependencies() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    extras, pins = _locked()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    # The build stage takes every dependency from the lock, hash-checked, and the final stage
+    # installs the extras the lock was made for (the operator and every storage provider).
+    assert "--require-hashes" in dockerfile and "-r requirements/image.txt" in dockerfile
+    (installed,) = re.findall(r'"zarrlake\[([a-z0-9,]+)\]"', dockerfile)
+    assert installed.split(",") == extras
+    assert {"s3", "gcs", "azure", "http", "operator"} <= set(extras)
+    for name, (version, hashes) in pins.items():
+        assert name == canonicalize_name(name) and re.fullmatch(r"[0-9][0-9A-Za-z.+!]*", version)
+        assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), name
+    # Every requirement of the project and of those extras is locked at a version it accepts.
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in extras:
+        wanted += project["optional-dependencies"][extra]
+    env = {"python_version": "3.11", "sys_platform": "linux", "platform_system": "Linux"}
+    for text in wanted:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{text} is not in requirements/image.txt (run make lock)"
+        assert req.specifier.contains(pins[name][0], prereleases=True), (text, pins[name][0])
