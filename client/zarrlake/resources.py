@@ -771,6 +771,12 @@ class JobRun(ResourceModel):
     objects_deleted: int | None = Field(default=None, alias="objectsDeleted")
     bytes_freed: int | None = Field(default=None, alias="bytesFreed")
     chunks_packed: int | None = Field(default=None, alias="chunksPacked")
+    duration_seconds: int | None = Field(
+        default=None,
+        alias="durationSeconds",
+        ge=0,
+        description="From the run's start to its end, in seconds (its Job's or Spark driver's).",
+    )
 
 
 class RetentionPolicyStatus(ResourceStatus):

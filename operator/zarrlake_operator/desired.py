@@ -955,6 +955,22 @@ def scheduled_spark_applications(
     return out
 
 
+def seconds_between(start: str | None, end: str | None) -> int | None:
+    """Whole seconds from one Kubernetes time (``2025-01-02T03:04:05Z``) to another; None when
+    either is missing or unreadable (or the end comes first)."""
+    if not start or not end:
+        return None
+    try:
+        begun = dt.datetime.fromisoformat(start.replace("Z", "+00:00"))
+        ended = dt.datetime.fromisoformat(end.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if (begun.tzinfo is None) != (ended.tzinfo is None):
+        return None
+    seconds = (ended - begun).total_seconds()
+    return int(seconds) if seconds >= 0 else None
+
+
 def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
     """A finished Spark driver pod (of a ScheduledSparkApplication's run) as a ``JobRun``; None
     while it runs. The report is the termination message of the driver container."""
@@ -966,9 +982,11 @@ def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
     report: JobReport | None = None
     message = None
     finished = None
+    started = None
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or {}
         finished = finished or term.get("finishedAt")
+        started = started or term.get("startedAt")
         text = (term.get("message") or "").strip()
         if text:
             report = JobReport.parse(text)
@@ -983,6 +1001,7 @@ def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
         time=finished or now_iso(),
         result=result,
         message=message or None,
+        durationSeconds=seconds_between(started or status.get("startTime"), finished),
         snapshotsExpired=report.snapshots_expired if report else None,
         objectsDeleted=report.objects_deleted if report else None,
         bytesFreed=report.bytes_freed if report else None,
@@ -1016,11 +1035,13 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun
             message = None if report is not None else text.splitlines()[-1][:500]
     if message is None and result == "Failed":
         message = cond.get("message") or cond.get("reason") or "the job failed"
+    ended = status.get("completionTime") or cond.get("lastTransitionTime")
     return JobRun(
         job=job["metadata"]["name"],
-        time=status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
+        time=ended or now_iso(),
         result=result,
         message=message or None,
+        durationSeconds=seconds_between(status.get("startTime"), ended),
         snapshotsExpired=report.snapshots_expired if report else None,
         objectsDeleted=report.objects_deleted if report else None,
         bytesFreed=report.bytes_freed if report else None,

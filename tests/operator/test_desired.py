@@ -982,6 +982,32 @@ def test_job_run_maps_the_compaction_report_and_uses_the_condition_time() -> Non
     }
 
 
+def test_job_run_duration_is_the_jobs_start_to_its_end() -> None:
+    done = job(
+        conditions=[COMPLETE],
+        startTime="2024-05-01T03:00:00Z",
+        completionTime="2024-05-01T03:04:59Z",
+    )
+    run = job_run_entry(done, [])
+    assert run is not None and run["durationSeconds"] == 299
+    # A failed Job has no completionTime: it ended when it was marked Failed.
+    failed = job_run_entry(job(conditions=[FAILED], startTime="2024-05-01T03:00:00Z"), [])
+    assert failed is not None and failed["durationSeconds"] == 420
+    # Without a start (or with times out of order) the duration is not made up.
+    assert "durationSeconds" not in (job_run_entry(job(conditions=[COMPLETE]), []) or {})
+    backwards = job(conditions=[COMPLETE], startTime="2024-05-01T04:00:00Z")
+    assert "durationSeconds" not in (job_run_entry(backwards, []) or {})
+
+
+def test_seconds_between() -> None:
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "2024-05-01T03:00:07Z") == 7
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "2024-05-02T03:00:00Z") == 86400
+    assert desired.seconds_between(None, "2024-05-01T03:00:07Z") is None
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "") is None
+    assert desired.seconds_between("yesterday", "2024-05-01T03:00:07Z") is None
+    assert desired.seconds_between("2024-05-01T03:00:08Z", "2024-05-01T03:00:07Z") is None
+
+
 def test_job_run_failed_with_a_crash_log() -> None:
     log_tail = (
         "Traceback (most recent call last):\n  File ...\n"
