@@ -61,6 +61,7 @@ SLOW_MODULES = {
     "test_peering",
     "test_operator",
     "test_metrics",
+    "test_lock_hygiene",
     "test_chart",
     "test_stateful",
     "test_mirror_resource",

@@ -727,9 +727,24 @@ def _lock_service(
     password = pysecrets.token_urlsafe(32)
     secret, action = kube.apply(desired.lock_secret(body, password), create_only=True)
     _, svc_action = kube.apply(desired.lock_service(body))
+    actions = [("Secret", action), ("Service", svc_action)]
+    # The claim, disruption budget and network policy are made (or corrected) on a change of the
+    # Repository (its creation, a spec change, the operator's start) or with a new Deployment: a
+    # resync at rest asks nothing more of the API server than it did.
+    claim = desired.lock_volume_claim(body, spec)
+    if claim is not None and not resync:
+        actions.append(("PersistentVolumeClaim", kube.apply(claim, create_only=True)[1]))
     digest = desired.password_hash(secret)
     deployment, dep_action = kube.apply(desired.lock_deployment(body, spec, digest))
-    for what, act in (("Secret", action), ("Service", svc_action), ("Deployment", dep_action)):
+    actions.append(("Deployment", dep_action))
+    if not resync or dep_action != "unchanged":
+        for obj in (desired.lock_disruption_budget(body), desired.lock_network_policy(body, spec)):
+            actions.append((obj["kind"], kube.apply(obj)[1]))
+        if claim is None and not resync and gen != 1:
+            # Persistence turned off (a spec never changed never had it): the data goes, now
+            # that the Deployment no longer mounts it.
+            _remove_managed(ns, name, ("PersistentVolumeClaim",))
+    for what, act in actions:
         if act != "unchanged":
             _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")
     ok, message = desired.deployment_available(deployment)
@@ -744,9 +759,25 @@ def _lock_service(
     )
 
 
+# What a managed lock service is made of, in the order it is taken down.
+LOCK_KINDS = (
+    "Deployment",
+    "Service",
+    "Secret",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+)
+
+
 def _remove_managed_lock(namespace: str, repository: str) -> None:
+    _remove_managed(namespace, repository, LOCK_KINDS)
+
+
+def _remove_managed(namespace: str, repository: str, kinds: Sequence[str]) -> None:
+    """Delete these parts of a repository's managed lock service, those the operator made."""
     obj = desired.lock_service_names(repository)
-    for kind in ("Deployment", "Service", "Secret"):
+    for kind in kinds:
         existing = kube.get(kind, namespace, obj)
         labels = (existing or {}).get("metadata", {}).get("labels") or {}
         if existing and labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY:

@@ -342,6 +342,9 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "secrets"): SECRET_VERBS,
     ("", "services"): CHILD_VERBS,
     ("apps", "deployments"): CHILD_VERBS,
+    ("policy", "poddisruptionbudgets"): CHILD_VERBS,  # the managed Redis'
+    ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
+    ("", "persistentvolumeclaims"): {"get", "create", "delete"},  # made once, never patched
     ("batch", "cronjobs"): CHILD_VERBS | {"list", "watch"},  # watched: idle resyncs compare
     ("batch", "jobs"): READ,
     ("", "pods"): {"list"},
