@@ -60,6 +60,8 @@ SLOW_MODULES = {
     "test_e2e",
     "test_peering",
     "test_operator",
+    "test_metrics",
+    "test_lock_hygiene",
     "test_chart",
     "test_stateful",
     "test_mirror_resource",

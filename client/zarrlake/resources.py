@@ -404,6 +404,24 @@ class StorageSpec(ResourceModel):
         return self.provider == "http"
 
 
+class LockPersistence(ResourceModel):
+    """A PersistentVolumeClaim for the managed Redis' data (its append-only file), so that a
+    restarted Redis keeps its leases and fencing counter. Made once: a later change of size or
+    class is not applied to the claim (expand it by editing the claim, if its class allows)."""
+
+    size: str = Field(
+        default="1Gi",
+        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+        description="Requested storage, e.g. 1Gi.",
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        alias="storageClassName",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="StorageClass of the claim; absent: the cluster's default class.",
+    )
+
+
 class LockServiceSpec(ResourceModel):
     """The Redis lock service that serializes branch-pointer updates."""
 
@@ -439,6 +457,19 @@ class LockServiceSpec(ResourceModel):
         default="optimistic",
         alias="onUnavailable",
         description="What clients do when the lock service cannot be reached.",
+    )
+    persistence: LockPersistence | None = Field(
+        default=None,
+        description="managed mode: keep Redis' data on a PersistentVolumeClaim (absent: a "
+        "temporary emptyDir, lost when the pod goes).",
+    )
+    client_selector: dict[str, str] | None = Field(
+        default=None,
+        alias="clientSelector",
+        description="managed mode: labels of the pods of the Repository's namespace that may "
+        "connect to Redis (its NetworkPolicy). Absent: zarrlake.io/repository=<the Repository's "
+        "name>; {}: every pod of the namespace. The pods the operator runs for the repository "
+        "(maintenance jobs, Spark, replicators) are always let in.",
     )
 
 
@@ -780,6 +811,12 @@ class JobRun(ResourceModel):
     objects_deleted: int | None = Field(default=None, alias="objectsDeleted")
     bytes_freed: int | None = Field(default=None, alias="bytesFreed")
     chunks_packed: int | None = Field(default=None, alias="chunksPacked")
+    duration_seconds: int | None = Field(
+        default=None,
+        alias="durationSeconds",
+        ge=0,
+        description="From the run's start to its end, in seconds (its Job's or Spark driver's).",
+    )
 
 
 class RetentionPolicyStatus(ResourceStatus):

@@ -377,7 +377,10 @@ def lock_deployment(
                         }
                     ],
                     "volumes": [
-                        {"name": "data", "emptyDir": {}},
+                        # Its append-only file: on the claim when the spec asks to persist it.
+                        {"name": "data", "persistentVolumeClaim": {"claimName": obj_name}}
+                        if lock.persistence is not None
+                        else {"name": "data", "emptyDir": {}},
                         {"name": "conf", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
                     ],
                 },
@@ -401,6 +404,75 @@ def lock_service(body: Mapping[str, Any]) -> dict[str, Any]:
                 {"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}
             ],
         },
+    }
+
+
+def _lock_selector(repository: str) -> dict[str, str]:
+    """The labels that select the managed Redis pod of a repository."""
+    return {"app.kubernetes.io/instance": repository, "app.kubernetes.io/component": "lock-service"}
+
+
+def lock_disruption_budget(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Voluntary disruptions (a drain, a cluster autoscaler's scale-down) may not evict a
+    healthy Redis: there is one, and its loss drops every lease at once. A drain of its node
+    waits until the pod is deleted by hand (the Repository stays usable meanwhile: the lock is
+    optional). One that is not Ready serves nothing and may always be evicted."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _lock_metadata(body),
+        "spec": {
+            "minAvailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": _lock_selector(body["metadata"]["name"])},
+        },
+    }
+
+
+def lock_network_policy(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
+    """Who may reach the managed Redis: pods of the Repository's namespace only, those that
+    ``lockService.clientSelector`` picks (by default the ones labelled
+    ``zarrlake.io/repository: <name>``) and those the operator runs for the repository
+    (maintenance jobs, Spark drivers and executors, Mirror replicators: labelled so already).
+    The operator itself never connects to it (it watches the Deployment's status). Redis makes
+    no connections of its own: no egress at all."""
+    name = body["metadata"]["name"]
+    chosen = spec.lock_service.client_selector
+    clients = {REPOSITORY_LABEL: name} if chosen is None else dict(chosen)
+    ours = {"app.kubernetes.io/managed-by": MANAGED_BY, REPOSITORY_LABEL: name}
+    peers = [{"podSelector": {"matchLabels": clients}}]
+    if not ours.items() >= clients.items():  # else the clients' selector takes them in already
+        peers.append({"podSelector": {"matchLabels": ours}})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _lock_metadata(body),
+        "spec": {
+            "podSelector": {"matchLabels": _lock_selector(name)},
+            "policyTypes": ["Ingress", "Egress"],
+            # Egress listed with no rule: none allowed.
+            "ingress": [{"from": peers, "ports": [{"port": REDIS_PORT, "protocol": "TCP"}]}],
+        },
+    }
+
+
+def lock_volume_claim(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any] | None:
+    """The claim for Redis' data when ``lockService.persistence`` asks for one (None: no claim).
+    One replica (Recreate) mounts it at a time: ReadWriteOnce."""
+    persistence = spec.lock_service.persistence
+    if persistence is None:
+        return None
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": persistence.size}},
+    }
+    if persistence.storage_class_name:
+        claim["storageClassName"] = persistence.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _lock_metadata(body),
+        "spec": claim,
     }
 
 
@@ -971,6 +1043,22 @@ def scheduled_spark_applications(
     return out
 
 
+def seconds_between(start: str | None, end: str | None) -> int | None:
+    """Whole seconds from one Kubernetes time (``2025-01-02T03:04:05Z``) to another; None when
+    either is missing or unreadable (or the end comes first)."""
+    if not start or not end:
+        return None
+    try:
+        begun = dt.datetime.fromisoformat(start.replace("Z", "+00:00"))
+        ended = dt.datetime.fromisoformat(end.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if (begun.tzinfo is None) != (ended.tzinfo is None):
+        return None
+    seconds = (ended - begun).total_seconds()
+    return int(seconds) if seconds >= 0 else None
+
+
 def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
     """A finished Spark driver pod (of a ScheduledSparkApplication's run) as a ``JobRun``; None
     while it runs. The report is the termination message of the driver container."""
@@ -982,9 +1070,11 @@ def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
     report: JobReport | None = None
     message = None
     finished = None
+    started = None
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated") or {}
         finished = finished or term.get("finishedAt")
+        started = started or term.get("startedAt")
         text = (term.get("message") or "").strip()
         if text:
             report = JobReport.parse(text)
@@ -999,6 +1089,7 @@ def driver_run(pod: Mapping[str, Any]) -> JobRun | None:
         time=finished or now_iso(),
         result=result,
         message=message or None,
+        durationSeconds=seconds_between(started or status.get("startTime"), finished),
         snapshotsExpired=report.snapshots_expired if report else None,
         objectsDeleted=report.objects_deleted if report else None,
         bytesFreed=report.bytes_freed if report else None,
@@ -1032,11 +1123,13 @@ def job_run(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> JobRun
             message = None if report is not None else text.splitlines()[-1][:500]
     if message is None and result == "Failed":
         message = cond.get("message") or cond.get("reason") or "the job failed"
+    ended = status.get("completionTime") or cond.get("lastTransitionTime")
     return JobRun(
         job=job["metadata"]["name"],
-        time=status.get("completionTime") or cond.get("lastTransitionTime") or now_iso(),
+        time=ended or now_iso(),
         result=result,
         message=message or None,
+        durationSeconds=seconds_between(status.get("startTime"), ended),
         snapshotsExpired=report.snapshots_expired if report else None,
         objectsDeleted=report.objects_deleted if report else None,
         bytesFreed=report.bytes_freed if report else None,

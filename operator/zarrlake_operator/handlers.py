@@ -91,6 +91,16 @@ def forget(body: kopf.Body) -> None:
         _object_locks.pop(body["metadata"]["uid"], None)
 
 
+def _seen(body: kopf.Body, event: kopf.RawEvent, kind: str) -> bool:
+    """Keep the watch's view of an object; a deletion also takes its metrics' series along.
+    Returns whether it was deleted."""
+    deleted = event.get("type") == "DELETED"
+    kube.remember(body, kind, deleted=deleted)
+    if deleted:
+        metrics.forget_object(kind, body["metadata"]["namespace"], body["metadata"]["name"])
+    return deleted
+
+
 def _resync(kind: str, fn: Callable[..., object], body: Mapping[str, Any], **kwargs: Any) -> None:
     """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
     try:
@@ -228,8 +238,7 @@ def repository_resync(body: kopf.Body, **_: Any) -> None:
 async def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
     """Keep the watch's view of every Repository (the reconciles of what names one read it), and
     wake the dependents that wait for one to turn Ready."""
-    deleted = event.get("type") == "DELETED"
-    kube.remember(body, "Repository", deleted=deleted)
+    deleted = _seen(body, event, "Repository")
     if not deleted and _is_ready(body):
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         for waiter in _waiting.get(key, ()):
@@ -268,7 +277,7 @@ def branch_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.event(*BRANCHES)
 async def branch_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
-    kube.remember(body, "Branch", deleted=event.get("type") == "DELETED")
+    _seen(body, event, "Branch")
 
 
 @kopf.on.delete(*BRANCHES)
@@ -299,7 +308,7 @@ def tag_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.event(*TAGS)
 async def tag_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
-    kube.remember(body, "Tag", deleted=event.get("type") == "DELETED")
+    _seen(body, event, "Tag")
 
 
 @kopf.on.delete(*TAGS)
@@ -333,7 +342,7 @@ def policy_resync(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.event(*POLICIES)
 async def policy_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
-    kube.remember(body, "RetentionPolicy", deleted=event.get("type") == "DELETED")
+    _seen(body, event, "RetentionPolicy")
 
 
 # The resync of each kind of dependent: its reconcile and the arguments that make it a resync.
@@ -428,6 +437,7 @@ def mirror_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     with serialized(body):
         outcome = reconcile.delete_mirror(body)
     forget(body)
+    metrics.forget_object("Mirror", body["metadata"]["namespace"], body["metadata"]["name"])
     _last_observed.pop(body["metadata"]["uid"], None)
     logger.info(outcome)
     kopf.info(body, reason="Reclaimed", message=outcome)

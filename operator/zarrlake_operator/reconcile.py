@@ -59,7 +59,7 @@ from zarrlake.resources import (
     TagStatus,
     problems,
 )
-from zarrlake_operator import buckets, desired, kube
+from zarrlake_operator import buckets, desired, kube, metrics
 
 MAIN = "main"
 MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a session
@@ -97,6 +97,14 @@ def _write_status(body: Mapping[str, Any], status: ResourceStatus) -> None:
     patch = status.patch()
     if not _already(body.get("status") or {}, patch):
         kube.patch_status(body["kind"], ns, name, patch)
+    _gauge_ready(body, status)
+
+
+def _gauge_ready(body: Mapping[str, Any], status: ResourceStatus) -> None:
+    """The readiness gauge of ``body``, from the status its reconcile computed."""
+    ns, name, _ = _meta(body)
+    ready = status.condition("Ready")
+    metrics.set_ready(body["kind"], ns, name, ready is not None and ready.status == "True")
 
 
 def _already(current: Any, patch: Any) -> bool:
@@ -457,6 +465,7 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     elif lock.ready and same and was is not None and was.reason == "Lost":
         _event(body, "LockServiceRecovered", lock.message)
     cond("LockServiceReady", lock.ready, lock.reason, lock.message)
+    metrics.set_lock_service_ready(ns, name, lock.ready)
     if lock.fields is not None:
         status = lock.fields
     if not lock.ready and retry is None and lock.reason != "InvalidSpec":
@@ -581,10 +590,29 @@ def dependents(repo_body: Mapping[str, Any]) -> list[Dependent]:
             else:
                 target = (seen.refs.branches if kind == "Branch" else seen.refs.tags).get(ref)
             ok = desired.ref_reported(body, target, desired.claim_winner(claims[ref]))
+            if ok:  # its status stands: Ready, at the head it names
+                _gauge_confirmed(body)
             found.append(Dependent(kind, body, ok))
     for body in kube.cached_dependents("RetentionPolicy", ns, name):
         found.append(Dependent("RetentionPolicy", {**body, "kind": "RetentionPolicy"}, False))
     return found
+
+
+def _gauge_confirmed(body: Mapping[str, Any]) -> None:
+    """The gauges of a Branch or Tag whose status a Repository's resync confirmed (its own
+    reconcile is skipped): what that status says."""
+    ns, name, _ = _meta(body)
+    metrics.set_ready(body["kind"], ns, name, True)
+    if body["kind"] == "Branch":
+        _gauge_branch_head(body, observed(BranchStatus, body))
+
+
+def _gauge_branch_head(body: Mapping[str, Any], status: BranchStatus) -> None:
+    committed = metrics.parse_time(status.last_commit_time)
+    repository = str((body.get("spec") or {}).get("repository") or "")
+    if committed is not None:
+        ns, name, _ = _meta(body)
+        metrics.set_branch_head(ns, name, repository, committed)
 
 
 def _location(body: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -699,9 +727,24 @@ def _lock_service(
     password = pysecrets.token_urlsafe(32)
     secret, action = kube.apply(desired.lock_secret(body, password), create_only=True)
     _, svc_action = kube.apply(desired.lock_service(body))
+    actions = [("Secret", action), ("Service", svc_action)]
+    # The claim, disruption budget and network policy are made (or corrected) on a change of the
+    # Repository (its creation, a spec change, the operator's start) or with a new Deployment: a
+    # resync at rest asks nothing more of the API server than it did.
+    claim = desired.lock_volume_claim(body, spec)
+    if claim is not None and not resync:
+        actions.append(("PersistentVolumeClaim", kube.apply(claim, create_only=True)[1]))
     digest = desired.password_hash(secret)
     deployment, dep_action = kube.apply(desired.lock_deployment(body, spec, digest))
-    for what, act in (("Secret", action), ("Service", svc_action), ("Deployment", dep_action)):
+    actions.append(("Deployment", dep_action))
+    if not resync or dep_action != "unchanged":
+        for obj in (desired.lock_disruption_budget(body), desired.lock_network_policy(body, spec)):
+            actions.append((obj["kind"], kube.apply(obj)[1]))
+        if claim is None and not resync and gen != 1:
+            # Persistence turned off (a spec never changed never had it): the data goes, now
+            # that the Deployment no longer mounts it.
+            _remove_managed(ns, name, ("PersistentVolumeClaim",))
+    for what, act in actions:
         if act != "unchanged":
             _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")
     ok, message = desired.deployment_available(deployment)
@@ -716,9 +759,25 @@ def _lock_service(
     )
 
 
+# What a managed lock service is made of, in the order it is taken down.
+LOCK_KINDS = (
+    "Deployment",
+    "Service",
+    "Secret",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+)
+
+
 def _remove_managed_lock(namespace: str, repository: str) -> None:
+    _remove_managed(namespace, repository, LOCK_KINDS)
+
+
+def _remove_managed(namespace: str, repository: str, kinds: Sequence[str]) -> None:
+    """Delete these parts of a repository's managed lock service, those the operator made."""
     obj = desired.lock_service_names(repository)
-    for kind in ("Deployment", "Service", "Secret"):
+    for kind in kinds:
         existing = kube.get(kind, namespace, obj)
         labels = (existing or {}).get("metadata", {}).get("labels") or {}
         if existing and labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY:
@@ -824,6 +883,7 @@ def branch(
     )
     if recreated is not None:
         fields = fields.model_copy(update={"recreated": recreated})
+    _gauge_branch_head(body, fields)
     return _report(
         body,
         ready=True,
@@ -1052,6 +1112,7 @@ def retention_policy(
             "objects that young (set spec.gc.force: true if none can)"
         )
         raise refuse(body, message)
+    _gauge_runs(ns, body["metadata"]["name"], observed(RetentionPolicyStatus, body))
     if kube.cached("Repository", ns, spec.repository) is None:
         _suspend_cron_jobs(body)
     repo_body, _ = _ready_repository(body, spec.repository)
@@ -1242,6 +1303,20 @@ def driver_finished(pod: Mapping[str, Any]) -> str | None:
     return _record_run(meta["namespace"], policy_name, kind, run)
 
 
+def _gauge_runs(ns: str, policy_name: str, status: RetentionPolicyStatus) -> None:
+    """The maintenance gauges of a policy, from the last runs its status records."""
+    for task, run in (("gc", status.last_gc), ("compaction", status.last_compaction)):
+        if run is not None and run.result is not None:
+            metrics.set_maintenance_run(
+                ns,
+                policy_name,
+                task,
+                succeeded=run.result == "Succeeded",
+                finished=metrics.parse_time(run.time),
+                duration=run.duration_seconds,
+            )
+
+
 def _record_run(ns: str, policy_name: str, kind: str, run: JobRun) -> str | None:
     policy = kube.get("RetentionPolicy", ns, policy_name)
     if policy is None:
@@ -1250,8 +1325,10 @@ def _record_run(ns: str, policy_name: str, kind: str, run: JobRun) -> str | None
     previous = status.last_gc if kind == "gc" else status.last_compaction
     if previous is not None:
         if previous.job == run.job and previous.result == run.result:
+            _gauge_runs(ns, policy_name, status)
             return None  # already recorded
         if previous.time and run.time and previous.time > run.time:
+            _gauge_runs(ns, policy_name, status)
             return None  # an older job finishing late does not replace a newer result
     # The whole entry is written (counts this run lacks as null): it describes one run.
     update = (
@@ -1260,6 +1337,7 @@ def _record_run(ns: str, policy_name: str, kind: str, run: JobRun) -> str | None
         else RetentionPolicyStatus(lastCompaction=run)
     )
     kube.patch_status("RetentionPolicy", ns, policy_name, update.patch())
+    _gauge_runs(ns, policy_name, update)
     what = "GC" if kind == "gc" else "Compaction"
     counts = run.dump()
     summary = ", ".join(
@@ -1294,6 +1372,7 @@ def _report_mirror(
         and previous.observed_generation == gen
         and previous.phase == (phase or "Pending")
     ):
+        _gauge_ready(body, previous)
         return
     _report(body, ready=False, reason=reason, message=message, phase=phase)
 
@@ -1442,6 +1521,8 @@ def _mirror_status(
     new, old = status.patch(), previous.patch()
     if any(old.get(k) != v for k, v in new.items()):
         _write_status(body, status)
+    else:
+        _gauge_ready(body, status)
     return status
 
 

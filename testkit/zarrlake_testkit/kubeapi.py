@@ -187,6 +187,9 @@ BUILTINS = [
     _builtin("", "v1", "pods", "Pod", status=True, short=["po"], categories=["all"]),
     _builtin("", "v1", "events", "Event", short=["ev"]),
     _builtin("", "v1", "serviceaccounts", "ServiceAccount", short=["sa"]),
+    _builtin(
+        "", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", status=True, short=["pvc"]
+    ),
     _builtin("events.k8s.io", "v1", "events", "Event", short=["ev"]),
     Resource(
         group="apps",
@@ -202,6 +205,10 @@ BUILTINS = [
     _builtin("batch", "v1", "cronjobs", "CronJob", status=True, short=["cj"], categories=["all"]),
     _builtin("batch", "v1", "jobs", "Job", status=True, categories=["all"]),
     _builtin("coordination.k8s.io", "v1", "leases", "Lease"),
+    _builtin(
+        "policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", status=True, short=["pdb"]
+    ),
+    _builtin("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short=["netpol"]),
     _builtin("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     _builtin("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     _builtin("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", namespaced=False),
@@ -229,6 +236,8 @@ BUILTIN_GROUP_ORDER = [
     "events.k8s.io",
     "batch",
     "coordination.k8s.io",
+    "policy",
+    "networking.k8s.io",
     "rbac.authorization.k8s.io",
     "apiextensions.k8s.io",
 ]

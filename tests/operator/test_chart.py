@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -89,6 +90,37 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         },
         "metrics": {"port": 8443, "service": {"type": "NodePort", "annotations": {"a": "b"}}},
         "serviceMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "10s"},
+        "prometheusRule": {
+            "enabled": True,
+            "labels": {"release": "prom"},
+            "jobLabel": "zarrlake",
+            "additionalAlertLabels": {"team": "data"},
+            "notReadyFor": "30m",
+            "maintenanceMaxAgeHours": 36,
+        },
+        "grafanaDashboard": {
+            "enabled": True,
+            "namespace": "monitoring",
+            "annotations": {"grafana_folder": "zarrlake"},
+        },
+        "podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"},
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+            ],
+            "apiServer": {"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [443]},
+            "objectStorage": {"ports": [443, 9000]},
+            "extraEgress": [{"ports": [{"port": 8200, "protocol": "TCP"}]}],
+        },
+    },
+    # The observability and hygiene toggles alone, on top of the defaults.
+    "observability": {
+        "serviceMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+        "grafanaDashboard": {"enabled": True},
+        "podDisruptionBudget": {"enabled": True},
+        "networkPolicy": {"enabled": True},
     },
 }
 
@@ -257,8 +289,11 @@ def test_every_rendered_object_validates(chart, values):
             errors = custom_resource_errors(obj, crds[(group, obj["kind"])])
             assert errors == [], f"{obj['kind']}/{obj['metadata']['name']}: {errors}"
         elif group == "monitoring.coreos.com":
-            # No schema for prometheus-operator's CRDs here; the ServiceMonitor test checks it.
-            assert obj["kind"] == "ServiceMonitor"
+            # No schema for prometheus-operator's CRDs here: the ServiceMonitor test checks the
+            # one, prometheus_rule_errors the other.
+            assert obj["kind"] in ("ServiceMonitor", "PrometheusRule")
+            if obj["kind"] == "PrometheusRule":
+                assert prometheus_rule_errors(obj) == []
         else:
             validate_builtin(obj)
 
@@ -307,6 +342,9 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "secrets"): SECRET_VERBS,
     ("", "services"): CHILD_VERBS,
     ("apps", "deployments"): CHILD_VERBS,
+    ("policy", "poddisruptionbudgets"): CHILD_VERBS,  # the managed Redis'
+    ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
+    ("", "persistentvolumeclaims"): {"get", "create", "delete"},  # made once, never patched
     ("batch", "cronjobs"): CHILD_VERBS | {"list", "watch"},  # watched: idle resyncs compare
     ("batch", "jobs"): READ,
     ("", "pods"): {"list"},
@@ -594,6 +632,8 @@ def test_service_monitor(chart):
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"
     assert endpoint["interval"] == "30s"
+    # The operator's series name the resource's namespace: kept, not renamed exported_namespace.
+    assert endpoint["honorLabels"] is True
 
 
 def test_service_monitor_needs_the_metrics_service(chart):
@@ -617,6 +657,23 @@ BAD_VALUES = {
         {"spark": {"serviceAccountName": "Not_An_Account"}},
         "serviceAccountName",
     ),
+    "typo-prometheus-rule": ({"prometheusRule": {"enable": True}}, "enable"),
+    "bad-not-ready-for": ({"prometheusRule": {"notReadyFor": "15 minutes"}}, "notReadyFor"),
+    "bad-error-ratio": ({"prometheusRule": {"reconcileErrorRatio": 5}}, "reconcileErrorRatio"),
+    "negative-maintenance-age": (
+        {"prometheusRule": {"maintenanceMaxAgeHours": -1}},
+        "maintenanceMaxAgeHours",
+    ),
+    "typo-dashboard": ({"grafanaDashboard": {"lables": {}}}, "lables"),
+    "dashboard-label-not-a-string": (
+        {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}},
+        "grafana_dashboard",
+    ),
+    "typo-pdb": ({"podDisruptionBudget": {"minAvailable": 1}}, "minAvailable"),
+    "bad-pdb-max": ({"podDisruptionBudget": {"maxUnavailable": "half"}}, "maxUnavailable"),
+    "typo-network-policy": ({"networkPolicy": {"egress": []}}, "egress"),
+    "bad-network-port": ({"networkPolicy": {"redis": {"ports": [70000]}}}, "ports"),
+    "network-peers-not-a-list": ({"networkPolicy": {"metricsFrom": {"a": "b"}}}, "metricsFrom"),
 }
 
 
@@ -884,3 +941,346 @@ def test_kind_overlay_renders_the_examples_for_the_cluster(tmp_path: Path) -> No
     policy = docs["RetentionPolicy"]["spec"]
     assert policy["rules"] == {"default": {"last": 1}, "branches": {}}
     assert policy["gc"]["grace"] == "0s" and policy["gc"]["force"] is True
+
+
+# -- alerts, dashboard, disruption budget, network policy ------------------------------------------
+
+# Series Prometheus makes itself (not the operator's to export).
+PROMETHEUS_SERIES = {"up"}
+# PromQL words that are not series names (operators, modifiers).
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "atan2",
+}
+# The samples each kind of prometheus_client metric family exports, by suffix.
+SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "summary": ("", "_count", "_sum", "_created"),
+    "info": ("_info",),
+}
+PROM_DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")
+
+
+def promql_series(expr: str) -> set[str]:
+    """The series names a PromQL expression reads (not functions, keywords, label names)."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', '""', expr)  # string literals
+    text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # range selectors and subqueries
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w:.$])([a-zA-Z_:][\w:]*)(\s*\()?", text):
+        word, call = match.groups()
+        if not call and word not in PROMQL_KEYWORDS:
+            names.add(word)
+    return names
+
+
+def exported_series() -> set[str]:
+    """Every series name the operator's registry can export (also metrics without samples
+    yet: a labelled metric appears once a label set is set)."""
+    from zarrlake_operator.metrics import REGISTRY
+
+    return {
+        family.name + suffix
+        for family in REGISTRY.collect()
+        for suffix in SAMPLE_SUFFIXES[family.type]
+    }
+
+
+def test_promql_series_finds_the_series_and_nothing_else():
+    expr = (
+        'sum by (kind, le) (rate(a_total{outcome="error", x=~"b|c"}[5m] offset 1h)) '
+        "/ on (kind) group_left (name) histogram_quantile(0.95, b_bucket) > 1e3 "
+        'and time() - c_seconds{namespace=~"$namespace"} > 0.05 unless absent(up == 1)'
+    )
+    assert promql_series(expr) == {"a_total", "b_bucket", "c_seconds", "up"}
+
+
+def alert_rules(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    rule = one(objects, "PrometheusRule")
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def prometheus_rule_errors(obj: dict[str, Any]) -> list[str]:
+    """What prometheus-operator's PrometheusRule schema (monitoring.coreos.com/v1) and
+    Prometheus' rule loader would refuse, for the fields the chart uses."""
+    errors = []
+    if obj.get("apiVersion") != "monitoring.coreos.com/v1":
+        errors.append(f"apiVersion {obj.get('apiVersion')}")
+    if set(obj) - {"apiVersion", "kind", "metadata", "spec"}:
+        errors.append(f"unknown top-level fields {sorted(set(obj) - {'apiVersion', 'kind'})}")
+    groups = (obj.get("spec") or {}).get("groups")
+    if set(obj.get("spec") or {}) != {"groups"} or not isinstance(groups, list) or not groups:
+        return [*errors, "spec must hold a non-empty list of groups"]
+    names = [g.get("name") for g in groups]
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        errors.append(f"group names must be unique and non-empty: {names}")
+    for group in groups:
+        if set(group) - {"name", "interval", "rules"} or not group.get("rules"):
+            errors.append(f"group {group.get('name')}: unknown fields or no rules")
+            continue
+        for rule in group["rules"]:
+            where = f"{group['name']}/{rule.get('alert') or rule.get('record')}"
+            if set(rule) - {"alert", "record", "expr", "for", "labels", "annotations"}:
+                errors.append(f"{where}: unknown fields {sorted(rule)}")
+            if ("alert" in rule) == ("record" in rule):
+                errors.append(f"{where}: exactly one of alert and record")
+            if "alert" in rule and not re.fullmatch(r"[A-Z][A-Za-z0-9]*", rule["alert"]):
+                errors.append(f"{where}: alert names are CamelCase")
+            expr = rule.get("expr")
+            if not isinstance(expr, str) or not expr.strip():
+                errors.append(f"{where}: expr must be a non-empty string")
+            elif any(expr.count(a) != expr.count(b) for a, b in ("()", "{}", "[]")):
+                errors.append(f"{where}: unbalanced brackets in {expr!r}")
+            elif "{{" in expr:
+                errors.append(f"{where}: an unrendered template in {expr!r}")
+            if "for" in rule and not PROM_DURATION.fullmatch(str(rule["for"])):
+                errors.append(f"{where}: for {rule['for']!r} is not a duration")
+            for field in ("labels", "annotations"):
+                value = rule.get(field, {})
+                if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+                ):
+                    errors.append(f"{where}: {field} must map strings to strings")
+            if "alert" in rule:
+                annotations = rule.get("annotations") or {}
+                if not annotations.get("summary") or not annotations.get("description"):
+                    errors.append(f"{where}: a summary and a description")
+                if (rule.get("labels") or {}).get("severity") not in ("critical", "warning"):
+                    errors.append(f"{where}: severity critical or warning")
+    return errors
+
+
+def test_prometheus_rule_validation_catches_mistakes(chart):
+    rule = one(render(chart, SCENARIOS["observability"]), "PrometheusRule")
+    assert prometheus_rule_errors(rule) == []
+    for breakage in (
+        lambda r: r["spec"]["groups"][0]["rules"][0].update(expr="sum(rate(x[5m])"),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update({"for": "15 minutes"}),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update(labels={"severity": 1}),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update(alert="not camel"),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update(record="x"),
+        lambda r: r["spec"]["groups"][0]["rules"][0].update(exprr="x"),
+        lambda r: r["spec"]["groups"][1].update(name=r["spec"]["groups"][0]["name"]),
+        lambda r: r["spec"]["groups"][0]["rules"][0].pop("annotations"),
+        lambda r: r["spec"].update(groups=[]),
+    ):
+        broken = copy.deepcopy(rule)
+        breakage(broken)
+        assert prometheus_rule_errors(broken), breakage
+
+
+def test_observability_is_off_by_default(chart):
+    objects = render(chart)
+    for kind in ("PrometheusRule", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"):
+        assert of_kind(objects, kind) == [], kind
+
+
+def test_prometheus_rule_alerts(chart):
+    objects = render(chart, SCENARIOS["observability"])
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    alerts = alert_rules(objects)
+    assert set(alerts) == {
+        "ZarrlakeOperatorAbsent",
+        "ZarrlakeOperatorDown",
+        "ZarrlakeReconcileErrors",
+        "ZarrlakeResourceNotReady",
+        "ZarrlakeLockServiceUnhealthy",
+        "ZarrlakeMaintenanceFailed",
+        "ZarrlakeMaintenanceStale",
+    }
+    # The operator's scrape target, as the ServiceMonitor names it (its Service's name).
+    service = one(objects, "Service")["metadata"]["name"]
+    target = f'up{{job="{service}", namespace="{NAMESPACE}"}}'
+    assert alerts["ZarrlakeOperatorAbsent"]["expr"] == f"absent({target} == 1)"
+    assert alerts["ZarrlakeOperatorDown"]["expr"] == f"{target} == 0"
+    assert alerts["ZarrlakeOperatorAbsent"]["labels"]["severity"] == "critical"
+    assert alerts["ZarrlakeResourceNotReady"]["expr"] == "zarrlake_operator_resource_ready == 0"
+    assert alerts["ZarrlakeResourceNotReady"]["for"] == "15m"
+    assert "> 0.05" in alerts["ZarrlakeReconcileErrors"]["expr"]
+    assert 'outcome="error"' in alerts["ZarrlakeReconcileErrors"]["expr"]
+    assert alerts["ZarrlakeMaintenanceStale"]["expr"].endswith("> 192")
+    # Prometheus' own templates reach the rule unrendered by Helm.
+    summary = alerts["ZarrlakeResourceNotReady"]["annotations"]["summary"]
+    assert "{{ $labels.kind }} {{ $labels.namespace }}/{{ $labels.name }}" in summary
+
+
+def test_prometheus_rule_follows_its_values(chart):
+    objects = render(chart, SCENARIOS["everything"])
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    alerts = alert_rules(objects)
+    assert alerts["ZarrlakeOperatorAbsent"]["expr"] == (
+        f'absent(up{{job="zarrlake", namespace="{NAMESPACE}"}} == 1)'
+    )
+    assert alerts["ZarrlakeResourceNotReady"]["for"] == "30m"
+    assert alerts["ZarrlakeMaintenanceStale"]["expr"].endswith("> 36")
+    for name, alert in alerts.items():
+        assert alert["labels"]["team"] == "data", name
+
+
+def dashboard(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (config_map,) = of_kind(objects, "ConfigMap")
+    (text,) = config_map["data"].values()
+    parsed: dict[str, Any] = json.loads(text)
+    return parsed
+
+
+def dashboard_queries(board: dict[str, Any]) -> list[str]:
+    """Every PromQL query of the dashboard: panel targets, and the metrics its variables
+    list label values of."""
+    queries = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    for variable in board["templating"]["list"]:
+        query = variable.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else ""
+        queries += re.findall(r"label_values\(\s*([a-zA-Z_:][\w:]*)", text)
+    return queries
+
+
+def test_grafana_dashboard_config_map(chart):
+    objects = render(chart, SCENARIOS["observability"])
+    config_map = one(objects, "ConfigMap")
+    assert config_map["metadata"]["namespace"] == NAMESPACE
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = dashboard(objects)
+    assert board["uid"] == "zarrlake-operator" and board["title"]
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    for panel in panels:
+        assert panel["targets"] and all(t["expr"].strip() for t in panel["targets"]), panel
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    # The shipped file, byte for byte (Helm does not template it: Grafana's {{label}} legends).
+    shipped = (CHART / "dashboards" / "zarrlake-operator.json").read_text()
+    assert json.loads(shipped) == board
+    assert '"{{kind}} {{outcome}}"' in shipped
+
+    # The sidecar's label and the ConfigMap's namespace are the user's to choose.
+    # (Helm merges maps with the defaults: null drops the default label.)
+    labels = {"dashboards": "zarrlake", "grafana_dashboard": None}
+    custom = render(chart, {"grafanaDashboard": {"enabled": True, "labels": labels}})
+    assert one(custom, "ConfigMap")["metadata"]["labels"]["dashboards"] == "zarrlake"
+    assert "grafana_dashboard" not in one(custom, "ConfigMap")["metadata"]["labels"]
+    elsewhere = one(render(chart, SCENARIOS["everything"]), "ConfigMap")
+    assert elsewhere["metadata"]["namespace"] == "monitoring"
+    assert elsewhere["metadata"]["annotations"] == {"grafana_folder": "zarrlake"}
+
+
+def test_alerts_and_dashboard_read_only_series_the_operator_exports(chart):
+    """A metric renamed or dropped in the operator must fail here, not leave an alert that can
+    never fire or a panel that stays empty."""
+    objects = render(chart, SCENARIOS["observability"])
+    exported = exported_series()
+    assert "zarrlake_operator_reconciles_total" in exported
+    assert "zarrlake_operator_reconcile_duration_seconds_bucket" in exported
+    used: dict[str, set[str]] = {}
+    for name, alert in alert_rules(objects).items():
+        series = promql_series(alert["expr"])
+        assert series, f"{name} reads no series"
+        used[f"alert {name}"] = series
+    for i, query in enumerate(dashboard_queries(dashboard(objects))):
+        series = promql_series(query)
+        assert series, f"dashboard query {query!r} reads no series"
+        used[f"dashboard query {i}: {query}"] = series
+    stale = {
+        where: sorted(series - exported - PROMETHEUS_SERIES)
+        for where, series in used.items()
+        if series - exported - PROMETHEUS_SERIES
+    }
+    assert stale == {}, stale
+    # And what the operator reports of the resources is all on show.
+    everywhere = set().union(*used.values())
+    for name in (
+        "zarrlake_operator_resource_ready",
+        "zarrlake_operator_lock_service_ready",
+        "zarrlake_operator_maintenance_last_result",
+        "zarrlake_operator_maintenance_last_success_timestamp_seconds",
+        "zarrlake_operator_maintenance_last_duration_seconds",
+        "zarrlake_operator_branch_head_age_seconds",
+        "zarrlake_operator_errors_total",
+        "zarrlake_operator_reconcile_duration_seconds_bucket",
+    ):
+        assert name in everywhere, name
+
+
+def test_a_stale_metric_name_is_caught():
+    """The check above, shown to fail on a name the operator does not export."""
+    exported = exported_series()
+    assert promql_series("zarrlake_operator_resource_ready == 0") <= exported
+    assert promql_series("zarrlake_operator_resource_readiness == 0") - exported == {
+        "zarrlake_operator_resource_readiness"
+    }
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, None),
+        ({"replicaCount": 2}, 1),
+        ({"podDisruptionBudget": {"enabled": True}}, 1),
+        ({"podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"}}, "50%"),
+    ],
+)
+def test_operator_pod_disruption_budget(chart, values, expected):
+    objects = render(chart, values)
+    budgets = of_kind(objects, "PodDisruptionBudget")
+    if expected is None:
+        assert budgets == []
+        return
+    (pdb,) = budgets
+    validate_builtin(pdb)
+    assert pdb["spec"]["maxUnavailable"] == expected
+    assert "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def egress_ports(policy: dict[str, Any]) -> set[tuple[str, int]]:
+    return {(p["protocol"], p["port"]) for rule in policy["spec"]["egress"] for p in rule["ports"]}
+
+
+def test_operator_network_policy(chart):
+    objects = render(chart, SCENARIOS["observability"])
+    policy = one(objects, "NetworkPolicy")
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    # In: the metrics port only, from anyone by default.
+    (ingress,) = policy["spec"]["ingress"]
+    assert ingress["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert "from" not in ingress
+    assert "metrics" in {p["name"] for p in container(objects)["ports"]}
+    # Out: the API server, object storage, Redis, DNS; nothing else.
+    assert egress_ports(policy) == {
+        ("TCP", 443),
+        ("TCP", 6443),
+        ("TCP", 6379),
+        ("UDP", 53),
+        ("TCP", 53),
+    }
+    assert all("to" not in rule for rule in policy["spec"]["egress"])
+
+
+def test_operator_network_policy_follows_its_values(chart):
+    values = SCENARIOS["everything"]["networkPolicy"]
+    policy = one(render(chart, SCENARIOS["everything"]), "NetworkPolicy")
+    (ingress,) = policy["spec"]["ingress"]
+    assert ingress["from"] == values["metricsFrom"]
+    rules = policy["spec"]["egress"]
+    api = [r for r in rules if r.get("to") == values["apiServer"]["to"]]
+    assert len(api) == 1 and api[0]["ports"] == [{"port": 443, "protocol": "TCP"}]
+    assert rules[-1] == values["extraEgress"][0]
+    assert ("TCP", 9000) in egress_ports(policy) and ("TCP", 6443) not in egress_ports(policy)

@@ -511,6 +511,120 @@ def test_lock_objects_are_owned_by_the_repository() -> None:
     assert secret["kind"] == "Secret" and secret["stringData"] == {"password": LOCK_PASSWORD}
 
 
+def _with_lock(**lock: Any) -> tuple[dict[str, Any], RepositorySpec]:
+    body = repository_body()
+    body["spec"]["lockService"] = {"mode": "managed", **lock}
+    return body, RepositorySpec.model_validate(body["spec"])
+
+
+def _validate_builtin(obj: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    for version in ("1.30.0", kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_lock_disruption_budget_keeps_the_one_redis_from_voluntary_eviction() -> None:
+    body, spec = _with_lock()
+    pdb = desired.lock_disruption_budget(body)
+    _validate_builtin(pdb)
+    assert_owned_by(pdb, body)
+    assert pdb["metadata"]["name"] == "zl-climate-lock"
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    pod = desired.lock_deployment(body, spec)["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod.items()
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_lock_network_policy_lets_in_only_the_repositorys_clients() -> None:
+    body, spec = _with_lock()
+    policy = desired.lock_network_policy(body, spec)
+    _validate_builtin(policy)
+    assert_owned_by(policy, body)
+    dep = desired.lock_deployment(body, spec)
+    redis_pod = dep["spec"]["template"]["metadata"]["labels"]
+    assert _selects(policy["spec"]["podSelector"]["matchLabels"], redis_pod)
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "egress" not in policy["spec"]  # Egress with no rule: Redis reaches nothing
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    # Pod selectors without a namespace selector: the Repository's namespace only.
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])
+    selectors = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+
+    def admitted(labels: dict[str, str]) -> bool:
+        return any(_selects(s, labels) for s in selectors)
+
+    # The pods the operator runs for this repository (a GC job's pod, a replicator's) ...
+    policy_body = {
+        "apiVersion": API_VERSION,
+        "kind": "RetentionPolicy",
+        "metadata": {"name": "keep", "namespace": "science", "uid": "u"},
+    }
+    policy_spec = RetentionPolicySpec.model_validate(
+        {"repository": "climate", "gc": {"schedule": "@daily"}}
+    )
+    jobs = desired.retention_cron_jobs(policy_body, policy_spec, body, desired.JOB_IMAGE)
+    job_pod = jobs["gc"]["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["labels"]
+    assert admitted(job_pod)
+    # ... and a client labelled for it are let in; another repository's, or any pod, are not.
+    assert admitted({"app": "writer", "zarrlake.io/repository": "climate"})
+    assert not admitted({"app": "writer", "zarrlake.io/repository": "ocean"})
+    assert not admitted({"app": "writer"})
+    assert not admitted({**job_pod, "zarrlake.io/repository": "ocean"})
+
+    # clientSelector chooses the clients instead; the operator's pods still get in.
+    body, spec = _with_lock(clientSelector={"team": "climate"})
+    rule = desired.lock_network_policy(body, spec)["spec"]["ingress"][0]
+    selectors = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert admitted({"team": "climate"}) and admitted(job_pod)
+    assert not admitted({"zarrlake.io/repository": "climate"})
+    # {}: every pod of the namespace.
+    body, spec = _with_lock(clientSelector={})
+    rule = desired.lock_network_policy(body, spec)["spec"]["ingress"][0]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {}}}]
+
+
+def test_lock_persistence_is_optional() -> None:
+    body, spec = _with_lock()
+    assert desired.lock_volume_claim(body, spec) is None
+    volumes = desired.lock_deployment(body, spec)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "data", "emptyDir": {}} in volumes
+
+    body, spec = _with_lock(persistence={"size": "2Gi", "storageClassName": "fast-ssd"})
+    claim = desired.lock_volume_claim(body, spec)
+    assert claim is not None
+    _validate_builtin(claim)
+    assert_owned_by(claim, body)
+    assert claim["metadata"]["name"] == "zl-climate-lock"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "2Gi"}},
+        "storageClassName": "fast-ssd",
+    }
+    dep = desired.lock_deployment(body, spec)
+    pod = dep["spec"]["template"]["spec"]
+    (data,) = [v for v in pod["volumes"] if v["name"] == "data"]
+    assert data == {"name": "data", "persistentVolumeClaim": {"claimName": "zl-climate-lock"}}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["data"] == "/data"  # where redis-server keeps its append-only file
+    assert "--dir /data" in pod["containers"][0]["args"][0]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}  # one pod mounts the claim at a time
+
+    # Defaults: 1Gi of the cluster's default class.
+    body, spec = _with_lock(persistence={})
+    claim = desired.lock_volume_claim(body, spec)
+    assert claim is not None and "storageClassName" not in claim["spec"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    for bad in ({"size": "lots"}, {"storageClassName": "Fast_SSD"}):
+        with pytest.raises(ValidationError):
+            _with_lock(persistence=bad)
+
+
 def test_lock_deployment_is_locked_down_and_takes_the_password_by_reference() -> None:
     body = repository_body()
     spec = RepositorySpec.model_validate(body["spec"])
@@ -980,6 +1094,32 @@ def test_job_run_maps_the_compaction_report_and_uses_the_condition_time() -> Non
         "result": "Succeeded",
         "chunksPacked": 40,
     }
+
+
+def test_job_run_duration_is_the_jobs_start_to_its_end() -> None:
+    done = job(
+        conditions=[COMPLETE],
+        startTime="2024-05-01T03:00:00Z",
+        completionTime="2024-05-01T03:04:59Z",
+    )
+    run = job_run_entry(done, [])
+    assert run is not None and run["durationSeconds"] == 299
+    # A failed Job has no completionTime: it ended when it was marked Failed.
+    failed = job_run_entry(job(conditions=[FAILED], startTime="2024-05-01T03:00:00Z"), [])
+    assert failed is not None and failed["durationSeconds"] == 420
+    # Without a start (or with times out of order) the duration is not made up.
+    assert "durationSeconds" not in (job_run_entry(job(conditions=[COMPLETE]), []) or {})
+    backwards = job(conditions=[COMPLETE], startTime="2024-05-01T04:00:00Z")
+    assert "durationSeconds" not in (job_run_entry(backwards, []) or {})
+
+
+def test_seconds_between() -> None:
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "2024-05-01T03:00:07Z") == 7
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "2024-05-02T03:00:00Z") == 86400
+    assert desired.seconds_between(None, "2024-05-01T03:00:07Z") is None
+    assert desired.seconds_between("2024-05-01T03:00:00Z", "") is None
+    assert desired.seconds_between("yesterday", "2024-05-01T03:00:07Z") is None
+    assert desired.seconds_between("2024-05-01T03:00:08Z", "2024-05-01T03:00:07Z") is None
 
 
 def test_job_run_failed_with_a_crash_log() -> None:

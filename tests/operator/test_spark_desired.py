@@ -295,6 +295,7 @@ def driver_pod(phase: str, message: str) -> dict[str, Any]:
                     "state": {
                         "terminated": {
                             "message": message,
+                            "startedAt": "2024-05-02T03:01:00Z",
                             "finishedAt": "2024-05-02T03:04:05Z",
                         }
                     },
@@ -316,6 +317,7 @@ def test_driver_run_reads_the_report_of_a_finished_driver() -> None:
         "2024-05-02T03:04:05Z",
     )
     assert (run.snapshots_expired, run.objects_deleted, run.bytes_freed) == (3, 12, 4096)
+    assert run.duration_seconds == 185  # the driver container's start to its end
     failed = desired.driver_run(driver_pod("Failed", "Traceback...\nStorageError: no bucket"))
     assert failed is not None and failed.result == "Failed"
     assert failed.message == "StorageError: no bucket" and failed.objects_deleted is None

@@ -130,6 +130,17 @@ operator uses; no wildcards.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "create", "patch", "delete"]
+# The managed Redis' PodDisruptionBudget and NetworkPolicy, and its PersistentVolumeClaim when the
+# Repository asks to persist it (made once, never rewritten).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "delete"]
 # The retention / GC / compaction schedules of each RetentionPolicy (listed by label to suspend
 # them when their Repository is gone; watched, so an idle resync compares without a request),
 # and their runs (watched for results).
