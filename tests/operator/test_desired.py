@@ -1291,8 +1291,13 @@ def test_examples_parse_into_what_they_say() -> None:
     }
     assert policy.spec.compaction is not None and policy.spec.compaction.branch == "main"
     assert Branch.model_validate(by_kind["Branch"]).spec.from_ == "main"
-    # The example's Secret holds the keys the Repository's defaults name.
-    secret = by_kind["Secret"]
+    # The Secret the Repository names holds the keys the Repository's defaults name.
+    (secret,) = [
+        d
+        for d in example_resources()
+        if d["kind"] == "Secret"
+        and d["metadata"]["name"] == repo.spec.storage.credentials_secret.name
+    ]
     assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
 
 
