@@ -276,6 +276,17 @@ class ResourceStatus(ResourceModel):
 StorageProvider = Literal["s3", "gcs", "azure", "http"]
 
 
+def _account_name(where: str) -> Any:
+    """The ``accountName`` field of the storage spec at ``spec.<where>``."""
+    return Field(
+        default=None,
+        alias="accountName",
+        pattern=r"^[a-z0-9]{3,24}$",
+        description="azure: the storage account.",
+        json_schema_extra=immutable(f"{where}.accountName"),
+    )
+
+
 def _provider_rules(where: str) -> tuple[tuple[str, Any, str], ...]:
     """(CEL rule, the same check in Python, message) of the fields only some providers take,
     for the storage spec at ``where`` (a Repository's or a Mirror destination's)."""
@@ -364,13 +375,7 @@ class StorageSpec(ResourceModel):
         description="s3, gcs, azure: endpoint of a non-default service (MinIO, Ceph, an "
         "emulator, another cloud).",
     )
-    account_name: str | None = Field(
-        default=None,
-        alias="accountName",
-        pattern=r"^[a-z0-9]{3,24}$",
-        description="azure: the storage account.",
-        json_schema_extra=immutable("storage.accountName"),
-    )
+    account_name: str | None = _account_name("storage")
     url: str | None = Field(
         default=None,
         pattern=r"^https?://[^@/?#]+(/[^?#]*)?$",
@@ -895,13 +900,7 @@ class MirrorDestinationSpec(ResourceModel):
         description="Endpoint of a non-default service (MinIO, Ceph, an emulator, another "
         "cloud's S3 API).",
     )
-    account_name: str | None = Field(
-        default=None,
-        alias="accountName",
-        pattern=r"^[a-z0-9]{3,24}$",
-        description="azure: the storage account.",
-        json_schema_extra=immutable("destination.accountName"),
-    )
+    account_name: str | None = _account_name("destination")
     credentials_secret: CredentialsSecretRef | None = Field(
         default=None,
         alias="credentialsSecret",

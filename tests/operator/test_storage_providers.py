@@ -65,6 +65,20 @@ def _commit(repo: zarrlake.Repository, value: float, message: str) -> None:
         array[:] = value
 
 
+def _azure_repository(azurite: Any, container: str, prefix: str) -> zarrlake.Repository:
+    """The repository at ``prefix`` of an Azurite container, opened directly (not through
+    Kubernetes) with the account key."""
+    storage = zarrlake.Storage.azure(
+        container,
+        prefix,
+        account_name=AZURITE_ACCOUNT,
+        account_key=AZURITE_KEY,
+        endpoint_url=azurite.endpoint,
+        allow_http=True,
+    )
+    return zarrlake.Repository.open(storage)
+
+
 def _run_gc(k8s: Env, policy: str) -> dict[str, Any]:
     """Run the policy's GC CronJob once (as ``kubectl create job --from=cronjob/...``) and
     return the policy's ``lastGC``."""
@@ -124,16 +138,7 @@ def test_azure_repository_end_to_end(k8s: Env, azurite: Any) -> None:
     repo = k8s.open_repository()
     for v in (1.0, 2.0, 3.0):
         _commit(repo, v, f"fill {v}")
-    direct = zarrlake.Repository.open(
-        zarrlake.Storage.azure(
-            container,
-            "repos/repo",
-            account_name=AZURITE_ACCOUNT,
-            account_key=AZURITE_KEY,
-            endpoint_url=azurite.endpoint,
-            allow_http=True,
-        )
-    )
+    direct = _azure_repository(azurite, container, "repos/repo")
     assert direct.id == obj["status"]["repositoryID"]
 
     k8s.custom("Branch", "dev", {"repository": "repo"})
@@ -398,16 +403,7 @@ def test_mirror_of_an_s3_repository_to_azure(k8s: Env, azurite: Any) -> None:
 
     done = _replicate(k8s, dep, source)
     assert done["status"]["destination"] == c["command"][4]
-    mirror = zarrlake.Repository.open(
-        zarrlake.Storage.azure(
-            container,
-            "mirrors/repo",
-            account_name=AZURITE_ACCOUNT,
-            account_key=AZURITE_KEY,
-            endpoint_url=azurite.endpoint,
-            allow_http=True,
-        )
-    )
+    mirror = _azure_repository(azurite, container, "mirrors/repo")
     assert mirror.lookup_branch("main") == source.lookup_branch("main")
     assert np.all(zarr.open_array(mirror.readonly_session("main").store, path="a")[:] == 2.0)
     with pytest.raises(ReadOnlyError, match="read-only mirror"):
