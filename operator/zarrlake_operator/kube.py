@@ -34,6 +34,7 @@ KINDS: dict[str, str] = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # The Kubeflow Spark operator's, when it is installed (see served()).
     "ScheduledSparkApplication": f"/apis/{SPARK_API_VERSION}/namespaces/{{ns}}/"
     "scheduledsparkapplications",
@@ -98,6 +99,7 @@ def _call(
     body: Any = None,
     query: list[tuple[str, str]] | None = None,
     content_type: str = "application/json",
+    timeout: float = 30,
 ) -> Any:
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
@@ -115,7 +117,7 @@ def _call(
             auth_settings=["BearerToken"],
             _preload_content=False,
             _return_http_data_only=True,
-            _request_timeout=30,
+            _request_timeout=timeout,
         )
     except ApiException as e:
         reason = e.reason

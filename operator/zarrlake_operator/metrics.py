@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry()
 RECONCILES = Counter(
@@ -38,6 +38,13 @@ API_REQUESTS = Counter(
     "zarrlake_operator_api_requests_total",
     "Kubernetes API requests of the reconciliations (not Kopf's watches), by verb and resource.",
     ["verb", "resource"],
+    registry=REGISTRY,
+)
+
+
+LEADER = Gauge(
+    "zarrlake_operator_leader",
+    "1 while this replica holds the leader-election Lease and acts, 0 while it stands by.",
     registry=REGISTRY,
 )
 
@@ -101,7 +108,12 @@ def instrumented(kind: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int, address: str = "0.0.0.0") -> None:
-    """Expose ``/metrics`` on ``port`` (0: do not serve)."""
-    if port:
+    """Expose ``/metrics`` on ``port`` (0: do not serve); once per port, however often called
+    (a standby serves its metrics before Kopf's startup handler asks again)."""
+    if port and port not in _serving:
         start_http_server(port, addr=address, registry=REGISTRY)
+        _serving.add(port)
