@@ -206,9 +206,7 @@ def test_a_leader_that_cannot_reach_the_api_stops_before_the_lease_expires(
         assert "could not be renewed" in why
         # It kept trying up to the renew deadline, and stopped before a standby that saw the
         # last renewal the moment it was sent could take the Lease.
-        assert last_renewal + DEADLINE - 0.05 <= at < last_renewal + DURATION, (
-            at - last_renewal
-        )
+        assert last_renewal + DEADLINE - 0.05 <= at < last_renewal + DURATION, at - last_renewal
         assert at - last_renewal <= DEADLINE + 0.5
         time.sleep(RETRY)
         assert len(lost) == 1  # once
