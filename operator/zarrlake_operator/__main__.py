@@ -144,7 +144,7 @@ EXIT_LOST_LEASE = 3
 def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
     """Stand by until this replica holds the Lease, then run Kopf while holding it; release it
     once Kopf has stopped. A standby makes no request but reading the Lease."""
-    from zarrlake_operator import leader, metrics
+    from zarrlake_operator import kube, leader, metrics
 
     settings = leader.LeaseSettings(
         name=args.lease_name,
@@ -165,6 +165,8 @@ def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
     # A standby is alive and ready too (a rollout waits for every pod's readiness) and shows
     # its metrics (zarrlake_operator_leader 0); Kopf serves /healthz once this replica leads.
     metrics.serve(int(os.environ.get("ZARRLAKE_METRICS_PORT", "9090")))
+    if metrics.count_request not in kube.observers:  # the Lease reads count as API requests too
+        kube.observers.append(metrics.count_request)
     health = _standby_health(args.liveness_port)
     log.info(
         "Leader election on Lease %s/%s as %s", settings.namespace, settings.name, settings.identity
@@ -207,6 +209,10 @@ def _run_kopf_until(stop: threading.Event, kopf_args: dict[str, Any]) -> bool:
     that waits for its stop flag before it returns — 5 s more for a standby to wait."""
     import kopf
 
+    # Kopf warns that it ignores OS signals off the main thread: here that is the design.
+    logging.getLogger("kopf._core.reactor.running").addFilter(
+        lambda record: "OS signals are ignored" not in record.getMessage()
+    )
     loop = asyncio.new_event_loop()
     flag = asyncio.Event()
     failure: list[BaseException] = []

@@ -22,9 +22,9 @@ which reads again.
   ``leaseDurationSeconds: 1``, so a standby takes it at its next read instead of waiting for the
   duration.
 
-Failover after the leader dies without a word is at most ``duration + 2 * retry_period`` (the
-standby saw the last renewal up to one period late, and looks again up to one period after the
-record expired — less, since it aims at the expiry); about ``duration`` on average.
+Failover after the leader dies without a word is at most ``duration + retry_period`` plus the
+time of a request or two: the standby saw the last renewal up to one period late, and reads again
+at the very moment that record expires. About ``duration`` on average.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ DURATION = Histogram(
 
 API_REQUESTS = Counter(
     "zarrlake_operator_api_requests_total",
-    "Kubernetes API requests of the reconciliations (not Kopf's watches), by verb and resource.",
+    "Kubernetes API requests of the reconciliations and of leader election (not Kopf's own), "
+    "by verb and resource.",
     ["verb", "resource"],
     registry=REGISTRY,
 )

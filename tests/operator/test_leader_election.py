@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,14 @@ def _holder() -> str:
 def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -> None:
     api = KubeAPI(audit_log=tmp_path / "audit.jsonl").start()
     replicas: dict[str, Any] = {}
+    metrics_ports: dict[str, int] = {}
     logs: dict[str, Path] = {}
     measured: dict[str, float] = {}
 
     def start(who: str) -> None:
         kubeconfig = api.write_kubeconfig(tmp_path / f"{who}.kubeconfig", token=who)
         logs[who] = tmp_path / f"{who}.log"
-        replicas[who], _, _ = start_operator(
+        replicas[who], _, metrics_ports[who] = start_operator(
             kubeconfig,
             log_path=logs[who],
             leader_election=True,
@@ -80,6 +82,13 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
 
     def requests(who: str) -> list[dict[str, Any]]:
         return [r for r in api.audit() if r["user"] == who]
+
+    def metric(who: str, name: str) -> float:
+        url = f"http://127.0.0.1:{metrics_ports[who]}/metrics"
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url) as rsp:
+            text = rsp.read().decode()
+        values = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(name)]
+        return sum(float(v) for _, v in values)
 
     def acted(who: str) -> list[dict[str, Any]]:
         """What a replica asked beyond the Lease: Kopf's watches, reads, writes."""
@@ -116,6 +125,16 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         # The standby asked for nothing but the Lease, and never wrote it.
         assert {(r["verb"], r["path"]) for r in requests("b")} == {("GET", LEASE)}
         assert "repository_changed" not in logs["b"].read_text()
+        # Their metrics say who leads; the standby's Lease reads count as API requests.
+        assert (
+            metric("a", "zarrlake_operator_leader"),
+            metric("b", "zarrlake_operator_leader"),
+        ) == (
+            1,
+            0,
+        )
+        lease_reads = 'zarrlake_operator_api_requests_total{resource="leases",verb="GET"}'
+        assert metric("b", lease_reads) >= 1
         spec = _lease()["spec"]
         assert spec["holderIdentity"].startswith("operator-a_")
         assert spec["leaseDurationSeconds"] == DURATION and spec["leaseTransitions"] == 0
