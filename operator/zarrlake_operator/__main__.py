@@ -4,8 +4,8 @@ High availability: every replica runs leader election on the Lease ``zarrlake-op
 own namespace (:mod:`zarrlake_operator.leader`). The one holding it runs Kopf and acts; the
 others only read the Lease every retry period, and take over within the lease duration when the
 leader stops renewing it, at once when it releases it (SIGTERM). A leader that cannot renew within
-the renew deadline exits non-zero at once, before any standby may take over, so two replicas never
-act together. ``--standalone``: no election (one replica only).
+the renew deadline ends itself at once (SIGKILL), before any standby may take over, so two
+replicas never act together. ``--standalone``: no election (one replica only).
 """
 
 from __future__ import annotations
@@ -137,10 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     return lead_then_run(args, kopf_args)
 
 
-#: The exit status of a leader that lost its Lease: the kubelet restarts it as a standby.
-EXIT_LOST_LEASE = 3
-
-
 def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
     """Stand by until this replica holds the Lease, then run Kopf while holding it; release it
     once Kopf has stopped. A standby makes no request but reading the Lease."""
@@ -181,11 +177,12 @@ def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
             health.server_close()
 
     def lost(why: str) -> None:
-        # Never two leaders acting: no clean-up, no waiting for handlers, out now.
+        # Never two leaders acting: no clean-up, no waiting for handlers — the process ends now,
+        # as a crash would end it (SIGKILL, exit status 137), and the kubelet restarts it.
         log.critical("Leadership lost (%s): exiting", why)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os._exit(EXIT_LOST_LEASE)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     metrics.LEADER.set(1)
     holding = threading.Event()

@@ -132,6 +132,12 @@ def _call(
     return json.loads(data) if data else None
 
 
+def request(method: str, path: str, *, body: Any = None, timeout: float = 30) -> Any:
+    """One request by path, its answer parsed; :class:`KubeError` on failure (leader election's
+    reads and writes of its Lease, which need a short timeout)."""
+    return _call(method, path, body=body, timeout=timeout)
+
+
 def _object(data: Any, what: str) -> dict[str, Any]:
     """An API answer that must be one object (JSON parsed, so anything is possible)."""
     if not isinstance(data, dict):

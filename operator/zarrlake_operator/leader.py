@@ -93,9 +93,9 @@ class Elector:
     and calls ``lost`` when leadership ends; :meth:`release` hands it over.
     """
 
-    def __init__(self, settings: LeaseSettings, call: Callable[..., Any] = kube._call) -> None:
+    def __init__(self, settings: LeaseSettings, call: Callable[..., Any] = kube.request) -> None:
         self.settings = settings
-        #: How requests are made: ``call(verb, path, body=..., timeout=...)`` (``kube._call``).
+        #: How requests are made: ``call(verb, path, body=..., timeout=...)`` (``kube.request``).
         self._call = call
         self._lock = threading.Lock()
         #: The Lease as last read or written (its resourceVersion is the next PUT's precondition).
