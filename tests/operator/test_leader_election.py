@@ -67,13 +67,14 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
     api = KubeAPI(audit_log=tmp_path / "audit.jsonl").start()
     replicas: dict[str, Any] = {}
     metrics_ports: dict[str, int] = {}
+    health_ports: dict[str, int] = {}
     logs: dict[str, Path] = {}
     measured: dict[str, float] = {}
 
     def start(who: str) -> None:
         kubeconfig = api.write_kubeconfig(tmp_path / f"{who}.kubeconfig", token=who)
         logs[who] = tmp_path / f"{who}.log"
-        replicas[who], _, metrics_ports[who] = start_operator(
+        replicas[who], health_ports[who], metrics_ports[who] = start_operator(
             kubeconfig,
             log_path=logs[who],
             leader_election=True,
@@ -83,10 +84,12 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
     def requests(who: str) -> list[dict[str, Any]]:
         return [r for r in api.audit() if r["user"] == who]
 
-    def metric(who: str, name: str) -> float:
-        url = f"http://127.0.0.1:{metrics_ports[who]}/metrics"
+    def fetch(url: str) -> str:
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url) as rsp:
-            text = rsp.read().decode()
+            return str(rsp.read().decode())
+
+    def metric(who: str, name: str) -> float:
+        text = fetch(f"http://127.0.0.1:{metrics_ports[who]}/metrics")
         values = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(name)]
         return sum(float(v) for _, v in values)
 
@@ -152,6 +155,8 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         measured["sigkill: acting (second Ready)"] = time.monotonic() - killed
         assert measured["sigkill: acting (second Ready)"] <= 15, measured
         assert any("/repositories/second" in r["path"] for r in acted("b"))
+        # Its /healthz is Kopf's now, on the port the standby answered on (the probes' port).
+        assert fetch(f"http://127.0.0.1:{health_ports['b']}/healthz") != '{"standby": true}'
         assert _lease()["spec"]["leaseTransitions"] == 1
 
         # SIGTERM the leader: it stops Kopf, then releases the Lease, and c takes it at once.
@@ -182,6 +187,17 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         kube._call("PUT", LEASE, body=stolen)
         assert replicas["c"].wait(RETRY + 10) == -signal.SIGKILL  # it ended itself at once
         assert "Leadership lost (the Lease was taken by intruder)" in logs["c"].read_text()
+
+        # A standby (the intruder's Lease is not expired) stops on SIGTERM at once, cleanly.
+        start("d")
+        assert fetch(f"http://127.0.0.1:{health_ports['d']}/healthz") == '{"standby": true}'
+        wait_for("d to read the Lease", lambda: requests("d"))
+        signalled = time.monotonic()
+        replicas["d"].send_signal(signal.SIGTERM)
+        assert replicas["d"].wait(30) == 0
+        assert time.monotonic() - signalled < RETRY + 2
+        assert {(r["verb"], r["path"]) for r in requests("d")} == {("GET", LEASE)}
+        assert _holder() == "intruder"
         print("\nfailover measurements (s):", {k: round(v, 1) for k, v in measured.items()})
     finally:
         for proc in replicas.values():
