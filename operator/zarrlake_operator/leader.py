@@ -127,8 +127,10 @@ class Elector:
         """One attempt to take the Lease or renew it; True when this replica holds it now.
 
         Never raises for API trouble: an unreachable server, a 409 or a 5xx is a False (the
-        caller tries again after a period, or the watchdog ends leadership)."""
-        limit = timeout if timeout is not None else self.settings.retry_period
+        caller tries again after a period, or the watchdog ends leadership). A request may take
+        up to ``timeout`` (default: the renew deadline, as a slow API server is no reason to
+        give up sooner)."""
+        limit = timeout if timeout is not None else self.settings.renew_deadline
         try:
             with self._lock:
                 return self._attempt(limit)
@@ -163,6 +165,8 @@ class Elector:
         seen = time.monotonic()
         if current is None:
             return self._create(timeout)
+        if not isinstance(current, dict):
+            raise kube.KubeError(f"GET {url}: the API server sent {type(current).__name__}")
         self._lease = current
         spec = dict(current.get("spec") or {})
         if spec != self._observed:
@@ -286,7 +290,7 @@ class Elector:
                 remaining = self.renewed_at + s.renew_deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                if self.try_acquire_or_renew(timeout=max(0.05, min(remaining, s.retry_period))):
+                if self.try_acquire_or_renew(timeout=max(0.05, remaining)):
                     continue
                 if self.holder != s.identity:
                     end(f"the Lease was taken by {self.holder or 'someone who cleared it'}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -186,16 +187,23 @@ def test_a_standby_writes_nothing_and_takes_over_only_after_the_duration(api: Ku
     assert spec["acquireTime"] == spec["renewTime"]
 
 
+@pytest.mark.parametrize("outage", ["stopped", "frozen"])
 def test_a_leader_that_cannot_reach_the_api_stops_before_the_lease_expires(
-    api: KubeAPI,
+    api: KubeAPI, outage: str
 ) -> None:
+    """Stopped: every request is refused at once. Frozen (SIGSTOP): requests hang, so only a
+    watchdog independent of them can stop the leader in time."""
     leader = Elector(settings("unreachable", "leader"))
     assert leader.try_acquire_or_renew()
     holding = threading.Event()
     lost: list[tuple[float, str]] = []
     leader.hold(holding, lambda why: lost.append((time.monotonic(), why)))
     time.sleep(2 * RETRY)  # a renewal or two went through
-    api.stop()
+    assert api.proc is not None
+    if outage == "stopped":
+        api.stop()
+    else:
+        api.proc.send_signal(signal.SIGSTOP)
     try:
         deadline = time.monotonic() + DURATION + 10
         while not lost and time.monotonic() < deadline:
@@ -212,6 +220,8 @@ def test_a_leader_that_cannot_reach_the_api_stops_before_the_lease_expires(
         assert len(lost) == 1  # once
     finally:
         holding.set()
+        if outage == "frozen" and api.proc is not None:
+            api.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_leader_whose_lease_is_taken_stops_at_once(api: KubeAPI) -> None:
