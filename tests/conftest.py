@@ -58,7 +58,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # leaves them out. Chosen from `--durations` (each took over ~2.5 s on 2 loaded cores).
 SLOW_MODULES = {
     "test_e2e",
-    "test_peering",
+    "test_leader_election",
     "test_operator",
     "test_metrics",
     "test_lock_hygiene",
@@ -109,15 +109,16 @@ SLOW_TESTS = {
 # API, or the e2e scenario; test_desired and test_chart (pure functions, Helm) are not among them.
 OPERATOR_MODULES = {
     "test_operator",
-    "test_peering",
+    "test_leader_election",
+    "test_lease",
     "test_kubeapi",
     "test_crd_validation",
     "test_e2e",
 }
 # Of those, the ones that start an API server of their own (not the shared operator cluster).
-OWN_API_MODULES = {"test_kubeapi", "test_crd_validation"}
+OWN_API_MODULES = {"test_kubeapi", "test_crd_validation", "test_lease"}
 # Generous per-test limits where a test legitimately starts a whole stack of processes.
-LONG_TIMEOUTS = {"test_e2e": 1200, "test_peering": 900}
+LONG_TIMEOUTS = {"test_e2e": 1200, "test_leader_election": 900}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

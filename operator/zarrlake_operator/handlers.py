@@ -55,10 +55,6 @@ _settings: list[kopf.OperatorSettings] = []
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _settings[:] = [settings]
     settings.persistence.finalizer = FINALIZER
-    # A replica that dies without leaving the peering (SIGKILL, a lost node) is taken over when
-    # its record expires: Kopf refreshes it every lifetime minus 5-10 s, a standby waits out a
-    # whole lifetime. 12 s keeps failover under 15 s for a few PATCHes a minute.
-    settings.peering.lifetime = int(os.environ.get("ZARRLAKE_PEERING_LIFETIME", "12"))
     # Progress and the last-handled spec live in annotations: our CRD status schemas are strict.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(

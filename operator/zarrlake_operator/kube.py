@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # The Kubeflow Spark operator's, when it is installed (see served()).
     "ScheduledSparkApplication": f"/apis/{SPARK_API_VERSION}/namespaces/{{ns}}/"
     "scheduledsparkapplications",
@@ -101,6 +102,7 @@ def _call(
     body: Any = None,
     query: list[tuple[str, str]] | None = None,
     content_type: str = "application/json",
+    timeout: float = 30,
 ) -> Any:
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
@@ -118,7 +120,7 @@ def _call(
             auth_settings=["BearerToken"],
             _preload_content=False,
             _return_http_data_only=True,
-            _request_timeout=30,
+            _request_timeout=timeout,
         )
     except ApiException as e:
         reason = e.reason
@@ -131,6 +133,12 @@ def _call(
         raise KubeError(f"{method} {path}: API server unreachable: {e}") from None
     data = resp.data
     return json.loads(data) if data else None
+
+
+def request(method: str, path: str, *, body: Any = None, timeout: float = 30) -> Any:
+    """One request by path, its answer parsed; :class:`KubeError` on failure (leader election's
+    reads and writes of its Lease, which need a short timeout)."""
+    return _call(method, path, body=body, timeout=timeout)
 
 
 def _object(data: Any, what: str) -> dict[str, Any]:

@@ -43,8 +43,16 @@ DURATION = Histogram(
 
 API_REQUESTS = Counter(
     "zarrlake_operator_api_requests_total",
-    "Kubernetes API requests of the reconciliations (not Kopf's watches), by verb and resource.",
+    "Kubernetes API requests of the reconciliations and of leader election (not Kopf's own), "
+    "by verb and resource.",
     ["verb", "resource"],
+    registry=REGISTRY,
+)
+
+
+LEADER = Gauge(
+    "zarrlake_operator_leader",
+    "1 while this replica holds the leader-election Lease and acts, 0 while it stands by.",
     registry=REGISTRY,
 )
 
@@ -260,7 +268,12 @@ def instrumented(kind: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int, address: str = "0.0.0.0") -> None:
-    """Expose ``/metrics`` on ``port`` (0: do not serve)."""
-    if port:
+    """Expose ``/metrics`` on ``port`` (0: do not serve); once per port, however often called
+    (a standby serves its metrics before Kopf's startup handler asks again)."""
+    if port and port not in _serving:
         start_http_server(port, addr=address, registry=REGISTRY)
+        _serving.add(port)

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -406,13 +406,16 @@ def start_operator(
     *,
     log_path: str | os.PathLike[str],
     resync_seconds: float = 2,
-    peering: str | None = None,
-    priority: int | None = None,
+    leader_election: bool = False,
+    extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
-    """The real operator as a child process (``python -m zarrlake_operator run -A``).
+    """The real operator as a child process (``python -m zarrlake_operator run -A``), standalone
+    or (``leader_election``) electing its leader on a Lease like the chart's replicas;
+    ``extra_args`` go to ``run`` (e.g. ``--lease-duration``).
 
-    Returns (process, liveness port, metrics port) once ``/healthz`` answers.
+    Returns (process, liveness port, metrics port) once ``/healthz`` answers (a standby answers
+    it too).
     """
     from zarrlake_testkit.servers import PortTaken, free_port, spawn_on_free_port, wait_for_port
 
@@ -431,10 +434,9 @@ def start_operator(
             "--metrics-port",
             str(ports["metrics"]),
         ]
-        cmd += ["--peering", peering] if peering else ["--standalone"]
-        if priority is not None:
-            cmd += ["--priority", str(priority)]
-        return cmd
+        if not leader_election:
+            cmd.append("--standalone")
+        return [*cmd, *extra_args]
 
     env = {
         **os.environ,

@@ -1116,6 +1116,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._history_floor = 0  # events up to this resourceVersion are forgotten
         self._watches: set[Watch] = set()
         self._request_count = 0
+        #: An audit log (see :meth:`audit_to`), or None.
+        self._audit: Any = None
         # Per write request (all synchronous): kubectl's ``fieldValidation`` and the warnings
         # to answer with. Writes of the server's own (garbage collection) ignore unknown fields.
         self._field_validation = "Ignore"
@@ -1146,7 +1148,28 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     # --- HTTP plumbing -----------------------------------------------------------------------
 
+    def audit_to(self, path: str | os.PathLike[str]) -> None:
+        """Append one JSON line per request received to ``path``, as a real API server's audit
+        log records who asked what: ``{"time", "user", "verb", "path", "watch"}``, where the user
+        is the bearer token (each test client can bring its own kubeconfig and token) and the
+        verb the HTTP method. A refused request is recorded too: it was still attempted."""
+        self._audit = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  (server's)
+
+    def _audit_request(self, raw: aiohttp.web.BaseRequest) -> None:
+        if self._audit is None:
+            return
+        auth = raw.headers.get("Authorization", "")
+        entry = {
+            "time": time.time(),
+            "user": auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else "",
+            "verb": raw.method.upper(),
+            "path": raw.path,
+            "watch": raw.query.get("watch", "").lower() in ("true", "1"),
+        }
+        self._audit.write(json.dumps(entry) + "\n")
+
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        self._audit_request(raw_request)
         body = await raw_request.read()
         try:
             request = self._make_request(raw_request, body)
@@ -2405,10 +2428,15 @@ TESTKIT_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
 async def serve(
-    port: int, kubeconfig: str | None = None, ready: asyncio.Event | None = None
+    port: int,
+    kubeconfig: str | None = None,
+    ready: asyncio.Event | None = None,
+    audit_log: str | None = None,
 ) -> None:
     """Serve on 127.0.0.1:``port`` until SIGTERM/SIGINT (or cancellation)."""
     emulator = KubeEmulator()
+    if audit_log:
+        emulator.audit_to(audit_log)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -2431,12 +2459,14 @@ async def serve(
             await asyncio.sleep(0.05)  # let the watch streams end before the server closes
 
 
-def kubeconfig_text(url: str, namespace: str = "default") -> str:
+def kubeconfig_text(
+    url: str, namespace: str = "default", token: str = "zarrlake-test-token"
+) -> str:
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "kubeapi", "cluster": {"server": url}}],
-        "users": [{"name": "kubeapi", "user": {"token": "zarrlake-test-token"}}],
+        "users": [{"name": "kubeapi", "user": {"token": token}}],
         "contexts": [
             {
                 "name": "kubeapi",
@@ -2449,19 +2479,26 @@ def kubeconfig_text(url: str, namespace: str = "default") -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def write_kubeconfig(url: str, path: str | os.PathLike[str]) -> pathlib.Path:
+def write_kubeconfig(
+    url: str, path: str | os.PathLike[str], token: str = "zarrlake-test-token"
+) -> pathlib.Path:
+    """A kubeconfig for ``url``; the ``token`` is the user an audit log records."""
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(kubeconfig_text(url))
+    target.write_text(kubeconfig_text(url, token=token))
     return target
 
 
 class KubeAPI:
     """Run the emulator in a child process on 127.0.0.1; stop it by pid."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, audit_log: str | os.PathLike[str] | None = None
+    ) -> None:
         self.port = port or 0  # 0: a free one, chosen at start
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Where the server appends one JSON line per request (see ``KubeEmulator.audit_to``).
+        self.audit_log = pathlib.Path(audit_log) if audit_log else None
 
     @property
     def url(self) -> str:
@@ -2480,7 +2517,10 @@ class KubeAPI:
         )
 
         def command(port: int) -> list[str]:
-            return [sys.executable, "-m", "zarrlake_testkit.kubeapi", "--port", str(port)]
+            cmd = [sys.executable, "-m", "zarrlake_testkit.kubeapi", "--port", str(port)]
+            if self.audit_log is not None:
+                cmd += ["--audit-log", str(self.audit_log)]
+            return cmd
 
         if self.port:
             self.proc = subprocess.Popen(command(self.port), env=env, stdout=subprocess.DEVNULL)
@@ -2510,8 +2550,17 @@ class KubeAPI:
         stop(self.proc)
         self.proc = None
 
-    def write_kubeconfig(self, path: str | os.PathLike[str]) -> pathlib.Path:
-        return write_kubeconfig(self.url, path)
+    def write_kubeconfig(
+        self, path: str | os.PathLike[str], token: str = "zarrlake-test-token"
+    ) -> pathlib.Path:
+        return write_kubeconfig(self.url, path, token)
+
+    def audit(self) -> list[dict[str, Any]]:
+        """The requests received so far (needs ``audit_log``), oldest first."""
+        if self.audit_log is None or not self.audit_log.exists():
+            return []
+        lines = self.audit_log.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
 
     def __enter__(self) -> KubeAPI:
         return self.start()
@@ -2532,8 +2581,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
     parser.add_argument("--kubeconfig", default=None, help="also write a kubeconfig to this path")
+    parser.add_argument(
+        "--audit-log", default=None, help="append one JSON line per request received to this file"
+    )
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.port or free_port(), args.kubeconfig))
+    asyncio.run(serve(args.port or free_port(), args.kubeconfig, audit_log=args.audit_log))
     return 0
 
 

@@ -2,8 +2,7 @@
 
 - The chart is rendered and linted by Helm's own engine (``helm-python-sdk``) with several sets of
   values, and every rendered object is validated: built-in kinds against the Kubernetes OpenAPI
-  schemas that ``kubernetes-validate`` bundles (strict: unknown fields are errors), Kopf peering
-  objects against the chart's peering CRDs.
+  schemas that ``kubernetes-validate`` bundles (strict: unknown fields are errors).
 - RBAC is compared with the exact permission table the operator needs, so that any extra (or
   missing) verb fails; the Deployment's arguments are parsed by the operator's own CLI parser.
 - ``values.schema.json`` is shown to refuse typos and wrong types by rendering with bad values.
@@ -42,13 +41,13 @@ RELEASE = "zl"
 NAMESPACE = "zarrlake-system"
 # The chart's minimum (Chart.yaml kubeVersion) and the newest version kubernetes-validate knows.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-PEERING = "zarrlake-operator"
-KOPF_CRD_FILES = {"kopf.dev_kopfpeerings.yaml", "kopf.dev_clusterkopfpeerings.yaml"}
+LEASE = f"{RELEASE}-zarrlake-operator"  # the release's full name
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["a", "b"]},
     "replicas": {"replicaCount": 2},
+    "standalone": {"leaderElection": {"enabled": False}},
     "servicemonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     # Every optional block switched on, so that each reaches the validators at least once.
     "everything": {
@@ -322,7 +321,6 @@ def test_chart_metadata_and_crds_seen_by_helm(chart):
     assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0"  # what the objects are validated for
     names = {c["name"] for c in chart.crds}
     expected = {f"{KINDS[k]['plural']}.{GROUP}" for k in KINDS}
-    expected |= {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
     assert {yaml.safe_load(c["data"])["metadata"]["name"] for c in chart.crds} == expected, names
 
 
@@ -379,7 +377,10 @@ CLUSTER_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): READ,
     ("", "namespaces"): READ,
 }
-PEERING_VERBS = READ | {"patch"}
+# Leader election: the Lease in the release namespace, read, created once and renewed (a PUT).
+LEASE_PERMISSIONS: dict[tuple[str, str], set[str]] = {
+    ("coordination.k8s.io", "leases"): {"get", "create", "update"}
+}
 
 
 def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
@@ -396,12 +397,31 @@ def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     return dict(table)
 
 
+def lease_role(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The leader-election Role, checked with its binding: in the release namespace, only the
+    Lease rights, bound to the operator's ServiceAccount."""
+    name = f"{RELEASE}-zarrlake-operator-leader-election"
+    (role,) = [r for r in of_kind(objects, "Role") if r["metadata"]["name"] == name]
+    (binding,) = [b for b in of_kind(objects, "RoleBinding") if b["metadata"]["name"] == name]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert granted(role) == LEASE_PERMISSIONS
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": name,
+    }
+    sa = one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    return role
+
+
 def test_rbac_cluster_wide(chart):
     objects = render(chart)
-    assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
+    # Namespaced: only the Lease's Role, in the release namespace.
+    assert of_kind(objects, "Role") == [lease_role(objects)]
+    assert len(of_kind(objects, "RoleBinding")) == 1
     role = one(objects, "ClusterRole")
     expected = union(NAMESPACED_PERMISSIONS, SPARK_PERMISSIONS, CLUSTER_PERMISSIONS)
-    expected[("kopf.dev", "clusterkopfpeerings")] = PEERING_VERBS
     assert granted(role) == expected
     assert granted(role)[("", "secrets")] == SECRET_VERBS
     binding = one(objects, "ClusterRoleBinding")
@@ -421,19 +441,23 @@ def test_rbac_namespaced(chart):
     sa_name = one(objects, "ServiceAccount")["metadata"]["name"]
     subject = [{"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}]
 
-    # Cluster-wide: only what Kopf reads there, and no ClusterKopfPeering.
+    # Cluster-wide: only what Kopf reads there.
     cluster_role = one(objects, "ClusterRole")
     assert granted(cluster_role) == CLUSTER_PERMISSIONS
     cluster_binding = one(objects, "ClusterRoleBinding")
     assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert cluster_binding["subjects"] == subject
 
-    roles = {r["metadata"]["namespace"]: r for r in of_kind(objects, "Role")}
-    bindings = {b["metadata"]["namespace"]: b for b in of_kind(objects, "RoleBinding")}
+    lease = lease_role(objects)
+    roles = {r["metadata"]["namespace"]: r for r in of_kind(objects, "Role") if r != lease}
+    bindings = {
+        b["metadata"]["namespace"]: b
+        for b in of_kind(objects, "RoleBinding")
+        if b["roleRef"]["name"] != lease["metadata"]["name"]
+    }
     assert set(roles) == set(bindings) == {"a", "b"}
     for namespace, role in roles.items():
         expected = union(NAMESPACED_PERMISSIONS, SPARK_PERMISSIONS)
-        expected[("kopf.dev", "kopfpeerings")] = PEERING_VERBS
         assert granted(role) == expected, namespace
         assert granted(role)[("", "secrets")] == SECRET_VERBS
         assert bindings[namespace]["roleRef"] == {
@@ -446,11 +470,7 @@ def test_rbac_namespaced(chart):
 
 def test_rbac_without_spark_grants_only_the_local_engines_rights(chart):
     role = one(render(chart, {"spark": {"rbac": False}}), "ClusterRole")
-    assert granted(role) == union(
-        NAMESPACED_PERMISSIONS,
-        CLUSTER_PERMISSIONS,
-        {("kopf.dev", "clusterkopfpeerings"): PEERING_VERBS},
-    )
+    assert granted(role) == union(NAMESPACED_PERMISSIONS, CLUSTER_PERMISSIONS)
     assert granted(role)[("", "pods")] == {"list"}
 
 
@@ -542,9 +562,14 @@ def test_probes_ports_and_env(chart, values):
         scope = [a for ns in namespaces for a in ("--namespace", ns)]
     else:
         scope = ["--all-namespaces"]
-    common = ["--peering", PEERING, "--liveness-port", "8080", "--metrics-port", "9090"]
+    if values.get("leaderElection", {}).get("enabled", True):
+        election = ["--lease-name", LEASE, "--lease-duration", "10"]
+        election += ["--lease-renew-deadline", "7", "--lease-retry-period", "2"]
+    else:
+        election = ["--standalone"]
+    common = ["--liveness-port", "8080", "--metrics-port", "9090"]
     verbose = ["--verbose"] if values.get("logLevel") == "DEBUG" else []
-    assert c["args"] == ["run", *scope, *common, *verbose]
+    assert c["args"] == ["run", *scope, *election, *common, *verbose]
 
 
 @pytest.mark.parametrize("values", SCENARIOS.values(), ids=SCENARIOS.keys())
@@ -555,7 +580,16 @@ def test_operator_cli_accepts_the_arguments(chart, values):
     assert args.command == "run"
     assert args.all_namespaces is not bool(values.get("watchNamespaces"))
     assert args.namespace == values.get("watchNamespaces", [])
-    assert (args.peering, args.standalone) == (PEERING, False)
+    elects = values.get("leaderElection", {}).get("enabled", True)
+    assert args.standalone is not elects
+    if elects:  # the chart's defaults are the operator's own
+        defaults = build_parser().parse_args(["run"])
+        assert args.lease_name == LEASE
+        assert (args.lease_duration, args.lease_renew_deadline, args.lease_retry_period) == (
+            defaults.lease_duration,
+            defaults.lease_renew_deadline,
+            defaults.lease_retry_period,
+        )
     assert (args.liveness_port, args.metrics_port) == (8080, 9090)
     assert args.verbose is (values.get("logLevel") == "DEBUG")
 
@@ -584,26 +618,53 @@ def test_selector_matches_pod_labels(chart):
         assert set(selector) == {"app.kubernetes.io/name", "app.kubernetes.io/instance"}
 
 
-# -- peering, metrics ------------------------------------------------------------------------------
+# -- leader election, metrics ---------------------------------------------------------------------
 
 
-def test_peering_cluster_wide(chart):
-    objects = render(chart)
-    peering = one(objects, "ClusterKopfPeering")
-    assert peering["apiVersion"] == "kopf.dev/v1"
-    assert peering["metadata"]["name"] == PEERING
-    assert "namespace" not in peering["metadata"]
-    assert of_kind(objects, "KopfPeering") == []
+def test_leader_election_values_reach_the_operator(chart):
+    values = {
+        "replicaCount": 3,
+        "leaderElection": {
+            "leaseName": "zl-leader",
+            "leaseDuration": 20,
+            "renewDeadline": 12.5,
+            "retryPeriod": 3,
+        },
+    }
+    objects = render(chart, values)
+    args = build_parser().parse_args(container(objects)["args"])
+    assert (args.lease_name, args.standalone) == ("zl-leader", False)
+    assert (args.lease_duration, args.lease_renew_deadline, args.lease_retry_period) == (
+        20,
+        12.5,
+        3,
+    )
+    assert one(objects, "Deployment")["spec"]["replicas"] == 3
+    # The Lease's namespace is the pod's own, where the Role grants it.
+    env = {e["name"]: e for e in container(objects)["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert lease_role(objects)["metadata"]["namespace"] == NAMESPACE
 
 
-def test_peering_per_watched_namespace(chart):
-    objects = render(chart, SCENARIOS["namespaced"])
-    assert of_kind(objects, "ClusterKopfPeering") == []
-    peerings = of_kind(objects, "KopfPeering")
-    assert sorted((p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings) == [
-        ("a", PEERING),
-        ("b", PEERING),
-    ]
+def test_standalone_has_no_lease_rights_and_one_replica(chart):
+    objects = render(chart, SCENARIOS["standalone"])
+    assert "--standalone" in container(objects)["args"]
+    assert of_kind(objects, "Role") == [] and of_kind(objects, "RoleBinding") == []
+    with pytest.raises(helm.HelmRenderError, match=r"replicaCount > 1 needs leaderElection"):
+        render(chart, {**SCENARIOS["standalone"], "replicaCount": 2})
+
+
+@pytest.mark.parametrize(
+    "timings",
+    [
+        {"leaseDuration": 7, "renewDeadline": 7},
+        {"renewDeadline": 2, "retryPeriod": 2},
+        {"leaseDuration": 5, "renewDeadline": 8, "retryPeriod": 1},
+    ],
+)
+def test_leader_election_timings_must_nest(chart, timings):
+    with pytest.raises(helm.HelmRenderError, match="leaseDuration > renewDeadline > retryPeriod"):
+        render(chart, {"leaderElection": timings})
 
 
 def test_metrics_service(chart):
@@ -652,6 +713,12 @@ BAD_VALUES = {
     "bad-namespace-name": ({"watchNamespaces": ["Not_A_Namespace"]}, "watchNamespaces"),
     "unknown-log-level": ({"logLevel": "verbose"}, "logLevel"),
     "negative-replicas": ({"replicaCount": -1}, "replicaCount"),
+    "typo-leader-election": (
+        {"leaderElection": {"leaseDurationSeconds": 10}},
+        "leaseDurationSeconds",
+    ),
+    "zero-retry-period": ({"leaderElection": {"retryPeriod": 0}}, "retryPeriod"),
+    "bad-lease-name": ({"leaderElection": {"leaseName": "Not_A_Name"}}, "leaseName"),
     "typo-spark": ({"spark": {"imgae": "x"}}, "imgae"),
     "bad-spark-account": (
         {"spark": {"serviceAccountName": "Not_An_Account"}},
@@ -787,13 +854,10 @@ def test_crd_is_valid_and_structural(path):
             assert column_resolves(schema, column["jsonPath"]), column
 
 
-def test_chart_ships_exactly_our_crds_and_kopfs():
+def test_chart_ships_exactly_our_crds():
     ours = set(crd_gen.filenames())
     assert {p.name for p in CRD_DIRS["crds"].glob("*.yaml")} == ours
-    assert {p.name for p in CRD_DIRS["chart-crds"].glob("*.yaml")} == ours | KOPF_CRD_FILES
-    scopes = {crd["spec"]["names"]["kind"]: crd["spec"]["scope"] for crd in chart_crds().values()}
-    assert scopes["KopfPeering"] == "Namespaced"
-    assert scopes["ClusterKopfPeering"] == "Cluster"
+    assert {p.name for p in CRD_DIRS["chart-crds"].glob("*.yaml")} == ours
 
 
 @pytest.mark.parametrize("directory", CRD_DIRS.values(), ids=CRD_DIRS.keys())

@@ -75,11 +75,10 @@ The maintenance job image: jobImage, or else the operator image.
 {{- end }}
 
 {{/*
-The Kopf peering the replicas elect their active member in. The operator joins the peering of this
-name, so it is fixed, not derived from the release name.
+The Lease the replicas elect their leader on, in the release namespace.
 */}}
-{{- define "zarrlake-operator.peeringName" -}}
-zarrlake-operator
+{{- define "zarrlake-operator.leaseName" -}}
+{{- default (include "zarrlake-operator.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
 {{/*
