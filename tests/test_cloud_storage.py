@@ -199,14 +199,14 @@ def test_cloud_urls() -> None:
     local = Storage.from_url("gs://bkt/p?endpoint_url=http://127.0.0.1:1&anonymous=true")
     assert isinstance(local, GCSStorage) and local.allow_http and local.anonymous
     assert isinstance(Storage.gcs("b"), GCSStorage)
-    assert isinstance(Storage.azure("c", account_name="a"), AzureStorage)
+    assert isinstance(Storage.azure("box", account_name="a"), AzureStorage)
     for bad in ["gs://", "az:///p?account_name=a"]:
         with pytest.raises(StorageError):
             Storage.from_url(bad)
     with pytest.raises(StorageError, match="allow_http"):
         Storage.gcs("b", endpoint_url="http://127.0.0.1:1")
     with pytest.raises(StorageError, match="allow_http"):
-        Storage.azure("c", endpoint_url="http://127.0.0.1:1/acct")
+        Storage.azure("box", endpoint_url="http://127.0.0.1:1/acct")
     with pytest.raises(StorageError, match="no credentials"):
         Storage.gcs("b", anonymous=True, token="t")
 
@@ -255,6 +255,16 @@ def test_azure_wrong_key_is_refused(request: pytest.FixtureRequest) -> None:
     with pytest.raises(StorageError) as info:
         wrong.put("k", b"v")
     assert not isinstance(info.value, (TransientStorageError, PreconditionFailed))
+    # The service's own error code and message, from the XML body, make the one-line error.
+    assert "AuthorizationFailure: Server failed to authenticate the request" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["dr", "Climate", "a--b", "-ab", "ab-", "x" * 64, "a_b"])
+def test_azure_container_names_azure_refuses_are_refused_before_any_request(name: str) -> None:
+    with pytest.raises(StorageError, match="is not an Azure container name"):
+        Storage.azure(name, account_name="devstoreaccount1", account_key="a2V5")
+    with pytest.raises(StorageError, match="is not an Azure container name"):
+        Storage.from_url(f"az://{name}/p?account_name=devstoreaccount1")
 
 
 # -- what a GCS request carries, seen on the wire --------------------------------------------------

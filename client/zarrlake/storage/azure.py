@@ -81,8 +81,21 @@ def _obstore_call(what: str, key: str, fn: Callable[[], T]) -> T:
         raise StorageError(f"{what} {key}: {_first_line(e)}") from e
 
 
+_SERVICE_ERROR = re.compile(r"<Code>([^<]*)</Code>\s*<Message>([^<\n]*)")
+#: Container names Azure accepts: 3-63 lowercase letters, digits and single hyphens, starting and
+#: ending with a letter or digit (and the special ``$root`` and ``$web``).
+_CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}|\$root|\$web")
+
+
 def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The first line of an error, and the service's own error code and message when the
+    response body carries them (they come after the first line, in XML)."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    first = text.splitlines()[0]
+    found = _SERVICE_ERROR.search(text)
+    return f"{first} {found.group(1)}: {found.group(2).strip()}" if found else first
 
 
 @register_backend("az", "azure", "abfs", "abfss")
@@ -105,6 +118,11 @@ class AzureStorage(Storage):
     ) -> None:
         if not container:
             raise StorageError("Azure storage needs a container name")
+        if not _CONTAINER.fullmatch(container):
+            raise StorageError(
+                f"{container!r} is not an Azure container name: 3-63 lowercase letters, digits "
+                "and single hyphens, starting and ending with a letter or digit"
+            )
         if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
             raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
         if anonymous and (account_key or sas_token):
