@@ -1040,6 +1040,54 @@ def test_fencing_tokens_stay_above_the_journal_across_optimistic_commits(
     assert after is not None and after > before
 
 
+def test_fencing_tokens_stay_above_the_journal_after_many_unlocked_moves(
+    own_redis: Any, tmp_path: Path
+) -> None:
+    """Every entry carries the highest token before it (``fence``), so however many entries
+    were written without the lock since the last token (here 20 optimistic commits and resets,
+    more than a look back would read), a new, empty Redis's first token is raised above it, and
+    branch resets and deletions under the lock keep the tokens monotonic too."""
+    import redis as redis_py
+
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    locked = zarrlake.Repository.create(
+        storage, lock=zarrlake.RedisLock(own_redis.url, lease_s=5, wait_s=10)
+    )
+    unlocked = zarrlake.Repository.open(storage)
+    for i in range(5):
+        session = locked.writable_session()
+        session.write(f"arr/c/{i}", bytes([i]) * 8)
+        session.commit(f"locked {i}")
+    journal = locked.core.journal
+    before = journal.current("main").token
+    assert before is not None and before >= 5
+    first = journal.current("main").snapshot
+    for i in range(10):
+        session = unlocked.writable_session()
+        session.write(f"arr/c/{i}", bytes([100 + i]) * 8)
+        head = session.commit(f"optimistic {i}")
+        unlocked.reset_branch("main", first)
+        unlocked.reset_branch("main", head)
+    head = journal.current("main")
+    assert head.token is None and head.fence == before  # carried through 30 unlocked moves
+    redis_py.Redis.from_url(own_redis.url).flushall()  # the counter is gone
+    locked.reset_branch("main", first)
+    after_reset = journal.current("main").token
+    assert after_reset is not None and after_reset > before
+    # A branch carries its own journal's tokens: "dev" starts fresh, moves under the lock, and
+    # its deletion after another loss of the counter still exceeds them.
+    locked.create_branch("dev", "main")
+    locked.reset_branch("dev", first)
+    dev_token = journal.current("dev").token
+    assert dev_token is not None
+    redis_py.Redis.from_url(own_redis.url).flushall()
+    locked.delete_branch("dev")
+    deleted = journal.head("dev")
+    assert deleted is not None and deleted.snapshot is None
+    assert deleted.token is not None and deleted.token > dev_token
+    assert deleted.fence == dev_token
+
+
 def test_local_lock_floor(tmp_path: Path) -> None:
     lock = zarrlake.LocalLock(tmp_path / "locks")
     with lock.hold("repo", "main") as first:

@@ -273,30 +273,76 @@ class CommitEngine:
         # The entry carries the snapshot, as a commit's does: a fresh reader of the branch then
         # needs no read of the snapshot object.
         encoded = self.objects.snapshot(target).encode()
-        with self.hold_branch(name) as token:
-            while True:
-                cur = self.journal.current(name)
-                if expected is not None and cur.snapshot != expected:
-                    raise ConflictError(
-                        [Conflict("branch-moved", name)],
-                        f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
-                    )
-                entry = JournalEntry(
-                    cur.seq + 1, target, cur.snapshot, _now(), new_writer_id(), token, encoded
+
+        def reset(cur: JournalEntry, token: int | None, fence: int | None) -> JournalEntry:
+            if expected is not None and cur.snapshot != expected:
+                raise ConflictError(
+                    [Conflict("branch-moved", name)],
+                    f"branch {name!r} is at {cur.snapshot}, not the expected {expected}",
                 )
-                if self.journal.append(name, entry):
-                    return target
+            return JournalEntry(
+                cur.seq + 1,
+                target,
+                cur.snapshot,
+                _now(),
+                new_writer_id(),
+                token,
+                encoded,
+                fence=fence,
+            )
+
+        self._move_branch(name, reset)
+        return target
 
     def delete_branch(self, name: str) -> None:
         """Append a deletion entry to branch ``name``. Raises :class:`RefNotFound`."""
-        with self.hold_branch(name) as token:
-            while True:
-                cur = self.journal.current(name)
-                entry = JournalEntry(
-                    cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token
-                )
-                if self.journal.append(name, entry):
-                    return
+
+        def delete(cur: JournalEntry, token: int | None, fence: int | None) -> JournalEntry:
+            return JournalEntry(
+                cur.seq + 1, None, cur.snapshot, _now(), new_writer_id(), token, fence=fence
+            )
+
+        self._move_branch(name, delete)
+
+    def _move_branch(
+        self,
+        name: str,
+        entry_for: Callable[[JournalEntry, int | None, int | None], JournalEntry],
+    ) -> None:
+        """Append ``entry_for(head entry, token, fence)`` to live branch ``name``, holding its lock,
+        until the append lands. A token the journal already holds (the lock service lost its
+        counter) is given back for a new one, as a commit does."""
+        for attempt in range(3):
+            try:
+                with self.hold_branch(name) as token:
+                    while True:
+                        cur = self.journal.current(name)
+                        fence = self._fence(name, cur, token, refence=attempt < 2)
+                        if self.journal.append(name, entry_for(cur, token, fence)):
+                            return
+            except _StaleFence:
+                continue
+        raise AssertionError("unreachable: the last attempt keeps a stale token")
+
+    def _fence(
+        self, name: str, head: JournalEntry, token: int | None, *, refence: bool
+    ) -> int | None:
+        """The ``fence`` of an entry after ``head`` on branch ``name``: the highest token the
+        journal holds up to ``head``. Without a ``token`` (no lock), as far as ``head`` says
+        (no read). With one, looked up as far as needed — and :class:`_StaleFence` raised (the
+        lock service's floor raised first) when ``token`` does not exceed it."""
+        if token is None:
+            return head.highest_token
+        recorded = self.journal.last_token(name, head)
+        if recorded is not None and token <= recorded:
+            # The lock service handed out a token the journal already holds: it lost its
+            # counter (a Redis restart without persistence). Safety is the journal's; keep
+            # tokens monotonic by raising the service's floor past the journal's.
+            raise_floor = getattr(self.lock, "raise_floor", None)
+            if raise_floor is not None and refence:
+                raise_floor(self.repo_id, recorded)
+                raise _StaleFence  # let go of the lock and take it again, with a new token
+        return recorded
 
     # -- commits -----------------------------------------------------------------------------------
 
@@ -382,15 +428,7 @@ class CommitEngine:
             head_entry = known if known is not None else self.journal.current(branch)
             head = head_entry.snapshot
             assert head is not None
-            recorded = None if token is None else self.journal.last_token(branch, head_entry)
-            if token is not None and recorded is not None and token <= recorded:
-                # The lock service handed out a token the journal already holds: it lost its
-                # counter (a Redis restart without persistence). Safety is the journal's; keep
-                # tokens monotonic by raising the service's floor past the journal's.
-                raise_floor = getattr(self.lock, "raise_floor", None)
-                if raise_floor is not None and refence:
-                    raise_floor(self.repo_id, recorded)
-                    raise _StaleFence  # let go of the lock and take it again, with a new token
+            fence = self._fence(branch, head_entry, token, refence=refence)
             if head != changeset.base:
                 if not rebase:
                     raise ConflictError(
@@ -423,7 +461,14 @@ class CommitEngine:
                 self.journal.forget(branch)
                 continue
             entry = JournalEntry(
-                head_entry.seq + 1, snap.id, head, _now(), new_writer_id(), token, built.encoded
+                head_entry.seq + 1,
+                snap.id,
+                head,
+                _now(),
+                new_writer_id(),
+                token,
+                built.encoded,
+                fence=fence,
             )
             # Chunks we deduplicated against may be old garbage GC is about to sweep: check
             # they still exist, and (with a lock service) keep GC's deletes out until the

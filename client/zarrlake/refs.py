@@ -287,11 +287,13 @@ class BranchJournal:
         return entry
 
     def last_token(self, name: str, entry: JournalEntry, depth: int = 16) -> int | None:
-        """The fencing token of ``entry`` or, if it has none (an optimistic commit), of the
-        newest of the ``depth`` entries before it that has one (read in one concurrent round):
-        what a commit under a lock must exceed."""
-        if entry.token is not None:
-            return entry.token
+        """The highest fencing token the journal holds up to ``entry``: what a write under a
+        lock must exceed. The entry says it (its token and the ``fence`` every writer carries
+        forward); an entry from before fences were carried gives its own token or, without one
+        (an optimistic commit), that of the newest of the ``depth`` entries before it that has
+        one (read in one concurrent round)."""
+        if entry.fence is not None or entry.token is not None:
+            return entry.highest_token
         seqs = [seq for seq in range(entry.seq - 1, entry.seq - 1 - depth, -1) if seq >= 0]
         keys = [self.entry_key(name, seq) for seq in seqs]
         for key, data in zip(keys, self.storage.map(self._get_optional, keys), strict=True):

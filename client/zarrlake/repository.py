@@ -274,7 +274,10 @@ class Repository:
         seq = 0 if head is None else head.seq + 1
         # Carry the snapshot in the entry, as a commit does (a fresh reader then skips its read).
         encoded = self._core.objects.snapshot(target).encode()
-        entry = JournalEntry(seq, target, None, _now(), new_writer_id(), snapshot_data=encoded)
+        fence = None if head is None else head.highest_token
+        entry = JournalEntry(
+            seq, target, None, _now(), new_writer_id(), snapshot_data=encoded, fence=fence
+        )
         if not journal.append(name, entry):
             raise BranchExists(f"branch {name!r} already exists")
         return target

@@ -526,6 +526,11 @@ class JournalEntry:
     ``snapshot_data`` is the encoded snapshot object the entry points at, carried along (when it
     is small enough) so that reading a branch head costs one object read, not two. It is a copy:
     the snapshot object itself is always written too, and an entry without it is just as valid.
+
+    ``token`` is the lock service's fencing token the entry was written under (None: written
+    without the lock); ``fence``, the highest token of the entries before it, carried forward by
+    every writer, so the head alone says what a new token must exceed (None in entries from
+    before it was carried, and at the start of a journal).
     """
 
     seq: int
@@ -535,6 +540,14 @@ class JournalEntry:
     writer: str
     token: int | None = None
     snapshot_data: bytes | None = field(default=None, compare=False, repr=False)
+    fence: int | None = None
+
+    @property
+    def highest_token(self) -> int | None:
+        """The highest fencing token the journal holds up to this entry, as far as the entry
+        says (its own token and the carried ``fence``)."""
+        known = [t for t in (self.token, self.fence) if t is not None]
+        return max(known) if known else None
 
     #: Snapshots larger than this (encoded) are not carried in the entry.
     CARRY_MAX_BYTES = 256 * 1024
@@ -548,6 +561,8 @@ class JournalEntry:
             "writer": self.writer,
             "token": self.token,
         }
+        if self.fence is not None:
+            body["fence"] = self.fence
         if self.snapshot_data is not None and len(self.snapshot_data) <= self.CARRY_MAX_BYTES:
             body["snap"] = self.snapshot_data
         return encode(ObjectType.BRANCH_ENTRY, body)
@@ -566,6 +581,7 @@ class JournalEntry:
             writer=_typed(_need(obj, "writer", key), str, key, "writer"),
             token=_opt(obj.get("token"), int, key, "token"),
             snapshot_data=_opt(obj.get("snap"), bytes, key, "snap"),
+            fence=_opt(obj.get("fence"), int, key, "fence"),
         )
 
 
