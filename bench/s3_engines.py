@@ -25,6 +25,7 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))
 
 import zarrlake
-from zarrlake_testkit.servers import start_moto, stop
+from zarrlake_testkit.servers import start_moto, start_seaweedfs, stop
 
 CONCURRENCY = 32
 
@@ -129,18 +130,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--server",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="moto_server (Python: its CPU bounds every engine) or SeaweedFS (compiled)",
+    )
     args = parser.parse_args()
     small_n, big_n = (400, 16) if args.quick else (2000, 64)
     rounds = 1 if args.quick else args.rounds
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "k")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "s")
-    proc, endpoint = start_moto()
+    if args.server == "seaweedfs":
+        workdir = tempfile.mkdtemp(prefix="s3-engines-")
+        weed = start_seaweedfs(workdir, access_key="k", secret_key="s")  # as the engines sign
+        endpoint, stop_server = weed.endpoint, weed.stop
+    else:
+        proc, endpoint = start_moto()
+        stop_server = lambda: stop(proc)  # noqa: E731
     try:
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
-            Bucket="bench"
-        )
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="k",
+            aws_secret_access_key="s",
+        ).create_bucket(Bucket="bench")
         workloads = {
             f"{small_n} x 4 KiB": [(f"s/{i:06d}", os.urandom(4096)) for i in range(small_n)],
             f"{big_n} x 1 MiB": [(f"b/{i:04d}", os.urandom(1 << 20)) for i in range(big_n)],
@@ -173,7 +190,7 @@ def main() -> None:
         for name, op, wall, rate, cpu_per in rows:
             print(f"| {name} | {op} | {wall:.3f} | {rate:,.0f} | {cpu_per:.3f} |")
     finally:
-        stop(proc)
+        stop_server()
 
 
 if __name__ == "__main__":
