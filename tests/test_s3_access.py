@@ -10,6 +10,7 @@ that the requests really go unsigned. moto derives the action of a HEAD as ``s3:
 from __future__ import annotations
 
 import json
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -217,3 +218,63 @@ def test_addressing_style_urls_for_aws_and_custom_endpoints() -> None:
         Storage.s3("b", addressing_style="dns")
     with pytest.raises(StorageError, match="addressing_style"):
         Storage.from_url("s3://b/p?addressing_style=sideways")
+
+
+# -- the obstore hot path and fork -----------------------------------------------------------------
+
+
+def _in_forked_child(storage: Storage) -> Any:
+    """Put, get and head through ``storage`` in a child forked from this process (after this
+    process used it): what the child got, or the text of what it raised."""
+    import multiprocessing
+
+    def child(queue: Any) -> None:
+        try:
+            storage.put("from-child", b"child bytes", create_only=True)
+            info = storage.head("from-child")
+            queue.put((storage.get("from-child"), info.size if info else None))
+        except Exception as e:  # reported to the parent, which fails the test with it
+            queue.put(repr(e))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    try:
+        return queue.get(timeout=60)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_object_io_after_fork_takes_the_other_path(moto_s3: MotoS3, bucket: str) -> None:
+    """Object reads and writes go through obstore, whose runtime does not survive fork: a child
+    forked after the parent used it must still read and write (through urllib3), not hang or
+    fail; the parent's client keeps working afterwards."""
+    from zarrlake.storage import objstore
+
+    storage = signed(moto_s3, bucket)
+    storage.put("k", b"v", create_only=True)
+    assert storage.get("k") == b"v"
+    assert objstore.runtime_pid() == os.getpid()  # the hot path ran on obstore here
+    with pytest.raises(PreconditionFailed):
+        storage.put("k", b"again", create_only=True)  # If-None-Match kept on this path too
+    assert _in_forked_child(storage) == (b"child bytes", len(b"child bytes"))
+    assert storage.get("from-child") == b"child bytes"
+    info = storage.head("k")
+    assert info is not None and info.size == 1
+    assert storage.head("absent") is None
+    with pytest.raises(ObjectNotFound):
+        storage.get("absent")
+
+
+def test_the_urllib3_engine_can_be_chosen(
+    moto_s3: MotoS3, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ZARRLAKE_S3_ENGINE", "urllib3")
+    storage = signed(moto_s3, bucket)
+    storage.put("k", b"v", create_only=True)
+    with pytest.raises(PreconditionFailed):
+        storage.put("k", b"w", create_only=True)
+    assert storage.get("k") == b"v" and storage.head("k") is not None

@@ -18,15 +18,15 @@ import datetime as dt
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import SplitResult, unquote, urlencode
 
+from zarrlake.storage import objstore
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
     ObjectNotFound,
-    PreconditionFailed,
     Storage,
     StorageError,
     TransientStorageError,
@@ -39,63 +39,11 @@ T = TypeVar("T")
 
 _stores: dict[tuple[Any, ...], Any] = {}
 _stores_lock = threading.Lock()
-#: The process whose obstore runtime is live (it started when that process first built a store).
-_runtime_pid: int | None = None
 
 
-_STATUS = re.compile(r"status code: (\d{3})")
-
-
-def _transient(message: str) -> bool:
-    """Whether an obstore error that survived its own retries is still worth retrying later:
-    a 5xx or 429 answer, or no answer at all (a connection refused, reset or timed out)."""
-    first = message.strip().splitlines()[0].lower() if message.strip() else ""
-    status = _STATUS.search(first)
-    if status:
-        code = int(status.group(1))
-        return code >= 500 or code in (408, 429)
-    return any(sign in first for sign in ("sending request", "connect", "timed out", "timeout"))
-
-
-def _obstore_call(what: str, key: str, fn: Callable[[], T]) -> T:
-    """Run an obstore call, turning its errors into zarrlake's storage errors."""
-    from obstore.exceptions import (
-        AlreadyExistsError,
-        BaseError,
-        PermissionDeniedError,
-        PreconditionError,
-        UnauthenticatedError,
-    )
-
-    try:
-        return fn()
-    except FileNotFoundError:
-        raise ObjectNotFound(key) from None
-    except (AlreadyExistsError, PreconditionError):
-        raise PreconditionFailed(key) from None
-    except (PermissionDeniedError, UnauthenticatedError) as e:
-        raise StorageError(f"{what} {key}: access denied: {_first_line(e)}") from None
-    except BaseError as e:
-        if _transient(str(e)):
-            raise TransientStorageError(f"{what} {key}: {_first_line(e)}") from e
-        raise StorageError(f"{what} {key}: {_first_line(e)}") from e
-
-
-_SERVICE_ERROR = re.compile(r"<Code>([^<]*)</Code>\s*<Message>([^<\n]*)")
 #: Container names Azure accepts: 3-63 lowercase letters, digits and single hyphens, starting and
 #: ending with a letter or digit (and the special ``$root`` and ``$web``).
 _CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}|\$root|\$web")
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of an error, and the service's own error code and message when the
-    response body carries them (they come after the first line, in XML)."""
-    text = str(e).strip()
-    if not text:
-        return type(e).__name__
-    first = text.splitlines()[0]
-    found = _SERVICE_ERROR.search(text)
-    return f"{first} {found.group(1)}: {found.group(2).strip()}" if found else first
 
 
 @register_backend("az", "azure", "abfs", "abfss")
@@ -185,20 +133,20 @@ class AzureStorage(Storage):
         Never one inherited through ``fork``: its pooled connections are the parent's sockets,
         and two processes talking on one socket read each other's responses (or wait forever).
         """
-        global _runtime_pid
         pid = os.getpid()
         mine = self.__dict__.get("_store")
         if mine is not None and mine[0] == pid:
             return mine[1]
-        if _runtime_pid is not None and _runtime_pid != pid:
+        started = objstore.runtime_pid()
+        if started is not None and started != pid:
             # obstore's I/O runtime does not survive fork: a child's requests would hang, and
             # its use of the inherited event queue would steal the parent's wake-ups.
             raise StorageError(
-                f"{self.url} was used in process {_runtime_pid} before this one was forked from "
+                f"{self.url} was used in process {started} before this one was forked from "
                 "it, and its client cannot be used after fork: start worker processes with "
                 "'spawn' or 'forkserver' (multiprocessing.get_context), or fork before first use"
             )
-        _runtime_pid = pid
+        objstore.runtime_started()
         key = (
             pid,
             self.container,
@@ -247,14 +195,14 @@ class AzureStorage(Storage):
         import obstore
 
         if byte_range is None:
-            return bytes(_obstore_call("get", key, lambda: obstore.get(self.store, key).bytes()))
+            return bytes(objstore.call("get", key, lambda: obstore.get(self.store, key).bytes()))
         start, end = byte_range
         if end <= start:
             if self.head(key) is None:
                 raise ObjectNotFound(key)
             return b""
         try:
-            data = _obstore_call(
+            data = objstore.call(
                 "get", key, lambda: obstore.get_range(self.store, key, start=start, end=end)
             )
         except (ObjectNotFound, TransientStorageError):
@@ -275,7 +223,7 @@ class AzureStorage(Storage):
 
         mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
         try:
-            _obstore_call(
+            objstore.call(
                 "put",
                 key,
                 lambda: obstore.put(
@@ -291,7 +239,7 @@ class AzureStorage(Storage):
         import obstore
 
         try:
-            meta = _obstore_call("head", key, lambda: obstore.head(self.store, key))
+            meta = objstore.call("head", key, lambda: obstore.head(self.store, key))
         except ObjectNotFound:
             return None
         return ObjectInfo(key, int(meta["size"]), meta["last_modified"])
@@ -302,12 +250,12 @@ class AzureStorage(Storage):
         # obstore lists by path segments; the protocol by string prefix: list the folder that
         # holds the prefix and keep what starts with it (Azure lists in key order).
         folder = prefix.rpartition("/")[0]
-        stream = _obstore_call(
+        stream = objstore.call(
             "list", prefix, lambda: obstore.list(self.store, prefix=folder or None, chunk_size=1000)
         )
         while True:
             try:
-                batch = _obstore_call("list", prefix, lambda: next(stream))
+                batch = objstore.call("list", prefix, lambda: next(stream))
             except StopIteration:
                 return
             except StorageError as e:
@@ -329,7 +277,7 @@ class AzureStorage(Storage):
         import obstore
 
         folder = prefix.rstrip("/")
-        found = _obstore_call(
+        found = objstore.call(
             "list", prefix, lambda: obstore.list_with_delimiter(self.store, prefix=folder or None)
         )
         start = len(folder) + 1 if folder else 0
@@ -342,7 +290,7 @@ class AzureStorage(Storage):
 
         def delete(key: str) -> None:
             try:
-                _obstore_call("delete", key, lambda: obstore.delete(self.store, key))
+                objstore.call("delete", key, lambda: obstore.delete(self.store, key))
             except ObjectNotFound:
                 pass  # absent keys are fine
 

@@ -1,4 +1,6 @@
-"""AWS S3 and S3-compatible servers, through botocore.
+"""AWS S3 and S3-compatible servers: botocore resolves credentials and lists; whole-object GETs,
+PUTs and HEADs go through obstore (see "the hot path through obstore" below), with signed urllib3
+requests where obstore cannot serve.
 
 botocore is thread-safe per client, so one client with a large connection pool serves the engine's
 I/O thread pool: many requests in flight from one Python process. Create-only writes use
@@ -15,14 +17,16 @@ custom endpoint path style, which every S3-compatible server understands.
 from __future__ import annotations
 
 import builtins
+import datetime as dt
 import email.utils
 import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, quote, unquote, urlencode
 
+from zarrlake.storage import objstore
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
@@ -116,6 +120,27 @@ def _shared_connection(
 
 
 _pools: dict[tuple[int, int], Any] = {}
+_obstores: dict[tuple[Any, ...], Any] = {}
+
+
+class _BotocoreCredentials:
+    """obstore's credential provider: the credentials botocore resolved (and refreshes). Static
+    ones are handed over once; refreshable ones are asked for again every few minutes."""
+
+    def __init__(self, credentials: Any) -> None:
+        self.credentials = credentials
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self.credentials.get_frozen_credentials()
+        refreshable = hasattr(self.credentials, "refresh_needed")
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": dt.datetime.now(dt.UTC) + dt.timedelta(minutes=5)
+            if refreshable
+            else None,
+        }
 
 
 def _shared_pool(size: int) -> Any:
@@ -378,7 +403,72 @@ class S3Storage(Storage):
             )
         return ""
 
+    # -- the hot path through obstore --------------------------------------------------------------
+    # Whole-object GETs, PUTs and HEADs go through obstore (Rust: its requests leave the GIL, at
+    # a third of the client CPU per small object; bench/RESULTS.md, "S3 engines"), signed with
+    # the credentials botocore resolved (profiles, SSO, web identity and their refreshes keep
+    # working), to the very URLs the urllib3 path uses. The urllib3 path stays for anonymous
+    # requests, ranged reads, processes forked after obstore started here (its runtime does not
+    # survive fork) and ZARRLAKE_S3_ENGINE=urllib3.
+
+    def _obstore(self) -> Any | None:
+        """This storage's obstore ``S3Store``, or None where the urllib3 path serves."""
+        if self.anonymous or os.environ.get("ZARRLAKE_S3_ENGINE", "obstore") != "obstore":
+            return None
+        pid = os.getpid()
+        mine = self.__dict__.get("_obs")
+        if mine is not None and mine[0] == pid:
+            return mine[1]
+        started = objstore.runtime_pid()
+        if started is not None and started != pid:
+            return None  # forked from a process that used obstore: not safe here
+        credentials = self._connection.credentials
+        if credentials is None:
+            return None  # the urllib3 path says why
+        base, virtual = self._endpoint()
+        if virtual and self.endpoint_url:
+            # A bucket host under a custom endpoint: left to the urllib3 path, whose name
+            # resolution is Python's (what such setups, and the tests, arrange).
+            return None
+        # The credentials object lives as long as its cached connection (the whole process):
+        # its id names it.
+        region = self._signing_region()
+        key = (pid, self.bucket, base, virtual, region, self.allow_http, id(credentials))
+        try:
+            from obstore.store import S3Store
+        except ImportError:  # zarrlake[s3] brings it; without it, the urllib3 path serves
+            return None
+        with _clients_lock:
+            store = _obstores.get(key)
+            if store is None:
+                store = _obstores[key] = S3Store(
+                    self.bucket,
+                    endpoint=base,
+                    region=self._signing_region(),
+                    virtual_hosted_style_request=virtual,
+                    credential_provider=_BotocoreCredentials(credentials),  # type: ignore[arg-type]
+                    client_options={
+                        "allow_http": self.allow_http or base.startswith("http://"),
+                        "timeout": "60s",
+                        "connect_timeout": "10s",
+                        "pool_max_idle_per_host": str(self.concurrency * 2),
+                    },
+                    # One attempt: ``with_retries`` retries (as on the urllib3 path).
+                    retry_config={"max_retries": 0, "retry_timeout": dt.timedelta(seconds=60)},
+                )
+                objstore.runtime_started()
+        self.__dict__["_obs"] = (pid, store)
+        return store
+
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        store = self._obstore() if byte_range is None else None
+        if store is not None:
+            import obstore
+
+            path = self._k(key)
+            return with_retries(
+                lambda: bytes(objstore.call("get", key, lambda: obstore.get(store, path).bytes()))
+            )
         headers = {}
         if byte_range is not None:
             start, end = byte_range
@@ -389,9 +479,38 @@ class S3Storage(Storage):
         return b"" if r is None else r.data
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        store = self._obstore()
+        if store is not None:
+            import obstore
+
+            path = self._k(key)
+            mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
+            body = memoryview(data)
+
+            def once() -> None:
+                objstore.call(
+                    "put",
+                    key,
+                    lambda: obstore.put(store, path, body, mode=mode, use_multipart=False),
+                )
+
+            with_retries(once)
+            return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
     def head(self, key: str) -> ObjectInfo | None:
+        store = self._obstore()
+        if store is not None:
+            import obstore
+
+            path = self._k(key)
+            try:
+                meta = with_retries(
+                    lambda: objstore.call("head", key, lambda: obstore.head(store, path))
+                )
+            except ObjectNotFound:
+                return None
+            return ObjectInfo(key, int(meta["size"]), meta["last_modified"])
         try:
             r = self._send("HEAD", key)
         except ObjectNotFound:
