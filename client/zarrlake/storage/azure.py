@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import SplitResult, unquote, urlencode
 
-from zarrlake.storage import objstore
+import zarrlake.storage.objstore as objstore
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,

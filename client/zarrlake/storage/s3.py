@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, quote, unquote, urlencode
 
-from zarrlake.storage import objstore
+import zarrlake.storage.objstore as objstore
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
