@@ -278,3 +278,21 @@ def test_the_urllib3_engine_can_be_chosen(
     with pytest.raises(PreconditionFailed):
         storage.put("k", b"w", create_only=True)
     assert storage.get("k") == b"v" and storage.head("k") is not None
+
+
+def test_a_used_storage_pickles_without_the_credentials_the_chain_resolved(
+    moto_s3: MotoS3, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials travel in a pickle only if they were given explicitly: not those the AWS
+    chain resolved, which obstore's store holds once the storage has been used."""
+    import pickle
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "chain-secret-value")
+    ambient = Storage.s3(bucket, "repo", endpoint_url=moto_s3.endpoint, allow_http=True)
+    ambient.put("k", b"v")
+    assert ambient.get("k") == b"v"
+    data = pickle.dumps(ambient)
+    assert b"chain-secret-value" not in data
+    copy = pickle.loads(data)
+    assert copy.get("k") == b"v"  # the copy resolves its own credentials

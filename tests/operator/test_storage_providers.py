@@ -23,6 +23,7 @@ from k8s_env import ROOT, Env, condition, wait_for
 
 import zarrlake
 from zarrlake.errors import ReadOnlyError, ReadOnlyStorage
+from zarrlake_operator import desired
 from zarrlake_testkit import emulated
 from zarrlake_testkit.emulators import (
     AZURITE_ACCOUNT,
@@ -285,7 +286,8 @@ def test_http_repository_is_published_read_only(k8s: Env, tmp_path: Path) -> Non
             "url": server.url,
             "credentialsSecret": {"name": "http-auth"},
         }
-        _repository(k8s, "repo", storage)
+        # A managed lock service asked for (the default), which read-only storage never gets.
+        _repository(k8s, "repo", storage, lockService={"mode": "managed"})
         obj = k8s.wait_condition("Repository", "repo")
         status = obj["status"]
         assert status["url"] == server.url
@@ -306,7 +308,8 @@ def test_http_repository_is_published_read_only(k8s: Env, tmp_path: Path) -> Non
         k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
         policy = k8s.wait_condition("RetentionPolicy", "p", status="False")
         assert condition(policy, "Ready")["reason"] == "ReadOnlyRepository"
-        assert k8s.get("Deployment", "repo-lock") is None
+        assert k8s.get("Deployment", desired.lock_service_names("repo")) is None
+        assert k8s.get("Service", desired.lock_service_names("repo")) is None
 
         # The Authorization header came from the Secret: without it the server refuses.
         k8s.secret("no-auth", {"Authorization": "Bearer wrong"})

@@ -582,4 +582,7 @@ class S3Storage(Storage):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_conn", None)
+        # obstore's store holds the credentials the chain resolved: a pickle carries only
+        # those given explicitly (API.md), and the receiving process builds its own store.
+        state.pop("_obs", None)
         return state
