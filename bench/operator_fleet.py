@@ -17,7 +17,13 @@ repository brings 7 objects: a Repository (``lockService: none``, bucket provisi
   minute (``zarrlake_operator_api_requests_total``: every request of the reconciliations; Kopf's
   watch streams are long-lived and not counted) and its resident memory (VmRSS);
 - **machine load**: the 1-minute load average before the run and at the end of the rest period
-  (the machine's other work disturbs both figures).
+  (the machine's other work disturbs both figures);
+- **CPU to Ready** of the operator, the S3 server and the emulated API's process, from /proc: the run is CPU-bound on a small machine, and this says who used it.
+
+``--s3-server seaweedfs`` runs the buckets on SeaweedFS instead of moto_server: moto is a Python
+process that spends ~3 ms of CPU on each request on the cores the operator needs, where a cluster's
+object store runs elsewhere. ``--profile DIR`` records the operator with py-spy from the first
+create until every object is Ready (``DIR/operator-<size>.txt``, collapsed stacks).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +45,7 @@ import yaml
 from zarrlake_operator import kube
 from zarrlake_testkit.emulated import start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
-from zarrlake_testkit.servers import start_moto, stop
+from zarrlake_testkit.servers import start_moto, start_seaweedfs, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "default"
@@ -101,11 +109,25 @@ def api_requests(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
+def run(
+    size: int,
+    idle: float,
+    settle: float,
+    work: Path,
+    s3_server: str = "moto",
+    profile: Path | None = None,
+) -> dict[str, float]:
     repos = max(1, size // PER_REPOSITORY)
-    moto, endpoint = start_moto()
+    if s3_server == "seaweedfs":
+        weed = start_seaweedfs(work / "seaweedfs")
+        s3_proc, endpoint = weed.proc, weed.endpoint
+        stop_s3 = weed.stop
+    else:
+        s3_proc, endpoint = start_moto()
+        stop_s3 = lambda: stop(s3_proc)  # noqa: E731
     api = KubeAPI().start()
     operator = None
+    spy = None
     try:
         kubeconfig = api.write_kubeconfig(work / "kubeconfig")
         kube.use_kubeconfig(str(kubeconfig))
@@ -130,6 +152,21 @@ def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
             extra_env={"ZARRLAKE_LOG_LEVEL": "INFO"},
         )
         load_before = os.getloadavg()[0]
+        api_pid = api.pid
+        assert api_pid is not None
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
+                 str(operator.pid), "--format", "raw", "--rate", "20", "--gil", "--nonblocking",
+                 "--output", str(profile / f"operator-{size}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        cpu_before = {
+            "operator": cpu_seconds(operator.pid),
+            "s3": cpu_seconds(s3_proc.pid),
+            "api": cpu_seconds(api_pid),
+        }
         started, started_at = time.monotonic(), time.time()
         for r in range(repos):
             repo = f"r{r:04d}"
@@ -154,6 +191,8 @@ def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
                 "RetentionPolicy", f"{repo}-p", {"repository": repo, "gc": {"schedule": "@daily"}}
             )
         total = repos * PER_REPOSITORY
+        created = time.monotonic() - started
+        progress(f"{total} objects created in {created:.1f} s")
         while True:
             times = [
                 t for k in ("Repository", "Branch", "Tag", "RetentionPolicy") for t in ready(k)
@@ -164,6 +203,26 @@ def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
                 raise SystemExit(f"only {len(times)} of {total} Ready after 30 min")
             time.sleep(max(1.0, total / 1000))
         to_ready = epoch(max(times)) + 1 - started_at
+        progress(
+            "Ready by then: "
+            + ", ".join(
+                f"{q}% at {epoch(sorted(times)[len(times) * q // 100 - 1]) + 1 - started_at:.0f} s"
+                for q in (25, 50, 75, 90, 100)
+            )
+        )
+        cpu_ready = {
+            "operator": cpu_seconds(operator.pid),
+            "s3": cpu_seconds(s3_proc.pid),
+            "api": cpu_seconds(api_pid),
+        }
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            spy.wait(timeout=60)
+            spy = None
+        progress(
+            "CPU to Ready: "
+            + ", ".join(f"{k} {cpu_ready[k] - cpu_before[k]:.1f} s" for k in cpu_ready)
+        )
         progress(f"{total} objects Ready in {to_ready:.1f} s; settling for {settle:.0f} s")
         time.sleep(settle)  # retries of handlers that waited for their Repository, first resyncs
         progress(f"at rest for {idle:.0f} s")
@@ -186,11 +245,15 @@ def run(size: int, idle: float, settle: float, work: Path) -> dict[str, float]:
             "idle_cpu": (cpu1 - cpu0) / (t1 - t0),
             "idle_requests_per_min": sum(per_min.values()),
             "rss_mib": rss_mib(operator.pid),
+            "created_s": created,
+            **{f"cpu_to_ready_{k}_s": cpu_ready[k] - cpu_before[k] for k in cpu_ready},
         }
     finally:
+        if spy is not None:
+            spy.kill()
         stop(operator)
         api.stop()
-        stop(moto)
+        stop_s3()
 
 
 def main() -> None:
@@ -199,22 +262,27 @@ def main() -> None:
     ap.add_argument("--idle", type=float, default=75.0, help="seconds at rest (> one resync)")
     ap.add_argument("--settle", type=float, default=90.0, help="seconds after Ready, not measured")
     ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--s3-server", choices=["moto", "seaweedfs"], default="moto")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy the operator into here")
     args = ap.parse_args()
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
             progress(f"{size} objects")
-            rows.append(run(size, args.idle, args.settle, Path(tmp)))
+            rows.append(run(size, args.idle, args.settle, Path(tmp), args.s3_server, args.profile))
     lines = [
         "| objects | time to Ready | per object | idle CPU (share of a core) "
-        "| idle API requests/min | operator RSS | load before / after |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| idle API requests/min | operator RSS | load before / after "
+        "| CPU to Ready: operator / S3 / API |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['objects']:,.0f} | {r['to_ready_s']:.1f} s | {r['per_object_ms']:.0f} ms "
             f"| {100 * r['idle_cpu']:.1f}% | {r['idle_requests_per_min']:.0f} "
-            f"| {r['rss_mib']:.0f} MiB | {r['load_before']:.2f} / {r['load_after']:.2f} |"
+            f"| {r['rss_mib']:.0f} MiB | {r['load_before']:.2f} / {r['load_after']:.2f} "
+            f"| {r['cpu_to_ready_operator_s']:.1f} / {r['cpu_to_ready_s3_s']:.1f} "
+            f"/ {r['cpu_to_ready_api_s']:.1f} s |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -430,6 +430,10 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
             cond("BucketReady", False, "BucketNotFound", str(e))
             retry = kopf.TemporaryError(str(e), delay=30)
             return False
+        except buckets.BucketProvisionFailed as e:
+            cond("BucketReady", False, "ProvisionFailed", str(e))
+            retry = kopf.TemporaryError(str(e), delay=60)
+            return False
         except buckets.BucketUnreachable as e:
             cond("BucketReady", False, "StorageUnreachable", str(e))
             retry = kopf.TemporaryError(str(e), delay=15)
@@ -534,9 +538,21 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
         update={"phase": phase.phase, "conditions": conds, "observed_generation": gen}
     )
     _write_status(body, status)
+    _warn_if_new(body, previous.condition("BucketReady"), status.condition("BucketReady"))
     if retry is not None:
         raise retry
     return status
+
+
+def _warn_if_new(body: Mapping[str, Any], before: Condition | None, now: Condition | None) -> None:
+    """A Warning event when a condition turns False for a reason it did not have before (the
+    bucket's: missing credentials, no bucket, refused or unreachable storage, a failed
+    provisioning): once per new problem, not on every retry."""
+    if now is None or now.status != "False":
+        return
+    if before is not None and (before.status, before.reason) == ("False", now.reason):
+        return
+    _event(body, now.reason, now.message, warning=True)
 
 
 @dataclass(frozen=True)
@@ -1374,7 +1390,15 @@ def _report_mirror(
     ):
         _gauge_ready(body, previous)
         return
-    _report(body, ready=False, reason=reason, message=message, phase=phase)
+    status = _report(body, ready=False, reason=reason, message=message, phase=phase)
+    if reason in _MIRROR_FAILURES:
+        _warn_if_new(body, ready, status.condition("Ready"))
+
+
+#: A Mirror's Ready=False reasons that are failures to act on (the others are waits).
+_MIRROR_FAILURES = frozenset(
+    {"CredentialsNotFound", "BucketNotFound", "StorageUnreachable", "ProvisionFailed"}
+)
 
 
 def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
@@ -1433,6 +1457,9 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     except buckets.BucketMissing as e:
         _report_mirror(body, reason="BucketNotFound", message=str(e))
         raise kopf.TemporaryError(str(e), delay=30) from None
+    except buckets.BucketProvisionFailed as e:
+        _report_mirror(body, reason="ProvisionFailed", message=str(e))
+        raise kopf.TemporaryError(str(e), delay=60) from None
     except buckets.BucketUnreachable as e:
         _report_mirror(body, reason="StorageUnreachable", message=str(e))
         raise kopf.TemporaryError(str(e), delay=15) from None

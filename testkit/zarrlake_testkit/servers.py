@@ -343,6 +343,10 @@ def start_seaweedfs(
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
     config.write_text(json.dumps({"identities": [identity]}))
+    # One volume per collection (each bucket is one) when it first needs space, instead of 7: with
+    # the default, a few hundred buckets use up every volume the disk allows and writes fail with
+    # 500 "No writable volumes" (the operator fleet bench provisions a bucket per repository).
+    (work / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
     for attempt in range(attempts):
         ports: dict[str, int] = {}
         for name in SEAWEEDFS_LISTENERS:
