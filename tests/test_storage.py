@@ -7,6 +7,7 @@ come from real sockets on the loopback interface: the storage code and botocore 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import inspect
@@ -34,7 +35,7 @@ from zarrlake.storage import (
     TransientStorageError,
 )
 from zarrlake.storage.azure import AzureStorage
-from zarrlake.storage.base import with_retries
+from zarrlake.storage.base import with_retries, with_retries_async
 from zarrlake.storage.gcs import GCSStorage
 from zarrlake.storage.http import HTTPStorage
 from zarrlake.storage.local import LocalStorage
@@ -143,6 +144,70 @@ def test_create_only(storage: Storage) -> None:
     assert storage.get("k") == b"again"
     storage.put("deep/new/dirs/k", b"x", create_only=True)
     assert storage.get("deep/new/dirs/k") == b"x"
+
+
+def test_put_async_keeps_the_contract_of_put(storage: Storage) -> None:
+    """What the Zarr store awaits for every small chunk: the same answers as :meth:`put`."""
+
+    async def writes() -> None:
+        await storage.put_async("a/k", b"first", create_only=True)
+        with pytest.raises(PreconditionFailed) as info:
+            await storage.put_async("a/k", b"second", create_only=True)
+        assert info.value.key == "a/k"
+        assert not isinstance(info.value, TransientStorageError)
+        assert storage.get("a/k") == b"first"
+        await storage.put_async("a/k", memoryview(b"plain overwrite"))
+        await asyncio.gather(*(storage.put_async(f"a/{i}", bytes([i]) * 100) for i in range(20)))
+
+    asyncio.run(writes())
+    assert storage.get("a/k") == b"plain overwrite"
+    assert all(storage.get(f"a/{i}") == bytes([i]) * 100 for i in range(20))
+
+
+def test_s3_put_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) -> None:  # type: ignore[no-untyped-def]
+    """Once a sync request has built this process's obstore store, ``put_async`` needs no
+    thread of the I/O pool (the hand-off per object is what it saves); before, it takes the
+    pool's way, which builds the store there (resolving credentials may block)."""
+    storage = s3_server.storage(f"put-async-{random.getrandbits(32):08x}")
+    pooled: list[object] = []
+    run_async = storage.run_async
+
+    async def counted(fn: Callable[..., object], *args: object) -> object:
+        pooled.append(fn)
+        return await run_async(fn, *args)
+
+    storage.run_async = counted  # type: ignore[method-assign]
+    asyncio.run(storage.put_async("first", b"x"))
+    assert len(pooled) == 1  # no store yet: the pool's way
+    storage.put("sync", b"y")
+    pooled.clear()
+
+    async def many() -> None:
+        await asyncio.gather(*(storage.put_async(f"k{i}", b"z" * i) for i in range(1, 30)))
+        with pytest.raises(PreconditionFailed):
+            await storage.put_async("k1", b"again", create_only=True)
+
+    asyncio.run(many())
+    assert pooled == []
+    assert storage.get("k29") == b"z" * 29 and storage.get("first") == b"x"
+
+
+def test_with_retries_async_retries_transient_errors_only() -> None:
+    fn, calls = flaky(3, lambda: TransientStorageError("slow down"))
+
+    async def afn() -> str:
+        return fn()
+
+    assert asyncio.run(with_retries_async(afn, base_delay=0)) == "ok"
+    assert len(calls) == 4
+    fn, calls = flaky(1, lambda: PreconditionFailed("k"))
+    with pytest.raises(PreconditionFailed):
+        asyncio.run(with_retries_async(afn, base_delay=0))
+    assert len(calls) == 1
+    fn, calls = flaky(100, lambda: TransientStorageError("down"))
+    with pytest.raises(TransientStorageError):
+        asyncio.run(with_retries_async(afn, attempts=3, base_delay=0))
+    assert len(calls) == 3
 
 
 def test_check_conditional_writes(storage: Storage) -> None:

@@ -311,6 +311,20 @@ class ObjectStore:
             hit = True
         return (OBJECT, bytes.fromhex(digest), len(data)), hit
 
+    async def write_chunk_async(self, data: bytes | memoryview) -> tuple[ChunkRef, bool]:
+        """:meth:`write_chunk` of an object chunk (above the inline threshold), from an event
+        loop: the hash runs right here (callers keep this to small chunks, whose hash takes
+        microseconds), the writes are the storage's :meth:`~Storage.put_async`."""
+        digest = self.hash_data(data)
+        key = chunk_key(digest)
+        try:
+            await self.storage.put_async(key, data, create_only=True)
+            hit = False
+        except PreconditionFailed:
+            await self.storage.put_async(key, data)
+            hit = True
+        return (OBJECT, bytes.fromhex(digest), len(data)), hit
+
     def read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None = None) -> bytes:
         """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk).
 

@@ -234,6 +234,18 @@ class Workspace:
                 self._top().nodes[key] = bytes(data)
             return
         ref, dedup = self._objects.write_chunk(data, self._config.inline_threshold_bytes)
+        self._record(key, ref, dedup)
+
+    async def write_chunk_async(self, key: str, data: bytes | memoryview) -> None:
+        """:meth:`write` of a chunk that is uploaded as an object (not
+        :meth:`writes_in_memory`), awaited on the caller's event loop."""
+        self._check_writable()
+        if self.writes_in_memory(key, len(data)):
+            raise ValueError(f"{key!r} is not written as an object: use write()")
+        ref, dedup = await self._objects.write_chunk_async(data)
+        self._record(key, ref, dedup)
+
+    def _record(self, key: str, ref: ChunkRef, dedup: bool) -> None:
         with self._mutex:
             top = self._top()
             top.chunks[key] = ref

@@ -26,6 +26,9 @@ from zarrlake.errors import ReadOnlyError
 from zarrlake.format.model import INLINE, ChunkRef, ref_size
 from zarrlake.objects import ObjectStore, ReadJob
 
+#: Chunks up to this size are written from the event loop (see :meth:`ZarrlakeStore.set`).
+ASYNC_WRITE_BYTES = 64 * 1024
+
 T = TypeVar("T")
 
 
@@ -54,6 +57,8 @@ class StoreSession(Protocol):
     def write(self, key: str, data: bytes | memoryview) -> None: ...
 
     def writes_in_memory(self, key: str, size: int) -> bool: ...
+
+    async def write_chunk_async(self, key: str, data: bytes | memoryview) -> None: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -350,7 +355,12 @@ class ZarrlakeStore(Store):
             # Metadata and inline chunks touch no storage: a hop to the I/O pool would cost more
             # than the write (a million one-element chunks are minutes of thread hops).
             self._session.write(key, payload)
+        elif len(payload) <= ASYNC_WRITE_BYTES:
+            # Small objects: hashed here (microseconds) and uploaded by the storage's own
+            # coroutine where it has one (S3 on obstore), without a thread hop each way.
+            await self._session.write_chunk_async(key, payload)
         else:
+            # Large ones hash on the I/O pool, in parallel, off the event loop.
             await self._io(self._session.write, key, payload)
 
     def set_sync(self, key: str, value: Buffer) -> None:

@@ -60,7 +60,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -126,6 +126,20 @@ def with_retries(fn: Callable[[], T], *, attempts: int = 6, base_delay: float = 
             if attempt == attempts - 1:
                 raise
             time.sleep(random.uniform(0, base_delay * (2**attempt)))
+    raise AssertionError("unreachable")
+
+
+async def with_retries_async(
+    fn: Callable[[], Awaitable[T]], *, attempts: int = 6, base_delay: float = 0.05
+) -> T:
+    """:func:`with_retries` for a coroutine: the same attempts and backoff, slept on the loop."""
+    for attempt in range(attempts):
+        try:
+            return await fn()
+        except TransientStorageError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(random.uniform(0, base_delay * (2**attempt)))
     raise AssertionError("unreachable")
 
 
@@ -558,6 +572,12 @@ class Storage(abc.ABC):
         """Run a blocking storage call on this backend's I/O pool."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor(), fn, *args)
+
+    async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        """:meth:`put` for a caller on an event loop, with the same contract: on the I/O pool,
+        unless the backend has requests of its own that an event loop can await (S3 on obstore),
+        which saves the hand-off to a thread and back for every object."""
+        await self.run_async(lambda: self.put(key, data, create_only=create_only))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

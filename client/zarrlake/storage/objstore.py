@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from zarrlake.storage.base import (
@@ -70,6 +70,24 @@ def first_line(e: BaseException) -> str:
 def call(what: str, key: str, fn: Callable[[], T]) -> T:
     """Run an obstore call, turning its errors into zarrlake's storage errors. A 409 (S3's
     answer to a conditional write racing another on the same key) is a precondition failure."""
+    try:
+        return fn()
+    except Exception as e:
+        _raise_translated(what, key, e)
+        raise
+
+
+async def call_async(what: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """:func:`call` for obstore's coroutines (``put_async`` and the like)."""
+    try:
+        return await fn()
+    except Exception as e:
+        _raise_translated(what, key, e)
+        raise
+
+
+def _raise_translated(what: str, key: str, e: Exception) -> None:
+    """Raise the storage error that the obstore error ``e`` means; return for any other."""
     from obstore.exceptions import (
         AlreadyExistsError,
         BaseError,
@@ -78,15 +96,13 @@ def call(what: str, key: str, fn: Callable[[], T]) -> T:
         UnauthenticatedError,
     )
 
-    try:
-        return fn()
-    except FileNotFoundError:
+    if isinstance(e, FileNotFoundError):
         raise ObjectNotFound(key) from None
-    except (AlreadyExistsError, PreconditionError):
+    if isinstance(e, AlreadyExistsError | PreconditionError):
         raise PreconditionFailed(key) from None
-    except (PermissionDeniedError, UnauthenticatedError) as e:
+    if isinstance(e, PermissionDeniedError | UnauthenticatedError):
         raise StorageError(f"{what} {key}: access denied: {first_line(e)}") from None
-    except BaseError as e:
+    if isinstance(e, BaseError):
         if status_of(str(e)) in (409, 412):
             raise PreconditionFailed(key) from None
         if transient(str(e)):

@@ -38,6 +38,7 @@ from zarrlake.storage.base import (
     UrlOptions,
     register_backend,
     with_retries,
+    with_retries_async,
 )
 
 _TRANSIENT_CODES = {
@@ -497,6 +498,27 @@ class S3Storage(Storage):
             with_retries(once)
             return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
+
+    async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        # Awaited on the caller's loop once this process's store exists (building it resolves
+        # credentials, which may block: that first request goes the pool's way and builds it).
+        mine = self.__dict__.get("_obs")
+        store = self._obstore() if mine is not None and mine[0] == os.getpid() else None
+        if store is None:
+            await super().put_async(key, data, create_only=create_only)
+            return
+        import obstore
+
+        path = self._k(key)
+        mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
+        body = memoryview(data)
+        await with_retries_async(
+            lambda: objstore.call_async(
+                "put",
+                key,
+                lambda: obstore.put_async(store, path, body, mode=mode, use_multipart=False),
+            )
+        )
 
     def head(self, key: str) -> ObjectInfo | None:
         store = self._obstore()
