@@ -18,12 +18,16 @@ repository brings 7 objects: a Repository (``lockService: none``, bucket provisi
   watch streams are long-lived and not counted) and its resident memory (VmRSS);
 - **machine load**: the 1-minute load average before the run and at the end of the rest period
   (the machine's other work disturbs both figures);
-- **CPU to Ready** of the operator, the S3 server and the emulated API's process, from /proc: the run is CPU-bound on a small machine, and this says who used it.
+- **CPU to Ready** of the operator, the S3 server and the emulated API's process, from /proc:
+  the run is CPU-bound on a small machine, and this says who used it.
 
 ``--s3-server seaweedfs`` runs the buckets on SeaweedFS instead of moto_server: moto is a Python
 process that spends ~3 ms of CPU on each request on the cores the operator needs, where a cluster's
-object store runs elsewhere. ``--profile DIR`` records the operator with py-spy from the first
-create until every object is Ready (``DIR/operator-<size>.txt``, collapsed stacks).
+object store runs elsewhere. SeaweedFS has no PutPublicAccessBlock, so the operator cannot
+provision buckets there (``ProvisionFailed``): the buckets are made before the clock starts and
+the Repositories say ``provision: false``. ``--profile DIR`` records the operator with py-spy
+(samples of the thread holding the GIL) from the first create until every object is Ready
+(``DIR/operator-<size>.txt``, collapsed stacks).
 """
 
 from __future__ import annotations
@@ -151,6 +155,18 @@ def run(
             resync_seconds=60,
             extra_env={"ZARRLAKE_LOG_LEVEL": "INFO"},
         )
+        if s3_server == "seaweedfs":
+            import boto3
+
+            s3 = boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name="us-east-1",
+                aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            )
+            for r in range(repos):
+                s3.create_bucket(Bucket=f"fleet-{r:04d}")
         load_before = os.getloadavg()[0]
         api_pid = api.pid
         assert api_pid is not None
@@ -179,7 +195,7 @@ def run(
                         "endpointURL": endpoint,
                         "region": "us-east-1",
                         "credentialsSecret": {"name": "creds"},
-                        "provision": True,
+                        "provision": s3_server != "seaweedfs",
                     },
                     "lockService": {"mode": "none"},
                 },
