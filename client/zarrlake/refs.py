@@ -170,16 +170,17 @@ class BranchJournal:
     def head(self, name: str) -> JournalEntry | None:
         """The newest entry of the branch's journal (None if the branch never existed).
 
-        With a recently known head ``N``, one concurrent round reads the keys of ``N`` (still
-        the entry this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next
-        key is read too), instead of a listing and a read; otherwise, or if ``N`` is not what it
+        With a recently known head ``N``, one round of reads (concurrent where reads are not
+        cheaper in place: :meth:`Storage.map_reads`) reads the keys of ``N`` (still the entry
+        this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next key is read
+        too), instead of a listing and a read; otherwise, or if ``N`` is not what it
         was, the listing — or, on a storage that cannot list, probing (:meth:`_probe_head_key`).
         """
         asked = time.monotonic()
         known = self.known(name)
         if known is not None:
             keys = [self.entry_key(name, known.seq + i) for i in (0, 1)]
-            mine, following = self.storage.map(self._get_optional, keys)
+            mine, following = self.storage.map_reads(self._get_optional, keys)
             if self.confirms(name, mine, known):
                 entry, probes = known, 0
                 while following is not None and probes < _PROBES:
