@@ -261,12 +261,17 @@ def _emit(
     # Balanced pieces (sizes differ by at most one): cutting max_refs-sized pieces could leave a
     # tiny last one, and with more than one piece each holds more than max_refs / 2.
     sizes = balanced_sizes(len(keys), max_refs)
-    if len(sizes) != 1:
-        packed = None
+    if len(sizes) == 1:
+        # One shard of them all: it takes the lists themselves (callers hand over lists they
+        # no longer change) rather than copies.
+        info, data, shard = _build(keys, refs, packed)
+        out.append(info)
+        new.add(info, shard, data)
+        return
     start = 0
     for size in sizes:
         end = start + size
-        info, data, shard = _build(keys[start:end], refs[start:end], packed)
+        info, data, shard = _build(keys[start:end], refs[start:end])
         out.append(info)
         new.add(info, shard, data)
         start = end
@@ -343,9 +348,12 @@ def apply_changes(
                 ]
                 shard = ManifestShard([shard.keys[j] for j in kept], [shard.refs[j] for j in kept])
             ks, rs, packed = _changed(shard, touched[i], changes)
-            pend_packed = None if pend_keys else packed
-            pend_keys.extend(ks)
-            pend_refs.extend(rs)
+            if pend_keys:
+                pend_packed = None
+                pend_keys.extend(ks)
+                pend_refs.extend(rs)
+            else:  # the lists _changed made are ours: no copy
+                pend_keys, pend_refs, pend_packed = ks, rs, packed
         else:
             pend_packed = None
             pend_keys.extend(shard.keys)
