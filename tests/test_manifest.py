@@ -12,11 +12,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from itertools import pairwise
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zarrlake.format import manifest as manifest_module
+from zarrlake.format import model as model_module
+from zarrlake.format.codec import ObjectType, encode
 from zarrlake.format.ids import content_hash
 from zarrlake.format.manifest import (
     ManifestUpdate,
@@ -29,7 +32,14 @@ from zarrlake.format.manifest import (
     iter_subtree,
     lookup,
 )
-from zarrlake.format.model import INLINE, OBJECT, ChunkRef, ManifestShard, ShardInfo
+from zarrlake.format.model import (
+    INLINE,
+    OBJECT,
+    ChunkRef,
+    ManifestShard,
+    PackedEntries,
+    ShardInfo,
+)
 
 Model = dict[str, ChunkRef]
 
@@ -243,6 +253,85 @@ def test_apply_changes_matches_model(
     common = {s.digest for s in ia} & {s.digest for s in ib}
     assert not common & set(store.loads), "diff read a shard both sides share"
     assert all(n == 1 for n in store.loads.values()), "diff read a shard twice"
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(st.integers(4, 40), st.integers(1, 10), st.sampled_from([1, 2, 3, 64]), st.data())
+def test_shards_a_writer_keeps_encode_as_packing_them_whole_would(
+    monkeypatch: pytest.MonkeyPatch, max_refs: int, steps: int, block: int, data: st.DataObject
+) -> None:
+    # A writer keeps the shards it built (as the client's cache does) and changes them again:
+    # those are encoded from blocks re-packed where the changes fall. Every encoding must be
+    # byte for byte the plain one (the digest names the bytes), whatever the edits did to the
+    # blocks: replaced, inserted, deleted entries, blocks emptied or grown past twice the size.
+    monkeypatch.setattr(model_module, "PACK_BLOCK", block)
+    store = ShardStore()
+    kept: dict[str, ManifestShard] = {}
+
+    def load(info: ShardInfo) -> ManifestShard:
+        return kept[info.digest] if info.digest in kept else store.load(info)
+
+    index: list[ShardInfo] = []
+    model: Model = {}
+    for _ in range(steps):
+        changes, deleted = draw_commit(data, model)
+        if data.draw(st.booleans()):
+            deleted = []  # mostly changes that splice into one shard, the packed path
+        update = apply_changes(index, changes, deleted, load, max_refs)
+        check_update(index, update, store)
+        for digest, shard in update.built.items():
+            plain = encode(ObjectType.MANIFEST, {"k": shard.keys, "r": shard.refs})
+            assert update.new_shards[digest] == plain
+        store.add(update)
+        kept.update(update.built)
+        model = model_apply(model, changes, deleted)
+        index = update.index
+        check_manifest(index, store, model, max_refs)
+
+
+def test_packed_entries_join_into_the_whole_packing() -> None:
+    keys = [f"data/c/{i}" for i in range(300)]
+    refs: list[ChunkRef] = [fresh_ref() for _ in keys]
+    packed = PackedEntries.of(keys, refs)
+    assert packed.body() == msgpack.packb({"k": keys, "r": refs}, use_bin_type=True)
+    shard = ManifestShard(keys, refs, packed)
+    assert shard.encode() == ManifestShard(keys, refs).encode()
+    assert shard == ManifestShard.decode(shard.encode())
+    # A shard whose packing disagrees with its entries is never written.
+    with pytest.raises(AssertionError):
+        ManifestShard(keys[:-1], refs[:-1], packed).encode()
+
+
+def test_a_shard_changed_again_and_again_repacks_only_its_changed_block() -> None:
+    store = ShardStore()
+    keys = [f"a/c/{i:04d}" for i in range(200)]
+    first = apply_changes([], {k: fresh_ref() for k in keys}, [], store.load, 1000)
+    store.add(first)
+    kept = dict(first.built)
+    index = first.index
+    for step in range(4):
+        update = apply_changes(index, {keys[17]: fresh_ref()}, [], lambda i: kept[i.digest], 1000)
+        (shard,) = update.built.values()
+        assert shard.built_here
+        # The first change packs the shard in blocks; later ones reuse all but one block.
+        assert shard.packed is not None
+        if step:
+            before = kept[index[0].digest].packed
+            assert before is not None
+            same = [a is b for a, b in zip(before.refs, shard.packed.refs, strict=True)]
+            assert same.count(False) == 1 and before.keys == shard.packed.keys
+        store.add(update)
+        kept.update(update.built)
+        index = update.index
+    # A shard read from storage (not built here) is packed whole, as it always was.
+    decoded = ManifestShard.decode(store.blobs[index[0].digest])
+    assert decoded.packed is None and not decoded.built_here
+    update = apply_changes(index, {keys[3]: fresh_ref()}, [], lambda i: decoded, 1000)
+    assert next(iter(update.built.values())).packed is None
 
 
 @HYP

@@ -340,6 +340,30 @@ def test_lost_journal_response_is_not_a_conflict(repo: zarrlake.Repository) -> N
     assert repo.storage.exists(branch_entry_key("main", head.seq + 1))
 
 
+def test_a_known_head_is_confirmed_only_by_its_own_entry(repo: zarrlake.Repository) -> None:
+    # The check that a known head entry is still in place compares the bytes read with the
+    # entry's own (no second decode); anything else at that key is parsed and judged.
+    journal = repo.core.journal
+    head = journal.current("main")  # read: this client now knows the entry and its bytes
+    assert journal.known("main") is head
+    key = branch_entry_key("main", head.seq)
+    stored = repo.storage.get(key)
+    assert journal.confirms("main", stored, head)
+    assert not journal.confirms("main", None, head)
+    # Another writer's entry at the same sequence number (a repository created anew here).
+    other = JournalEntry(head.seq, head.snapshot, head.previous, head.time, "someone-else")
+    assert not journal.confirms("main", other.encode(), head)
+    assert not journal.confirms("main", b"not an entry", head)
+    # The same entry written with other bytes (it no longer carries its snapshot) still is it.
+    bare = JournalEntry(head.seq, head.snapshot, head.previous, head.time, head.writer)
+    assert bare.encode() != stored and journal.confirms("main", bare.encode(), head)
+    # An entry this client appended is known with the bytes it wrote.
+    nxt = JournalEntry(head.seq + 1, head.snapshot, head.snapshot, head.time, "writer-1")
+    assert journal.append("main", nxt) and journal.known("main") is nxt
+    assert journal.confirms("main", repo.storage.get(branch_entry_key("main", nxt.seq)), nxt)
+    assert not journal.confirms("main", stored, nxt)
+
+
 # -- fork / merge of changesets --------------------------------------------------------------------
 
 

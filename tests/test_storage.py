@@ -1035,6 +1035,30 @@ def test_map_reads_runs_in_place_where_reads_are_cheap_and_keeps_order(storage: 
         assert threading.get_ident() not in threads
 
 
+def test_map_writes_runs_a_small_round_in_place_where_writes_are_cheap(storage: Storage) -> None:
+    # A commit's round of small writes costs less made in the caller's thread on a local or
+    # memory storage than the hand-offs to the pool; elsewhere, and for a round too large,
+    # map_writes fans out as map does. The same objects and results either way, in order.
+    threads: set[int] = set()
+
+    def write(i: int) -> int:
+        threads.add(threading.get_ident())
+        storage.put(f"w{i}", bytes([i]), create_only=True)
+        return i
+
+    assert storage.map_writes(write, range(6), 6) == list(range(6))
+    assert [storage.get(f"w{i}") for i in range(6)] == [bytes([i]) for i in range(6)]
+    if storage.inline_write_bytes >= 6:
+        assert threads == {threading.get_ident()}
+    else:
+        assert threading.get_ident() not in threads
+    threads.clear()
+    too_large = storage.inline_write_bytes + 1
+    if too_large > 0:  # a round above the bound goes to the pool on every backend
+        assert storage.map_writes(lambda i: write(i + 6), range(3), too_large) == [6, 7, 8]
+        assert threading.get_ident() not in threads
+
+
 def test_shared_across_processes_means_a_copy_sees_the_same_objects(storage: Storage) -> None:
     storage.put("seen", b"1")
     copy = pickle.loads(pickle.dumps(storage))

@@ -251,7 +251,8 @@ class ObjectStore:
         self.storage.map(lambda item: self.storage.put(manifest_key(item[0]), item[1]), items)
 
     def put_commit(self, commit: CommitObjects, *, read: str | None = None) -> bytes | None:
-        """Write a commit's objects in one concurrent round, and keep them in the caches.
+        """Write a commit's objects in one concurrent round (one after another where a round of
+        small writes costs less so: :meth:`Storage.map_writes`), and keep them in the caches.
 
         The snapshot need not wait for its shards and txlog: nothing is reachable until a journal
         entry names it, and that entry is written only after this returns. A writer that dies
@@ -281,7 +282,8 @@ class ObjectStore:
             self.storage.put(key, data, create_only=create_only)
             return None
 
-        found = self.storage.map(step, range(len(writes) + (read is not None)))
+        nbytes = sum(len(data) for _, data, _ in writes)
+        found = self.storage.map_writes(step, range(len(writes) + (read is not None)), nbytes)
         self._snapshots.put(snap.id, snap)
         if txlog is not None:
             self._txlogs.put(snap.id, txlog)

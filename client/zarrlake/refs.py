@@ -113,8 +113,9 @@ class BranchJournal:
         # Where a head entry's carried snapshot goes (the object store's cache), so whoever reads
         # the head next finds its snapshot without another request.
         self._adopt = adopt
-        # Branch -> (the head entry this client last saw, time.monotonic() when it was the head).
-        self._known: dict[str, tuple[JournalEntry, float]] = {}
+        # Branch -> (the head entry this client last saw, time.monotonic() when it was the head,
+        # the entry's stored bytes if this client has them: read or written by it).
+        self._known: dict[str, tuple[JournalEntry, float, bytes | None]] = {}
         # Head entries read by :func:`read_refs`, by key, with the size and time the listing gave
         # them: a later listing that shows the same object needs no read of it.
         self._listed: dict[str, tuple[int, dt.datetime, JournalEntry]] = {}
@@ -144,8 +145,9 @@ class BranchJournal:
         """Drop what this client knows of ``name``'s head (the next read lists the journal)."""
         self._known.pop(name, None)
 
-    def _learn(self, name: str, entry: JournalEntry, at: float) -> None:
-        self._known[name] = (entry, at)
+    def _learn(self, name: str, entry: JournalEntry, at: float, data: bytes | None) -> None:
+        """Remember ``entry`` as the head of ``name`` (``data``: its stored bytes, if known)."""
+        self._known[name] = (entry, at, data)
         if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
             self._adopt(entry.snapshot, entry.snapshot_data)
 
@@ -155,6 +157,11 @@ class BranchJournal:
         another writer's entry (a repository deleted and created anew under this client)."""
         if data is None:
             return False
+        seen = self._known.get(name)
+        if seen is not None and seen[0] is entry and seen[2] is not None and data == seen[2]:
+            # Byte for byte the object this client read (and parsed) or wrote at this key: the
+            # same entry, without decoding it again.
+            return True
         try:
             found = self._parse(self.entry_key(name, entry.seq), data)
         except ZarrlakeError:
@@ -170,24 +177,26 @@ class BranchJournal:
     def head(self, name: str) -> JournalEntry | None:
         """The newest entry of the branch's journal (None if the branch never existed).
 
-        With a recently known head ``N``, one concurrent round reads the keys of ``N`` (still
-        the entry this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next
-        key is read too), instead of a listing and a read; otherwise, or if ``N`` is not what it
+        With a recently known head ``N``, one round of reads (concurrent where reads are not
+        cheaper in place: :meth:`Storage.map_reads`) reads the keys of ``N`` (still the entry
+        this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next key is read
+        too), instead of a listing and a read; otherwise, or if ``N`` is not what it
         was, the listing — or, on a storage that cannot list, probing (:meth:`_probe_head_key`).
         """
         asked = time.monotonic()
         known = self.known(name)
         if known is not None:
             keys = [self.entry_key(name, known.seq + i) for i in (0, 1)]
-            mine, following = self.storage.map(self._get_optional, keys)
+            mine, following = self.storage.map_reads(self._get_optional, keys)
             if self.confirms(name, mine, known):
-                entry, probes = known, 0
+                entry, data, probes = known, mine, 0
                 while following is not None and probes < _PROBES:
                     entry = self._parse(self.entry_key(name, entry.seq + 1), following)
+                    data = following
                     following = self._get_optional(self.entry_key(name, entry.seq + 1))
                     probes += 1
                 if following is None:
-                    self._learn(name, entry, asked)
+                    self._learn(name, entry, asked, data)
                     return entry
             self.forget(name)
         # The listing contract's one ordering promise: the smallest key, i.e. the newest entry.
@@ -198,8 +207,9 @@ class BranchJournal:
             newest = self._probe_head_key(name)
         if newest is None:
             return None
-        entry = self.read_entry(newest)
-        self._learn(name, entry, asked)
+        data = self.storage.get(newest)
+        entry = self._parse(newest, data)
+        self._learn(name, entry, asked, data)
         return entry
 
     def _probe_head_key(self, name: str) -> str | None:
@@ -359,7 +369,7 @@ class BranchJournal:
         heads: dict[str, str] = {}
         for name, info in sorted(newest.items()):
             head = listed[info.key][2]
-            self._learn(name, head, asked)
+            self._learn(name, head, asked, None)
             if head.snapshot is not None:
                 heads[name] = head.snapshot
         return heads
@@ -375,8 +385,10 @@ class BranchJournal:
         """
         key = self.entry_key(name, entry.seq)
         asked = time.monotonic()
+        encoded = entry.encode()
+        data: bytes | None = encoded
         try:
-            self.storage.put(key, entry.encode(), create_only=True)
+            self.storage.put(key, encoded, create_only=True)
         except PreconditionFailed:
             try:
                 existing = self.read_entry(key)
@@ -389,7 +401,8 @@ class BranchJournal:
             ):
                 self._known.pop(name, None)
                 return False
-        self._learn(name, entry, asked)
+            data = None  # stored by an earlier try of ours: its bytes may differ (its time)
+        self._learn(name, entry, asked, data)
         return True
 
     def names(self) -> list[str]:

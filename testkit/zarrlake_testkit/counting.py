@@ -90,6 +90,7 @@ class CountingStorage(Storage):
             "supports_listing",
             "concurrency",
             "inline_read_bytes",
+            "inline_write_bytes",
         ):
             self.__dict__[cap] = getattr(inner, cap)
 

@@ -60,9 +60,29 @@ def _zc() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
 
 
 def encode(kind: ObjectType, payload: Any, version: int = FORMAT_VERSION) -> bytes:
+    return encode_body(kind, msgpack.packb(payload, use_bin_type=True), version)
+
+
+def encode_body(kind: ObjectType, body: bytes, version: int = FORMAT_VERSION) -> bytes:
+    """:func:`encode` of a payload already packed into msgpack ``body``."""
     assert FORMAT_VERSION <= version <= newest_version(kind)
-    body = msgpack.packb(payload, use_bin_type=True)
     return MAGIC + bytes((version, int(kind))) + _zc()[0].compress(body)
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements (what ``packb`` writes before them)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def pack_elements(items: list[Any]) -> bytes:
+    """The msgpack encodings of ``items``, one after the other: ``packb(items)`` without its
+    array header. Runs of elements packed this way join into the packing of the whole list."""
+    packed: bytes = msgpack.packb(items, use_bin_type=True)
+    return packed[len(array_header(len(items))) :]
 
 
 def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from zarrlake.format.ids import content_hash
-from zarrlake.format.model import ChunkRef, ManifestShard, ShardInfo, ref_identity
+from zarrlake.format.model import ChunkRef, ManifestShard, PackedEntries, ShardInfo, ref_identity
 
 Loader = Callable[[ShardInfo], ManifestShard]
 
@@ -173,8 +173,10 @@ class _Built:
         )
 
 
-def _build(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes, ManifestShard]:
-    shard = ManifestShard(keys, refs)
+def _build(
+    keys: list[str], refs: list[ChunkRef], packed: PackedEntries | None = None
+) -> tuple[ShardInfo, bytes, ManifestShard]:
+    shard = ManifestShard(keys, refs, packed, built_here=True)
     data = shard.encode()
     return ShardInfo(keys[0], keys[-1], content_hash(data), len(keys)), data, shard
 
@@ -184,10 +186,19 @@ def _build(keys: list[str], refs: list[ChunkRef]) -> tuple[ShardInfo, bytes, Man
 SPLICE_MAX = 64
 
 
+def _block_of(starts: list[int], j: int) -> int:
+    """The block of :class:`PackedEntries` bounds ``starts`` that entry ``j`` falls in (or, at
+    the end, is appended to)."""
+    return min(bisect.bisect_right(starts, j), len(starts) - 1) - 1
+
+
 def _changed(
     shard: ManifestShard, keys: list[str], changes: Mapping[str, ChunkRef | None]
-) -> tuple[list[str], list[ChunkRef]]:
-    """The shard's sorted (keys, refs) with ``changes`` (for ``keys``, sorted) applied."""
+) -> tuple[list[str], list[ChunkRef], PackedEntries | None]:
+    """The shard's sorted (keys, refs) with ``changes`` (for ``keys``, sorted) applied, and their
+    packing in blocks where the next change is likely to reuse it: re-packing the blocks the
+    changes touch, if ``shard`` is packed; else packing them all, if this client built
+    ``shard`` (a shard written to again and again); else None (the shard is packed whole)."""
     if len(keys) > SPLICE_MAX:
         merged = dict(zip(shard.keys, shard.refs, strict=True))
         for k in keys:
@@ -197,8 +208,12 @@ def _changed(
             else:
                 merged[k] = v
         ks = sorted(merged)
-        return ks, [merged[k] for k in ks]
+        return ks, [merged[k] for k in ks], None
     ks, rs = list(shard.keys), list(shard.refs)
+    old = shard.packed if shard.packed is not None and len(shard.packed.starts) > 1 else None
+    starts = list(old.starts) if old is not None else []
+    keys_changed: set[int] = set()
+    refs_changed: set[int] = set()
     for k in keys:
         v = changes[k]
         j = bisect.bisect_left(ks, k)
@@ -207,12 +222,28 @@ def _changed(
             if present:
                 del ks[j]
                 del rs[j]
+                if old is not None:
+                    b = _block_of(starts, j)
+                    keys_changed.add(b)
+                    for i in range(b + 1, len(starts)):
+                        starts[i] -= 1
         elif present:
             rs[j] = v
+            if old is not None:
+                refs_changed.add(_block_of(starts, j))
         else:
             ks.insert(j, k)
             rs.insert(j, v)
-    return ks, rs
+            if old is not None:
+                b = _block_of(starts, j)
+                keys_changed.add(b)
+                for i in range(b + 1, len(starts)):
+                    starts[i] += 1
+    if old is not None:
+        return ks, rs, old.edited(starts, keys_changed, refs_changed, ks, rs)
+    if shard.built_here or shard.packed is not None:
+        return ks, rs, PackedEntries.of(ks, rs)
+    return ks, rs, None
 
 
 def _emit(
@@ -221,13 +252,24 @@ def _emit(
     max_refs: int,
     out: list[ShardInfo],
     new: _Built,
+    packed: PackedEntries | None = None,
 ) -> None:
+    """Cut ``keys``/``refs`` into shards, appended to ``out`` and ``new``; ``packed``, their
+    packing (:class:`PackedEntries`), is used if they make one shard."""
     if not keys:
         return
     # Balanced pieces (sizes differ by at most one): cutting max_refs-sized pieces could leave a
     # tiny last one, and with more than one piece each holds more than max_refs / 2.
+    sizes = balanced_sizes(len(keys), max_refs)
+    if len(sizes) == 1:
+        # One shard of them all: it takes the lists themselves (callers hand over lists they
+        # no longer change) rather than copies.
+        info, data, shard = _build(keys, refs, packed)
+        out.append(info)
+        new.add(info, shard, data)
+        return
     start = 0
-    for size in balanced_sizes(len(keys), max_refs):
+    for size in sizes:
         end = start + size
         info, data, shard = _build(keys[start:end], refs[start:end])
         out.append(info)
@@ -288,6 +330,8 @@ def apply_changes(
     out = []
     pend_keys: list[str] = []
     pend_refs: list[ChunkRef] = []
+    # The packing of the pending entries, while they are those of one changed shard.
+    pend_packed: PackedEntries | None = None
     for i, info in enumerate(index):
         if i in dropped:
             continue
@@ -303,15 +347,20 @@ def apply_changes(
                     if not any(prefix_matches(k, p) for p in deleted)
                 ]
                 shard = ManifestShard([shard.keys[j] for j in kept], [shard.refs[j] for j in kept])
-            ks, rs = _changed(shard, touched[i], changes)
-            pend_keys.extend(ks)
-            pend_refs.extend(rs)
+            ks, rs, packed = _changed(shard, touched[i], changes)
+            if pend_keys:
+                pend_packed = None
+                pend_keys.extend(ks)
+                pend_refs.extend(rs)
+            else:  # the lists _changed made are ours: no copy
+                pend_keys, pend_refs, pend_packed = ks, rs, packed
         else:
+            pend_packed = None
             pend_keys.extend(shard.keys)
             pend_refs.extend(shard.refs)
         if len(pend_keys) >= min_refs:
-            _emit(pend_keys, pend_refs, max_refs, out, new)
-            pend_keys, pend_refs = [], []
+            _emit(pend_keys, pend_refs, max_refs, out, new, pend_packed)
+            pend_keys, pend_refs, pend_packed = [], [], None
     if pend_keys:
         if out:
             # An undersized tail joins the shard before it (and _emit splits them evenly if
@@ -322,7 +371,8 @@ def apply_changes(
             shard = load(prev) if built is None else built[0]
             pend_keys = shard.keys + pend_keys
             pend_refs = shard.refs + pend_refs
-        _emit(pend_keys, pend_refs, max_refs, out, new)
+            pend_packed = None
+        _emit(pend_keys, pend_refs, max_refs, out, new, pend_packed)
     return new.update(out)
 
 

@@ -13,7 +13,15 @@ from typing import Any, TypeAlias
 from urllib.parse import quote, unquote
 
 from zarrlake.errors import CorruptObject
-from zarrlake.format.codec import FORMAT_VERSION, ObjectType, decode, encode
+from zarrlake.format.codec import (
+    FORMAT_VERSION,
+    ObjectType,
+    array_header,
+    decode,
+    encode,
+    encode_body,
+    pack_elements,
+)
 from zarrlake.format.ids import CONTENT_HASHES, LEGACY_CONTENT_HASH
 
 # -- object keys ---------------------------------------------------------------------------------
@@ -245,14 +253,93 @@ class ShardInfo:
     count: int
 
 
+#: Entries per block of :class:`PackedEntries`.
+PACK_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PackedEntries:
+    """A shard's entries packed into msgpack in blocks of consecutive entries, so that a shard
+    that differs from this one in a few entries is encoded by re-packing only their blocks.
+
+    Block ``b`` holds entries ``starts[b]`` up to ``starts[b + 1]`` (``starts[-1]``: how many in
+    all); ``keys[b]`` and ``refs[b]`` are its keys' and refs' encodings (:func:`pack_elements`).
+    Joined, the blocks are byte for byte what packing the whole lists writes.
+    """
+
+    starts: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    refs: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, keys: list[str], refs: list[ChunkRef]) -> PackedEntries:
+        """``keys``/``refs`` packed in blocks of :data:`PACK_BLOCK` entries."""
+        starts = list(range(0, len(keys), PACK_BLOCK))
+        return cls(
+            (*starts, len(keys)),
+            tuple(pack_elements(keys[s : s + PACK_BLOCK]) for s in starts),
+            tuple(pack_elements(refs[s : s + PACK_BLOCK]) for s in starts),
+        )
+
+    def edited(
+        self,
+        starts: list[int],
+        keys_changed: set[int],
+        refs_changed: set[int],
+        keys: list[str],
+        refs: list[ChunkRef],
+    ) -> PackedEntries:
+        """The packing of ``keys``/``refs``: this one's entries after edits that moved the block
+        bounds to ``starts`` and touched the keys of the blocks ``keys_changed`` (entries
+        inserted or deleted there) and the refs of ``refs_changed``. Those are packed again, the
+        other blocks reused; a block that grew past twice :data:`PACK_BLOCK` is cut again."""
+        new_starts: list[int] = []
+        kb: list[bytes] = []
+        rb: list[bytes] = []
+        for b in range(len(starts) - 1):
+            s, e = starts[b], starts[b + 1]
+            if s == e:
+                continue  # every entry of the block deleted
+            if b in keys_changed and e - s > 2 * PACK_BLOCK:
+                for s2 in range(s, e, PACK_BLOCK):
+                    e2 = min(e, s2 + PACK_BLOCK)
+                    new_starts.append(s2)
+                    kb.append(pack_elements(keys[s2:e2]))
+                    rb.append(pack_elements(refs[s2:e2]))
+                continue
+            new_starts.append(s)
+            kb.append(pack_elements(keys[s:e]) if b in keys_changed else self.keys[b])
+            changed = b in refs_changed or b in keys_changed
+            rb.append(pack_elements(refs[s:e]) if changed else self.refs[b])
+        new_starts.append(starts[-1])
+        return PackedEntries(tuple(new_starts), tuple(kb), tuple(rb))
+
+    def body(self) -> bytes:
+        """The msgpack of the shard's payload, ``{"k": keys, "r": refs}``."""
+        n = array_header(self.starts[-1])
+        return b"".join((b"\x82\xa1k", n, *self.keys, b"\xa1r", n, *self.refs))
+
+
 @dataclass(slots=True)
 class ManifestShard:
-    """Sorted (chunk key, chunk ref) pairs for one contiguous key range."""
+    """Sorted (chunk key, chunk ref) pairs for one contiguous key range.
+
+    ``packed``: the entries' msgpack in blocks, kept with a shard this client built by changing
+    a few entries of another, so that its next such change re-packs a block, not the whole
+    shard. ``built_here``: this client encoded the shard (it was not read); a change to it is
+    likely to be followed by another, so that change packs the result in blocks.
+    """
 
     keys: list[str]
     refs: list[ChunkRef]
+    packed: PackedEntries | None = field(default=None, compare=False, repr=False)
+    built_here: bool = field(default=False, compare=False, repr=False)
 
     def encode(self) -> bytes:
+        if self.packed is not None:
+            if self.packed.starts[-1] != len(self.keys):
+                raise AssertionError("a shard's packed entries do not match its entries")
+            return encode_body(ObjectType.MANIFEST, self.packed.body())
         return encode(ObjectType.MANIFEST, {"k": self.keys, "r": self.refs})
 
     @classmethod

@@ -238,9 +238,9 @@ class Storage(abc.ABC):
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
     :attr:`supports_byte_ranges`, :attr:`supports_writes`, :attr:`supports_listing`,
-    :attr:`concurrency` and :attr:`inline_read_bytes`. The one exception is a promise a backend
-    makes on a server's behalf (S3's conditional writes): :meth:`check_conditional_writes`
-    verifies it before the first write.
+    :attr:`concurrency`, :attr:`inline_read_bytes` and :attr:`inline_write_bytes`. The one
+    exception is a promise a backend makes on a server's behalf (S3's conditional writes):
+    :meth:`check_conditional_writes` verifies it before the first write.
 
     Listings keep the listing contract of the module docstring, no more: the engine never
     assumes an order across folders, nor that a folder :meth:`list_dirs` names holds objects.
@@ -275,6 +275,10 @@ class Storage(abc.ABC):
     #: loop of Zarr's async machinery) than the hand-off to the I/O pool: a file in the page
     #: cache, a dict in memory. 0 where every read waits on a network (S3).
     inline_read_bytes: ClassVar[int] = 0
+    #: A round of writes of at most this many bytes in all costs less made one after another on
+    #: the calling thread than the hand-offs to the I/O pool and back (a file written to the page
+    #: cache without fsync, a dict in memory). 0 where every write waits on a network or a disk.
+    inline_write_bytes: ClassVar[int] = 0
     #: :meth:`delete_stale` decides and deletes in one atomic step, so an object rewritten
     #: concurrently is never lost. Where false (S3 has no delete conditional on a modification
     #: time), a rewrite landing between its check and its delete goes unseen: garbage collection
@@ -565,6 +569,18 @@ class Storage(abc.ABC):
         in this thread — for a fresh client, starting the pool's threads alone costs more than a
         few dozen such reads; elsewhere concurrently, as :meth:`map`."""
         if self.inline_read_bytes:
+            return [fn(x) for x in items]
+        return self.map(fn, items)
+
+    def map_writes(
+        self, fn: Callable[[Any], T], items: Iterable[Any], nbytes: int
+    ) -> builtins.list[T]:
+        """:meth:`map` for a round of small writes (``nbytes`` in all, and perhaps small reads
+        among them): on a backend where such a round costs less than the thread hand-offs
+        (``nbytes`` <= :attr:`inline_write_bytes`: local files without fsync, memory) they run
+        one after another in this thread; elsewhere concurrently, as :meth:`map`. Each write is
+        the same request either way: only where it runs changes."""
+        if nbytes <= self.inline_write_bytes:
             return [fn(x) for x in items]
         return self.map(fn, items)
 

@@ -30,6 +30,7 @@ class MemoryStorage(Storage):
     shared_across_processes: ClassVar[bool] = False
     concurrency: ClassVar[int] = 4
     inline_read_bytes: ClassVar[int] = sys.maxsize  # a dict lookup and a slice
+    inline_write_bytes: ClassVar[int] = sys.maxsize  # a dict assignment under a lock
     atomic_stale_delete: ClassVar[bool] = True
 
     def __init__(self) -> None:
