@@ -148,10 +148,13 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         renewals = [r for r in at_rest if r["user"] == "a" and r["path"].startswith(LEASES)]
         assert {r["verb"] for r in renewals} == {"PUT"}, renewals
         assert 20 / RENEW - 2 <= len(renewals) <= 20 / RENEW + 1, renewals
+        # (A read more, and a watch anew, only if a loaded machine delayed a renewal on the
+        # watch for a whole duration: the read at expiry finds it instead.)
         standing_by = [r for r in at_rest if r["user"] == "b"]
-        assert all(r["watch"] for r in standing_by) and len(standing_by) <= 1, standing_by
+        assert len(standing_by) <= 2, standing_by
+        assert len([r for r in standing_by if not r["watch"]]) <= 1, standing_by
         reads = [r for r in requests("b") if not r["watch"]]
-        assert 1 <= len(reads) <= 2, reads  # 2 only if a loaded machine delayed the watch
+        assert 1 <= len(reads) <= 2, reads
         # Their metrics say who leads; the standby's Lease read and watch count as API requests.
         assert (
             metric("a", "zarrlake_operator_leader"),
