@@ -2,8 +2,8 @@
 
 High availability: every replica runs leader election on the Lease ``zarrlake-operator`` in its
 own namespace (:mod:`zarrlake_operator.leader`). The one holding it runs Kopf and acts; the
-others only read the Lease every retry period, and take over within the lease duration when the
-leader stops renewing it, at once when it releases it (SIGTERM). A leader that cannot renew within
+others only watch the Lease, and take over within the lease duration when the leader stops
+renewing it, at once when it releases it (SIGTERM). A leader that cannot renew within
 the renew deadline ends itself at once (SIGKILL), before any standby may take over, so two
 replicas never act together. ``--standalone``: no election (one replica only).
 """
@@ -62,11 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)g; ZARRLAKE_LEASE_RENEW_DEADLINE)",
     )
     election.add_argument(
+        "--lease-renew-interval",
+        type=float,
+        default=float(env("ZARRLAKE_LEASE_RENEW_INTERVAL", "4")),
+        help="seconds between the leader's renewals; less than the renew deadline "
+        "(default %(default)g; ZARRLAKE_LEASE_RENEW_INTERVAL)",
+    )
+    election.add_argument(
         "--lease-retry-period",
         type=float,
         default=float(env("ZARRLAKE_LEASE_RETRY_PERIOD", "2")),
-        help="seconds between the leader's renewals and between a standby's reads "
-        "(default %(default)g; ZARRLAKE_LEASE_RETRY_PERIOD)",
+        help="seconds between the leader's attempts after a failed renewal, and between a "
+        "standby's reads when it cannot watch (default %(default)g; ZARRLAKE_LEASE_RETRY_PERIOD)",
     )
     election.add_argument(
         "--lease-identity",
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
     """Stand by until this replica holds the Lease, then run Kopf while holding it; release it
-    once Kopf has stopped. A standby makes no request but reading the Lease."""
+    once Kopf has stopped. A standby makes no request but reading and watching the Lease."""
     from zarrlake_operator import kube, leader, metrics
 
     settings = leader.LeaseSettings(
@@ -149,6 +156,7 @@ def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
         duration=args.lease_duration,
         renew_deadline=args.lease_renew_deadline,
         retry_period=args.lease_retry_period,
+        renew_interval=args.lease_renew_interval,
     )
     elector = leader.Elector(settings)
     stop = threading.Event()

@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from zarrlake.k8s import SecretReader, secret_reader
@@ -139,6 +139,115 @@ def request(method: str, path: str, *, body: Any = None, timeout: float = 30) ->
     """One request by path, its answer parsed; :class:`KubeError` on failure (leader election's
     reads and writes of its Lease, which need a short timeout)."""
     return _call(method, path, body=body, timeout=timeout)
+
+
+class WatchStream:
+    """The events of one watch request (``?watch=true``), as the API server streams them: one
+    JSON object per line, ``{"type": ..., "object": ...}``. One thread iterates; any other may
+    :meth:`close` it, which ends a read that is waiting for the next event.
+
+    An ``ERROR`` event (a ``Status``; 410 Gone when the resourceVersion is too old) is raised as
+    :class:`KubeError` with its code; a broken or timed-out connection as a :class:`KubeError`
+    with status 0. The iteration simply ends when the server ends the watch (its
+    ``timeoutSeconds``) or after :meth:`close`."""
+
+    def __init__(self, response: Any, what: str) -> None:
+        self._response = response
+        self._what = what
+        self.closed = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from urllib3.exceptions import HTTPError
+
+        response = self._response
+        pending = b""
+        try:
+            if response.chunked:  # what API servers send: one chunk per event, as it happens
+                chunks: Iterator[bytes] = response.read_chunked(None, decode_content=True)
+            else:
+                chunks = iter(lambda: bytes(response.read1(65536)), b"")
+            for chunk in chunks:
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    if line.strip():
+                        yield self._event(line)
+            if pending.strip():
+                yield self._event(pending)
+        except (HTTPError, OSError, ValueError) as e:
+            if not self.closed:
+                raise KubeError(f"{self._what}: the watch broke: {e}") from None
+        finally:
+            self.close()
+
+    def _event(self, line: bytes) -> dict[str, Any]:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            raise KubeError(f"{self._what}: the API server sent a line that is not JSON") from None
+        if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+            raise KubeError(f"{self._what}: the API server sent a malformed watch event")
+        if event.get("type") == "ERROR":
+            status = event["object"]
+            code = status.get("code")
+            raise KubeError(
+                f"{self._what}: {code} {status.get('message') or status.get('reason')}",
+                code if isinstance(code, int) else 0,
+            )
+        return event
+
+    def close(self) -> None:
+        """End the stream (from any thread): a read waiting for the next event returns."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._response.shutdown()  # unblocks a read in progress on another thread
+        except (AttributeError, OSError, RuntimeError):  # RuntimeError: the stream had ended
+            pass
+        self._response.close()
+
+
+def watch(
+    path: str,
+    query: Mapping[str, str],
+    *,
+    timeout_seconds: float,
+    read_timeout: float | None = None,
+    connect_timeout: float = 10,
+) -> WatchStream:
+    """Open a watch on the collection at ``path`` (``query``: its ``fieldSelector``,
+    ``resourceVersion``, ...). The server ends it after ``timeout_seconds``; a read waits at most
+    ``read_timeout`` (default: that plus 30 s) for the next bytes."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    client = api_client()
+    for observe in observers:
+        observe("WATCH", _resource(path))
+    params = [("watch", "true"), *query.items(), ("timeoutSeconds", str(int(timeout_seconds)))]
+    limit = read_timeout if read_timeout is not None else timeout_seconds + 30
+    try:
+        response = client.call_api(
+            path,
+            "GET",
+            query_params=params,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _return_http_data_only=True,
+            _request_timeout=(connect_timeout, limit),
+        )
+    except ApiException as e:
+        reason = e.reason
+        try:
+            reason = json.loads(e.body).get("message") or reason
+        except (TypeError, ValueError, AttributeError):
+            pass
+        raise KubeError(f"WATCH {path}: {e.status} {reason}", e.status) from None
+    except (HTTPError, OSError) as e:
+        raise KubeError(f"WATCH {path}: API server unreachable: {e}") from None
+    return WatchStream(response, f"WATCH {path}")
 
 
 def _object(data: Any, what: str) -> dict[str, Any]:

@@ -19,7 +19,9 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
   but of a custom resource only ``metadata.name``, ``metadata.namespace`` and the CRD's
   ``selectableFields``, as kube-apiserver: any other is 400 BadRequest);
 * watch streams with ``resourceVersion`` replay, ``timeoutSeconds``, ``sendInitialEvents`` and
-  selector-aware ADDED/MODIFIED/DELETED transitions;
+  selector-aware ADDED/MODIFIED/DELETED transitions; with ``allowWatchBookmarks=true``, BOOKMARK
+  events carrying the current resourceVersion, as kube-apiserver sends them: about every minute
+  and 2 s before the watch's ``timeoutSeconds`` ends it (so a client resumes from a fresh one);
 * PUT and PATCH (merge, JSON patch with ``test``, strategic merge for built-ins, server-side
   apply as a merge) with optimistic concurrency: a stale ``resourceVersion`` is 409 Conflict and
   a failed JSON-patch operation is 422, as on a real API server;
@@ -83,6 +85,8 @@ JSON = dict[str, Any]
 REQUEST_LOG_LIMIT = 32  # requests kept in KMock's request history (per handler and per reaction)
 HISTORY_LIMIT = 5_000  # watch events kept for resourceVersion replay; older ones are "410 Gone"
 WATCH_QUEUE_LIMIT = 10_000  # undelivered events per watch before the watch is closed
+BOOKMARK_INTERVAL = 60.0  # seconds between a watch's periodic bookmarks (kube-apiserver: ~1 min)
+BOOKMARK_BEFORE_TIMEOUT = 2.0  # and one this long before its timeoutSeconds, if that is ahead
 SERVER_VERSION = {
     "major": "1",
     "minor": "32",
@@ -2349,7 +2353,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         wants_bookmark = params.get("allowWatchBookmarks", "").lower() == "true"
         bookmark = str(self._rv) if initial_events and wants_bookmark else None
         stream = self._stream_watch(
-            watch, res, version, first, expired, bookmark, timeout, table, include
+            watch, res, version, first, expired, bookmark, timeout, table, include, wants_bookmark
         )
         return kmock.Response(
             status=200,
@@ -2368,9 +2372,33 @@ class KubeEmulator(kmock.KubernetesEmulator):
         timeout: float | None,
         table: bool,
         include: str,
+        bookmarks: bool = False,  # periodic BOOKMARK events (allowWatchBookmarks=true)
     ) -> AsyncIterator[Any]:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+
+        def next_bookmark(now: float) -> float | None:
+            """When the next periodic bookmark is due: a minute on, or just before the timeout
+            if that comes first; None when that moment has passed already."""
+            if not bookmarks:
+                return None
+            at = now + BOOKMARK_INTERVAL
+            if deadline is not None:
+                at = min(at, deadline - BOOKMARK_BEFORE_TIMEOUT)
+            return at if at >= now else None
+
+        def bookmark_event(rv: str, initial: bool = False) -> JSON:
+            meta: JSON = {"resourceVersion": rv}
+            if initial:
+                meta["annotations"] = {"k8s.io/initial-events-end": "true"}
+            return {
+                "type": "BOOKMARK",
+                "object": {
+                    "kind": res.kind,
+                    "apiVersion": res.api_version(version),
+                    "metadata": meta,
+                },
+            }
 
         def render(kind: str, obj: JSON) -> JSON:
             obj = self._versioned(res, version, obj)
@@ -2389,25 +2417,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
             for kind, obj in first:
                 yield render(kind, obj)
             if bookmark is not None:
-                yield {
-                    "type": "BOOKMARK",
-                    "object": {
-                        "kind": res.kind,
-                        "apiVersion": res.api_version(version),
-                        "metadata": {
-                            "resourceVersion": bookmark,
-                            "annotations": {"k8s.io/initial-events-end": "true"},
-                        },
-                    },
-                }
+                yield bookmark_event(bookmark, initial=True)
+            due = next_bookmark(loop.time())
             while True:
-                remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
+                now = loop.time()
+                if deadline is not None and deadline - now <= 0:
                     return
+                if due is not None and due <= now:
+                    # Only once every event queued so far is out: its resourceVersion is the
+                    # newest the server has, so nothing the watch should show is skipped.
+                    if watch.queue.empty():
+                        yield bookmark_event(str(self._rv))
+                    due = next_bookmark(now)
+                    continue
+                until = [t for t in (deadline, due) if t is not None]
+                remaining = min(until) - now if until else None
                 try:
                     item = await asyncio.wait_for(watch.queue.get(), remaining)
                 except TimeoutError:
-                    return
+                    continue
                 if item is None:
                     return
                 yield render(*item)

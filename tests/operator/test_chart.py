@@ -379,7 +379,7 @@ CLUSTER_PERMISSIONS: dict[tuple[str, str], set[str]] = {
 }
 # Leader election: the Lease in the release namespace, read, created once and renewed (a PUT).
 LEASE_PERMISSIONS: dict[tuple[str, str], set[str]] = {
-    ("coordination.k8s.io", "leases"): {"get", "create", "update"}
+    ("coordination.k8s.io", "leases"): {"get", "watch", "create", "update"}
 }
 
 
@@ -564,7 +564,8 @@ def test_probes_ports_and_env(chart, values):
         scope = ["--all-namespaces"]
     if values.get("leaderElection", {}).get("enabled", True):
         election = ["--lease-name", LEASE, "--lease-duration", "10"]
-        election += ["--lease-renew-deadline", "7", "--lease-retry-period", "2"]
+        election += ["--lease-renew-deadline", "7", "--lease-renew-interval", "4"]
+        election += ["--lease-retry-period", "2"]
     else:
         election = ["--standalone"]
     common = ["--liveness-port", "8080", "--metrics-port", "9090"]
@@ -585,9 +586,15 @@ def test_operator_cli_accepts_the_arguments(chart, values):
     if elects:  # the chart's defaults are the operator's own
         defaults = build_parser().parse_args(["run"])
         assert args.lease_name == LEASE
-        assert (args.lease_duration, args.lease_renew_deadline, args.lease_retry_period) == (
+        assert (
+            args.lease_duration,
+            args.lease_renew_deadline,
+            args.lease_renew_interval,
+            args.lease_retry_period,
+        ) == (
             defaults.lease_duration,
             defaults.lease_renew_deadline,
+            defaults.lease_renew_interval,
             defaults.lease_retry_period,
         )
     assert (args.liveness_port, args.metrics_port) == (8080, 9090)
@@ -628,15 +635,22 @@ def test_leader_election_values_reach_the_operator(chart):
             "leaseName": "zl-leader",
             "leaseDuration": 20,
             "renewDeadline": 12.5,
+            "renewInterval": 6,
             "retryPeriod": 3,
         },
     }
     objects = render(chart, values)
     args = build_parser().parse_args(container(objects)["args"])
     assert (args.lease_name, args.standalone) == ("zl-leader", False)
-    assert (args.lease_duration, args.lease_renew_deadline, args.lease_retry_period) == (
+    assert (
+        args.lease_duration,
+        args.lease_renew_deadline,
+        args.lease_renew_interval,
+        args.lease_retry_period,
+    ) == (
         20,
         12.5,
+        6,
         3,
     )
     assert one(objects, "Deployment")["spec"]["replicas"] == 3
@@ -665,6 +679,12 @@ def test_standalone_has_no_lease_rights_and_one_replica(chart):
 def test_leader_election_timings_must_nest(chart, timings):
     with pytest.raises(helm.HelmRenderError, match="leaseDuration > renewDeadline > retryPeriod"):
         render(chart, {"leaderElection": timings})
+
+
+@pytest.mark.parametrize("interval", [7, 9])
+def test_the_leader_renews_before_its_renew_deadline(chart, interval):
+    with pytest.raises(helm.HelmRenderError, match="renewDeadline > renewInterval > 0"):
+        render(chart, {"leaderElection": {"renewInterval": interval}})
 
 
 def test_metrics_service(chart):
@@ -718,6 +738,7 @@ BAD_VALUES = {
         "leaseDurationSeconds",
     ),
     "zero-retry-period": ({"leaderElection": {"retryPeriod": 0}}, "retryPeriod"),
+    "zero-renew-interval": ({"leaderElection": {"renewInterval": 0}}, "renewInterval"),
     "bad-lease-name": ({"leaderElection": {"leaseName": "Not_A_Name"}}, "leaseName"),
     "typo-spark": ({"spark": {"imgae": "x"}}, "imgae"),
     "bad-spark-account": (

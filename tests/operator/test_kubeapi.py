@@ -362,6 +362,34 @@ def test_watch_selector_transitions_and_timeout(api: Http) -> None:
     assert time.monotonic() - started < 10  # it ended at the server-side timeout (1 s)
 
 
+def test_watch_bookmarks_before_the_timeout(api: Http) -> None:
+    """allowWatchBookmarks: kube-apiserver sends a BOOKMARK with its current resourceVersion
+    shortly (2 s) before the watch's timeoutSeconds, so the client resumes from a fresh one
+    even when nothing it watches changed; without it, none."""
+    path = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
+    api.ok("POST", path, {"metadata": {"name": "bm-watched"}, "spec": {"holderIdentity": "a"}})
+    rv = api.ok("GET", path)["metadata"]["resourceVersion"]
+    selector = "metadata.name=bm-watched"
+    with api.watch(
+        path,
+        resourceVersion=rv,
+        fieldSelector=selector,
+        timeoutSeconds="5",
+        allowWatchBookmarks="true",
+    ) as take:
+        # Something else changes meanwhile: not shown, but the bookmark's version is past it.
+        other = api.ok("POST", path, {"metadata": {"name": "bm-other"}})
+        (bookmark,) = take(1)
+        assert bookmark["type"] == "BOOKMARK"
+        assert bookmark["object"]["kind"] == "Lease"
+        assert set(bookmark["object"]["metadata"]) == {"resourceVersion"}
+        bookmarked = int(bookmark["object"]["metadata"]["resourceVersion"])
+        assert bookmarked >= int(other["metadata"]["resourceVersion"])
+        assert rsp_ends(take)
+    with api.watch(path, resourceVersion=rv, fieldSelector=selector, timeoutSeconds="3") as take:
+        assert rsp_ends(take)  # no bookmark unless asked for
+
+
 def test_watch_too_old_resource_version_is_gone() -> None:
     class SmallHistory(KubeEmulator):
         history_limit = 3

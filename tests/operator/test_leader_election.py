@@ -24,9 +24,13 @@ from zarrlake_testkit.emulated import start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
 from zarrlake_testkit.servers import stop
 
-LEASE = "/apis/coordination.k8s.io/v1/namespaces/default/leases/zarrlake-operator"
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
+LEASE = f"{LEASES}/zarrlake-operator"
 _DEFAULTS = build_parser().parse_args(["run"])
 DURATION, RETRY = _DEFAULTS.lease_duration, _DEFAULTS.lease_retry_period
+RENEW = _DEFAULTS.lease_renew_interval
+#: What a standby may ask: read the Lease, and watch it (on the Leases, by its name).
+STANDBY_ASKS = {("GET", LEASE, False), ("GET", LEASES, True)}
 MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 #: Handler lines are DEBUG: the log checks below read them.
 DEBUG = {"ZARRLAKE_LOG_LEVEL": "DEBUG"}
@@ -95,7 +99,13 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
 
     def acted(who: str) -> list[dict[str, Any]]:
         """What a replica asked beyond the Lease: Kopf's watches, reads, writes."""
-        return [r for r in requests(who) if r["path"] != LEASE]
+        return [r for r in requests(who) if not r["path"].startswith(LEASES)]
+
+    def asked(who: str) -> set[tuple[str, str, bool]]:
+        return {(r["verb"], r["path"], r["watch"]) for r in requests(who)}
+
+    def watching(who: str) -> bool:
+        return any(r["watch"] and r["path"] == LEASES for r in requests(who))
 
     try:
         kube.use_kubeconfig(str(api.write_kubeconfig(tmp_path / "admin.kubeconfig", "admin")))
@@ -118,7 +128,7 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         start("a")
         wait_for("a to take the Lease", lambda: _holder().startswith("operator-a_"))
         start("b")
-        wait_for("b to read the Lease", lambda: requests("b"))
+        wait_for("b to watch the Lease", lambda: watching("b"))
         kube.create(_repository("first", moto_s3.endpoint))
         wait_for("first Ready", lambda: _ready("first"))
         wait_for("a's handler", lambda: "repository_changed" in logs["a"].read_text())
@@ -126,9 +136,26 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         writes = [r for r in acted("a") if r["verb"] in ("POST", "PUT", "PATCH", "DELETE")]
         assert any("/repositories/first" in r["path"] for r in writes), writes
         # The standby asked for nothing but the Lease, and never wrote it.
-        assert {(r["verb"], r["path"]) for r in requests("b")} == {("GET", LEASE)}
+        assert asked("b") == STANDBY_ASKS
         assert "repository_changed" not in logs["b"].read_text()
-        # Their metrics say who leads; the standby's Lease reads count as API requests.
+
+        # 20 s at rest: the leader renews every renew interval (PUTs only); the standby, whose
+        # watch shows those renewals, asks nothing at all (it read the Lease once and opened
+        # one watch, which lasts 5 minutes; polling, it would have read it 10 times more).
+        rest = time.time()
+        time.sleep(20)
+        at_rest = [r for r in api.audit() if r["time"] >= rest and r["time"] < rest + 20]
+        renewals = [r for r in at_rest if r["user"] == "a" and r["path"].startswith(LEASES)]
+        assert {r["verb"] for r in renewals} == {"PUT"}, renewals
+        assert 20 / RENEW - 2 <= len(renewals) <= 20 / RENEW + 1, renewals
+        # (A read more, and a watch anew, only if a loaded machine delayed a renewal on the
+        # watch for a whole duration: the read at expiry finds it instead.)
+        standing_by = [r for r in at_rest if r["user"] == "b"]
+        assert len(standing_by) <= 2, standing_by
+        assert len([r for r in standing_by if not r["watch"]]) <= 1, standing_by
+        reads = [r for r in requests("b") if not r["watch"]]
+        assert 1 <= len(reads) <= 2, reads
+        # Their metrics say who leads; the standby's Lease read and watch count as API requests.
         assert (
             metric("a", "zarrlake_operator_leader"),
             metric("b", "zarrlake_operator_leader"),
@@ -138,6 +165,8 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         )
         lease_reads = 'zarrlake_operator_api_requests_total{resource="leases",verb="GET"}'
         assert metric("b", lease_reads) >= 1
+        lease_watches = 'zarrlake_operator_api_requests_total{resource="leases",verb="WATCH"}'
+        assert metric("b", lease_watches) >= 1
         spec = _lease()["spec"]
         assert spec["holderIdentity"].startswith("operator-a_")
         assert spec["leaseDurationSeconds"] == DURATION and spec["leaseTransitions"] == 0
@@ -161,7 +190,7 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
 
         # SIGTERM the leader: it stops Kopf, then releases the Lease, and c takes it at once.
         start("c")
-        wait_for("c to read the Lease", lambda: requests("c"))
+        wait_for("c to watch the Lease", lambda: watching("c"))
         assert acted("c") == []
         signalled = time.monotonic()
         replicas["b"].send_signal(signal.SIGTERM)
@@ -176,8 +205,8 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         measured["sigterm: old leader exited"] = exited - signalled
         measured["sigterm: Lease taken after the exit"] = taken - exited
         measured["sigterm: acting (third Ready)"] = time.monotonic() - signalled
-        # Without the release c would wait out the duration after b's last renewal (>= 8 s
-        # after the exit); released, it takes it at its next read.
+        # Without the release c would wait out the duration after b's last renewal (>= 6 s
+        # after the exit); released, it takes it as soon as its watch shows that.
         assert measured["sigterm: Lease taken after the exit"] <= RETRY + 3, measured
         assert _lease()["spec"]["leaseTransitions"] == 2
 
@@ -185,7 +214,7 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         current = _lease()
         stolen = {**current, "spec": {**current["spec"], "holderIdentity": "intruder"}}
         kube._call("PUT", LEASE, body=stolen)
-        assert replicas["c"].wait(RETRY + 10) == -signal.SIGKILL  # it ended itself at once
+        assert replicas["c"].wait(RENEW + 10) == -signal.SIGKILL  # it ended itself at once
         assert "Leadership lost (the Lease was taken by intruder)" in logs["c"].read_text()
 
         # A standby (the intruder's Lease is not expired) stops on SIGTERM at once, cleanly.
@@ -196,7 +225,7 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         replicas["d"].send_signal(signal.SIGTERM)
         assert replicas["d"].wait(30) == 0
         assert time.monotonic() - signalled < RETRY + 2
-        assert {(r["verb"], r["path"]) for r in requests("d")} == {("GET", LEASE)}
+        assert asked("d") <= STANDBY_ASKS and ("GET", LEASE, False) in asked("d")
         assert _holder() == "intruder"
         print("\nfailover measurements (s):", {k: round(v, 1) for k, v in measured.items()})
     finally:

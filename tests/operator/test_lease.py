@@ -25,8 +25,8 @@ from zarrlake_testkit.kubeapi import KubeAPI
 NAMESPACE = "default"
 LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
 MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
-# Short, so the tests are quick; the ratios are the operator's defaults (10 s, 7 s, 2 s).
-DURATION, DEADLINE, RETRY = 3.0, 2.1, 0.6
+# Short, so the tests are quick; the ratios are the operator's defaults (10 s, 7 s, 2 s, 4 s).
+DURATION, DEADLINE, RETRY, RENEW = 3.0, 2.1, 0.6, 1.2
 
 
 @pytest.fixture
@@ -63,9 +63,64 @@ class Recorder:
     def writes(self) -> list[tuple[str, str]]:
         return [r for r in self.requests if r[0] != "GET"]
 
+    def count(self, verb: str) -> int:
+        return sum(1 for r in self.requests if r[0] == verb)
+
+
+class WatchRecorder:
+    """The operator's real watch, noting each watch request's query (or what fails it first:
+    ``fail`` is called before each request and may raise)."""
+
+    def __init__(self, fail: Callable[[int], None] | None = None) -> None:
+        self.queries: list[dict[str, str]] = []
+        self.fail = fail
+
+    def __call__(self, path: str, query: dict[str, str], **kwargs: Any) -> kube.WatchStream:
+        self.queries.append(dict(query))
+        if self.fail is not None:
+            self.fail(len(self.queries))
+        return kube.watch(path, query, **kwargs)
+
+
+class Standby:
+    """An elector standing by (``acquire``) on a thread of its own."""
+
+    def __init__(self, elector: Elector) -> None:
+        self.elector = elector
+        self.stop = threading.Event()
+        self.acquired_at: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self.elector.acquire(self.stop):
+            self.acquired_at = time.monotonic()
+
+    def wait_acquired(self, timeout: float) -> float:
+        self.thread.join(timeout)
+        assert self.acquired_at is not None, "the standby did not take the Lease"
+        return self.acquired_at
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def wait_until(what: str, condition: Callable[[], Any], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
 
 def settings(name: str, who: str, **kwargs: float) -> LeaseSettings:
-    times = {"duration": DURATION, "renew_deadline": DEADLINE, "retry_period": RETRY, **kwargs}
+    times = {
+        "duration": DURATION,
+        "renew_deadline": DEADLINE,
+        "retry_period": RETRY,
+        "renew_interval": RENEW,
+        **kwargs,
+    }
     return LeaseSettings(name=name, namespace=NAMESPACE, identity=who, **times)
 
 
@@ -241,7 +296,7 @@ def test_a_leader_whose_lease_is_taken_stops_at_once(api: KubeAPI) -> None:
         assert lost, "the leader kept acting on a Lease another holder has"
         at, why = lost[0]
         assert why == "the Lease was taken by thief"
-        assert at - taken <= RETRY + 1.0, at - taken  # at its next renewal, not the deadline
+        assert at - taken <= RENEW + 1.0, at - taken  # at its next renewal, not the deadline
         assert lease("stolen")["spec"]["holderIdentity"] == "thief"  # it did not fight back
     finally:
         holding.set()
@@ -271,6 +326,159 @@ def test_settings_are_checked() -> None:
     ):
         with pytest.raises(ValueError, match="lease duration > renew deadline > retry period"):
             settings("x", "y", **bad)
+    for interval in (DEADLINE, DEADLINE + 1, 0.0):
+        with pytest.raises(ValueError, match="renew deadline > renew interval > 0"):
+            settings("x", "y", renew_interval=interval)
     with pytest.raises(ValueError, match="holder identity"):
         settings("x", "")
     assert MICRO_TIME.match(micro_time(0.5)) and micro_time(0.5).endswith(".500000Z")
+
+
+def test_a_standby_watches_instead_of_reading_and_takes_over_after_the_duration(
+    api: KubeAPI,
+) -> None:
+    name = "watched"
+    leader = Elector(settings(name, "leader"))
+    assert leader.try_acquire_or_renew()
+    holding = threading.Event()
+    lost: list[str] = []
+    threads = leader.hold(holding, lost.append)
+    reads, watches = Recorder(), WatchRecorder()
+    standby = Standby(Elector(settings(name, "standby"), reads, watches))
+    try:
+        # Three lease durations of a healthy leader: the standby read the Lease once and opened
+        # one watch (polling would have read it 15 times); it wrote nothing and took nothing.
+        wait_until("the standby's watch", lambda: watches.queries)
+        time.sleep(3 * DURATION)
+        assert standby.acquired_at is None and lost == []
+        assert reads.writes() == []
+        # One read; a second only if the machine was so loaded that no renewal came through
+        # the watch for a whole duration (the read at expiry then finds the renewal instead).
+        assert 1 <= reads.count("GET") <= 2, reads.requests
+        assert 1 <= len(watches.queries) <= 2, watches.queries
+        query = watches.queries[0]
+        assert query["fieldSelector"] == f"metadata.name={name}"
+        assert query["allowWatchBookmarks"] == "true" and query["resourceVersion"]
+        assert standby.elector.holder == "leader"
+        # The watch showed every renewal: the standby's clock runs from the last one.
+        assert time.monotonic() - standby.elector._observed_at < DURATION
+
+        # The leader stops renewing without a word (as if SIGKILLed): the standby takes over
+        # once the last renewal it saw has not changed for the duration, by its own clock.
+        holding.set()
+        for t in threads:
+            t.join(5)
+        stopped = time.monotonic()
+        before = reads.count("GET")
+        waited = standby.wait_acquired(DURATION + 30) - stopped
+        assert DURATION - RENEW - 0.5 <= waited <= DURATION + 3, waited
+        assert reads.count("GET") == before + 1  # the read at expiry, then the PUT
+        assert reads.writes() == [("PUT", "ok")]
+        spec = lease(name)["spec"]
+        assert spec["holderIdentity"] == "standby" and spec["leaseTransitions"] == 1
+    finally:
+        holding.set()
+        standby.close()
+
+
+def test_a_watch_the_server_ends_is_opened_again_and_a_release_is_taken_at_once(
+    api: KubeAPI,
+) -> None:
+    name = "rewatched"
+    leader = Elector(settings(name, "leader"))
+    assert leader.try_acquire_or_renew()
+    holding = threading.Event()
+    lost: list[str] = []
+    threads = leader.hold(holding, lost.append)
+    reads, watches = Recorder(), WatchRecorder()
+    # The server ends each watch after 2 s (a bookmark comes with it): the standby opens the
+    # next one from the last resourceVersion it saw, without reading the Lease again. Its
+    # retry period is long: were it to find the release by reading, it would be that late.
+    slow = {"duration": 20.0, "renew_deadline": 10.0, "retry_period": 8.0, "renew_interval": 4.0}
+    standby = Standby(Elector(settings(name, "standby", watch_timeout=2, **slow), reads, watches))
+    try:
+        wait_until("the standby's fourth watch", lambda: len(watches.queries) >= 4, 60)
+        assert standby.acquired_at is None and lost == []
+        assert reads.writes() == [] and 1 <= reads.count("GET") <= 2, reads.requests
+        versions = [int(q["resourceVersion"]) for q in watches.queries]
+        assert versions == sorted(versions) and versions[-1] > versions[0], versions
+
+        # The leader hands over (a clean shutdown): the watch shows the release, and the
+        # standby takes the Lease at once, not a duration later.
+        holding.set()
+        for t in threads:
+            t.join(5)
+        before = reads.count("GET")
+        assert leader.release()
+        released = time.monotonic()
+        waited = standby.wait_acquired(30) - released
+        assert waited < slow["retry_period"] / 2, waited
+        assert reads.count("GET") == before + 1 and reads.writes() == [("PUT", "ok")]
+        spec = lease(name)["spec"]
+        assert spec["holderIdentity"] == "standby" and spec["leaseTransitions"] == 1
+    finally:
+        holding.set()
+        standby.close()
+
+
+def test_a_standby_reads_the_lease_again_after_410_gone(api: KubeAPI) -> None:
+    name = "gone"
+    leader = Elector(settings(name, "leader"))
+    assert leader.try_acquire_or_renew()
+    holding = threading.Event()
+    leader.hold(holding, lambda why: None)
+
+    def gone_once(n: int) -> None:
+        if n == 1:  # as an API server answers a resourceVersion it no longer has
+            raise kube.KubeError("WATCH: 410 too old resource version", 410)
+
+    reads, watches = Recorder(), WatchRecorder(gone_once)
+    standby = Standby(Elector(settings(name, "standby"), reads, watches))
+    try:
+        wait_until("a second watch", lambda: len(watches.queries) >= 2)
+        time.sleep(DURATION)
+        assert standby.acquired_at is None
+        # Read at the start, and again for a fresh resourceVersion after the 410; then watched.
+        assert 2 <= reads.count("GET") <= 3 and reads.writes() == [], reads.requests
+        assert len(watches.queries) == 2, watches.queries
+        # The second starts from what that read found (nothing older than the first's).
+        assert int(watches.queries[1]["resourceVersion"]) >= int(
+            watches.queries[0]["resourceVersion"]
+        )
+    finally:
+        holding.set()
+        standby.close()
+
+
+def test_a_standby_that_cannot_watch_reads_every_retry_period_instead(
+    api: KubeAPI, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "unwatchable"
+    leader = Elector(settings(name, "leader"))
+    assert leader.try_acquire_or_renew()
+    holding = threading.Event()
+    threads = leader.hold(holding, lambda why: None)
+
+    def forbidden(n: int) -> None:  # a Role without the watch verb
+        raise kube.KubeError('WATCH: 403 leases is forbidden: cannot "watch"', 403)
+
+    reads, watches = Recorder(), WatchRecorder(forbidden)
+    standby = Standby(Elector(settings(name, "standby"), reads, watches))
+    try:
+        # Three watches fail (one per retry period), then it reads every retry period.
+        wait_until("three watches", lambda: len(watches.queries) >= 3)
+        wait_until("reads every retry period", lambda: reads.count("GET") >= 4, 30)
+        assert standby.acquired_at is None and reads.writes() == []
+        assert len(watches.queries) == 3  # not again within the minute
+        assert "watching failed 3 times in a row" in caplog.text
+        # ... and still takes over when the leader stops renewing.
+        holding.set()
+        for t in threads:
+            t.join(5)
+        stopped = time.monotonic()
+        waited = standby.wait_acquired(DURATION + 30) - stopped
+        assert waited <= DURATION + RETRY + 3, waited
+        assert lease(name)["spec"]["holderIdentity"] == "standby"
+    finally:
+        holding.set()
+        standby.close()
