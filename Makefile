@@ -85,6 +85,8 @@ bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
 	$(BIN)/python bench/mirror.py --markdown bench/results/mirror.md
 	$(BIN)/python bench/dask_write.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/dask_write.md
+	$(BIN)/python bench/operator_fleet.py --sizes 350,1400,5000 --markdown bench/results/operator_fleet.md
+	$(BIN)/python bench/operator_fleet.py --sizes 1400 --s3-server seaweedfs --markdown bench/results/operator_fleet_seaweedfs.md
 
 bench-quick: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --quick --peers-python $(PEERS_VENV)/bin/python

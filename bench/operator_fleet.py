@@ -171,9 +171,8 @@ def run(
                 # one bucket at a time in its master): written once here, that happens before
                 # the clock, as S3 has no such cost to measure.
                 s3.create_bucket(Bucket=f"fleet-{r:04d}")
-                s3.put_object(
-                    Bucket=f"fleet-{r:04d}", Key="bench/warm", Body=b"w"
-                )  # not empty: an empty object needs no volume
+                # (Not empty: an empty object needs no volume.)
+                s3.put_object(Bucket=f"fleet-{r:04d}", Key="bench/warm", Body=b"w")
         load_before = os.getloadavg()[0]
         api_pid = api.pid
         assert api_pid is not None

@@ -160,7 +160,8 @@ def _report(
     set in ``fields`` (a status of the body's kind) to the status; returns what was written."""
     _, _, gen = _meta(body)
     model = STATUS_MODELS[body["kind"]]
-    conds = observed(model, body).conditions
+    before = observed(model, body)
+    conds = before.conditions
     for c in also:
         conds = desired.set_condition(conds, c.type, c.status, c.reason, c.message, generation=gen)
     conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
@@ -172,7 +173,32 @@ def _report(
         }
     )
     _write_status(body, status)
+    if not ready and reason in FAILURES:
+        _warn_if_new(body, before.condition("Ready"), status.condition("Ready"))
     return status
+
+
+#: Ready=False reasons that are failures for someone to act on, each a Warning event when it
+#: appears (the others are waits: for a Repository, a bucket, a lock service, a schedule). A
+#: spec the operator refuses outright is one too (``InvalidSpec``, :func:`refuse`), as are the
+#: bucket's failures of a Repository (its BucketReady condition) and a lost lock service.
+FAILURES = frozenset(
+    {
+        "Conflict",  # another resource owns the location, branch or tag
+        "Refused",  # a Branch resource for 'main'
+        "InvalidName",
+        "FromNotFound",
+        "RefNotFound",
+        "TagNameUsed",
+        "TagDeleted",
+        "ReadOnlyRepository",
+        "DestinationIsSource",
+        "CredentialsNotFound",
+        "BucketNotFound",
+        "StorageUnreachable",
+        "ProvisionFailed",
+    }
+)
 
 
 def _event(body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
@@ -1409,15 +1435,7 @@ def _report_mirror(
     ):
         _gauge_ready(body, previous)
         return
-    status = _report(body, ready=False, reason=reason, message=message, phase=phase)
-    if reason in _MIRROR_FAILURES:
-        _warn_if_new(body, ready, status.condition("Ready"))
-
-
-#: A Mirror's Ready=False reasons that are failures to act on (the others are waits).
-_MIRROR_FAILURES = frozenset(
-    {"CredentialsNotFound", "BucketNotFound", "StorageUnreachable", "ProvisionFailed"}
-)
+    _report(body, ready=False, reason=reason, message=message, phase=phase)
 
 
 def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:

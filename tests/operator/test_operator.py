@@ -348,12 +348,19 @@ def test_main_and_bad_from_are_refused_with_conditions(k8s: Env) -> None:
         ),
     )
     assert "no-such-ref" in condition(obj, "Ready")["message"]
+    # Each failure is one Warning event about its resource (the retries of FromNotFound add
+    # none); waiting for a Repository is not a failure and posts none.
+    wait_for("the Warning events", lambda: {"Refused", "FromNotFound"} <= k8s.event_reasons())
 
     k8s.custom("Branch", "lost", {"repository": "nope"})
     wait_for(
         "RepositoryNotFound",
         lambda: condition(k8s.get("Branch", "lost"), "Ready").get("reason") == "RepositoryNotFound",
     )
+    time.sleep(2)  # a resync or two of "orphan" (its retries come every 30 s; resyncs every 2)
+    events = [e for e in k8s.events() if e["type"] == "Warning"]
+    warnings = [(e["reason"], e["involvedObject"]["name"]) for e in events]
+    assert sorted(warnings) == [("FromNotFound", "orphan"), ("Refused", "main")], warnings
 
 
 # -- Tag --
