@@ -122,15 +122,8 @@ def _call(
             _return_http_data_only=True,
             _request_timeout=timeout,
         )
-    except ApiException as e:
-        reason = e.reason
-        try:
-            reason = json.loads(e.body).get("message") or reason
-        except (TypeError, ValueError, AttributeError):
-            pass
-        raise KubeError(f"{method} {path}: {e.status} {reason}", e.status) from None
-    except (HTTPError, OSError) as e:
-        raise KubeError(f"{method} {path}: API server unreachable: {e}") from None
+    except (ApiException, HTTPError, OSError) as e:
+        raise _failure(f"{method} {path}", e) from None
     data = resp.data
     return json.loads(data) if data else None
 
@@ -238,16 +231,24 @@ def watch(
             _return_http_data_only=True,
             _request_timeout=(connect_timeout, limit),
         )
-    except ApiException as e:
-        reason = e.reason
-        try:
-            reason = json.loads(e.body).get("message") or reason
-        except (TypeError, ValueError, AttributeError):
-            pass
-        raise KubeError(f"WATCH {path}: {e.status} {reason}", e.status) from None
-    except (HTTPError, OSError) as e:
-        raise KubeError(f"WATCH {path}: API server unreachable: {e}") from None
+    except (ApiException, HTTPError, OSError) as e:
+        raise _failure(f"WATCH {path}", e) from None
     return WatchStream(response, f"WATCH {path}")
+
+
+def _failure(what: str, e: Exception) -> KubeError:
+    """The :class:`KubeError` of a failed request: the API server's answer (its status and the
+    message of its Status object), or that it could not be reached."""
+    from kubernetes.client.exceptions import ApiException
+
+    if not isinstance(e, ApiException):
+        return KubeError(f"{what}: API server unreachable: {e}")
+    reason = e.reason
+    try:
+        reason = json.loads(e.body).get("message") or reason
+    except (TypeError, ValueError, AttributeError):
+        pass
+    return KubeError(f"{what}: {e.status} {reason}", e.status)
 
 
 def _object(data: Any, what: str) -> dict[str, Any]:
