@@ -194,10 +194,13 @@ class WatchStream:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._response.shutdown()  # unblocks a read in progress on another thread
-        except (AttributeError, OSError, RuntimeError):  # RuntimeError: the stream had ended
-            pass
+        if not self._response.closed:
+            try:
+                self._response.shutdown()  # unblocks a read in progress on another thread
+            # AttributeError: urllib3 < 2.3; RuntimeError: the stream had ended; ValueError: the
+            # connection broke and urllib3 released its socket already.
+            except (AttributeError, OSError, RuntimeError, ValueError):
+                pass
         self._response.close()
 
 

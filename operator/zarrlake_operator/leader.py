@@ -198,6 +198,8 @@ class Elector:
             try:
                 written = self._call("PUT", url, body=body, timeout=timeout)
             except kube.KubeError as e:
+                if e.status == 404:
+                    return self._deleted()
                 if e.status != 409:
                     raise
             else:
@@ -210,6 +212,8 @@ class Elector:
             current = None
         seen = time.monotonic()
         if current is None:
+            if self.leading:
+                return self._deleted()
             return self._create(timeout)
         if not isinstance(current, dict):
             raise kube.KubeError(f"GET {url}: the API server sent {type(current).__name__}")
@@ -240,6 +244,13 @@ class Elector:
                 holder or "nobody",
             )
         return self._won(written, sent)
+
+    def _deleted(self) -> bool:
+        """The leader found its Lease deleted (by hand): a standby may create it anew at once,
+        so leadership is over now, not at the renew deadline. Returns False."""
+        self.leading = False
+        self._observed, self._lease = None, None
+        return False
 
     def _saw(self, lease: dict[str, Any], at: float) -> dict[str, Any]:
         """Note the Lease as read or watched at ``at`` (monotonic; ``_lock`` held): a record that

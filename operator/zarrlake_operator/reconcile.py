@@ -274,6 +274,7 @@ def _ready_repository(
 
 # Dependents (by uid) whose first wait for their Repository went unreported (see below).
 _waited: set[str | None] = set()
+_WAITED_MAX = 100_000
 
 
 def _report_waiting(body: Mapping[str, Any], *, reason: str, message: str) -> None:
@@ -285,6 +286,10 @@ def _report_waiting(body: Mapping[str, Any], *, reason: str, message: str) -> No
     handler's retry delay is reported on the retry."""
     uid = body["metadata"].get("uid")
     if uid not in _waited and not (body.get("status") or {}).get("conditions"):
+        if len(_waited) >= _WAITED_MAX:
+            # Uids of dependents deleted while they waited are never discarded: forgetting them
+            # all costs at most one unneeded status write each.
+            _waited.clear()
         _waited.add(uid)
         return
     _report(body, ready=False, reason=reason, message=message)

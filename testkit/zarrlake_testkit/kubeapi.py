@@ -2423,14 +2423,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 now = loop.time()
                 if deadline is not None and deadline - now <= 0:
                     return
-                if due is not None and due <= now:
+                if due is not None and due <= now and watch.queue.empty():
                     # Only once every event queued so far is out: its resourceVersion is the
-                    # newest the server has, so nothing the watch should show is skipped.
-                    if watch.queue.empty():
-                        yield bookmark_event(str(self._rv))
+                    # newest the server has, so nothing the watch should show is skipped. Until
+                    # then the bookmark stays due (the queued events go first).
+                    yield bookmark_event(str(self._rv))
                     due = next_bookmark(now)
                     continue
-                until = [t for t in (deadline, due) if t is not None]
+                until = [t for t in (deadline, due) if t is not None and t > now]
                 remaining = min(until) - now if until else None
                 try:
                     item = await asyncio.wait_for(watch.queue.get(), remaining)

@@ -279,6 +279,32 @@ def test_a_leader_that_cannot_reach_the_api_stops_before_the_lease_expires(
             api.proc.send_signal(signal.SIGCONT)
 
 
+def test_a_leader_whose_lease_is_deleted_stops_at_once(api: KubeAPI) -> None:
+    """A Lease deleted by hand may be created anew by a standby at once (its watch shows the
+    deletion): the leader's next renewal, answered 404, ends leadership then — not at the renew
+    deadline, which would leave two leaders acting until it."""
+    leader = Elector(settings("deleted", "leader"))
+    assert leader.try_acquire_or_renew()
+    holding = threading.Event()
+    lost: list[tuple[float, str]] = []
+    leader.hold(holding, lambda why: lost.append((time.monotonic(), why)))
+    try:
+        kube._call("DELETE", f"{LEASES}/deleted")
+        deleted = time.monotonic()
+        deadline = deleted + DEADLINE + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost, "the leader kept acting without a Lease"
+        at, why = lost[0]
+        assert why == "the Lease was taken by someone who cleared it", why
+        assert at - deleted <= RENEW + 1.0, at - deleted  # at its next renewal
+        assert not leader.leading
+        with pytest.raises(kube.KubeError):  # and it did not create the Lease again
+            kube._call("GET", f"{LEASES}/deleted")
+    finally:
+        holding.set()
+
+
 def test_a_leader_whose_lease_is_taken_stops_at_once(api: KubeAPI) -> None:
     leader = Elector(settings("stolen", "leader"))
     assert leader.try_acquire_or_renew()

@@ -412,14 +412,18 @@ class S3Storage(Storage):
     # requests, ranged reads, processes forked after obstore started here (its runtime does not
     # survive fork) and ZARRLAKE_S3_ENGINE=urllib3.
 
-    def _obstore(self) -> Any | None:
-        """This storage's obstore ``S3Store``, or None where the urllib3 path serves."""
+    def _obstore(self, *, build: bool = True) -> Any | None:
+        """This storage's obstore ``S3Store``, or None where the urllib3 path serves. With
+        ``build=False``, only one this process built already (building resolves credentials,
+        which may block: not on an event loop)."""
         if self.anonymous or os.environ.get("ZARRLAKE_S3_ENGINE", "obstore") != "obstore":
             return None
         pid = os.getpid()
         mine = self.__dict__.get("_obs")
         if mine is not None and mine[0] == pid:
             return mine[1]
+        if not build:
+            return None
         started = objstore.runtime_pid()
         if started is not None and started != pid:
             return None  # forked from a process that used obstore: not safe here
@@ -500,10 +504,9 @@ class S3Storage(Storage):
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
-        # Awaited on the caller's loop once this process's store exists (building it resolves
-        # credentials, which may block: that first request goes the pool's way and builds it).
-        mine = self.__dict__.get("_obs")
-        store = self._obstore() if mine is not None and mine[0] == os.getpid() else None
+        # Awaited on the caller's loop once this process's store exists; the first request goes
+        # the pool's way, and builds it there.
+        store = self._obstore(build=False)
         if store is None:
             await super().put_async(key, data, create_only=create_only)
             return
