@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument(
         "--lease-renew-interval",
         type=float,
-        default=float(env("ZARRLAKE_LEASE_RENEW_INTERVAL", "4")),
-        help="seconds between the leader's renewals; less than the renew deadline "
-        "(default %(default)g; ZARRLAKE_LEASE_RENEW_INTERVAL)",
+        default=float(interval) if (interval := env("ZARRLAKE_LEASE_RENEW_INTERVAL")) else None,
+        help="seconds between the leader's renewals; less than the renew deadline (default 4 if a "
+        "retry period still fits before the deadline, else half the renew deadline; "
+        "ZARRLAKE_LEASE_RENEW_INTERVAL)",
     )
     election.add_argument(
         "--lease-retry-period",
@@ -158,6 +159,8 @@ def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
         retry_period=args.lease_retry_period,
         renew_interval=args.lease_renew_interval,
     )
+    for warning in settings.warnings():
+        log.warning("Leader election: %s", warning)
     elector = leader.Elector(settings)
     stop = threading.Event()
 

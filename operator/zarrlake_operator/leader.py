@@ -88,6 +88,10 @@ def identity(pod_name: str | None) -> str:
     return f"{pod_name or socket.gethostname()}_{uuid.uuid4().hex[:10]}"
 
 
+#: The leader's default renew interval, in seconds (when the renew deadline allows it).
+RENEW_INTERVAL = 4.0
+
+
 @dataclass(frozen=True)
 class LeaseSettings:
     """Where the Lease is and how it is held; the durations are in seconds."""
@@ -99,7 +103,10 @@ class LeaseSettings:
     renew_deadline: float = 7.0
     retry_period: float = 2.0
     #: Between the leader's successful renewals (a failed one is retried every retry period).
-    renew_interval: float = 4.0
+    #: None: :data:`RENEW_INTERVAL` when a retry still fits before the renew deadline, else half
+    #: the deadline — so that timings chosen before the interval existed (a short renew deadline)
+    #: still work.
+    renew_interval: float | None = None
     #: How long a standby's watch of the Lease lasts before the server ends it (and the standby
     #: opens the next one).
     watch_timeout: float = 300.0
@@ -112,13 +119,32 @@ class LeaseSettings:
                 "leader election needs lease duration > renew deadline > retry period > 0, got "
                 f"{self.duration} s, {self.renew_deadline} s and {self.retry_period} s"
             )
-        if not self.renew_deadline > self.renew_interval > 0:
+        if not self.renew_deadline > self.interval > 0:
             raise ValueError(
                 "leader election needs renew deadline > renew interval > 0, got "
-                f"{self.renew_deadline} s and {self.renew_interval} s"
+                f"{self.renew_deadline} s and {self.interval} s"
             )
         if self.watch_timeout < 1:
             raise ValueError(f"a watch of the Lease lasts at least 1 s, not {self.watch_timeout}")
+
+    @property
+    def interval(self) -> float:
+        """Seconds between the leader's successful renewals (see :attr:`renew_interval`)."""
+        if self.renew_interval is not None:
+            return self.renew_interval
+        if RENEW_INTERVAL + self.retry_period < self.renew_deadline:
+            return RENEW_INTERVAL
+        return self.renew_deadline / 2
+
+    def warnings(self) -> list[str]:
+        """What is legal but fragile about these timings, for the operator to log at start."""
+        if self.interval + self.retry_period >= self.renew_deadline:
+            return [
+                f"renew interval {self.interval:g} s + retry period {self.retry_period:g} s "
+                f">= renew deadline {self.renew_deadline:g} s: one failed renewal ends "
+                "leadership (the retry comes after the deadline); lower the interval"
+            ]
+        return []
 
     @property
     def path(self) -> str:
@@ -440,13 +466,13 @@ class Elector:
                 lost(why)
 
         def renew() -> None:
-            wait = s.renew_interval
+            wait = s.interval
             while not stop.wait(wait) and not ended.is_set():
                 remaining = self.renewed_at + s.renew_deadline - time.monotonic()
                 if remaining <= 0:
                     return
                 if self.try_acquire_or_renew(timeout=max(0.05, remaining)):
-                    wait = s.renew_interval
+                    wait = s.interval
                     continue
                 if self.holder != s.identity:
                     end(f"the Lease was taken by {self.holder or 'someone who cleared it'}")

@@ -564,7 +564,7 @@ def test_probes_ports_and_env(chart, values):
         scope = ["--all-namespaces"]
     if values.get("leaderElection", {}).get("enabled", True):
         election = ["--lease-name", LEASE, "--lease-duration", "10"]
-        election += ["--lease-renew-deadline", "7", "--lease-renew-interval", "4"]
+        election += ["--lease-renew-deadline", "7"]  # the renew interval: the operator's
         election += ["--lease-retry-period", "2"]
     else:
         election = ["--standalone"]
@@ -685,6 +685,15 @@ def test_leader_election_timings_must_nest(chart, timings):
 def test_the_leader_renews_before_its_renew_deadline(chart, interval):
     with pytest.raises(helm.HelmRenderError, match="renewDeadline > renewInterval > 0"):
         render(chart, {"leaderElection": {"renewInterval": interval}})
+
+
+def test_short_timings_work_without_a_renew_interval(chart):
+    """Timings chosen before the renew interval existed (a renew deadline of 4 s or less) still
+    render, and the operator derives an interval the deadline allows."""
+    timings = {"leaseDuration": 5, "renewDeadline": 3, "retryPeriod": 1}
+    args = build_parser().parse_args(container(render(chart, {"leaderElection": timings}))["args"])
+    assert args.lease_renew_interval is None
+    assert (args.lease_duration, args.lease_renew_deadline, args.lease_retry_period) == (5, 3, 1)
 
 
 def test_metrics_service(chart):

@@ -20,6 +20,7 @@ from k8s_env import CREDENTIALS, ROOT, wait_for
 
 from zarrlake_operator import kube
 from zarrlake_operator.__main__ import build_parser
+from zarrlake_operator.leader import LeaseSettings
 from zarrlake_testkit.emulated import start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
 from zarrlake_testkit.servers import stop
@@ -28,7 +29,8 @@ LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 LEASE = f"{LEASES}/zarrlake-operator"
 _DEFAULTS = build_parser().parse_args(["run"])
 DURATION, RETRY = _DEFAULTS.lease_duration, _DEFAULTS.lease_retry_period
-RENEW = _DEFAULTS.lease_renew_interval
+# The default interval, with the default deadline (the CLI's None: "let the settings decide").
+RENEW = LeaseSettings("x", "ns", "me", renew_deadline=_DEFAULTS.lease_renew_deadline).interval
 #: What a standby may ask: read the Lease, and watch it (on the Leases, by its name).
 STANDBY_ASKS = {("GET", LEASE, False), ("GET", LEASES, True)}
 MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")

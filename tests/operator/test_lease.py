@@ -357,6 +357,19 @@ def test_settings_are_checked() -> None:
             settings("x", "y", renew_interval=interval)
     with pytest.raises(ValueError, match="holder identity"):
         settings("x", "")
+
+
+def test_the_default_renew_interval_follows_the_renew_deadline() -> None:
+    """4 s when the deadline allows it, else half the deadline: timings that worked before the
+    interval existed still work; an interval that leaves no room for a retry is warned about."""
+    default = LeaseSettings("x", "ns", "me")
+    assert (default.renew_deadline, default.interval, default.warnings()) == (7.0, 4.0, [])
+    short = LeaseSettings("x", "ns", "me", duration=5.0, renew_deadline=3.0, retry_period=1.0)
+    assert short.interval == 1.5 and short.warnings() == []
+    tight = LeaseSettings("x", "ns", "me", renew_deadline=7.0, retry_period=2.0, renew_interval=5.0)
+    assert tight.interval == 5.0
+    [warning] = tight.warnings()
+    assert "one failed renewal ends leadership" in warning
     assert MICRO_TIME.match(micro_time(0.5)) and micro_time(0.5).endswith(".500000Z")
 
 
