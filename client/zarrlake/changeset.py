@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zarrlake.format.changes import ChunkChanges
 from zarrlake.format.manifest import prefix_matches
-from zarrlake.format.model import ChunkRef
 
 
 @dataclass
 class Changeset:
     """Chunk and node changes made on top of ``base``.
 
-    ``chunks``/``nodes`` map a key to its new value, or None for a deletion. ``deleted_prefixes``
+    ``chunks``/``nodes`` map a key to its new value, or None for a deletion (``chunks`` compactly:
+    a session may hold millions). ``deleted_prefixes``
     are subtrees removed wholesale (``delete_dir``); writes recorded after such a delete sit in
     ``chunks``/``nodes`` and win over it. ``dedup_chunks`` are digests of chunk objects that already
     existed when written: the commit checks they still exist before publishing a reference.
@@ -20,7 +21,7 @@ class Changeset:
 
     session_id: str
     base: str
-    chunks: dict[str, ChunkRef | None] = field(default_factory=dict)
+    chunks: ChunkChanges = field(default_factory=ChunkChanges)
     nodes: dict[str, bytes | None] = field(default_factory=dict)
     deleted_prefixes: list[str] = field(default_factory=list)
     dedup_chunks: set[bytes] = field(default_factory=set)
@@ -55,7 +56,7 @@ class Changeset:
         return Changeset(
             self.session_id,
             self.base,
-            dict(self.chunks),
+            self.chunks.copy(),
             dict(self.nodes),
             list(self.deleted_prefixes),
             set(self.dedup_chunks),

@@ -44,6 +44,7 @@ from zarrlake.errors import (
     ZarrlakeError,
 )
 from zarrlake.format import manifest
+from zarrlake.format.changes import ChunkChanges
 from zarrlake.format.ids import content_hash, new_snapshot_id
 from zarrlake.format.manifest import ManifestUpdate, prefix_matches
 from zarrlake.format.model import (
@@ -522,7 +523,9 @@ class CommitEngine:
         )
         if plan.conflicts:
             raise MergeConflictError(plan.conflicts)
-        changeset = Changeset(uuid.uuid4().hex, dest_id, chunks=plan.chunks, nodes=plan.nodes)
+        changeset = Changeset(
+            uuid.uuid4().hex, dest_id, chunks=ChunkChanges(plan.chunks), nodes=plan.nodes
+        )
         return self.commit(
             into,
             changeset,
@@ -667,10 +670,10 @@ class CommitEngine:
             update = self._apply(parent, cs, max_refs, spill=spill, reshard=reshard)
         txlog = TxLog(
             sorted(set(cs.nodes) | set(removed_nodes)),
-            [] if relocation else sorted(cs.chunks),
+            [] if relocation else cs.chunks.sorted_keys(),
             sorted(cs.deleted_prefixes),
             sorted(resized_arrays(parent.nodes, cs.nodes)),
-            sorted(cs.chunks) if relocation else [],
+            list(cs.chunks.sorted_keys()) if relocation else [],
         )
         history = _history_for(parent)
         index, sealed = _index_for(

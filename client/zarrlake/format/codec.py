@@ -78,6 +78,15 @@ def array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+def map_header(n: int) -> bytes:
+    """The msgpack header of a map of ``n`` pairs (what ``packb`` writes before them)."""
+    if n < 16:
+        return bytes((0x80 | n,))
+    if n < 1 << 16:
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")
+
+
 def pack_elements(items: list[Any]) -> bytes:
     """The msgpack encodings of ``items``, one after the other: ``packb(items)`` without its
     array header. Runs of elements packed this way join into the packing of the whole list."""

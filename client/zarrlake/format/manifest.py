@@ -13,9 +13,11 @@ These are pure functions over values; the caller passes ``load(ShardInfo) -> Man
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from zarrlake.format.changes import count_refs, sorted_changes
 from zarrlake.format.ids import content_hash
 from zarrlake.format.model import ChunkRef, ManifestShard, PackedEntries, ShardInfo, ref_identity
 
@@ -193,16 +195,15 @@ def _block_of(starts: list[int], j: int) -> int:
 
 
 def _changed(
-    shard: ManifestShard, keys: list[str], changes: Mapping[str, ChunkRef | None]
+    shard: ManifestShard, changes: list[tuple[str, ChunkRef | None]]
 ) -> tuple[list[str], list[ChunkRef], PackedEntries | None]:
-    """The shard's sorted (keys, refs) with ``changes`` (for ``keys``, sorted) applied, and their
+    """The shard's sorted (keys, refs) with ``changes`` (sorted by key) applied, and their
     packing in blocks where the next change is likely to reuse it: re-packing the blocks the
     changes touch, if ``shard`` is packed; else packing them all, if this client built
     ``shard`` (a shard written to again and again); else None (the shard is packed whole)."""
-    if len(keys) > SPLICE_MAX:
+    if len(changes) > SPLICE_MAX:
         merged = dict(zip(shard.keys, shard.refs, strict=True))
-        for k in keys:
-            v = changes[k]
+        for k, v in changes:
             if v is None:
                 merged.pop(k, None)
             else:
@@ -214,8 +215,7 @@ def _changed(
     starts = list(old.starts) if old is not None else []
     keys_changed: set[int] = set()
     refs_changed: set[int] = set()
-    for k in keys:
-        v = changes[k]
+    for k, v in changes:
         j = bisect.bisect_left(ks, k)
         present = j < len(ks) and ks[j] == k
         if v is None:
@@ -277,6 +277,45 @@ def _emit(
         start = end
 
 
+def _emit_walk(
+    items: Iterator[tuple[str, ChunkRef]],
+    total: int,
+    max_refs: int,
+    out: list[ShardInfo],
+    new: _Built,
+) -> None:
+    """:func:`_emit` of the ``total`` sorted (key, ref) pairs ``items`` yields, cut as they come:
+    the same shards, without holding them all."""
+    for size in balanced_sizes(total, max_refs):
+        piece = list(itertools.islice(items, size))
+        if len(piece) != size:
+            raise RuntimeError("the changes changed while a commit was cutting them")
+        keys = [k for k, _ in piece]
+        refs = [r for _, r in piece]
+        del piece
+        info, data, shard = _build(keys, refs)
+        out.append(info)
+        new.add(info, shard, data)
+    if next(items, None) is not None:
+        raise RuntimeError("the changes changed while a commit was cutting them")
+
+
+class _Lookahead:
+    """Sorted (key, value) pairs, taken in consecutive key ranges."""
+
+    def __init__(self, items: Iterable[tuple[str, ChunkRef | None]]) -> None:
+        self._items = iter(items)
+        self._next = next(self._items, None)
+
+    def take_below(self, bound: str | None) -> list[tuple[str, ChunkRef | None]]:
+        """The pairs before ``bound`` (all that are left, for None) not taken yet."""
+        taken = []
+        while self._next is not None and (bound is None or self._next[0] < bound):
+            taken.append(self._next)
+            self._next = next(self._items, None)
+        return taken
+
+
 def apply_changes(
     index: list[ShardInfo],
     changes: Mapping[str, ChunkRef | None],
@@ -301,10 +340,19 @@ def apply_changes(
     min_refs = max(1, max_refs // 4)
     deleted = [p.rstrip("/") for p in deleted_prefixes]
     firsts = [s.first for s in index]
+    new = _Built(sink, sink_batch)
+    # The changes are walked once, in key order, next to the shards they fall in: nothing of the
+    # change's size is built (a first commit may carry millions of refs).
+    if not index:
+        live = ((k, v) for k, v in sorted_changes(changes) if v is not None)
+        first: list[ShardInfo] = []
+        _emit_walk(live, count_refs(changes), max_refs, first, new)
+        return new.update(first)
 
-    touched: dict[int, list[str]] = {}
-    for key in sorted(changes):
-        touched.setdefault(_shard_for(firsts, key) if index else 0, []).append(key)
+    # The shards the changes fall in; a deleted subtree drops the others it covers unread.
+    touched: set[int] = set()
+    if deleted:
+        touched = {_shard_for(firsts, key) for key in changes}
     dropped: set[int] = set()
     for p in deleted:
         lo, hi = _subtree_bounds(p)
@@ -316,30 +364,24 @@ def apply_changes(
                 if inside and i not in touched:
                     dropped.add(i)  # wholly inside the deleted subtree: no need to read it
                 else:
-                    touched.setdefault(i, [])
+                    touched.add(i)
 
-    new = _Built(sink, sink_batch)
-    if not index:
-        # No copy of ``changes``: a first commit may carry millions of refs.
-        keys = sorted(k for k, v in changes.items() if v is not None)
-        out: list[ShardInfo] = []
-        refs = [r for k in keys if (r := changes[k]) is not None]  # every one: keys are those
-        _emit(keys, refs, max_refs, out, new)
-        return new.update(out)
-
-    out = []
+    walk = _Lookahead(sorted_changes(changes))
+    out: list[ShardInfo] = []
     pend_keys: list[str] = []
     pend_refs: list[ChunkRef] = []
     # The packing of the pending entries, while they are those of one changed shard.
     pend_packed: PackedEntries | None = None
     for i, info in enumerate(index):
+        mine = walk.take_below(firsts[i + 1] if i + 1 < len(index) else None)
         if i in dropped:
+            assert not mine, "a shard with changes is never dropped unread"
             continue
-        if i not in touched and not pend_keys:
+        if not mine and i not in touched and not pend_keys:
             out.append(info)
             continue
         shard = load(info)
-        if i in touched:
+        if mine or i in touched:
             if deleted:
                 kept = [
                     j
@@ -347,7 +389,7 @@ def apply_changes(
                     if not any(prefix_matches(k, p) for p in deleted)
                 ]
                 shard = ManifestShard([shard.keys[j] for j in kept], [shard.refs[j] for j in kept])
-            ks, rs, packed = _changed(shard, touched[i], changes)
+            ks, rs, packed = _changed(shard, mine)
             if pend_keys:
                 pend_packed = None
                 pend_keys.extend(ks)

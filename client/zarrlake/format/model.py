@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import datetime as dt
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import quote, unquote
@@ -20,6 +21,7 @@ from zarrlake.format.codec import (
     decode,
     encode,
     encode_body,
+    map_header,
     pack_elements,
 )
 from zarrlake.format.ids import CONTENT_HASHES, LEGACY_CONTENT_HASH
@@ -573,23 +575,36 @@ class TxLog:
     """What one commit changed, relative to its first parent: the input of rebase and fast diff."""
 
     nodes: list[str]  # metadata keys set or deleted
-    chunks: list[str]  # chunk keys set or deleted
+    #: chunk keys set or deleted; any sequence (a large commit's are a view of its changes,
+    #: encoded a block at a time rather than copied into a list)
+    chunks: Sequence[str]
     deleted_prefixes: list[str]  # whole subtrees removed (arrays or groups deleted)
     resized: list[str]  # array paths whose shape or chunk grid changed
     # chunk keys whose bytes moved (compaction packed them) without changing: never a conflict
     relocated: list[str] = field(default_factory=list)
 
     def encode(self) -> bytes:
-        return encode(
-            ObjectType.TXLOG,
-            {
-                "n": self.nodes,
-                "c": self.chunks,
-                "d": self.deleted_prefixes,
-                "r": self.resized,
-                "m": self.relocated,
-            },
-        )
+        payload = {
+            "n": self.nodes,
+            "c": self.chunks,
+            "d": self.deleted_prefixes,
+            "r": self.resized,
+            "m": self.relocated,
+        }
+        if isinstance(self.chunks, list):
+            return encode(ObjectType.TXLOG, payload)
+        # The same bytes, packed a block of keys at a time: a map header, then each pair.
+        parts = [map_header(len(payload))]
+        for name, value in payload.items():
+            parts.append(pack_elements([name]))
+            if value is self.chunks:
+                parts.append(array_header(len(self.chunks)))
+                block = 8192
+                for start in range(0, len(self.chunks), block):
+                    parts.append(pack_elements(list(self.chunks[start : start + block])))
+            else:
+                parts.append(pack_elements([value]))
+        return encode_body(ObjectType.TXLOG, b"".join(parts))
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<txlog>") -> TxLog:

@@ -32,6 +32,7 @@ from zarrlake.conflicts import ChangeSummary
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import Conflict, ConflictError, CorruptObject
 from zarrlake.format import manifest
+from zarrlake.format.changes import ChunkChanges
 from zarrlake.format.manifest import ManifestUpdate
 from zarrlake.format.model import (
     OBJECT,
@@ -358,7 +359,7 @@ def _pack_and_commit(
     if dry_run:
         return outcome(len(index))
 
-    changes: dict[str, ChunkRef | None] = {k: ref for r in results for k, ref in r.relocated}
+    changes = ChunkChanges({k: ref for r in results for k, ref in r.relocated})
     changeset = Changeset(uuid.uuid4().hex, head_id, chunks=changes)
     packs = sum(r.packs for r in results)
     new_id = core.commits.commit(
