@@ -526,3 +526,38 @@ def test_keys_with_lone_surrogates_freeze_and_sort_as_str_does(
     assert list(changes.sorted_items()) == sorted(model.items())
     del changes["a\ud800"], model["a\ud800"]
     assert "a\ud800" not in changes and dict(changes.items()) == model
+
+
+def test_a_reader_always_finds_what_was_written_while_writes_freeze_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session's reads take no lock: while a writer's freeze or merge reorganizes the changes,
+    a key written before must be found — in the dict, or in the runs published before the dict
+    that no longer holds it."""
+    import threading
+
+    monkeypatch.setattr(ChunkChanges, "FREEZE_AT", 64)
+    changes = ChunkChanges()
+    written = 0
+    misses: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        rng = random.Random(7)
+        while not done.is_set():
+            if written:
+                key = f"k/{rng.randrange(written):07d}"
+                if changes.get(key, "absent") == "absent":
+                    misses.append(key)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(40_000):
+            changes[f"k/{i:07d}"] = (INLINE, b"x")
+            written = i + 1
+    finally:
+        done.set()
+        reader.join()
+    assert misses == []
+    assert len(changes) == 40_000

@@ -38,6 +38,8 @@ from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_
 from zarrlake.objects import ObjectStore
 from zarrlake.types import Diff
 
+_ABSENT: Any = object()
+
 if TYPE_CHECKING:
     from zarrlake.core import RepositoryCore
     from zarrlake.store import ZarrlakeStore
@@ -124,8 +126,8 @@ class Workspace:
         for layer in self._layers:
             if meta and key in layer.nodes:
                 return True, layer.nodes[key]
-            if not meta and key in layer.chunks:
-                return True, layer.chunks[key]
+            if not meta and (ref := layer.chunks.get(key, _ABSENT)) is not _ABSENT:
+                return True, ref
             if layer.deleted_prefixes and layer.deleted_by_prefix(key):
                 return True, None
         return False, None

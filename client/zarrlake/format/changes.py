@@ -21,6 +21,7 @@ would lose a trailing one) are never frozen.
 from __future__ import annotations
 
 import heapq
+import threading
 from collections.abc import (
     ItemsView,
     Iterable,
@@ -195,7 +196,10 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
 
     def __init__(self, items: Mapping[str, ChunkRef | None] | None = None) -> None:
         self._recent: dict[str, ChunkRef | None] = {}
-        self._runs: list[_Run] = []  # oldest first
+        self._runs: list[_Run] = []  # oldest first; replaced whole, never changed in place
+        # Changes and reorganizations take it; lookups do not (a reader sees a frozen key in the
+        # dict, or in the runs, which are published before the dict that no longer holds it).
+        self._lock = threading.RLock()
         if items:
             self.update(items)
 
@@ -237,21 +241,23 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
         return False
 
     def __setitem__(self, key: str, value: ChunkRef | None) -> None:
-        self._recent[key] = value
-        if len(self._recent) >= self.FREEZE_AT:
-            self._freeze()
+        with self._lock:
+            self._recent[key] = value
+            if len(self._recent) >= self.FREEZE_AT:
+                self._freeze()
 
     def __delitem__(self, key: str) -> None:
-        found = self._recent.pop(key, _MISSING) is not _MISSING
-        if self._runs:
-            b = key.encode(_UTF8, _SURROGATES)
-            for run in self._runs:
-                i = run.find(b)
-                if i >= 0 and run.live[i]:
-                    run.live[i] = False
-                    found = True
-        if not found:
-            raise KeyError(key)
+        with self._lock:
+            found = self._recent.pop(key, _MISSING) is not _MISSING
+            if self._runs:
+                b = key.encode(_UTF8, _SURROGATES)
+                for run in self._runs:
+                    i = run.find(b)
+                    if i >= 0 and run.live[i]:
+                        run.live[i] = False
+                        found = True
+            if not found:
+                raise KeyError(key)
 
     def __len__(self) -> int:
         if not self._runs:
@@ -273,8 +279,8 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
         return _Values(self)
 
     def clear(self) -> None:
-        self._recent.clear()
-        self._runs.clear()
+        with self._lock:
+            self._recent, self._runs = {}, []
 
     def update(self, other: Any = (), /, **kwargs: ChunkRef | None) -> None:
         if isinstance(other, ChunkChanges):
@@ -285,8 +291,9 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
 
     def copy(self) -> ChunkChanges:
         out = ChunkChanges()
-        out._recent = dict(self._recent)
-        out._runs = [run.copy() for run in self._runs]
+        with self._lock:
+            out._recent = dict(self._recent)
+            out._runs = [run.copy() for run in self._runs]
         return out
 
     def __repr__(self) -> str:
@@ -294,8 +301,9 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Settled into one run first: a fork's changes travel as a few arrays, not a dict.
-        self._settle()
-        return (_restore, (self._recent, self._runs))
+        with self._lock:
+            self._settle()
+            return (_restore, (dict(self._recent), list(self._runs)))
 
     def count_refs(self) -> int:
         """How many values are refs (not None: deletions)."""
@@ -342,23 +350,29 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
     # -- runs -------------------------------------------------------------------------------------
 
     def _freeze(self) -> None:
+        """The dict's keys into a run; with the lock held."""
         frozen = [(k, v) for k, v in self._recent.items() if "\x00" not in k]
         if not frozen:
             return
-        self._recent = {k: v for k, v in self._recent.items() if "\x00" in k}
         run = _Run.of(frozen)
-        # A key frozen now is no longer live in older runs: it shadows them.
-        while self._runs and len(self._runs[-1]) <= 2 * len(run):
-            run = self._runs.pop().merged_under(run)
-        self._runs.append(run)
+        # A key frozen now shadows what older runs hold for it.
+        runs = list(self._runs)
+        while runs and len(runs[-1]) <= 2 * len(run):
+            run = runs.pop().merged_under(run)
+        self._runs = [*runs, run]  # published before the dict loses the keys
+        self._recent = {k: v for k, v in self._recent.items() if "\x00" in k}
 
     def _settle(self) -> None:
         """Everything frozen into one run (but keys that cannot be frozen)."""
-        if self._recent and any("\x00" not in k for k in self._recent):
-            self._freeze()
-        while len(self._runs) > 1:
-            newer = self._runs.pop()
-            self._runs[-1] = self._runs[-1].merged_under(newer)
+        with self._lock:
+            if self._recent and any("\x00" not in k for k in self._recent):
+                self._freeze()
+            if len(self._runs) > 1:
+                runs = list(self._runs)
+                while len(runs) > 1:
+                    newer = runs.pop()
+                    runs[-1] = runs[-1].merged_under(newer)
+                self._runs = runs
 
 
 class _Keys(Sequence[str]):
