@@ -34,7 +34,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from zarrlake.format.changes import ChunkChanges, sorted_changes
+from zarrlake.format import changes as changes_module
+from zarrlake.format.changes import ChunkChanges, count_refs, sorted_changes
 from zarrlake.format.model import INLINE, OBJECT, PACKED
 
 Ref = tuple[Any, ...] | None
@@ -169,6 +170,12 @@ def check_walks(cc: ChunkChanges, model: dict[str, Ref]) -> None:
     assert walked == sorted(model.items())
     assert [k for k, _ in walked] == sorted(model)  # Python's str order, by code point
     assert list(sorted_changes(cc)) == list(sorted_changes(model)) == walked
+    keys = cc.sorted_keys()  # what a txlog encodes: a view merged as it is read
+    assert len(keys) == len(model) and list(keys) == sorted(model)
+    if model:
+        assert keys[0] == min(model) and keys[-1] == max(model)
+        assert list(keys[1:3]) == sorted(model)[1:3]
+    assert cc.count_refs() == count_refs(model) == sum(v is not None for v in model.values())
     assert cc == model
     assert model == cc
     assert dict(cc) == model
@@ -187,11 +194,13 @@ class ChunkChangesMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.saved_freeze_at = ChunkChanges.FREEZE_AT
+        self.saved_block = changes_module._BLOCK
         self.pairs: list[Pair] = []
         self.seen: set[str] = set(FIXED_KEYS[:6])
 
     def teardown(self) -> None:
         ChunkChanges.FREEZE_AT = self.saved_freeze_at
+        changes_module._BLOCK = self.saved_block
 
     def pair(self, i: int) -> Pair:
         return self.pairs[i % len(self.pairs)]
@@ -205,9 +214,13 @@ class ChunkChangesMachine(RuleBasedStateMachine):
     def saw(self, *new: str) -> None:
         self.seen.update(new)
 
-    @initialize(freeze_at=st.sampled_from([1, 2, 3, 4, 8]), start=items)
-    def start(self, freeze_at: int, start: list[tuple[str, Ref]]) -> None:
+    @initialize(
+        freeze_at=st.sampled_from([1, 2, 3, 4, 8]), block=st.sampled_from([1, 2, 5]), start=items
+    )
+    def start(self, freeze_at: int, block: int, start: list[tuple[str, Ref]]) -> None:
         ChunkChanges.FREEZE_AT = freeze_at
+        # Merges and walks work a block at a time: blocks of a few entries cross their edges.
+        changes_module._BLOCK = block
         initial = dict(start)
         self.saw(*initial)
         self.pairs.append(Pair(ChunkChanges(initial), dict(initial)))

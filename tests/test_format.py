@@ -12,7 +12,7 @@ import hashlib
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -305,6 +305,45 @@ def test_manifest_shard_round_trip(shard: ManifestShard) -> None:
 @given(txlogs)
 def test_txlog_round_trip(log: TxLog) -> None:
     assert TxLog.decode(log.encode()) == log
+
+
+class _KeysView(Sequence[str]):
+    """A sequence that is not a list, as a large commit's chunk keys are; ``lie`` skews its
+    length."""
+
+    def __init__(self, keys: list[str], lie: int = 0) -> None:
+        self.keys, self.lie = keys, lie
+
+    def __len__(self) -> int:
+        return len(self.keys) + self.lie
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.keys[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys)
+
+
+@FAST
+@given(txlogs)
+def test_a_txlog_of_a_key_view_is_encoded_a_block_at_a_time_to_the_same_payload(log: TxLog) -> None:
+    """A view's keys are packed a block at a time and compressed part by part; the payload (and
+    the frame's content size, which readers need) is that of the list's encoding."""
+    keys = list(log.chunks) * 700  # past a block of 8,192 keys for most examples
+    streamed = TxLog(log.nodes, _KeysView(keys), log.deleted_prefixes, log.resized, log.relocated)
+    whole = TxLog(log.nodes, keys, log.deleted_prefixes, log.resized, log.relocated)
+    data = streamed.encode()
+    assert TxLog.decode(data) == whole
+    assert data[:6] == whole.encode()[:6]
+    params = zstandard.get_frame_parameters(data[6:])
+    assert params.content_size == len(zstandard.ZstdDecompressor().decompress(whole.encode()[6:]))
+
+
+def test_a_key_view_whose_length_lies_is_never_encoded() -> None:
+    for lie in (1, -1):
+        log = TxLog([], _KeysView(["a/c/0", "a/c/1"], lie), [], [])
+        with pytest.raises(RuntimeError, match="changed while the txlog was encoded"):
+            log.encode()
 
 
 @FAST

@@ -21,6 +21,9 @@ would lose a trailing one) are never frozen.
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
+import mmap
 import threading
 from collections.abc import (
     ItemsView,
@@ -118,10 +121,14 @@ class _Run:
             return self.others[int(self.sizes[i])]
         return None
 
-    def items(self) -> Iterator[tuple[str, ChunkRef | None]]:
+    def items(
+        self, where: npt.NDArray[np.bool_] | None = None
+    ) -> Iterator[tuple[str, ChunkRef | None]]:
+        """The entries ``where`` selects (default: the live ones), in key order."""
+        where = self.live if where is None else where
         block = 4096  # decoded a block at a time: nothing of the run's size is built
         for start in range(0, len(self.keys), block):
-            live = self.live[start : start + block]
+            live = where[start : start + block]
             keys = self.keys[start : start + block].tolist()
             if live.all():
                 for j, key in enumerate(keys):
@@ -130,60 +137,105 @@ class _Run:
                 for j in np.flatnonzero(live).tolist():
                     yield keys[j].decode(_UTF8, _SURROGATES), self.value(start + j)
 
+    def keys_where(self, where: npt.NDArray[np.bool_]) -> Iterator[str]:
+        """The keys ``where`` selects, decoded, in key order."""
+        block = 4096
+        for start in range(0, len(self.keys), block):
+            keys = self.keys[start : start + block]
+            live = where[start : start + block]
+            for k in (keys if live.all() else keys[live]).tolist():
+                yield k.decode(_UTF8, _SURROGATES)
+
     def copy(self) -> _Run:
         """Shares the arrays that never change; liveness is the copy's own."""
         return _Run(self.keys, self.kinds, self.digests, self.sizes, self.others, self.live.copy())
 
     def merged_under(self, newer: _Run) -> _Run:
-        """This run's live entries with ``newer``'s on top (a key in both takes ``newer``'s)."""
-        old = self._only(self.live)
-        new = newer._only(newer.live)
-        # Old entries the newer run replaces go; then the two sorted runs interleave.
-        at = np.searchsorted(new.keys, old.keys)
-        shadowed = np.zeros(len(old.keys), np.bool_)
-        inside = at < len(new.keys)
-        shadowed[inside] = new.keys[at[inside]] == old.keys[inside]
-        old = old._only(~shadowed)
-        n = len(old.keys) + len(new.keys)
-        slot_new = np.searchsorted(old.keys, new.keys) + np.arange(len(new.keys))
-        from_new = np.zeros(n, np.bool_)
-        from_new[slot_new] = True
-        width = max(old.keys.dtype.itemsize, new.keys.dtype.itemsize, 1)
-        keys = np.empty(n, np.dtype(f"S{width}"))
-        keys[from_new], keys[~from_new] = new.keys, old.keys
-        kinds = np.empty(n, np.uint8)
-        kinds[from_new], kinds[~from_new] = new.kinds, old.kinds
-        digests = np.empty((n, _DIGEST), np.uint8)
-        digests[from_new], digests[~from_new] = new.digests, old.digests
-        sizes = np.empty(n, np.int64)
-        new_sizes = new.sizes.copy()
-        new_sizes[new.kinds == _OTHER] += len(old.others)
-        sizes[from_new], sizes[~from_new] = new_sizes, old.sizes
-        return _Run(
-            keys, kinds, digests, sizes, old.others + new.others, np.ones(n, np.bool_)
-        )._only(None)
+        """This run's live entries with ``newer``'s on top (a key in both takes ``newer``'s).
 
-    def _only(self, keep: npt.NDArray[np.bool_] | None) -> _Run:
-        """The entries ``keep`` selects (None: all), with ``others`` reduced to theirs."""
-        run = self
-        if keep is not None and not keep.all():
-            run = _Run(
-                self.keys[keep],
-                self.kinds[keep],
-                self.digests[keep],
-                self.sizes[keep],
-                self.others,
-                np.ones(int(keep.sum()), np.bool_),
-            )
-        other = run.kinds == _OTHER
-        if int(other.sum()) == len(run.others):
-            return run
-        sizes = run.sizes.copy()
+        The result is allocated once (:func:`_empty`) and filled a block at a time: besides it,
+        a merge holds a prefix count of each side and a block's worth of indices."""
+        keep_old = self.live & ~_member(self.keys, newer.keys)
+        keep_new = newer.live
+        n = int(np.count_nonzero(keep_old)) + int(np.count_nonzero(keep_new))
+        width = max(self.keys.dtype.itemsize, newer.keys.dtype.itemsize, 1)
+        out = _Run(
+            _empty((n,), np.dtype(f"S{width}")),
+            _empty((n,), np.dtype(np.uint8)),
+            _empty((n, _DIGEST), np.dtype(np.uint8)),
+            _empty((n,), np.dtype(np.int64)),
+            self.others + newer.others,
+            _empty((n,), np.dtype(np.bool_)),
+        )
+        out.live[:] = True
+        # No kept key is on both sides, so an entry's place in the result is its rank among its
+        # side's kept entries plus the number of the other side's kept keys below it.
+        out._fill(self, keep_old, newer, _prefix_counts(keep_new), 0)
+        out._fill(newer, keep_new, self, _prefix_counts(keep_old), len(self.others))
+        return out._with_used_others()
+
+    def _fill(
+        self,
+        src: _Run,
+        keep: npt.NDArray[np.bool_],
+        other: _Run,
+        other_below: npt.NDArray[np.int64],
+        others_at: int,
+    ) -> None:
+        rank = 0
+        for a in range(0, len(src), _BLOCK):
+            idx = np.flatnonzero(keep[a : a + _BLOCK]) + a
+            if not len(idx):
+                continue
+            keys = src.keys[idx]
+            slots = other_below[np.searchsorted(other.keys, keys)]
+            slots += np.arange(rank, rank + len(idx))
+            rank += len(idx)
+            kinds = src.kinds[idx]
+            sizes = src.sizes[idx]
+            if others_at:
+                sizes[kinds == _OTHER] += others_at
+            self.keys[slots] = keys
+            self.kinds[slots] = kinds
+            self.digests[slots] = src.digests[idx]
+            self.sizes[slots] = sizes
+
+    def _with_used_others(self) -> _Run:
+        """This run, with ``others`` reduced to the values its entries name."""
+        other = self.kinds == _OTHER
+        if int(other.sum()) == len(self.others):
+            return self
+        sizes = self.sizes.copy()
         used = sizes[other].tolist()
         sizes[other] = np.arange(len(used))
         return _Run(
-            run.keys, run.kinds, run.digests, sizes, [run.others[j] for j in used], run.live
+            self.keys, self.kinds, self.digests, sizes, [self.others[j] for j in used], self.live
         )
+
+
+#: Entries a merge or a walk handles at a time (its temporaries are a few hundred KB).
+_BLOCK = 1 << 16
+#: Arrays from this size on get an anonymous mapping of their own.
+_OWN_MAPPING = 1 << 18
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialized array; a large one in a memory mapping of its own, which goes back to
+    the system when the array is freed. From the heap, the runs that merges free stay in the
+    process: the allocator raises its threshold for mappings after the first such free, and
+    keeps what later merges release (~30 MB at a million changes)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    if nbytes < _OWN_MAPPING:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+
+
+def _prefix_counts(keep: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+    """``c[i]``: how many of ``keep[:i]`` are set."""
+    counts = _empty((len(keep) + 1,), np.dtype(np.int64))
+    counts[0] = 0
+    np.cumsum(keep, out=counts[1:])
+    return counts
 
 
 class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
@@ -262,8 +314,7 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
     def __len__(self) -> int:
         if not self._runs:
             return len(self._recent)
-        self._settle()
-        return int(self._runs[0].live.sum()) + len(self._recent)
+        return self._walk().count()
 
     def __bool__(self) -> bool:
         return bool(self._recent) or any(run.live.any() for run in self._runs)
@@ -309,43 +360,39 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
         """How many values are refs (not None: deletions)."""
         if not self._runs:
             return sum(v is not None for v in self._recent.values())
-        self._settle()
-        run = self._runs[0]
-        frozen = int(np.count_nonzero(run.live & (run.kinds != _NONE)))
-        return frozen + sum(v is not None for v in self._recent.values())
+        return self._walk().count(refs_only=True)
 
     # -- ordered walks ----------------------------------------------------------------------------
+    # A walk merges the runs as it goes rather than merging them into one first: a million
+    # changes are walked without a second copy of their arrays (only a byte a change, which of
+    # each run's entries are the newest of their key).
 
     def sorted_items(self) -> Iterator[tuple[str, ChunkRef | None]]:
         """Every (key, value) in key order, as ``sorted(self.items())`` without building it."""
         if not self._runs:
-            yield from sorted(self._recent.items(), key=lambda kv: kv[0])
-            return
-        self._settle()
-        yield from heapq.merge(
-            self._runs[0].items(),
-            sorted(self._recent.items(), key=lambda kv: kv[0]),
-            key=lambda kv: kv[0],
-        )
+            return iter(sorted(self._recent.items(), key=_first))
+        return self._walk().items()
 
     def sorted_keys(self) -> Sequence[str]:
         """The keys in key order, as ``sorted(self)``; past a few tens of thousands, a view of the
         frozen keys rather than a list of strings."""
         if not self._runs:
             return sorted(self._recent)
-        self._settle()
-        if self._recent:
-            return [k for k, _ in self.sorted_items()]
-        run = self._runs[0]
-        return _Keys(run.keys if run.live.all() else run.keys[run.live])
+        walk = self._walk()
+        if len(walk.runs) == 1 and not walk.recent:
+            run, keep = walk.runs[0]
+            return _Keys(run.keys if keep.all() else run.keys[keep])
+        return _WalkKeys(walk)
 
     def _iter_items(self) -> Iterator[tuple[str, ChunkRef | None]]:
         if not self._runs:
             yield from list(self._recent.items())
             return
-        self._settle()
-        yield from self._runs[0].items()
-        yield from list(self._recent.items())
+        yield from self._walk().items()
+
+    def _walk(self) -> _Walk:
+        with self._lock:
+            return _Walk.of(self._runs, self._recent)
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -373,6 +420,90 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
                     newer = runs.pop()
                     runs[-1] = runs[-1].merged_under(newer)
                 self._runs = runs
+
+
+def _first(kv: tuple[str, ChunkRef | None]) -> str:
+    return kv[0]
+
+
+def _member(keys: npt.NDArray[np.bytes_], among: npt.NDArray[np.bytes_]) -> npt.NDArray[np.bool_]:
+    """Which of the sorted ``keys`` are in the sorted ``among`` (a block at a time)."""
+    found = np.zeros(len(keys), np.bool_)
+    if len(keys) and len(among):
+        for a in range(0, len(keys), _BLOCK):
+            part = keys[a : a + _BLOCK]
+            at = np.searchsorted(among, part)
+            inside = at < len(among)
+            found[a : a + _BLOCK][inside] = among[at[inside]] == part[inside]
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """The changes at one moment, as the runs and, for each, which entries hold the newest value
+    of their key (an entry a newer run or the dict also holds is shadowed), and the dict's items
+    in key order. Every key is in exactly one place, so a walk is a plain merge."""
+
+    runs: tuple[tuple[_Run, npt.NDArray[np.bool_]], ...]
+    recent: list[tuple[str, ChunkRef | None]]
+
+    @classmethod
+    def of(cls, runs: list[_Run], recent: dict[str, ChunkRef | None]) -> _Walk:
+        items = sorted(recent.items(), key=_first)
+        # Keys with NUL are never frozen, so they shadow nothing.
+        shadow = np.array(
+            [k.encode(_UTF8, _SURROGATES) for k, _ in items if "\x00" not in k], dtype=np.bytes_
+        )
+        kept: list[tuple[_Run, npt.NDArray[np.bool_]]] = []
+        for i, run in enumerate(runs):
+            keep = run.live.copy()
+            for newer in [*(r.keys for r in runs[i + 1 :]), shadow]:
+                keep &= ~_member(run.keys, newer)
+            kept.append((run, keep))
+        return cls(tuple(kept), items)
+
+    def count(self, *, refs_only: bool = False) -> int:
+        n = 0
+        for run, keep in self.runs:
+            n += int(np.count_nonzero(keep & (run.kinds != _NONE) if refs_only else keep))
+        return n + sum(1 for _, v in self.recent if v is not None or not refs_only)
+
+    def items(self) -> Iterator[tuple[str, ChunkRef | None]]:
+        walks = [run.items(keep) for run, keep in self.runs]
+        return heapq.merge(*walks, iter(self.recent), key=_first)
+
+    def keys(self) -> Iterator[str]:
+        walks = [run.keys_where(keep) for run, keep in self.runs]
+        return heapq.merge(*walks, (k for k, _ in self.recent))
+
+
+class _WalkKeys(Sequence[str]):
+    """The keys of a :class:`_Walk`, merged as they are read (in order; random access walks)."""
+
+    def __init__(self, walk: _Walk) -> None:
+        self._walk = walk
+        self._len: int | None = None
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = self._walk.count()
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(i)
+        return next(itertools.islice(self._walk.keys(), j, None))
+
+    def __iter__(self) -> Iterator[str]:
+        return self._walk.keys()
 
 
 class _Keys(Sequence[str]):

@@ -69,6 +69,21 @@ def encode_body(kind: ObjectType, body: bytes, version: int = FORMAT_VERSION) ->
     return MAGIC + bytes((version, int(kind))) + _zc()[0].compress(body)
 
 
+def encode_parts(kind: ObjectType, parts: list[bytes], version: int = FORMAT_VERSION) -> bytes:
+    """:func:`encode_body` of ``b"".join(parts)``, compressed a part at a time so that the body
+    is never joined (a commit of a million chunk keys: ~15 MB). Empties ``parts`` as it goes."""
+    assert FORMAT_VERSION <= version <= newest_version(kind)
+    # The body's size goes into the frame, as a one-shot compression puts it there: readers
+    # decompress in one call, which needs it.
+    compressor = _zc()[0].compressobj(size=sum(map(len, parts)))
+    out = [MAGIC + bytes((version, int(kind)))]
+    parts.reverse()
+    while parts:
+        out.append(compressor.compress(parts.pop()))
+    out.append(compressor.flush())
+    return b"".join(out)
+
+
 def array_header(n: int) -> bytes:
     """The msgpack header of an array of ``n`` elements (what ``packb`` writes before them)."""
     if n < 16:

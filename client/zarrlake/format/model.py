@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from zarrlake.format.codec import (
     decode,
     encode,
     encode_body,
+    encode_parts,
     map_header,
     pack_elements,
 )
@@ -598,13 +600,17 @@ class TxLog:
         for name, value in payload.items():
             parts.append(pack_elements([name]))
             if value is self.chunks:
-                parts.append(array_header(len(self.chunks)))
-                block = 8192
-                for start in range(0, len(self.chunks), block):
-                    parts.append(pack_elements(list(self.chunks[start : start + block])))
+                count = len(self.chunks)
+                parts.append(array_header(count))
+                keys = iter(self.chunks)
+                while block := list(itertools.islice(keys, 8192)):
+                    count -= len(block)
+                    parts.append(pack_elements(block))
+                if count:  # the header promised another number of keys: never write that
+                    raise RuntimeError("the chunk keys changed while the txlog was encoded")
             else:
                 parts.append(pack_elements([value]))
-        return encode_body(ObjectType.TXLOG, b"".join(parts))
+        return encode_parts(ObjectType.TXLOG, parts)
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<txlog>") -> TxLog:
