@@ -9,13 +9,18 @@ other, hold non-ASCII characters (sort order must be Python's ``str`` order) and
 refs that are not compact (20-byte digest, size 2**63, ...), inline, packed, and None (a deleted
 chunk, which is a value, unlike an absent key).
 
-Checks that walk the whole mapping settle its runs into one, so the invariants run them on a
-``copy()`` and keep the original's runs as the rules left them; a rule (``observe``) runs them on
-the original too.
+Walks (``len``, iteration, the sorted walks a commit takes) merge the runs as they go and leave
+them as they are; pickling settles them into one, so the invariants run the checks on a ``copy()``
+and keep the original's runs as the rules left them; a rule (``observe``) runs them on the
+original too. Merges and walks work in blocks, and large arrays live in memory mappings of their
+own: the machine makes both tiny, so block edges and mapped arrays (deletions flip their
+liveness in place) are met at every size.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import pickle
 import random
 from collections import Counter
@@ -195,12 +200,14 @@ class ChunkChangesMachine(RuleBasedStateMachine):
         super().__init__()
         self.saved_freeze_at = ChunkChanges.FREEZE_AT
         self.saved_block = changes_module._BLOCK
+        self.saved_own_mapping = changes_module._OWN_MAPPING
         self.pairs: list[Pair] = []
         self.seen: set[str] = set(FIXED_KEYS[:6])
 
     def teardown(self) -> None:
         ChunkChanges.FREEZE_AT = self.saved_freeze_at
         changes_module._BLOCK = self.saved_block
+        changes_module._OWN_MAPPING = self.saved_own_mapping
 
     def pair(self, i: int) -> Pair:
         return self.pairs[i % len(self.pairs)]
@@ -215,12 +222,19 @@ class ChunkChangesMachine(RuleBasedStateMachine):
         self.seen.update(new)
 
     @initialize(
-        freeze_at=st.sampled_from([1, 2, 3, 4, 8]), block=st.sampled_from([1, 2, 5]), start=items
+        freeze_at=st.sampled_from([1, 2, 3, 4, 8]),
+        block=st.sampled_from([1, 2, 5]),
+        own_mapping=st.sampled_from([1, 1 << 18]),
+        start=items,
     )
-    def start(self, freeze_at: int, block: int, start: list[tuple[str, Ref]]) -> None:
+    def start(
+        self, freeze_at: int, block: int, own_mapping: int, start: list[tuple[str, Ref]]
+    ) -> None:
         ChunkChanges.FREEZE_AT = freeze_at
         # Merges and walks work a block at a time: blocks of a few entries cross their edges.
         changes_module._BLOCK = block
+        # 1: every merged array in a mapping of its own.
+        changes_module._OWN_MAPPING = own_mapping
         initial = dict(start)
         self.saw(*initial)
         self.pairs.append(Pair(ChunkChanges(initial), dict(initial)))
@@ -574,3 +588,55 @@ def test_a_reader_always_finds_what_was_written_while_writes_freeze_runs(
         reader.join()
     assert misses == []
     assert len(changes) == 40_000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_and_its_parent_never_share_deletions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Merged runs live in memory mappings of their own; a fork (multiprocessing's default on
+    Linux, dask's process pools) must copy them like the rest of memory. A shared mapping would
+    carry a ``del`` in one process into the other: an uncommitted write silently gone."""
+    monkeypatch.setattr(ChunkChanges, "FREEZE_AT", 4)
+    monkeypatch.setattr(changes_module, "_OWN_MAPPING", 1)
+    cc = ChunkChanges({f"a/c/{i}": (OBJECT, bytes([i]) * 32, i) for i in range(64)})
+    assert len(cc._runs) >= 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: delete, then say what it sees
+        try:
+            del cc["a/c/5"]
+            os.write(write, b"%d" % len(cc))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as r:
+        child_len = int(r.read())
+    os.waitpid(pid, 0)
+    assert child_len == 63
+    assert "a/c/5" in cc and len(cc) == 64  # the parent keeps its write
+    # And the other way round: the parent's delete after a fork is not the child's.
+    go_r, go_w = os.pipe()
+    answer_r, answer_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(go_r, 1)  # wait for the parent's delete
+            os.write(answer_w, b"1" if "a/c/6" in cc else b"0")
+        finally:
+            os._exit(0)
+    del cc["a/c/6"]
+    os.write(go_w, b"x")
+    answer = os.read(answer_r, 1)
+    os.waitpid(pid, 0)
+    for fd in (go_r, go_w, answer_r, answer_w):
+        os.close(fd)
+    assert answer == b"1"
+
+
+def test_copy_copy_is_a_copy_not_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ChunkChanges, "FREEZE_AT", 2)
+    cc = ChunkChanges({f"k{i}": (OBJECT, bytes(32), i) for i in range(9)})
+    for dup in (copy.copy(cc), copy.deepcopy(cc), cc.copy()):
+        del dup["k1"]
+        assert "k1" in cc and len(cc) == 9 and len(dup) == 8

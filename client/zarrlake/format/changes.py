@@ -21,7 +21,6 @@ would lose a trailing one) are never frozen.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import mmap
 import threading
@@ -215,8 +214,9 @@ class _Run:
 
 #: Entries a merge or a walk handles at a time (its temporaries are a few hundred KB).
 _BLOCK = 1 << 16
-#: Arrays from this size on get an anonymous mapping of their own.
+#: Arrays from this size on get an anonymous mapping of their own (where mappings can be private).
 _OWN_MAPPING = 1 << 18
+_PRIVATE: int | None = getattr(mmap, "MAP_PRIVATE", None)
 
 
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -225,9 +225,11 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     process: the allocator raises its threshold for mappings after the first such free, and
     keeps what later merges release (~30 MB at a million changes)."""
     nbytes = dtype.itemsize * math.prod(shape)
-    if nbytes < _OWN_MAPPING:
+    if nbytes < _OWN_MAPPING or _PRIVATE is None:
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+    # Private: an anonymous mapping is shared by default, so a process forked from this one
+    # would see this one's deletions (and the other way round).
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype).reshape(shape)
 
 
 def _prefix_counts(keep: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
@@ -312,9 +314,10 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
                 raise KeyError(key)
 
     def __len__(self) -> int:
-        if not self._runs:
-            return len(self._recent)
-        return self._walk().count()
+        with self._lock:
+            if not self._runs:
+                return len(self._recent)
+            return self._walk().count()
 
     def __bool__(self) -> bool:
         return bool(self._recent) or any(run.live.any() for run in self._runs)
@@ -347,6 +350,10 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
             out._runs = [run.copy() for run in self._runs]
         return out
 
+    def __copy__(self) -> ChunkChanges:
+        # (Not __reduce__'s way: a copy must not share the runs' liveness with the original.)
+        return self.copy()
+
     def __repr__(self) -> str:
         return f"ChunkChanges({len(self)} changes, {len(self._runs)} runs)"
 
@@ -358,8 +365,6 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
 
     def count_refs(self) -> int:
         """How many values are refs (not None: deletions)."""
-        if not self._runs:
-            return sum(v is not None for v in self._recent.values())
         return self._walk().count(refs_only=True)
 
     # -- ordered walks ----------------------------------------------------------------------------
@@ -369,26 +374,24 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
 
     def sorted_items(self) -> Iterator[tuple[str, ChunkRef | None]]:
         """Every (key, value) in key order, as ``sorted(self.items())`` without building it."""
-        if not self._runs:
-            return iter(sorted(self._recent.items(), key=_first))
         return self._walk().items()
 
     def sorted_keys(self) -> Sequence[str]:
         """The keys in key order, as ``sorted(self)``; past a few tens of thousands, a view of the
         frozen keys rather than a list of strings."""
-        if not self._runs:
-            return sorted(self._recent)
         walk = self._walk()
+        if not walk.runs:
+            return [k for k, _ in walk.recent]
         if len(walk.runs) == 1 and not walk.recent:
             run, keep = walk.runs[0]
             return _Keys(run.keys if keep.all() else run.keys[keep])
         return _WalkKeys(walk)
 
     def _iter_items(self) -> Iterator[tuple[str, ChunkRef | None]]:
-        if not self._runs:
-            yield from list(self._recent.items())
-            return
-        yield from self._walk().items()
+        with self._lock:
+            # Taken under the lock: a first freeze swaps the dict after publishing the run.
+            unfrozen = None if self._runs else list(self._recent.items())
+        yield from self._walk().items() if unfrozen is None else unfrozen
 
     def _walk(self) -> _Walk:
         with self._lock:
@@ -450,6 +453,8 @@ class _Walk:
     @classmethod
     def of(cls, runs: list[_Run], recent: dict[str, ChunkRef | None]) -> _Walk:
         items = sorted(recent.items(), key=_first)
+        if not runs:
+            return cls((), items)
         # Keys with NUL are never frozen, so they shadow nothing.
         shadow = np.array(
             [k.encode(_UTF8, _SURROGATES) for k, _ in items if "\x00" not in k], dtype=np.bytes_
@@ -483,6 +488,7 @@ class _WalkKeys(Sequence[str]):
     def __init__(self, walk: _Walk) -> None:
         self._walk = walk
         self._len: int | None = None
+        self._list: list[str] | None = None
 
     def __len__(self) -> int:
         if self._len is None:
@@ -494,16 +500,13 @@ class _WalkKeys(Sequence[str]):
     @overload
     def __getitem__(self, i: slice) -> Sequence[str]: ...
     def __getitem__(self, i: int | slice) -> str | Sequence[str]:
-        if isinstance(i, slice):
-            return list(self)[i]
-        n = len(self)
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise IndexError(i)
-        return next(itertools.islice(self._walk.keys(), j, None))
+        # Random access is not what a commit does (it iterates): the first one lists the keys.
+        if self._list is None:
+            self._list = list(self._walk.keys())
+        return self._list[i]
 
     def __iter__(self) -> Iterator[str]:
-        return self._walk.keys()
+        return self._walk.keys() if self._list is None else iter(self._list)
 
 
 class _Keys(Sequence[str]):
