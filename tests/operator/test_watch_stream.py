@@ -219,7 +219,7 @@ def test_close_from_another_thread_ends_a_waiting_read_quietly(server: Script) -
             for ev in stream:
                 seen.append(ev["type"])
             outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - the test reports whatever it was
+        except BaseException as e:  # the test reports whatever it was
             outcome.append(e)
 
     reader = threading.Thread(target=read)
