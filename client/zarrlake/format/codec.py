@@ -109,8 +109,11 @@ def pack_elements(items: list[Any]) -> bytes:
     return packed[len(array_header(len(items))) :]
 
 
-def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:
-    """Parse an object written by :func:`encode`, checking its header."""
+def decode(
+    data: bytes, expected: ObjectType, key: str = "<object>", *, use_list: bool = True
+) -> Any:
+    """Parse an object written by :func:`encode`, checking its header. ``use_list=False``:
+    arrays come back as tuples (msgpack builds them so, at no extra cost)."""
     if len(data) < HEADER_LEN:
         raise CorruptObject(key, f"truncated ({len(data)} bytes)")
     if data[:4] != MAGIC:
@@ -125,6 +128,6 @@ def decode(data: bytes, expected: ObjectType, key: str = "<object>") -> Any:
         raise CorruptObject(key, f"expected a {expected.name.lower()} object, found type {kind}")
     try:
         body = _zc()[1].decompress(data[HEADER_LEN:], allow_extra_data=False)
-        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=use_list)
     except Exception as e:  # zstd and msgpack raise many types on garbage
         raise CorruptObject(key, f"{type(e).__name__}: {e}") from None
