@@ -24,7 +24,7 @@ import os
 import pickle
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,7 @@ def check_walks(cc: ChunkChanges, model: dict[str, Ref]) -> None:
     assert [k for k, _ in walked] == sorted(model)  # Python's str order, by code point
     assert list(sorted_changes(cc)) == list(sorted_changes(model)) == walked
     keys = cc.sorted_keys()  # what a txlog encodes: a view merged as it is read
+    assert list(changes_module.sorted_keys(model)) == sorted(model)  # a plain mapping too
     assert len(keys) == len(model) and list(keys) == sorted(model)
     if model:
         assert keys[0] == min(model) and keys[-1] == max(model)
@@ -438,15 +439,21 @@ def test_a_longer_key_is_not_found_by_a_truncated_match() -> None:
     assert cc == {"data/c/123456": obj(1), "data/c/1": obj(2)}
 
 
-@pytest.mark.usefixtures("small_runs")
-def test_keys_of_different_lengths_across_runs_merge() -> None:
-    model: dict[str, Ref] = {}
+def mirrored() -> tuple[ChunkChanges, dict[str, Ref], Callable[[str, Ref], None]]:
+    """A ChunkChanges, its dict model, and a ``put`` that writes to both."""
     cc = ChunkChanges()
+    model: dict[str, Ref] = {}
 
     def put(key: str, value: Ref) -> None:
         cc[key] = value
         model[key] = value
 
+    return cc, model, put
+
+
+@pytest.mark.usefixtures("small_runs")
+def test_keys_of_different_lengths_across_runs_merge() -> None:
+    cc, model, put = mirrored()
     # Runs of short keys, then of long ones that extend them, then short again on top.
     put("a", obj(1))
     put("b", None)
@@ -472,13 +479,7 @@ def test_keys_of_different_lengths_across_runs_merge() -> None:
 
 @pytest.mark.usefixtures("small_runs")
 def test_a_key_in_two_runs_is_removed_from_both() -> None:
-    model: dict[str, Ref] = {}
-    cc = ChunkChanges()
-
-    def put(key: str, value: Ref) -> None:
-        cc[key] = value
-        model[key] = value
-
+    cc, model, put = mirrored()
     for i in range(8):
         put(f"k{i}", obj(i))
     put("k0", obj(100))

@@ -44,7 +44,7 @@ from zarrlake.errors import (
     ZarrlakeError,
 )
 from zarrlake.format import manifest
-from zarrlake.format.changes import ChunkChanges
+from zarrlake.format.changes import ChunkChanges, sorted_keys
 from zarrlake.format.ids import content_hash, new_snapshot_id
 from zarrlake.format.manifest import ManifestUpdate, prefix_matches
 from zarrlake.format.model import (
@@ -670,10 +670,10 @@ class CommitEngine:
             update = self._apply(parent, cs, max_refs, spill=spill, reshard=reshard)
         txlog = TxLog(
             sorted(set(cs.nodes) | set(removed_nodes)),
-            [] if relocation else cs.chunks.sorted_keys(),
+            [] if relocation else sorted_keys(cs.chunks),
             sorted(cs.deleted_prefixes),
             sorted(resized_arrays(parent.nodes, cs.nodes)),
-            list(cs.chunks.sorted_keys()) if relocation else [],
+            list(sorted_keys(cs.chunks)) if relocation else [],
         )
         history = _history_for(parent)
         index, sealed = _index_for(

@@ -323,8 +323,10 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
         return bool(self._recent) or any(run.live.any() for run in self._runs)
 
     def __iter__(self) -> Iterator[str]:
-        for key, _ in self.items():
-            yield key
+        # Keys alone: a listing walks them without building a ref for each.
+        with self._lock:
+            unfrozen = None if self._runs else list(self._recent)
+        yield from self._walk().keys() if unfrozen is None else unfrozen
 
     def items(self) -> ItemsView[str, ChunkRef | None]:
         return _Items(self)
@@ -561,6 +563,13 @@ def sorted_changes(
     if isinstance(changes, ChunkChanges):
         return changes.sorted_items()
     return sorted(changes.items(), key=lambda kv: kv[0])
+
+
+def sorted_keys(changes: Mapping[str, ChunkRef | None]) -> Sequence[str]:
+    """``changes``' keys in key order: a view, for :class:`ChunkChanges`; sorted, otherwise."""
+    if isinstance(changes, ChunkChanges):
+        return changes.sorted_keys()
+    return sorted(changes)
 
 
 def count_refs(changes: Mapping[str, ChunkRef | None]) -> int:

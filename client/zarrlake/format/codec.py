@@ -86,20 +86,20 @@ def encode_parts(kind: ObjectType, parts: list[bytes], version: int = FORMAT_VER
 
 def array_header(n: int) -> bytes:
     """The msgpack header of an array of ``n`` elements (what ``packb`` writes before them)."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
+    return _header(n, 0x90, b"\xdc", b"\xdd")
 
 
 def map_header(n: int) -> bytes:
     """The msgpack header of a map of ``n`` pairs (what ``packb`` writes before them)."""
+    return _header(n, 0x80, b"\xde", b"\xdf")
+
+
+def _header(n: int, fixed: int, sixteen: bytes, thirty_two: bytes) -> bytes:
     if n < 16:
-        return bytes((0x80 | n,))
+        return bytes((fixed | n,))
     if n < 1 << 16:
-        return b"\xde" + n.to_bytes(2, "big")
-    return b"\xdf" + n.to_bytes(4, "big")
+        return sixteen + n.to_bytes(2, "big")
+    return thirty_two + n.to_bytes(4, "big")
 
 
 def pack_elements(items: list[Any]) -> bytes:
