@@ -11,6 +11,7 @@ import builtins
 import contextlib
 import datetime as dt
 import errno
+import heapq
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -188,13 +189,21 @@ class LocalStorage(Storage):
     def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
         try:
             with os.scandir(path) as it:
-                entries = [(e.name, e.is_dir(), e.is_symlink()) for e in it]
+                entries = [
+                    (e.name + "/", e.name, True, e.is_symlink())
+                    if e.is_dir()
+                    else (e.name, e.name, False, False)
+                    for e in it
+                ]
         except (FileNotFoundError, NotADirectoryError):
             return
         # Every key below directory d starts with "d/": ordering a directory's names with "/"
-        # appended to directories yields keys in ascending order, level by level.
-        entries.sort(key=lambda e: e[0] + "/" if e[1] else e[0])
-        for name, is_dir, is_link in entries:
+        # appended to directories yields keys in ascending order, level by level. A heap hands
+        # them out in that order as they are taken: finding a branch head takes the first key
+        # of a journal of thousands of entries, and need not sort them all.
+        heapq.heapify(entries)
+        while entries:
+            _, name, is_dir, is_link = heapq.heappop(entries)
             key = rel + name
             if is_dir:
                 sub = key + "/"
