@@ -30,6 +30,7 @@ from zarrlake.format.codec import (
     ObjectType,
     decode,
     encode,
+    gc_paused,
     newest_version,
 )
 from zarrlake.format.ids import (
@@ -46,6 +47,8 @@ from zarrlake.format.model import (
     OBJECT,
     PACKED,
     SEQ_MAX,
+    AncestorRecord,
+    HistoryPage,
     JournalEntry,
     ManifestShard,
     RepoRecord,
@@ -280,6 +283,66 @@ def test_time_round_trip_is_exact_to_the_microsecond() -> None:
     assert to_micros(dt.datetime(1970, 1, 1, 0, 0, 1, 7, tzinfo=dt.UTC)) == 1_000_007
     assert from_micros(1_000_007) == dt.datetime(1970, 1, 1, 0, 0, 1, 7, tzinfo=dt.UTC)
     assert from_micros(0).tzinfo is not None
+
+
+_FLOAT_EDGE = 2**33 * 10**6  # where from_micros leaves its float path (the year 2242)
+
+
+@FAST
+@given(
+    st.one_of(
+        st.integers(min_value=0, max_value=_FLOAT_EDGE + 10**7),
+        st.integers(min_value=_FLOAT_EDGE - 10**7, max_value=_FLOAT_EDGE + 10**7),
+        st.integers(min_value=-(10**16), max_value=10**17),
+        st.sampled_from([0, 1, 499_999, 500_000, 999_999, _FLOAT_EDGE - 1, _FLOAT_EDGE, -1]),
+    )
+)
+def test_from_micros_equals_exact_arithmetic_on_both_of_its_paths(us: int) -> None:
+    # Below 2**33 s it goes through a float timestamp, which must round back to the exact
+    # microsecond; elsewhere (before 1970, after 2242) through integer arithmetic.
+    exact = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=us)
+    got = from_micros(us)
+    assert got == exact and got.tzinfo is dt.UTC
+    assert to_micros(got) == us
+
+
+def test_history_records_keep_times_before_1970_and_after_2242() -> None:
+    # Records whose times are outside the decoder's fast path take the careful one, intact.
+    times = [
+        dt.datetime(1969, 7, 20, 20, 17, 40, 1, tzinfo=dt.UTC),
+        dt.datetime(2242, 3, 16, 12, 56, 32, 999_999, tzinfo=dt.UTC),
+        dt.datetime(2026, 11, 26, 14, 0, 0, 123_456, tzinfo=dt.UTC),
+    ]
+    records = tuple(
+        AncestorRecord(("01ARZ3NDEKTSV4RRFFQ69G5FAV",), when, None, f"m{i}", {"i": i})
+        for i, when in enumerate(times)
+    )
+    ids = tuple(new_snapshot_id() for _ in records)
+    back = HistoryPage.decode(HistoryPage(ids, records, ()).encode())
+    assert back.records == records
+    assert [r.time for r in back.records] == times
+
+
+def test_gc_paused_turns_the_collector_back_on_only_if_it_turned_it_off() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested, or another thread's decoder meanwhile
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(CorruptObject), gc_paused():
+        raise CorruptObject("k", "an error inside")
+    assert gc.isenabled()
+    gc.disable()  # the application's choice is kept
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @FAST

@@ -234,3 +234,37 @@ def test_an_index_naming_no_object_is_not_trusted_and_never_becomes_a_path() -> 
     repo.core.storage.put(history_page_key(digest), page)
     with pytest.raises(CorruptObject, match="not a content digest"):
         repo.core.objects.history_page(digest)
+
+
+def test_records_read_from_pages_are_whole_commit_infos_like_the_snapshots_own() -> None:
+    # log() builds its records from history pages in one step each (not through the dataclass's
+    # __init__): every field must equal what the snapshot itself says, and the objects must
+    # behave as any CommitInfo (frozen, equal, picklable), with metadata of their own.
+    import dataclasses
+    import pickle
+
+    from zarrlake.history import commit_info
+
+    repo = new_repo()
+    for i in range(12):
+        commit(repo, "main", i)
+    fresh = zarrlake.Repository.open(repo.core.storage)
+    logged = list(fresh.log("main"))
+    objects = ObjectStore(repo.core.storage, repo.core.record.content_hash)
+    assert logged == [commit_info(objects.snapshot(c.id)) for c in logged]
+    for info in logged:
+        assert type(info) is zarrlake.CommitInfo
+        assert pickle.loads(pickle.dumps(info)) == info
+        assert repr(info) == repr(dataclasses.replace(info))
+        assert info.time.tzinfo is dt.UTC
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            info.message = "changed"  # type: ignore[misc]
+    assert logged[0].metadata == {"i": 11}
+    # The records stay cached with their pages: changing what log() returned changes nothing.
+    for info in logged:
+        info.metadata["x"] = 1
+    again = list(fresh.log("main"))
+    assert [c.metadata for c in again] == [
+        commit_info(objects.snapshot(c.id)).metadata for c in again
+    ]
+    assert all("x" not in c.metadata for c in again)

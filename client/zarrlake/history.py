@@ -15,6 +15,7 @@ from typing import Any
 
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, UnsupportedFormat
 from zarrlake.format import manifest
+from zarrlake.format.codec import gc_paused
 from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
 from zarrlake.format.model import (
     AncestorRecord,
@@ -35,6 +36,28 @@ log = logging.getLogger("zarrlake")
 
 #: The prefix expiry records live under (one immutable object per expiry run).
 EXPIRY_PREFIX = "expired/"
+
+
+_new = object.__new__
+
+
+def _record_info(
+    sid: str,
+    parents: tuple[str, ...],
+    message: str,
+    author: str | None,
+    time: dt.datetime,
+    metadata: dict[str, Any],
+) -> CommitInfo:
+    """``CommitInfo(sid, parents, message, author, time, metadata)``, for the thousand records of
+    a history page: a frozen dataclass's ``__init__`` sets its fields one by one through
+    ``object.__setattr__``; this fills the new instance's ``__dict__`` in one step (twice as
+    fast, and the same object: a test compares the two)."""
+    info: CommitInfo = _new(CommitInfo)
+    vars(info).update(
+        id=sid, parents=parents, message=message, author=author, time=time, metadata=metadata
+    )
+    return info
 
 
 def commit_info(snap: Snapshot) -> CommitInfo:
@@ -122,10 +145,11 @@ class History(Iterator[CommitInfo]):
         expired: frozenset[str] | None = None
         heap = [(-to_micros(first.time), first.id)]
         seen = {first.id}
+        known = records.known  # grows as pages are read; every id on the heap is in it
         produced = 0
         while heap and (limit is None or produced < limit):
             _, sid = heapq.heappop(heap)
-            commit = records.info(sid)
+            commit = known[sid]
             yield commit
             produced += 1
             if expired is None:
@@ -137,12 +161,18 @@ class History(Iterator[CommitInfo]):
                 if parent in expired:
                     self._truncated_at(sid, parent)
                     continue
-                try:
-                    parent_time = records.info(parent).time
-                except RefNotFound:
-                    self._truncated_at(sid, parent)
+                info = known.get(parent)
+                if info is None:
+                    try:
+                        info = records.info(parent)
+                    except RefNotFound:
+                        self._truncated_at(sid, parent)
+                        continue
+                if not heap and len(commit.parents) == 1:
+                    # A linear stretch: the one candidate is taken next, whatever its time.
+                    heap.append((0, parent))
                     continue
-                heapq.heappush(heap, (-to_micros(parent_time), parent))
+                heapq.heappush(heap, (-to_micros(info.time), parent))
 
 
 class CommitRecords:
@@ -172,11 +202,12 @@ class CommitRecords:
         return all(p in self.known for c in self.known.values() for p in c.parents)
 
     def _add(self, ids: Iterable[str], records: Iterable[AncestorRecord]) -> None:
-        for aid, rec in zip(ids, records, strict=False):
-            if aid not in self.known:
-                self.known[aid] = CommitInfo(
-                    aid, rec.parents, rec.message, rec.author, rec.time, dict(rec.metadata)
-                )
+        known = self.known
+        with gc_paused():
+            for aid, (parents, time, author, message, metadata) in zip(ids, records, strict=False):
+                if aid not in known:
+                    # The metadata is copied: the record stays cached with its page.
+                    known[aid] = _record_info(aid, parents, message, author, time, dict(metadata))
 
     def _queue(self, digests: Iterable[str]) -> None:
         for digest in digests:

@@ -11,7 +11,7 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 from urllib.parse import quote, unquote
 
 from zarrlake.errors import CorruptObject
@@ -23,6 +23,7 @@ from zarrlake.format.codec import (
     encode,
     encode_body,
     encode_parts,
+    gc_paused,
     map_header,
     pack_elements,
 )
@@ -191,7 +192,16 @@ def to_micros(when: dt.datetime) -> int:
     return (when - _EPOCH) // _MICRO
 
 
+#: Below this many microseconds after the epoch (2**33 s: the year 2242), ``us / 1e6`` is a float
+#: within half a microsecond of the exact time, which ``fromtimestamp`` rounds away.
+_FLOAT_EXACT_US = 2**33 * 10**6
+_from_timestamp = dt.datetime.fromtimestamp
+
+
 def from_micros(us: int) -> dt.datetime:
+    # A page of history is a thousand of these: the float path builds one object, not two.
+    if 0 <= us < _FLOAT_EXACT_US:
+        return _from_timestamp(us / 1e6, dt.UTC)
     return _EPOCH + dt.timedelta(microseconds=us)
 
 
@@ -215,10 +225,17 @@ def _opt(value: Any, kind: type, key: str, name: str) -> Any:
     return None if value is None else _typed(value, kind, key, name)
 
 
+def _all_of(items: Sequence[Any], kind: type) -> bool:
+    """Every item is exactly a ``kind`` (what msgpack decodes to): one pass in C over thousands
+    of items, the set of their types."""
+    return not set(map(type, items)).difference((kind,))
+
+
 def _strs(value: Any, key: str, name: str) -> list[str]:
     _typed(value, list, key, name)
-    for item in value:
-        _typed(item, str, key, name)
+    if not _all_of(value, str):
+        for item in value:
+            _typed(item, str, key, name)  # names what is wrong
     strings: list[str] = value  # checked item by item above
     return strings
 
@@ -348,6 +365,11 @@ class ManifestShard:
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<manifest>") -> ManifestShard:
+        with gc_paused():
+            return cls._decode(data, key)
+
+    @classmethod
+    def _decode(cls, data: bytes, key: str) -> ManifestShard:
         # Arrays as tuples: a ref is a tuple, and msgpack builds thousands of them in C instead
         # of lists that a loop here would turn into tuples (most of a 1-chunk commit's time in
         # a repository of a million chunks, whose shard is rarely cached).
@@ -357,8 +379,8 @@ class ManifestShard:
         if (
             not isinstance(keys, tuple)
             or not isinstance(refs, tuple)
-            or not all(type(k) is str for k in keys)
-            or not all(type(r) is tuple for r in refs)
+            or not _all_of(keys, str)
+            or not _all_of(refs, tuple)
         ):
             raise CorruptObject(key, "keys must be strings and refs arrays")
         if len(keys) != len(refs):
@@ -375,9 +397,11 @@ class ManifestShard:
 # -- snapshots -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class AncestorRecord:
-    """An ancestor's commit record, as a descendant snapshot carries it (id in ``ancestry``)."""
+class AncestorRecord(NamedTuple):
+    """An ancestor's commit record, as a descendant snapshot carries it (id in ``ancestry``).
+
+    A named tuple rather than a dataclass: a history page decodes a thousand of them for one
+    ``log()``, and a tuple is built in one step."""
 
     parents: tuple[str, ...]
     time: dt.datetime
@@ -391,25 +415,27 @@ def _history(items: Any, ancestry: list[str], key: str) -> list[AncestorRecord]:
         raise CorruptObject(key, "history does not match ancestry")
     # A page holds up to ~1,000 records and log() decodes them all: the checks run inline on
     # exact types (what msgpack decodes to), the careful path below only names what is wrong.
-    out = []
-    new = AncestorRecord
+    out: list[AncestorRecord] = []
+    append, new, record = out.append, tuple.__new__, AncestorRecord
     for item in items:
-        if (
-            type(item) is list
-            and len(item) == 5
-            and type(item[0]) is list
-            and all(type(p) is str for p in item[0])
-            and type(item[1]) is int
-            and (item[2] is None or type(item[2]) is str)
-            and type(item[3]) is str
-            and type(item[4]) is dict
-        ):
-            try:
-                when = _EPOCH + dt.timedelta(microseconds=item[1])
-            except OverflowError:
-                raise CorruptObject(key, f"history has an invalid time ({item[1]})") from None
-            out.append(new(tuple(item[0]), when, item[2], item[3], item[4]))
-            continue
+        if type(item) is list and len(item) == 5:
+            parents, us, author, message, metadata = item
+            if (
+                type(parents) is list
+                and (
+                    type(parents[0]) is str
+                    if len(parents) == 1
+                    else all(type(p) is str for p in parents)
+                )
+                and type(us) is int
+                and 0 <= us < _FLOAT_EXACT_US
+                and (author is None or type(author) is str)
+                and type(message) is str
+                and type(metadata) is dict
+            ):
+                when = _from_timestamp(us / 1e6, dt.UTC)  # from_micros, inline
+                append(new(record, (tuple(parents), when, author, message, metadata)))
+                continue
         if not isinstance(item, list) or len(item) != 5:
             raise CorruptObject(key, f"bad history record {item!r}")
         parents, when, author, message, metadata = item
@@ -485,6 +511,11 @@ class HistoryPage:
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<history page>") -> HistoryPage:
+        with gc_paused():
+            return cls._decode(data, key)
+
+    @classmethod
+    def _decode(cls, data: bytes, key: str) -> HistoryPage:
         obj = decode(data, ObjectType.HISTORY_PAGE, key)
         ids = _strs(_need(obj, "ids", key), key, "ids")
         records = _history(_need(obj, "records", key), ids, key)
@@ -541,13 +572,32 @@ class Snapshot:
 
     @classmethod
     def decode(cls, data: bytes, key: str = "<snapshot>") -> Snapshot:
+        with gc_paused():
+            return cls._decode(data, key)
+
+    @classmethod
+    def _decode(cls, data: bytes, key: str) -> Snapshot:
         obj = decode(data, ObjectType.SNAPSHOT, key)
         nodes = _typed(_need(obj, "nodes", key), dict, key, "nodes")
         for path, doc in nodes.items():
             _typed(path, str, key, "nodes")
             _typed(doc, bytes, key, "nodes")
         shards = []
+        # A million chunks make an index of ~500 entries, read by every fresh client: the checks
+        # run inline on exact types, the careful path below only names what is wrong.
+        is_digest, info = _DIGEST.fullmatch, ShardInfo
         for s in _typed(_need(obj, "shards", key), list, key, "shards"):
+            if type(s) is list and len(s) == 4:
+                first, last, digest, count = s
+                if (
+                    type(first) is str
+                    and type(last) is str
+                    and type(digest) is str
+                    and is_digest(digest)
+                    and type(count) is int
+                ):
+                    shards.append(info(first, last, digest, count))
+                    continue
             if not isinstance(s, list) or len(s) != 4:
                 raise CorruptObject(key, f"bad shard index entry {s!r}")
             first, last = (_typed(x, str, key, "shards") for x in s[:2])
