@@ -53,11 +53,17 @@ def newest_version(kind: ObjectType) -> int:
 
 _local = threading.local()
 
+#: zstd level 1 rather than the default 3: on this format's objects (msgpack of keys, digests and
+#: records) it is 20-35% faster (a 1M-chunk snapshot 168 -> 113 us, a shard of 2,045 object refs
+#: 272 -> 190 us, a history page 149 -> 120 us) at the same size within 1%; only shards of
+#: small inline chunks grow, 2.8 -> 3.3 KB. Readers do not care which level wrote an object.
+ZSTD_LEVEL = 1
+
 
 def _zc() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     pair = getattr(_local, "zstd", None)
     if pair is None:
-        pair = (zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor())
+        pair = (zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor())
         _local.zstd = pair
     return pair
 
