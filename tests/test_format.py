@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import os
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import Any
@@ -343,6 +345,65 @@ def test_gc_paused_turns_the_collector_back_on_only_if_it_turned_it_off() -> Non
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_decoders_in_threads_share_one_pause_of_the_collector() -> None:
+    import gc
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with gc_paused():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen.append(gc.isenabled())  # the first is done, this one still decodes
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [False]
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_during_a_pause_gets_its_collector_back() -> None:
+    # A decoding thread holds the collector off while another thread forks: the child has no
+    # such thread, so nothing in it would ever turn the collector back on.
+    import gc
+
+    inside, done = threading.Event(), threading.Event()
+
+    def decoder() -> None:
+        with gc_paused():
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=decoder)
+    thread.start()
+    try:
+        assert inside.wait(10) and not gc.isenabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+            pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not gc.isenabled()  # the parent's pause goes on
+    finally:
+        done.set()
+        thread.join(10)
+    assert gc.isenabled()
 
 
 @FAST

@@ -391,6 +391,11 @@ def test_list_nested_folders_by_prefix(storage: Storage) -> None:
     fill(storage, keys)
     for prefix in ["", "d/", "d/x", "d/x/", "d/x/2", "d/x/2/", "d/y", "e"]:
         assert_listing(keys_of(storage.list(prefix)), [k for k in keys if k.startswith(prefix)])
+        # The first few keys, as a listing of them alone finds them (a local one orders each
+        # folder only as far as it is read).
+        whole = storage.list_keys(prefix)
+        for limit in (1, 2, 3, 20):
+            assert storage.list_keys(prefix, limit=limit) == whole[:limit]
 
 
 def test_list_orders_fixed_width_names_in_one_folder(storage: Storage) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -118,24 +119,49 @@ def pack_elements(items: list[Any]) -> bytes:
     return packed[len(array_header(len(items))) :]
 
 
+_pause = threading.Lock()
+_holders = 0  # decoders inside gc_paused() while it holds the collector off
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Hold off the cyclic garbage collector while a decoder builds thousands of small objects
     (a history page's records, a manifest shard's refs). None of them can be cyclic garbage, yet
-    every 700 allocations the collector would scan them again: ~15% of a ``log()`` of 1,000
-    commits (msgpack's documentation gives the same advice for large messages).
+    every 700 allocations the collector would scan them again: with a client's heap, a page of
+    1,000 records decodes in 1.7 ms instead of 2.9 (msgpack's documentation gives the same advice
+    for large messages).
 
-    Nests and overlaps across threads: a collector that is already off (held by another decoder,
-    or by the application) is left as it is, and only the caller that turned it off turns it
-    back on."""
-    if not gc.isenabled():
+    Decoders in several threads share one pause: the collector comes back on when the last of
+    them is done. A collector the application turned off is left off. A process forked during a
+    pause gets its collector back (no thread of the child would ever end the pause)."""
+    global _holders
+    with _pause:
+        held = _holders > 0 or gc.isenabled()
+        if held:
+            _holders += 1
+            gc.disable()
+    if not held:
         yield
         return
-    gc.disable()
     try:
         yield
     finally:
+        with _pause:
+            _holders -= 1
+            if _holders == 0:
+                gc.enable()
+
+
+def _end_pause_in_child() -> None:
+    global _pause, _holders
+    _pause = threading.Lock()  # another thread may have held it at the fork
+    if _holders:
+        _holders = 0
         gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_end_pause_in_child)
 
 
 def decode(

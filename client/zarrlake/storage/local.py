@@ -12,6 +12,8 @@ import contextlib
 import datetime as dt
 import errno
 import heapq
+import itertools
+import operator
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +32,17 @@ from zarrlake.storage.base import (
 )
 
 _TMP = ".tmp"
+
+
+#: Listings of at most this many keys order each folder's names lazily (:meth:`list_keys`).
+_FEW = 16
+_sort_key = operator.itemgetter(0)
+
+
+def _popping(heap: list[tuple[str, str, bool, bool]]) -> Iterator[tuple[str, str, bool, bool]]:
+    """A heap's items, smallest first, taken as they are asked for."""
+    while heap:
+        yield heapq.heappop(heap)
 
 
 def _holds_file(path: Path) -> bool:
@@ -184,9 +197,19 @@ class LocalStorage(Storage):
         # time: a listing of a million chunk objects must not hold a million entries.
         base_dir, _, _ = prefix.rpartition("/")
         start = self.root / base_dir if base_dir else self.root
-        return self._walk(start, base_dir + "/" if base_dir else "", prefix)
+        return self._walk(start, base_dir + "/" if base_dir else "", prefix, lazy=False)
 
-    def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+    def list_keys(self, prefix: str = "", *, limit: int | None = None) -> builtins.list[str]:
+        if limit is None or limit > _FEW:
+            return super().list_keys(prefix, limit=limit)
+        # The first few keys (a branch head is the first key of its journal): each folder's
+        # names are ordered only as far as they are taken.
+        base_dir, _, _ = prefix.rpartition("/")
+        start = self.root / base_dir if base_dir else self.root
+        walk = self._walk(start, base_dir + "/" if base_dir else "", prefix, lazy=True)
+        return [info.key for info in itertools.islice(walk, max(limit, 0))]
+
+    def _walk(self, path: Path, rel: str, prefix: str, *, lazy: bool) -> Iterator[ObjectInfo]:
         try:
             with os.scandir(path) as it:
                 entries = [
@@ -198,19 +221,23 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return
         # Every key below directory d starts with "d/": ordering a directory's names with "/"
-        # appended to directories yields keys in ascending order, level by level. A heap hands
-        # them out in that order as they are taken: finding a branch head takes the first key
-        # of a journal of thousands of entries, and need not sort them all.
-        heapq.heapify(entries)
-        while entries:
-            _, name, is_dir, is_link = heapq.heappop(entries)
+        # appended to directories yields keys in ascending order, level by level. ``lazy``: a
+        # heap hands them out in that order as they are taken (the first of a journal of
+        # thousands of entries without sorting them all; a whole listing sorts, which is faster).
+        if lazy:
+            heapq.heapify(entries)
+            ordered: Iterable[tuple[str, str, bool, bool]] = _popping(entries)
+        else:
+            entries.sort(key=_sort_key)
+            ordered = entries
+        for _, name, is_dir, is_link in ordered:
             key = rel + name
             if is_dir:
                 sub = key + "/"
                 if is_link or (not rel and name == _TMP):
                     continue
                 if sub.startswith(prefix) or prefix.startswith(sub):
-                    yield from self._walk(path / name, sub, prefix)
+                    yield from self._walk(path / name, sub, prefix, lazy=lazy)
             elif key.startswith(prefix):
                 try:
                     st = os.stat(path / name)
