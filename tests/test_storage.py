@@ -1040,6 +1040,36 @@ def test_map_reads_runs_in_place_where_reads_are_cheap_and_keeps_order(storage: 
         assert threading.get_ident() not in threads
 
 
+def test_read_ahead_starts_a_read_where_reads_are_slow_and_waits_where_they_are_cheap(
+    storage: Storage,
+) -> None:
+    # log() lists the expiry marks while it finds a branch head: over a network the read starts
+    # at once on the pool; where reads run in place it runs when its result is asked for.
+    storage.put("k", b"v")
+    started = threading.Event()
+    threads: list[int] = []
+
+    def read() -> bytes:
+        threads.append(threading.get_ident())
+        started.set()
+        return storage.get("k")
+
+    result = storage.read_ahead(read)
+    if storage.inline_read_bytes:
+        assert not started.is_set()
+        assert result() == b"v" and threads == [threading.get_ident()]
+    else:
+        assert started.wait(10)  # before anyone asks
+        assert result() == b"v" and threading.get_ident() not in threads
+    assert result() == b"v" and len(threads) == 1  # read once
+
+    def missing() -> bytes:
+        return storage.get("nope")
+
+    with pytest.raises(ObjectNotFound):
+        storage.read_ahead(missing)()
+
+
 def test_map_writes_runs_a_small_round_in_place_where_writes_are_cheap(storage: Storage) -> None:
     # A commit's round of small writes costs less made in the caller's thread on a local or
     # memory storage than the hand-offs to the pool; elsewhere, and for a round too large,

@@ -8,9 +8,10 @@ appends one immutable expiry record. History ends cleanly at snapshots taken out
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import heapq
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from typing import Any
 
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, UnsupportedFormat
@@ -118,10 +119,15 @@ class History(Iterator[CommitInfo]):
         expiry: ExpiryLog,
         first: Snapshot,
         limit: int | None,
+        expired: Callable[[], frozenset[str]] | None = None,
     ) -> None:
+        """``expired``: the expiry marks, once asked for (a read already started, say); by
+        default ``expiry`` lists them when the walk first looks past ``first``."""
         self.truncated: list[tuple[str, str]] = []
         self._objects = objects
-        self._it = self._walk(expiry, first, limit)
+        if expired is None:
+            expired = functools.partial(expiry.expired, refresh=True)
+        self._it = self._walk(expired, first, limit)
 
     def __iter__(self) -> History:
         return self
@@ -133,7 +139,9 @@ class History(Iterator[CommitInfo]):
         self.truncated.append((child, parent))
         log.info("history ends at %s: its parent %s was expired", child, parent)
 
-    def _walk(self, expiry: ExpiryLog, first: Snapshot, limit: int | None) -> Iterator[CommitInfo]:
+    def _walk(
+        self, marks: Callable[[], frozenset[str]], first: Snapshot, limit: int | None
+    ) -> Iterator[CommitInfo]:
         records = CommitRecords(self._objects)
         records.learn(first)
         # The expiry marks and, unless the head's own records cover the limit, the newest history
@@ -153,7 +161,7 @@ class History(Iterator[CommitInfo]):
             yield commit
             produced += 1
             if expired is None:
-                expired = records.fetch_pages(expiry, expiry_only=not prefetch, at_most=wanted)
+                expired = records.fetch_pages(marks, expiry_only=not prefetch, at_most=wanted)
             for parent in commit.parents:
                 if parent in seen:
                     continue
@@ -226,13 +234,13 @@ class CommitRecords:
 
     def fetch_pages(
         self,
-        expiry: ExpiryLog | None = None,
+        expiry: Callable[[], frozenset[str]] | None = None,
         *,
         expiry_only: bool = False,
         at_most: int | None = None,
     ) -> frozenset[str]:
         """Read the queued pages (the newest ``at_most`` of them, default all) in one concurrent
-        round — with ``expiry``, the expiry marks too, and return them (empty without).
+        round — with ``expiry``, the expiry marks it gives too, and return them (empty without).
         ``expiry_only``: read no pages."""
         take = 0 if expiry_only else len(self._pending) if at_most is None else max(at_most, 0)
         digests, self._pending = self._pending[:take], self._pending[take:]
@@ -242,7 +250,7 @@ class CommitRecords:
             nonlocal expired
             if i == len(digests):
                 assert expiry is not None
-                expired = expiry.expired(refresh=True)
+                expired = expiry()
                 return None
             return self._page(digests[i])
 
@@ -351,6 +359,18 @@ class CommitGraph:
         """
         first = self.objects.snapshot(snapshot_id)
         return History(self.objects, self.expiry, first, limit)
+
+    def log_ref(self, ref: str, *, limit: int | None = None) -> History:
+        """:meth:`log` of what ``ref`` resolves to. A walk that will go past the head needs the
+        expiry marks: where reads are slow (S3), their listing starts now and runs while the
+        head is found, instead of after it (the same requests, a round trip less of waiting)."""
+        marks = None
+        if limit is None or limit > 1:
+            marks = self.objects.storage.read_ahead(
+                functools.partial(self.expiry.expired, refresh=True)
+            )
+        first = self.objects.snapshot(self.resolve(ref))
+        return History(self.objects, self.expiry, first, limit, marks)
 
     def as_of(self, ref: str, when: dt.datetime) -> str:
         """The snapshot ``ref`` pointed at, at time ``when`` (naive times are UTC).

@@ -342,7 +342,7 @@ class Repository:
         History ends cleanly where snapshots were expired: the returned iterator's
         ``truncated`` lists the expired parents it stopped at (logged at INFO too).
         """
-        return self._core.graph.log(self.resolve(ref), limit=limit)
+        return self._core.graph.log_ref(ref, limit=limit)
 
     def diff(self, from_ref: str, to_ref: str) -> Diff:
         """Nodes added/removed/changed and chunks changed going from ``from_ref`` to ``to_ref``.

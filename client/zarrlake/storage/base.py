@@ -100,6 +100,18 @@ T = TypeVar("T")
 _POOL_THREAD = threading.local()
 
 
+def _once(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, run on the first call only; later calls give the same result."""
+    done: builtins.list[T] = []
+
+    def result() -> T:
+        if not done:
+            done.append(fn())
+        return done[0]
+
+    return result
+
+
 def _mark_pool_thread() -> None:
     _POOL_THREAD.marked = True
 
@@ -571,6 +583,15 @@ class Storage(abc.ABC):
         if self.inline_read_bytes:
             return [fn(x) for x in items]
         return self.map(fn, items)
+
+    def read_ahead(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """Start the read ``fn`` now, to overlap what the caller does next; returns the function
+        that gives its result (or raises its error). Where small reads cost less than a thread
+        hand-off (:meth:`map_reads` runs them in place) nothing starts: ``fn`` runs when its
+        result is first asked for, in the asking thread."""
+        if self.inline_read_bytes or getattr(_POOL_THREAD, "marked", False):
+            return _once(fn)
+        return self._executor().submit(fn).result
 
     def map_writes(
         self, fn: Callable[[Any], T], items: Iterable[Any], nbytes: int
