@@ -325,6 +325,13 @@ def test_history_records_keep_times_before_1970_and_after_2242() -> None:
     assert [r.time for r in back.records] == times
 
 
+@pytest.mark.parametrize("us", [2**62, -(2**62)])
+def test_a_history_record_with_a_time_no_datetime_holds_is_corrupt(us: int) -> None:
+    body = {"ids": [new_snapshot_id()], "records": [[[], us, None, "m", {}]], "older": []}
+    with pytest.raises(CorruptObject, match="invalid time"):
+        HistoryPage.decode(encode(ObjectType.HISTORY_PAGE, body))
+
+
 def test_gc_paused_turns_the_collector_back_on_only_if_it_turned_it_off() -> None:
     import gc
 

@@ -119,15 +119,15 @@ class History(Iterator[CommitInfo]):
         expiry: ExpiryLog,
         first: Snapshot,
         limit: int | None,
-        expired: Callable[[], frozenset[str]] | None = None,
+        marks: Callable[[], frozenset[str]] | None = None,
     ) -> None:
-        """``expired``: the expiry marks, once asked for (a read already started, say); by
-        default ``expiry`` lists them when the walk first looks past ``first``."""
+        """``marks`` gives the ids of expired snapshots when the walk first looks past ``first``
+        (a read already started, say); by default, ``expiry`` lists them then."""
         self.truncated: list[tuple[str, str]] = []
         self._objects = objects
-        if expired is None:
-            expired = functools.partial(expiry.expired, refresh=True)
-        self._it = self._walk(expired, first, limit)
+        if marks is None:
+            marks = functools.partial(expiry.expired, refresh=True)
+        self._it = self._walk(marks, first, limit)
 
     def __iter__(self) -> History:
         return self
@@ -234,13 +234,13 @@ class CommitRecords:
 
     def fetch_pages(
         self,
-        expiry: Callable[[], frozenset[str]] | None = None,
+        marks: Callable[[], frozenset[str]] | None = None,
         *,
         expiry_only: bool = False,
         at_most: int | None = None,
     ) -> frozenset[str]:
         """Read the queued pages (the newest ``at_most`` of them, default all) in one concurrent
-        round — with ``expiry``, the expiry marks it gives too, and return them (empty without).
+        round — with ``marks``, the expiry marks it gives too, and return them (empty without).
         ``expiry_only``: read no pages."""
         take = 0 if expiry_only else len(self._pending) if at_most is None else max(at_most, 0)
         digests, self._pending = self._pending[:take], self._pending[take:]
@@ -249,12 +249,12 @@ class CommitRecords:
         def step(i: int) -> HistoryPage | None:
             nonlocal expired
             if i == len(digests):
-                assert expiry is not None
-                expired = expiry()
+                assert marks is not None
+                expired = marks()
                 return None
             return self._page(digests[i])
 
-        pages = self.objects.storage.map_reads(step, range(len(digests) + (expiry is not None)))
+        pages = self.objects.storage.map_reads(step, range(len(digests) + (marks is not None)))
         for page in pages:
             if page is not None:
                 self._add(page.ids, page.records)
@@ -352,13 +352,20 @@ class CommitGraph:
         except RefNotFound:
             raise self.journal.missing(ref, "ref") from None
 
-    def log(self, snapshot_id: str, *, limit: int | None = None) -> History:
-        """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots.
+    def log(
+        self,
+        snapshot_id: str,
+        *,
+        limit: int | None = None,
+        marks: Callable[[], frozenset[str]] | None = None,
+    ) -> History:
+        """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots
+        (``marks``: see :class:`History`).
 
         Raises :class:`RefNotFound` if the snapshot itself is missing.
         """
         first = self.objects.snapshot(snapshot_id)
-        return History(self.objects, self.expiry, first, limit)
+        return History(self.objects, self.expiry, first, limit, marks)
 
     def log_ref(self, ref: str, *, limit: int | None = None) -> History:
         """:meth:`log` of what ``ref`` resolves to. A walk that will go past the head needs the
@@ -369,8 +376,7 @@ class CommitGraph:
             marks = self.objects.storage.read_ahead(
                 functools.partial(self.expiry.expired, refresh=True)
             )
-        first = self.objects.snapshot(self.resolve(ref))
-        return History(self.objects, self.expiry, first, limit, marks)
+        return self.log(self.resolve(ref), limit=limit, marks=marks)
 
     def as_of(self, ref: str, when: dt.datetime) -> str:
         """The snapshot ``ref`` pointed at, at time ``when`` (naive times are UTC).

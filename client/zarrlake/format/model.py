@@ -428,12 +428,14 @@ def _history(items: Any, ancestry: list[str], key: str) -> list[AncestorRecord]:
                     else all(type(p) is str for p in parents)
                 )
                 and type(us) is int
-                and 0 <= us < _FLOAT_EXACT_US
                 and (author is None or type(author) is str)
                 and type(message) is str
                 and type(metadata) is dict
             ):
-                when = _from_timestamp(us / 1e6, dt.UTC)  # from_micros, inline
+                try:
+                    when = from_micros(us)
+                except OverflowError:
+                    raise CorruptObject(key, f"history has an invalid time ({us})") from None
                 append(new(record, (tuple(parents), when, author, message, metadata)))
                 continue
         if not isinstance(item, list) or len(item) != 5:

@@ -56,6 +56,7 @@ import abc
 import asyncio
 import builtins
 import datetime as dt
+import functools
 import os
 import random
 import threading
@@ -98,18 +99,6 @@ T = TypeVar("T")
 
 #: Set in the threads of the I/O pools (see :meth:`Storage.map`).
 _POOL_THREAD = threading.local()
-
-
-def _once(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, run on the first call only; later calls give the same result."""
-    done: builtins.list[T] = []
-
-    def result() -> T:
-        if not done:
-            done.append(fn())
-        return done[0]
-
-    return result
 
 
 def _mark_pool_thread() -> None:
@@ -590,7 +579,7 @@ class Storage(abc.ABC):
         hand-off (:meth:`map_reads` runs them in place) nothing starts: ``fn`` runs when its
         result is first asked for, in the asking thread."""
         if self.inline_read_bytes or getattr(_POOL_THREAD, "marked", False):
-            return _once(fn)
+            return functools.cache(fn)
         return self._executor().submit(fn).result
 
     def map_writes(
