@@ -39,14 +39,39 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
-from zarrlake.format.model import OBJECT, ChunkRef
+from zarrlake.format.model import OBJECT, PACKED, ChunkRef
 
-_NONE, _OBJECT, _OTHER = 0, 1, 2
+_NONE, _OBJECT, _OTHER, _PACKED = 0, 1, 2, 3
 _DIGEST = 32
+#: Where a packed chunk lies: its pack (an id of 32 bytes: a hash, or the random id a session
+#: gives the packs it writes), offset and length. For packed entries only, in a column of their own.
+_PLACE = np.dtype([("pack", np.uint8, (32,)), ("offset", np.int64), ("length", np.int64)])
+_HEX = frozenset("0123456789abcdef")
 _MISSING: Any = object()
 # Keys are stored as UTF-8; a lone surrogate (legal in a Python str) round-trips, in code point
 # order like every other character.
 _UTF8, _SURROGATES = "utf-8", "surrogatepass"
+
+
+def _packed_place(ref: ChunkRef) -> tuple[bytes, int, int] | None:
+    """(pack id bytes, offset, length) of a packed ref a run can hold in columns, else None:
+    a pack id of 64 lowercase hex digits, the chunk's 32-byte digest, offsets in range."""
+    if not (len(ref) == 5 and ref[0] == PACKED):
+        return None
+    pack, offset, length, digest = ref[1], ref[2], ref[3], ref[4]
+    if not (
+        type(pack) is str
+        and len(pack) == 64
+        and _HEX.issuperset(pack)
+        and type(digest) is bytes
+        and len(digest) == _DIGEST
+        and type(offset) is int
+        and type(length) is int
+        and 0 <= offset < 1 << 63
+        and 0 <= length < 1 << 63
+    ):
+        return None
+    return bytes.fromhex(pack), offset, length
 
 
 def _compact(ref: ChunkRef) -> bool:
@@ -66,10 +91,12 @@ class _Run:
 
     keys: npt.NDArray[np.bytes_]
     kinds: npt.NDArray[np.uint8]
-    digests: npt.NDArray[np.uint8]  # (n, 32); zeros where the kind is not _OBJECT
-    sizes: npt.NDArray[np.int64]  # the size of an object; the index into ``others`` of _OTHER
+    digests: npt.NDArray[np.uint8]  # (n, 32): an object's digest, a packed chunk's; else zeros
+    # The size of an object; the index into ``others`` of _OTHER, into ``places`` of _PACKED.
+    sizes: npt.NDArray[np.int64]
     others: list[ChunkRef]
     live: npt.NDArray[np.bool_]  # False: removed from the mapping (``del``), not a deletion
+    places: npt.NDArray[Any]  # (_PLACE) where each _PACKED entry's chunk lies
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -82,6 +109,7 @@ class _Run:
         digests = bytearray(n * _DIGEST)
         sizes = np.zeros(n, np.int64)
         others: list[ChunkRef] = []
+        places: list[tuple[bytes, int, int]] = []
         for i, (_, v) in enumerate(items):
             if v is None:
                 continue
@@ -89,6 +117,11 @@ class _Run:
                 kinds[i] = _OBJECT
                 digests[i * _DIGEST : (i + 1) * _DIGEST] = v[1]
                 sizes[i] = v[2]
+            elif (place := _packed_place(v)) is not None:
+                kinds[i] = _PACKED
+                digests[i * _DIGEST : (i + 1) * _DIGEST] = v[4]
+                sizes[i] = len(places)
+                places.append(place)
             else:
                 kinds[i] = _OTHER
                 sizes[i] = len(others)
@@ -101,6 +134,7 @@ class _Run:
             sizes,
             others,
             np.ones(n, np.bool_),
+            _places(places),
         )
 
     def find(self, key: bytes) -> int:
@@ -118,6 +152,15 @@ class _Run:
             return (OBJECT, self.digests[i].tobytes(), int(self.sizes[i]))
         if kind == _OTHER:
             return self.others[int(self.sizes[i])]
+        if kind == _PACKED:
+            place = self.places[int(self.sizes[i])]
+            return (
+                PACKED,
+                place["pack"].tobytes().hex(),
+                int(place["offset"]),
+                int(place["length"]),
+                self.digests[i].tobytes(),
+            )
         return None
 
     def items(
@@ -147,7 +190,15 @@ class _Run:
 
     def copy(self) -> _Run:
         """Shares the arrays that never change; liveness is the copy's own."""
-        return _Run(self.keys, self.kinds, self.digests, self.sizes, self.others, self.live.copy())
+        return _Run(
+            self.keys,
+            self.kinds,
+            self.digests,
+            self.sizes,
+            self.others,
+            self.live.copy(),
+            self.places,
+        )
 
     def merged_under(self, newer: _Run) -> _Run:
         """This run's live entries with ``newer``'s on top (a key in both takes ``newer``'s).
@@ -165,12 +216,14 @@ class _Run:
             _empty((n,), np.dtype(np.int64)),
             self.others + newer.others,
             _empty((n,), np.dtype(np.bool_)),
+            np.concatenate([self.places, newer.places]),
         )
         out.live[:] = True
         # No kept key is on both sides, so an entry's place in the result is its rank among its
         # side's kept entries plus the number of the other side's kept keys below it.
-        out._fill(self, keep_old, newer, _prefix_counts(keep_new), 0)
-        out._fill(newer, keep_new, self, _prefix_counts(keep_old), len(self.others))
+        out._fill(self, keep_old, newer, _prefix_counts(keep_new), (0, 0))
+        shift = (len(self.others), len(self.places))
+        out._fill(newer, keep_new, self, _prefix_counts(keep_old), shift)
         return out._with_used_others()
 
     def _fill(
@@ -179,8 +232,11 @@ class _Run:
         keep: npt.NDArray[np.bool_],
         other: _Run,
         other_below: npt.NDArray[np.int64],
-        others_at: int,
+        shift: tuple[int, int],
     ) -> None:
+        """Copy ``src``'s entries that ``keep`` selects into their places in this run; the
+        indices of its _OTHER and _PACKED entries move up by ``shift`` (``others``, ``places``)."""
+        others_at, places_at = shift
         rank = 0
         for a in range(0, len(src), _BLOCK):
             idx = np.flatnonzero(keep[a : a + _BLOCK]) + a
@@ -194,22 +250,42 @@ class _Run:
             sizes = src.sizes[idx]
             if others_at:
                 sizes[kinds == _OTHER] += others_at
+            if places_at:
+                sizes[kinds == _PACKED] += places_at
             self.keys[slots] = keys
             self.kinds[slots] = kinds
             self.digests[slots] = src.digests[idx]
             self.sizes[slots] = sizes
 
     def _with_used_others(self) -> _Run:
-        """This run, with ``others`` reduced to the values its entries name."""
+        """This run, with ``others`` and ``places`` reduced to what its entries name."""
         other = self.kinds == _OTHER
-        if int(other.sum()) == len(self.others):
+        packed = self.kinds == _PACKED
+        if int(other.sum()) == len(self.others) and int(packed.sum()) == len(self.places):
             return self
         sizes = self.sizes.copy()
         used = sizes[other].tolist()
         sizes[other] = np.arange(len(used))
+        at = sizes[packed]
+        sizes[packed] = np.arange(len(at))
         return _Run(
-            self.keys, self.kinds, self.digests, sizes, [self.others[j] for j in used], self.live
+            self.keys,
+            self.kinds,
+            self.digests,
+            sizes,
+            [self.others[j] for j in used],
+            self.live,
+            self.places[at],
         )
+
+
+def _places(places: list[tuple[bytes, int, int]]) -> npt.NDArray[Any]:
+    out = np.zeros(len(places), _PLACE)
+    if places:
+        out["pack"] = np.frombuffer(b"".join(p for p, _, _ in places), np.uint8).reshape(-1, 32)
+        out["offset"] = [o for _, o, _ in places]
+        out["length"] = [n for _, _, n in places]
+    return out
 
 
 #: Entries a merge or a walk handles at a time (its temporaries are a few hundred KB).
@@ -536,6 +612,9 @@ class _Keys(Sequence[str]):
 
 
 def _restore(recent: dict[str, ChunkRef | None], runs: list[_Run]) -> ChunkChanges:
+    for run in runs:
+        if not hasattr(run, "places"):  # pickled by a zarrlake from before packed columns
+            run.places = _places([])
     out = ChunkChanges()
     out._recent, out._runs = recent, runs
     return out
