@@ -5,14 +5,17 @@ collection over a million chunk objects (issue 11: ≤ 200 MB and ≤ 300 MB).
     python bench/memory.py --quick                # 100,000 refs + 10,000 garbage chunks
     python bench/memory.py --refs 300000 --trace  # where the memory goes (tracemalloc, by line)
     python bench/memory.py --json bench/results/memory.json --workdir /tmp/mem
+    python bench/memory.py --packs                # the chunks written into packs (the default
+                                                  # for small chunks) instead of objects
 
 What is built (local file system, a temporary directory removed afterwards): a repository whose
-inline threshold is 0, so every chunk — 8 bytes, one int64 — is a content-addressed chunk object and
-its ref the full (object, digest, size) kind. One session creates a one-dimensional array of
-``refs`` one-element chunks through Zarr, writes every chunk through the session's store (the
-encoded bytes Zarr would write; going through Zarr's array API costs the same for every engine and
-is not what is measured), and commits. Then a second session writes ``garbage`` chunks with other
-values and is discarded: its chunk objects are garbage.
+inline threshold is 0 and packing at write time is off, so every chunk — 8 bytes, one int64 — is a
+content-addressed chunk object and its ref the full (object, digest, size) kind (``--packs``: the
+chunks go into packs as they are written, and the refs are packed ones). One session creates a
+one-dimensional array of ``refs`` one-element chunks through Zarr, writes every chunk through the
+session's store (the encoded bytes Zarr would write; going through Zarr's array API costs the same
+for every engine and is not what is measured), and commits. Then a second session writes
+``garbage`` chunks with other values and is discarded: its chunk objects (or packs) are garbage.
 
 What is measured, each step in a fresh spawned process:
 
@@ -94,7 +97,10 @@ def _step(root: str, op: str, args: dict[str, Any], out: Any) -> None:
     storage = zarrlake.Storage.local(root)
     if op == "commit":
         n, garbage = args["refs"], args["garbage"]
-        repo = zarrlake.Repository.create(storage, config={"inline_threshold_bytes": 0})
+        # Objects unless asked for packs: then the chunks go into packs as they are written
+        # (the default for chunks this small), and the session holds packed refs.
+        packs = {} if args["packs"] else {"pack_chunks_below_bytes": 0}
+        repo = zarrlake.Repository.create(storage, config={"inline_threshold_bytes": 0, **packs})
         report["start_rss_mib"] = _status("VmRSS")
         if trace:
             tracemalloc.start()
@@ -119,6 +125,7 @@ def _step(root: str, op: str, args: dict[str, Any], out: Any) -> None:
         del s
         g = repo.writable_session()
         _write_chunks(g, 0, garbage, -1)
+        g.flush()  # (packs: written, then dropped with the session)
         g.discard()
     elif op == "gc":
         repo = zarrlake.Repository.open(storage)
@@ -175,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refs", type=int, help="chunk refs the commit publishes (default 1,000,000)")
     p.add_argument("--garbage", type=int, help="garbage chunk objects (default refs / 10)")
     p.add_argument("--trace", action="store_true", help="tracemalloc: where memory goes, by line")
+    p.add_argument(
+        "--packs", action="store_true", help="chunks written into packs (refs into packs)"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--workdir", type=Path, help="keep the repository here (default: a temp dir)")
     args = p.parse_args(argv)
@@ -186,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"refs": refs, "garbage": garbage}
     try:
         progress(f"commit of {refs:,} chunk refs (and {garbage:,} garbage chunks)")
-        results["commit"] = step(root, "commit", refs=refs, garbage=garbage, trace=args.trace)
+        results["commit"] = step(
+            root, "commit", refs=refs, garbage=garbage, trace=args.trace, packs=args.packs
+        )
         progress(json.dumps({k: v for k, v in results["commit"].items() if "trace" not in k}))
         results["baseline"] = step(root, "baseline")
         progress(f"gc over {refs + garbage:,} chunk objects")
@@ -197,8 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
     c, g = results["commit"], results["gc"]
-    deleted = g["gc"]["by_kind"]["chunks"]["deleted"]
-    kept = g["gc"]["by_kind"]["chunks"]["kept"]
+    kind = "packs" if args.packs else "chunks"
+    deleted = g["gc"]["by_kind"][kind]["deleted"]
+    kept = g["gc"]["by_kind"][kind]["kept"]
+    gc_line = (
+        f"GC over {refs + garbage:,} chunks in packs ({deleted:,} packs deleted, {kept:,} kept)"
+        if args.packs
+        else f"GC over {refs + garbage:,} chunk objects ({deleted:,} deleted, {kept:,} kept)"
+    )
     print(
         "\n".join(
             [
@@ -212,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| commit of {refs:,} refs | {c['commit_s']:.2f} s |",
                 f"| commit of {refs:,} refs, peak RSS | {c['commit_peak_rss_mib']:.0f} MiB |",
                 f"| writes + commit, peak RSS | {c['peak_rss_mib']:.0f} MiB |",
-                f"| GC over {refs + garbage:,} chunk objects ({deleted:,} deleted, "
-                f"{kept:,} kept) | {g['gc_s']:.1f} s |",
+                f"| {gc_line} | {g['gc_s']:.1f} s |",
                 f"| GC, peak RSS | {g['peak_rss_mib']:.0f} MiB |",
             ]
         )

@@ -315,6 +315,15 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> zarrlake.Storage:
 
 
 @pytest.fixture
+def chunk_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repositories created in this test write every chunk above the inline threshold as an
+    object of its own (``pack_chunks_below_bytes=0``), not into packs: for tests of what holds
+    per chunk object (dedup, GC of chunk objects, compaction packing them, mirrors counting
+    them). Packing at write time has its own tests (``test_write_packs.py``)."""
+    monkeypatch.setattr(zarrlake.config, "PACK_CHUNKS_BELOW_BYTES", 0)
+
+
+@pytest.fixture
 def repo(storage: zarrlake.Storage) -> zarrlake.Repository:
     return zarrlake.Repository.create(storage)
 

@@ -31,6 +31,9 @@ from cli_helpers import CHUNK, Result, assert_one_line_error, commit_random
 from zarrlake.k8s import Connection, connection_from_resource, with_password
 from zarrlake_testkit.servers import start_redis, stop
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 # Characters that must be quoted in a URL's userinfo, and a space.
 PASSWORD = "p@ss:w/rd %#?&=+x"
 ENV_VARS = ("ZARRLAKE_LOCK", "ZARRLAKE_LOCK_PASSWORD", "ZARRLAKE_REPORT_FILE")

@@ -30,6 +30,9 @@ import zarrlake as zl
 from cli_helpers import Result, assert_one_line_error
 from zarrlake_testkit.servers import free_port
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 DEADLINE = 60.0  # seconds: generous, a pass on a loaded machine still takes well under one
 
 STATUS_KEYS = [

@@ -144,7 +144,8 @@ SCENARIOS: dict[str, Scenario] = {
 def test_frozen_changes_behave_as_a_dict_of_them(
     scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = {"inline_threshold_bytes": 0, "shard_max_refs": 8}  # objects; many small shards
+    # Objects (no packs: their ids are random); many small shards.
+    config = {"inline_threshold_bytes": 0, "pack_chunks_below_bytes": 0, "shard_max_refs": 8}
     monkeypatch.setattr(ChunkChanges, "FREEZE_AT", 1 << 30)
     plain = scenario(
         zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "d"), config=config)

@@ -28,6 +28,9 @@ from zarrlake.format import manifest
 from zarrlake.format.codec import MAGIC, ObjectType
 from zarrlake.format.model import OBJECT, REPO_KEY, RepoRecord, chunk_key, to_micros
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 DIGEST = {
     "sha256": lambda data: hashlib.sha256(data).hexdigest(),
     "blake3": lambda data: blake3.blake3(data).hexdigest(),

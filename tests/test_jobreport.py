@@ -16,6 +16,9 @@ import zarrlake
 from cli_helpers import commit_random
 from zarrlake.jobreport import MAX_MESSAGE_BYTES, JobReport, job_document
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 
 @pytest.fixture
 def repo() -> zarrlake.Repository:

@@ -48,6 +48,9 @@ from zarrlake_testkit.servers import (
     wait_for_port,
 )
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 WORKERS = Path(__file__).resolve().with_name("lock_workers.py")
 ZARRLAKE_HOME = Path(zarrlake.__file__).resolve().parent.parent  # workers import the same code
 

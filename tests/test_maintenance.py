@@ -61,6 +61,9 @@ from zarrlake.maintenance.gc import ChunkMarks
 from zarrlake.maintenance.gc import gc as gc_at
 from zarrlake.refs import PRUNE_FLOOR
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 # The digests chunk objects must be named by, per content hash: computed here with the hash
 # libraries themselves, not with zarrlake's code.
 DIGEST = {

@@ -23,6 +23,9 @@ from zarrlake.mirror import Mirror
 from zarrlake.mirror.lease import DestinationLease
 from zarrlake_testkit.counting import CountingStorage, Counts
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 
 @pytest.fixture
 def source(tmp_path: Path) -> zl.Repository:

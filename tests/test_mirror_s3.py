@@ -29,7 +29,8 @@ from zarrlake.storage.base import Buffer, StorageError, TransientStorageError
 from zarrlake_testkit.counting import CountingStorage, Counts
 from zarrlake_testkit.servers import start_moto, stop
 
-pytestmark = pytest.mark.s3
+# Chunks as objects of their own: what these tests count (see conftest).
+pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("chunk_objects")]
 
 BUCKET = "zarrlake-mirror"
 

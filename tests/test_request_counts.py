@@ -102,7 +102,9 @@ def counted(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Coun
     return lambda: CountingStorage(moto_s3.storage(prefix), counts)
 
 
-C = 128  # int64 elements per chunk: 1 KiB, above the inline threshold, so each is an object
+# int64 elements per chunk: 1 KiB, above the inline threshold: each commit writes its chunk into
+# a pack (of one chunk), read back with a ranged GET.
+C = 128
 
 
 def _repo_with_commits(make: Callable[[], CountingStorage], commits: int) -> list[str]:
@@ -144,10 +146,10 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
     arr = zarr.open_array(store, path="data", mode="r")
     assert _ops(counts) == []  # array metadata lives in the snapshot
     np.testing.assert_array_equal(arr[C : 2 * C], 2)
-    assert _ops(counts) == ["get", "get"]  # the manifest, the chunk
+    assert _ops(counts) == ["get", "get_range"]  # the manifest, the chunk (in its pack)
     counts.reset()
     np.testing.assert_array_equal(arr[2 * C : 3 * C], 3)
-    assert _ops(counts) == ["get"]  # the manifest is cached: the chunk alone
+    assert _ops(counts) == ["get_range"]  # the manifest is cached: the chunk alone
 
 
 @pytest.mark.parametrize("how", ["create", "reset"])
@@ -173,7 +175,7 @@ def test_a_new_or_reset_branch_reads_like_a_committed_one(
     arr = zarr.open_array(store, path="data", mode="r")
     np.testing.assert_array_equal(arr[0:C], 1)
     np.testing.assert_array_equal(arr[C : 2 * C], 0)  # the tag is one commit behind main
-    assert _ops(counts) == ["get", "get"]  # the manifest, the chunk
+    assert _ops(counts) == ["get", "get_range"]  # the manifest, the chunk (in its pack)
 
 
 def test_reading_a_tag_costs_one_round_for_the_tag(counted: Callable[[], CountingStorage]) -> None:
@@ -303,16 +305,14 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     assert WRITE_PROBE_KEY not in {key for _, key in counts.calls()}  # asked once per storage
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
-    assert counts.calls()[0][0] == "put_create_only"  # the chunk, written as it comes
-    assert counts.calls()[0][1].startswith("chunks/")
-    assert len(counts.calls()) == 1
-    counts.reset()
+    assert counts.calls() == []  # the chunk waits in the session's pack, in memory
     session.commit("one chunk")
-    # No listing of the head: the append of the entry after the session's base decides. The
-    # manifest to rewrite; then one concurrent round: the new manifest, the transaction log, the
-    # snapshot, and a read of the base's entry (still there: the repository was not replaced);
-    # then the new head entry.
-    ops = _ops(counts)
+    # First the pack holding the chunk. No listing of the head: the append of the entry after
+    # the session's base decides. The manifest to rewrite; then one concurrent round: the new
+    # manifest, the transaction log, the snapshot, and a read of the base's entry (still there:
+    # the repository was not replaced); then the new head entry.
+    assert counts.calls()[0][0] == "put" and counts.calls()[0][1].startswith("packs/")
+    ops = _ops(counts)[1:]
     assert ops[0] == "get" and ops[-1] == "put_create_only"
     assert sorted(ops[1:-1]) == ["get", "put", "put", "put_create_only"]
     assert ("get", branch_entry_key("main", 3)) in counts.calls()
@@ -418,7 +418,8 @@ def test_refs_without_a_listing_read_each_ref(counted: Callable[[], CountingStor
 def _packed_array(make: Callable[[], CountingStorage], chunks: int) -> np.ndarray:
     """``data``: ``chunks`` 1 KiB chunks written in one commit, then compacted into one pack
     (in key order, so chunks 0..9 lie side by side). Returns the array's values."""
-    repo = zarrlake.Repository.create(make())
+    # Written as chunk objects (no packing at write time): compaction makes the pack.
+    repo = zarrlake.Repository.create(make(), config={"pack_chunks_below_bytes": 0})
     values = np.arange(C * chunks, dtype="int64")
     with repo.transaction("main", message="write") as store:
         zarr.create_array(

@@ -172,6 +172,7 @@ def create_raw_grid(store: Any) -> None:
     )
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunks named by the hash: objects, not packs
 @pytest.mark.parametrize("content_hash", ["blake3", "sha256"])
 def test_partitions_name_chunks_by_the_repository_hash(
     spark: Any, tmp_path: Path, content_hash: str

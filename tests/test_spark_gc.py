@@ -43,7 +43,8 @@ from zarrlake.format.model import PACKED
 from zarrlake.maintenance.gc import gc as gc_at
 from zarrlake.maintenance.spark_jobs import compact_spark, gc_spark
 
-pytestmark = [pytest.mark.spark]
+# Chunks as objects of their own: what these tests collect (see conftest).
+pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("chunk_objects")]
 
 N = 12  # chunks of the array
 

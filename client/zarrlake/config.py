@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_SESSION_TTL = dt.timedelta(days=7)
+MAX_PACKED_CHUNK = 16 * 1024 * 1024
+#: The default of :attr:`RepositoryConfig.pack_chunks_below_bytes`, for repositories created
+#: without one (read when a config is made: a test of the chunk-object path may set it to 0).
+PACK_CHUNKS_BELOW_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -16,17 +20,23 @@ class RepositoryConfig:
     - ``inline_threshold_bytes``: chunks at most this size live inside the manifest, not as objects.
     - ``shard_max_refs``: the bound on chunk refs per manifest shard (what makes commits O(change)).
     - ``session_ttl``: default lifetime of a writable session (at most 7 days).
+    - ``pack_chunks_below_bytes``: chunks a session writes that are above the inline threshold
+      and below this size go into pack objects of a few MiB (:mod:`zarrlake.packs`): one request
+      per pack instead of one per chunk. 0 writes every such chunk as an object of its own.
     """
 
     inline_threshold_bytes: int = 512
     shard_max_refs: int = 2048
     session_ttl: dt.timedelta = dt.timedelta(hours=24)
+    pack_chunks_below_bytes: int = field(default_factory=lambda: PACK_CHUNKS_BELOW_BYTES)
 
     def __post_init__(self) -> None:
         if not 0 <= self.inline_threshold_bytes <= 1 << 20:
             raise ValueError("inline_threshold_bytes must be between 0 and 1 MiB")
         if not 4 <= self.shard_max_refs <= 1_000_000:
             raise ValueError("shard_max_refs must be between 4 and 1,000,000")
+        if not 0 <= self.pack_chunks_below_bytes <= MAX_PACKED_CHUNK:
+            raise ValueError("pack_chunks_below_bytes must be between 0 and 16 MiB")
         if not dt.timedelta(0) < self.session_ttl <= MAX_SESSION_TTL:
             raise ValueError("session_ttl must be positive and at most 7 days")
 

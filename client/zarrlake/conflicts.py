@@ -14,7 +14,7 @@ from typing import Any
 from zarrlake.changeset import Changeset
 from zarrlake.errors import Conflict
 from zarrlake.format.manifest import prefix_matches
-from zarrlake.format.model import ChunkRef, TxLog
+from zarrlake.format.model import ChunkRef, TxLog, ref_identity
 from zarrlake.nodes import grid_signature, meta_key_node, split_chunk_key
 from zarrlake.types import node_path
 
@@ -204,7 +204,7 @@ def three_way(
     for key, (_, ref) in sorted(source_chunks.items()):
         path, coords = split_chunk_key(key, arrays)
         if key in dest_chunks:
-            if dest_chunks[key][1] == ref:
+            if ref_identity(dest_chunks[key][1]) == ref_identity(ref):  # the same bytes
                 continue
             if settle(Conflict("chunk", path, coords)):
                 out_chunks[key] = ref

@@ -6,11 +6,12 @@ Snapshots, shards and txlogs are immutable, so they are cached freely by id or d
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
 from zarrlake.format.ids import LEGACY_CONTENT_HASH, ContentHash, content_hash, content_hasher
@@ -37,6 +38,15 @@ from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+class StagedPacks(Protocol):
+    """Packs a session has written into memory and not yet into storage (see
+    :class:`zarrlake.packs.PackWriter`)."""
+
+    def read(self, pack_id: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of the pack, or None once it is in storage."""
+        ...
 
 
 class LRU(Generic[K, V]):
@@ -120,6 +130,8 @@ class ObjectStore:
         self._init_caches()
 
     def _init_caches(self) -> None:
+        #: Pack writers of this process's sessions, by the id of a pack they hold unwritten.
+        self._staged: weakref.WeakValueDictionary[str, StagedPacks] = weakref.WeakValueDictionary()
         self._snapshots: LRU[str, Snapshot] = LRU(512)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
@@ -133,6 +145,20 @@ class ObjectStore:
         # Pickles from before the hash was a setting carry none: they were SHA-256.
         self.content_hash = state.get("content_hash", LEGACY_CONTENT_HASH)
         self._init_caches()
+
+    def stage_pack(self, pack_id: str, writer: StagedPacks) -> None:
+        """Serve reads of pack ``pack_id`` from ``writer`` until :meth:`unstage_pack` (it is not
+        written yet). Held weakly: a writer dropped with its session stops serving."""
+        self._staged[pack_id] = writer
+
+    def unstage_pack(self, pack_id: str, writer: StagedPacks) -> None:
+        """Read pack ``pack_id`` from storage again (``writer`` has written it)."""
+        if self._staged.get(pack_id) is writer:
+            del self._staged[pack_id]
+
+    def _staged_read(self, read: tuple[str, int, int], pack_id: str) -> bytes | None:
+        writer = self._staged.get(pack_id)
+        return None if writer is None else writer.read(pack_id, read[1], read[2])
 
     def hash_data(self, data: bytes | memoryview) -> str:
         """The name (hex digest) of chunk or pack bytes ``data`` in this repository.
@@ -351,6 +377,8 @@ class ObjectStore:
             read = _packed_read(ref, byte_range)
             if read is None:
                 return b""
+            if self._staged and (staged := self._staged_read(read, ref[1])) is not None:
+                return staged
             return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
@@ -364,7 +392,7 @@ class ObjectStore:
         where: list[int] = []
         for i, (ref, byte_range) in enumerate(reads):
             read = _packed_read(ref, byte_range) if ref[0] == PACKED else None
-            if read is None:
+            if read is None or (self._staged and ref[1] in self._staged):
                 jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range)))
             else:
                 wanted.append(read)

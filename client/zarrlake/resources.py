@@ -484,6 +484,14 @@ class EngineConfigSpec(ResourceModel):
     inline_threshold_bytes: int | None = Field(default=None, alias="inlineThresholdBytes", ge=0)
     shard_max_refs: int | None = Field(default=None, alias="shardMaxRefs", ge=16)
     session_ttl: str | None = Field(default=None, alias="sessionTTL", pattern=DURATION)
+    pack_chunks_below_bytes: int | None = Field(
+        default=None,
+        alias="packChunksBelowBytes",
+        ge=0,
+        le=16 * 1024 * 1024,
+        description="chunks above the inline threshold and below this size go into packs of a "
+        "few MiB as sessions write them (default 262144); 0: every chunk an object of its own",
+    )
 
 
 class RepositorySpec(ResourceModel):

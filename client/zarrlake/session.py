@@ -1,8 +1,10 @@
 """Sessions: a base snapshot plus uncommitted changes, read and written through a Zarr store.
 
 A :class:`Session` is a transaction on one branch (or a read-only view of a version). Chunk bytes
-are uploaded as they are written (content-addressed, so identical concurrent writes are harmless);
-a commit writes only shards, a txlog, a snapshot and one journal entry. :meth:`Session.fork` hands
+are uploaded as they are written: large chunks as content-addressed objects (identical concurrent
+writes are harmless), small ones into packs of a few MiB (:mod:`zarrlake.packs`), of which the
+last is written when the session commits or forks. A commit writes that pack, shards, a txlog, a
+snapshot and one journal entry. :meth:`Session.fork` hands
 a picklable writer to another process; its :class:`Changeset` comes back through
 :meth:`Session.merge`.
 """
@@ -15,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zarrlake.changeset import Changeset
 from zarrlake.commit import SolverPolicy
@@ -32,10 +34,11 @@ from zarrlake.errors import (
 )
 from zarrlake.format import manifest
 from zarrlake.format.manifest import prefix_matches
-from zarrlake.format.model import ChunkRef, Snapshot
+from zarrlake.format.model import ChunkRef, Snapshot, ref_identity
 from zarrlake.history import diff_nodes
 from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
 from zarrlake.objects import ObjectStore
+from zarrlake.packs import PackWriter
 from zarrlake.types import Diff
 
 _ABSENT: Any = object()
@@ -63,10 +66,13 @@ class Workspace:
     _branch: str | None
     #: A commit of these changes is running (set and read under ``_mutex``).
     _committing: bool = False
+    #: Small chunks written into packs not yet uploaded, or whose upload is not yet confirmed.
+    _packs: PackWriter | None = None
 
     def _init_workspace(self) -> None:
         self._mutex = threading.Lock()
         self._store: ZarrlakeStore | None = None
+        self._packs: PackWriter | None = None
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -235,6 +241,12 @@ class Workspace:
             with self._mutex:
                 self._top().nodes[key] = bytes(data)
             return
+        if self._packs_chunk(len(data)):
+            ref, backlog = self._pack_writer().add(data)
+            if backlog is not None:
+                backlog.result()
+            self._record(key, ref, False)
+            return
         ref, dedup = self._objects.write_chunk(data, self._config.inline_threshold_bytes)
         self._record(key, ref, dedup)
 
@@ -244,8 +256,36 @@ class Workspace:
         self._check_writable()
         if self.writes_in_memory(key, len(data)):
             raise ValueError(f"{key!r} is not written as an object: use write()")
+        if self._packs_chunk(len(data)):
+            # Appended to a pack in memory (a hash and a copy: microseconds); the pack uploads
+            # on the I/O pool once full, and this waits only when too many are uploading.
+            ref, backlog = self._pack_writer().add(data)
+            if backlog is not None:
+                await asyncio.wrap_future(backlog)
+            self._record(key, ref, False)
+            return
         ref, dedup = await self._objects.write_chunk_async(data)
         self._record(key, ref, dedup)
+
+    def _packs_chunk(self, size: int) -> bool:
+        """Whether a chunk of ``size`` bytes goes into a pack: above the inline threshold (those
+        live in the manifest) and below the pack threshold."""
+        config = self._config
+        return config.inline_threshold_bytes < size < config.pack_chunks_below_bytes
+
+    def _pack_writer(self) -> PackWriter:
+        with self._mutex:
+            if self._packs is None:
+                self._packs = PackWriter(self._objects)
+            return self._packs
+
+    def flush(self) -> None:
+        """Upload the small chunks this session holds in packs in memory, and wait for them.
+        A commit or a fork does it; anything else that hands this session's refs to another
+        process must too. Raises the storage's error if a pack cannot be written."""
+        packs = self._packs
+        if packs is not None:
+            packs.flush()
 
     def _record(self, key: str, ref: ChunkRef, dedup: bool) -> None:
         with self._mutex:
@@ -301,8 +341,10 @@ class Workspace:
             )
         for key in changed_keys:
             old = manifest.lookup(snap.shards, key, self._objects.shard)
-            _, new = self._layer_value(key, False)
-            if old != new:
+            _, new = self._layer_value(key, False)  # (a chunk key: a ref or None)
+            if ref_identity(old) != ref_identity(
+                cast(ChunkRef | None, new)
+            ):  # same bytes: no change
                 path, coords = split_chunk_key(key, arrays)
                 chunks.setdefault(path, set()).add(coords)
         return diff_nodes(snap.nodes, new_nodes, chunks)
@@ -375,6 +417,7 @@ class Session(Workspace):
         state = dict(self.__dict__)
         state.pop("_mutex", None)
         state["_store"] = None
+        state["_packs"] = None  # read-only: a commit flushed them
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -413,6 +456,7 @@ class Session(Workspace):
             changeset = self._top()
             self._committing = True
         try:
+            self.flush()  # every pack the changes name is written before a snapshot names it
             new_id = self._core.commits.commit(
                 self._branch,
                 changeset,
@@ -503,6 +547,9 @@ class Session(Workspace):
         with self._mutex:
             inherited = self._layers[0].copy()
             forked_at = self._merges
+        # The fork, in another process, reads these changes from storage. After the copy: a
+        # chunk is in a pack before its ref is recorded, so every ref copied is flushed here.
+        self.flush()
         return ForkedSession(
             objects=self._objects,
             config=self._config,
@@ -568,7 +615,18 @@ class Session(Workspace):
                         )
                         if unseen_delete:  # written where another fork, unseen, deleted
                             conflicts.append(Conflict("node", "/" + k.rsplit("/", 1)[0]))
-                        elif earlier is not None and earlier[0] != v and earlier[1] >= cs.forked_at:
+                        elif (
+                            earlier is not None
+                            and earlier[1] >= cs.forked_at
+                            and earlier[0] != v
+                            # A chunk's bytes, not where they lie: two forks writing the same
+                            # bytes put them in packs of their own.
+                            and (
+                                d is cs.nodes
+                                or ref_identity(earlier[0])
+                                != ref_identity(cast(ChunkRef | None, v))
+                            )
+                        ):
                             if is_meta_key(k):
                                 conflicts.append(Conflict("node", meta_key_node(k)))
                             else:
@@ -616,16 +674,24 @@ class ForkedSession(Workspace):
         self._init_workspace()
 
     def changeset(self) -> Changeset:
-        """This fork's own changes, to hand back to :meth:`Session.merge`."""
+        """This fork's own changes, to hand back to :meth:`Session.merge` (its small chunks'
+        packs written first)."""
         with self._mutex:
             changes = self._layers[0].copy()
+        self.flush()  # after the copy, so that it covers every ref copied
         changes.forked_at = self._forked_at
         return changes
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        with self._mutex:
+            state = dict(self.__dict__)
+            state["_layers"] = [layer.copy() for layer in self._layers]
+        # A copy elsewhere could not read chunks held in this process's memory: every pack the
+        # copied changes name is written (flushed after the copy, so none is missed).
+        self.flush()
         state.pop("_mutex", None)
         state["_store"] = None
+        state["_packs"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

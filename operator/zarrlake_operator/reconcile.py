@@ -424,6 +424,8 @@ def engine_config(spec: RepositorySpec) -> RepositoryConfig:
         values["shard_max_refs"] = c.shard_max_refs
     if c.session_ttl is not None:
         values["session_ttl"] = parse_duration(c.session_ttl)
+    if c.pack_chunks_below_bytes is not None:
+        values["pack_chunks_below_bytes"] = c.pack_chunks_below_bytes
     return RepositoryConfig(**values)
 
 

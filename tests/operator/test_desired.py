@@ -42,6 +42,9 @@ from zarrlake_operator.models import (
     Tag,
 )
 
+# Chunks as objects of their own: what these tests count and collect (see conftest).
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "kubernetes"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names

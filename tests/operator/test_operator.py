@@ -1126,8 +1126,10 @@ def test_spark_engine_objects_follow_the_cluster_and_their_reports_reach_the_sta
         run_spark_application,
     )
 
-    k8s.ready_repository()
+    # Chunks as objects (the engine setting, through the resource): compaction packs them.
+    k8s.ready_repository(config={"packChunksBelowBytes": 0})
     repo = k8s.open_repository()
+    assert repo.config.pack_chunks_below_bytes == 0
     for v in (1.0, 2.0, 3.0):
         commit(repo, "main", v, f"fill {v}")
     spec = {

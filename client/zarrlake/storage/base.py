@@ -62,7 +62,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import SplitResult, parse_qs, urlsplit
@@ -91,6 +91,7 @@ __all__ = [
     "UrlOptions",
     "backend_for_scheme",
     "from_url",
+    "on_io_pool",
     "register_backend",
     "with_retries",
 ]
@@ -99,6 +100,12 @@ T = TypeVar("T")
 
 #: Set in the threads of the I/O pools (see :meth:`Storage.map`).
 _POOL_THREAD = threading.local()
+
+
+def on_io_pool() -> bool:
+    """Whether this thread is one of a storage's I/O pool threads (which must never wait on a
+    pool: every thread of it could be waiting)."""
+    return bool(getattr(_POOL_THREAD, "marked", False))
 
 
 def _mark_pool_thread() -> None:
@@ -593,6 +600,18 @@ class Storage(abc.ABC):
         if nbytes <= self.inline_write_bytes:
             return [fn(x) for x in items]
         return self.map(fn, items)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Start blocking ``fn(*args)`` on the I/O pool and return its future. Called from one
+        of the pool's own threads, it runs at once in that thread (as :meth:`map` does)."""
+        if on_io_pool():
+            done: Future[T] = Future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as e:
+                done.set_exception(e)
+            return done
+        return self._executor().submit(fn, *args)
 
     async def run_async(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking storage call on this backend's I/O pool."""

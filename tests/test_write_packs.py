@@ -1,0 +1,384 @@
+"""Small chunks go into packs as a session writes them (zarrlake.packs, issue 11).
+
+Many small chunks were one storage request each (a file, an S3 PUT): the request was the cost.
+These tests pin what packing at write time must keep: every byte reads back (in the session before
+the commit, and from storage after it), few requests, bounded memory (packs upload while the
+session writes), nothing published that is not written (an outage fails the commit and loses
+nothing), forks and their pickles see the chunks, and GC, fsck and conflict checks see chunks,
+not packs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+import zarrlake
+from zarrlake.errors import StorageError
+from zarrlake.format.model import INLINE, PACKED
+from zarrlake.mirror import Mirror
+from zarrlake.packs import PACK_WRITE_TARGET, PackWriter
+from zarrlake.storage.base import Buffer
+from zarrlake_testkit.counting import CountingStorage, Counts
+
+CHUNK = 128  # uint64 elements: 1 KiB chunks, above the 512-byte inline threshold
+
+
+def _array(session: zarrlake.Session, n_chunks: int, name: str = "x") -> zarr.Array:
+    return zarr.create_array(
+        session.store,
+        name=name,
+        shape=(n_chunks * CHUNK,),
+        chunks=(CHUNK,),
+        dtype="u8",
+        compressors=None,
+        fill_value=0,
+    )
+
+
+def _data(n_chunks: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 2**63, n_chunks * CHUNK, dtype="u8")
+
+
+def _keys(storage: zarrlake.Storage, prefix: str) -> list[str]:
+    return [k for k in storage.list_keys(prefix) if not k.endswith("/")]
+
+
+def test_small_chunks_land_in_packs_and_read_back(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    data = _data(3_000)
+    s = repo.writable_session("main")
+    arr = _array(s, 3_000)
+    arr[:] = data
+    # Read-your-writes before the commit: some packs are still in this process's memory.
+    assert np.array_equal(arr[:], data)
+    assert np.array_equal(arr[5 * CHUNK + 3 : 9 * CHUNK - 1], data[5 * CHUNK + 3 : 9 * CHUNK - 1])
+    s.commit("3,000 small chunks")
+
+    assert _keys(storage, "chunks/") == []
+    packs = _keys(storage, "packs/")
+    assert 1 <= len(packs) <= 3_000 * 1024 // PACK_WRITE_TARGET + 1
+    fresh = zarrlake.Repository.open(storage)
+    got = zarr.open_array(fresh.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert fresh.fsck(verify_content=True).ok
+
+
+def test_writing_small_chunks_costs_a_request_per_pack_not_per_chunk(tmp_path: Path) -> None:
+    counts = Counts(record_keys=True)
+    storage = CountingStorage(zarrlake.Storage.local(tmp_path / "r"), counts)
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    arr = _array(s, 10_000)
+    counts.reset()
+    arr[:] = _data(10_000)
+    s.commit("10,000 small chunks")
+    puts = [key for op, key in counts.calls() if op.startswith("put")]
+    pack_puts = [k for k in puts if k.startswith("packs/")]
+    assert [k for k in puts if k.startswith("chunks/")] == []
+    # 10,000 KiB in packs of 4 MiB: 3 packs; the commit's own objects besides.
+    assert len(pack_puts) == 3
+    assert len(puts) < 15
+
+
+def test_packs_upload_while_the_session_writes(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    n = 3 * PACK_WRITE_TARGET // 1024 + 10  # three full packs and a bit
+    _array(s, n)[:] = _data(n)
+    # Full packs upload on the I/O pool with no commit or flush; the open one waits for one.
+    deadline = time.monotonic() + 60
+    while len(_keys(storage, "packs/")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(_keys(storage, "packs/")) == 3
+    s.flush()
+    assert len(_keys(storage, "packs/")) == 4
+    assert len(list(repo.log())) == 1  # uploading packs published nothing
+
+
+def test_large_chunks_stay_objects_and_packing_can_be_off(tmp_path: Path) -> None:
+    big = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "big"))
+    s = big.writable_session("main")
+    zarr.create_array(
+        s.store, name="y", shape=(4 * 65_536,), chunks=(65_536,), dtype="u8", compressors=None
+    )[:] = np.arange(4 * 65_536, dtype="u8") + 1
+    s.commit("512 KiB chunks")
+    assert len(_keys(big.storage, "chunks/")) == 4
+    assert _keys(big.storage, "packs/") == []
+
+    off = zarrlake.Repository.create(
+        zarrlake.Storage.local(tmp_path / "off"), config={"pack_chunks_below_bytes": 0}
+    )
+    assert off.config.pack_chunks_below_bytes == 0
+    assert zarrlake.Repository.open(off.storage).config.pack_chunks_below_bytes == 0
+    s = off.writable_session("main")
+    _array(s, 20)[:] = _data(20)
+    s.commit("objects")
+    assert len(_keys(off.storage, "chunks/")) == 20
+    assert _keys(off.storage, "packs/") == []
+
+
+@pytest.mark.parametrize("value", [-1, 16 * 1024 * 1024 + 1, 1 << 40])
+def test_a_pack_threshold_out_of_range_is_refused(tmp_path: Path, value: int) -> None:
+    with pytest.raises(ValueError, match="pack_chunks_below_bytes"):
+        zarrlake.Repository.create(
+            zarrlake.Storage.local(tmp_path / "r"), config={"pack_chunks_below_bytes": value}
+        )
+    assert not (tmp_path / "r" / "repo").exists()
+
+
+class RejectingPacks(CountingStorage):
+    """Real local storage that refuses pack writes while :attr:`rejecting` is set (an outage or a
+    revoked permission on a prefix); everything else works."""
+
+    def __init__(self, inner: zarrlake.Storage) -> None:
+        super().__init__(inner)
+        self.rejecting = threading.Event()
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        if self.rejecting.is_set() and key.startswith("packs/"):
+            raise StorageError(f"AccessDenied on {key}")
+        super().put(key, data, create_only=create_only)
+
+
+def test_a_pack_that_cannot_be_written_fails_the_commit_and_loses_nothing(tmp_path: Path) -> None:
+    storage = RejectingPacks(zarrlake.Storage.local(tmp_path / "r"))
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    arr = _array(s, 100)
+    s.commit("empty array")
+    head = repo.lookup_branch("main")
+
+    s = repo.writable_session("main")
+    arr = zarr.open_array(s.store, path="x")
+    data = _data(100, seed=1)
+    storage.rejecting.set()
+    arr[:] = data  # in memory: nothing to fail yet
+    with pytest.raises(StorageError, match="AccessDenied"):
+        s.commit("must not publish refs to an unwritten pack")
+    assert repo.lookup_branch("main") == head
+    assert _keys(storage, "packs/") == []
+    # The session keeps its changes and reads them; once writes work again, the commit lands.
+    assert np.array_equal(arr[:], data)
+    storage.rejecting.clear()
+    s.commit("after the outage")
+    fresh = zarrlake.Repository.open(storage.inner)
+    got = zarr.open_array(fresh.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert fresh.fsck(verify_content=True).ok
+
+
+class FailingOnce(CountingStorage):
+    """Real local storage whose next ``failures`` pack writes fail (a blip), then work."""
+
+    def __init__(self, inner: zarrlake.Storage, failures: int) -> None:
+        super().__init__(inner)
+        self.failures = failures
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        with self._lock:
+            fail = key.startswith("packs/") and self.failures > 0
+            self.failures -= fail
+        if fail:
+            raise StorageError(f"SlowDown on {key}")
+        super().put(key, data, create_only=create_only)
+
+
+def test_a_failed_upload_is_made_again_by_the_next_write_that_waits(tmp_path: Path) -> None:
+    storage = FailingOnce(zarrlake.Storage.local(tmp_path / "r"), failures=1)
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    writer = PackWriter(s.objects, target=4096, in_flight=1)
+    refs = []
+    for i in range(64):  # 16 packs; the first upload fails once, and nothing else does
+        ref, backlog = writer.add(bytes([i]) * 1024)
+        if backlog is not None:
+            backlog.result()  # never raises: a failed upload is made again before it is waited on
+        refs.append(ref)
+    writer.flush()
+    assert storage.failures == 0 and not writer.pending
+    fresh = zarrlake.Repository.open(storage.inner)
+    for i, ref in enumerate(refs):
+        assert fresh.readonly_session("main").objects.read_chunk(ref) == bytes([i]) * 1024
+
+
+def test_chunks_written_from_the_io_pool_fill_packs_without_waiting_on_it(tmp_path: Path) -> None:
+    # Chunks over 64 KiB are written from the storage's I/O pool; a pack they fill uploads in
+    # that thread. (It once waited there for a lock it held: every such write hung.)
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = repo.writable_session("main")
+    n, chunk = 100, 16_384  # 128 KiB chunks: 12.5 MiB, three packs and a bit
+    data = np.random.default_rng(7).integers(1, 2**63, n * chunk, dtype="u8")
+    arr = zarr.create_array(
+        s.store, name="y", shape=(n * chunk,), chunks=(chunk,), dtype="u8", compressors=None
+    )
+    done = threading.Event()
+
+    def write() -> None:
+        arr[:] = data
+        done.set()
+
+    threading.Thread(target=write, daemon=True).start()
+    assert done.wait(120), "writing 128 KiB chunks hung"
+    s.commit("128 KiB chunks, packed")
+    assert _keys(repo.storage, "chunks/") == []
+    assert len(_keys(repo.storage, "packs/")) == 4
+    got = zarr.open_array(repo.readonly_session("main").store, path="y", mode="r")[:]
+    assert np.array_equal(got, data)
+
+
+def test_an_upload_failing_mid_session_surfaces_at_a_later_write(tmp_path: Path) -> None:
+    storage = RejectingPacks(zarrlake.Storage.local(tmp_path / "r"))
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    storage.rejecting.set()
+    writer = PackWriter(s.objects, target=4096, in_flight=1)
+    refs = []
+    with pytest.raises(StorageError, match="AccessDenied"):
+        for i in range(64):
+            ref, backlog = writer.add(bytes([i]) * 1024)
+            refs.append(ref)
+            if backlog is not None:
+                backlog.result()
+    # Every byte added is still readable from memory, and a flush writes it once storage works.
+    for i, ref in enumerate(refs):
+        assert s.objects.read_chunk(ref) == bytes([i]) * 1024
+    storage.rejecting.clear()
+    writer.flush()
+    assert not writer.pending
+    del writer
+    gc.collect()
+    for i, ref in enumerate(refs):
+        assert s.objects.read_chunk(ref) == bytes([i]) * 1024
+
+
+def test_forks_write_packs_and_pickled_forks_read_the_parents_chunks(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    data = _data(400)
+    _array(s, 400)[: 200 * CHUNK] = data[: 200 * CHUNK]
+    # The fork goes to another process: a pickle carries no memory of this one's packs.
+    fork = pickle.loads(pickle.dumps(s.fork()))
+    farr = zarr.open_array(fork.store, path="x")
+    assert np.array_equal(farr[: 200 * CHUNK], data[: 200 * CHUNK])
+    farr[200 * CHUNK :] = data[200 * CHUNK :]
+    changes = pickle.loads(pickle.dumps(fork.changeset()))
+    s.merge(changes)
+    s.commit("half here, half in a fork")
+    got = zarr.open_array(repo.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert repo.fsck(verify_content=True).ok
+
+
+def test_forks_writing_the_same_bytes_agree_and_different_bytes_conflict(tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = repo.writable_session("main")
+    _array(s, 10)
+    s.commit("array")
+    s = repo.writable_session("main")
+    same = _data(10, seed=3)
+    forks = [s.fork() for _ in range(3)]
+    for f in forks[:2]:
+        zarr.open_array(f.store, path="x")[:] = same
+    zarr.open_array(forks[2].store, path="x")[:CHUNK] = same[:CHUNK] + 1
+    s.merge(forks[0].changeset(), forks[1].changeset())  # same bytes, two packs: no conflict
+    with pytest.raises(zarrlake.ConflictError):
+        s.merge(forks[2].changeset())
+    s.commit("same bytes from two forks")
+    got = zarr.open_array(repo.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, same)
+
+
+def test_rewriting_the_same_bytes_is_no_change(tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = repo.writable_session("main")
+    data = _data(8)
+    _array(s, 8)[:] = data
+    s.commit("array")
+    s = repo.writable_session("main")
+    arr = zarr.open_array(s.store, path="x")
+    arr[:] = data  # the same bytes land in a new pack
+    arr[:CHUNK] = data[:CHUNK] + 1
+    status = s.status()
+    assert {p: set(c) for p, c in status.changed_chunks.items()} == {"/x": {(0,)}}
+    assert not status.changed_nodes
+
+
+def test_gc_keeps_committed_packs_and_takes_those_of_a_dropped_session(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    data = _data(50)
+    _array(s, 50)[:] = data
+    s.commit("kept")
+    kept = set(_keys(storage, "packs/"))
+    dropped = repo.writable_session("main")
+    zarr.open_array(dropped.store, path="x")[:] = data + 1
+    dropped.flush()  # its packs reach storage, and no commit ever names them
+    garbage = set(_keys(storage, "packs/")) - kept
+    assert garbage
+    dropped.discard()
+    report = repo.gc(grace=dt.timedelta(0), force=True)
+    assert report.by_kind["packs"].deleted == len(garbage)
+    assert set(_keys(storage, "packs/")) == kept
+    got = zarr.open_array(repo.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+
+
+def test_a_dropped_session_leaves_no_memory_behind(tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = repo.writable_session("main")
+    _array(s, 100)[:] = _data(100)
+    ref: Any = s.resolve("x/c/7")
+    assert repo.storage.exists(f"packs/{ref[1]}") is False  # held in memory only
+    assert s.objects.read_chunk(ref) is not None
+    objects = s.objects
+    del s
+    gc.collect()
+    # The pack was never written and its writer is gone: the ref now names a missing pack.
+    with pytest.raises(zarrlake.CorruptObject):
+        objects.read_chunk(ref)
+
+
+def test_chunks_at_most_the_inline_threshold_stay_inline(tmp_path: Path) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    s = repo.writable_session("main")
+    tiny = zarr.create_array(
+        s.store, name="t", shape=(64,), chunks=(8,), dtype="u8", compressors=None
+    )  # 64-byte chunks: in the manifest, never in a pack
+    tiny[:] = np.arange(1, 65, dtype="u8")
+    assert {s.resolve(f"t/c/{i}")[0] for i in range(8)} == {INLINE}  # type: ignore[index]
+    _array(s, 4)[:] = _data(4)
+    assert {s.resolve(f"x/c/{i}")[0] for i in range(4)} == {PACKED}  # type: ignore[index]
+    s.commit("inline and packed")
+    assert len(_keys(repo.storage, "packs/")) == 1
+    got = zarr.open_array(repo.readonly_session("main").store, path="t", mode="r")[:]
+    assert np.array_equal(got, np.arange(1, 65, dtype="u8"))
+
+
+def test_a_mirror_copies_the_packs_sessions_wrote(tmp_path: Path) -> None:
+    source = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "source"))
+    data = _data(200)
+    s = source.writable_session("main")
+    _array(s, 200)[:] = data
+    s.commit("packed chunks")
+    dest = zarrlake.Storage.local(tmp_path / "dest")
+    status = Mirror(source, dest).step()
+    assert status.up_to_date
+    assert _keys(dest, "packs/") == _keys(source.storage, "packs/")
+    mirror = zarrlake.Repository.open(dest)
+    got = zarr.open_array(mirror.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert mirror.fsck(verify_content=True).ok
