@@ -333,7 +333,12 @@ def test_spark_compaction_writes_the_packs_the_local_one_writes(
     assert {ref[0] for ref in _refs(distributed)} == {PACKED}  # every chunk now in a pack
     assert distributed.fsck().ok
 
-    # From the command line: nothing small is left to pack.
+    # From the command line, at the default target: the 8 KiB packs are small packs, merged
+    # into one (as the tail packs sessions leave are); after that nothing small is left.
+    r = cli("compact", str(tmp_path / "spark"), "--engine", "spark", "--json")
+    assert r.code == 0, r.err
+    assert (json.loads(r.out)["packed_chunks"], json.loads(r.out)["packs_written"]) == (40, 1)
+    np.testing.assert_array_equal(read_array(distributed, "main"), reads)
     r = cli("compact", str(tmp_path / "spark"), "--engine", "spark", "--json")
     assert r.code == 0, r.err
     assert json.loads(r.out)["packed_chunks"] == 0

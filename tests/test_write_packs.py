@@ -382,3 +382,34 @@ def test_a_mirror_copies_the_packs_sessions_wrote(tmp_path: Path) -> None:
     got = zarr.open_array(mirror.readonly_session("main").store, path="x", mode="r")[:]
     assert np.array_equal(got, data)
     assert mirror.fsck(verify_content=True).ok
+
+
+def test_compaction_merges_the_small_packs_commits_leave_behind(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    data = _data(40)
+    s = repo.writable_session("main")
+    _array(s, 40)
+    s.commit("empty array")
+    for part in range(4):  # four commits of 10 chunks: four small tail packs
+        s = repo.writable_session("main")
+        window = slice(part * 10 * CHUNK, (part + 1) * 10 * CHUNK)
+        zarr.open_array(s.store, path="x")[window] = data[window]
+        s.commit(f"part {part}")
+    before = set(_keys(storage, "packs/"))
+    assert len(before) == 4
+    digests = {i: s.resolve(f"x/c/{i}")[4] for i in range(40)}  # type: ignore[index]
+
+    report = repo.compact(keep_journal=dt.timedelta(days=30))
+    assert (report.packed_chunks, report.packs_written) == (40, 1)
+    head = repo.readonly_session("main")
+    refs = [head.resolve(f"x/c/{i}") for i in range(40)]
+    new = {f"packs/{r[1]}" for r in refs}  # type: ignore[index]
+    assert len(new) == 1 and new == set(_keys(storage, "packs/")) - before
+    assert {i: r[4] for i, r in enumerate(refs)} == digests  # type: ignore[index]
+    got = zarr.open_array(head.store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert repo.fsck(verify_content=True).ok
+
+    again = repo.compact(keep_journal=dt.timedelta(days=30))  # one small pack: nothing to merge
+    assert (again.packed_chunks, again.snapshot) == (0, None)

@@ -42,12 +42,16 @@ from zarrlake.format.model import (
     Snapshot,
     manifest_key,
     pack_key,
+    ref_size,
 )
 from zarrlake.nodes import split_chunk_key
 from zarrlake.refs import PRUNE_FLOOR
 
 DEFAULT_PACK_BELOW = 256 * 1024
 PACK_TARGET_BYTES = 64 * 1024 * 1024
+#: A pack whose chunks still in use (in one run) add up to less than this is worth merging with
+#: others like it: sessions leave a small pack behind at each commit (the tail of their writes).
+SMALL_PACK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -115,19 +119,35 @@ PackGroup = list[tuple[str, ChunkRef]]
 
 
 def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkRef]]:
-    """Read the chunk objects of ``group``, write them as one pack (content-addressed, so a
-    retry writes the same object) and return each chunk's ``PACKED`` ref into it."""
+    """Read the chunks of ``group`` (objects, or ranges of small packs), write them as one pack
+    (content-addressed, so a retry writes the same object) and return each chunk's ``PACKED``
+    ref into it. A chunk keeps its digest: packing is not a change of data."""
     objects = core.objects
-    datas: list[bytes] = core.storage.map(lambda kv: objects.read_chunk(kv[1]), group)
+    datas = objects.read_chunks([(ref, None) for _, ref in group])
     pack = b"".join(datas)
     pack_id = objects.hash_data(pack)
     core.storage.put(pack_key(pack_id), pack)
     out: list[tuple[str, ChunkRef]] = []
     offset = 0
     for (key, ref), data in zip(group, datas, strict=True):
-        out.append((key, (PACKED, pack_id, offset, len(data), ref[1])))
+        digest = ref[1] if ref[0] == OBJECT else ref[4]
+        out.append((key, (PACKED, pack_id, offset, len(data), digest)))
         offset += len(data)
     return out
+
+
+def _in_small_packs(refs: list[ChunkRef]) -> set[int]:
+    """The positions of refs into packs whose bytes in use among ``refs`` are under
+    :data:`SMALL_PACK_BYTES`, when there are two such packs or more (one alone would only be
+    copied into a pack like itself)."""
+    live: dict[str, int] = {}
+    for ref in refs:
+        if ref[0] == PACKED and len(ref) > 4:
+            live[ref[1]] = live.get(ref[1], 0) + int(ref[3])
+    small = {pack for pack, size in live.items() if size < SMALL_PACK_BYTES}
+    if len(small) < 2:
+        return set()
+    return {i for i, ref in enumerate(refs) if ref[0] == PACKED and ref[1] in small}
 
 
 @dataclass(frozen=True)
@@ -207,16 +227,19 @@ def compact_run(
             manifest_key(run.shards[0].digest) if run.shards else "manifest",
             f"the shards hold {len(keys)} of the {wanted} refs the snapshot's index gives them",
         )
-    small = [i for i, ref in enumerate(refs) if ref[0] == OBJECT and ref[2] < pack_below]
+    packed = _in_small_packs(refs)
+    small = [
+        i for i, ref in enumerate(refs) if (ref[0] == OBJECT and ref[2] < pack_below) or i in packed
+    ]
     groups: list[list[int]] = []
     size = 0
     for i in small:
-        if not groups or size + refs[i][2] > target:
+        if not groups or size + ref_size(refs[i]) > target:
             groups.append([])
             size = 0
         groups[-1].append(i)
-        size += refs[i][2]
-    small_bytes = sum(int(refs[i][2]) for i in small)
+        size += ref_size(refs[i])
+    small_bytes = sum(ref_size(refs[i]) for i in small)
     relocated: list[tuple[str, ChunkRef]] = []
     if not dry_run:
         for group in groups:
@@ -278,7 +301,8 @@ def compact(
 ) -> CompactReport:
     """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
 
-    Chunk objects under ``pack_below_bytes`` go into packs of about ``pack_target_bytes``; journal
+    Chunk objects under ``pack_below_bytes``, and the chunks of small packs sessions left
+    behind (see :data:`SMALL_PACK_BYTES`), go into packs of about ``pack_target_bytes``; journal
     entries older than ``keep_journal`` (at least :data:`~zarrlake.refs.PRUNE_FLOOR`) that
     ``as_of`` cannot need are deleted, their age measured back from ``now`` (default: the clock;
     tests move it forward). The manifest is cut into ``runs`` slices, each packed and re-cut by
