@@ -25,6 +25,7 @@ import zarr
 import zarrlake
 from zarrlake.errors import StorageError
 from zarrlake.format.model import INLINE, PACKED
+from zarrlake.maintenance.compact import compact
 from zarrlake.mirror import Mirror
 from zarrlake.packs import PACK_WRITE_TARGET, PackWriter
 from zarrlake.storage.base import Buffer
@@ -384,20 +385,27 @@ def test_a_mirror_copies_the_packs_sessions_wrote(tmp_path: Path) -> None:
     assert mirror.fsck(verify_content=True).ok
 
 
-def test_compaction_merges_the_small_packs_commits_leave_behind(tmp_path: Path) -> None:
-    storage = zarrlake.Storage.local(tmp_path / "r")
-    repo = zarrlake.Repository.create(storage)
-    data = _data(40)
+def _four_small_packs(tmp_path: Path, each: int = 10) -> tuple[zarrlake.Repository, np.ndarray]:
+    """Four commits of ``each`` 1 KiB chunks: four small tail packs."""
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    data = _data(4 * each)
     s = repo.writable_session("main")
-    _array(s, 40)
+    _array(s, 4 * each)
     s.commit("empty array")
-    for part in range(4):  # four commits of 10 chunks: four small tail packs
+    for part in range(4):
         s = repo.writable_session("main")
-        window = slice(part * 10 * CHUNK, (part + 1) * 10 * CHUNK)
+        window = slice(part * each * CHUNK, (part + 1) * each * CHUNK)
         zarr.open_array(s.store, path="x")[window] = data[window]
         s.commit(f"part {part}")
+    return repo, data
+
+
+def test_compaction_merges_the_small_packs_commits_leave_behind(tmp_path: Path) -> None:
+    repo, data = _four_small_packs(tmp_path)  # four commits of 10 chunks: four tail packs
+    storage = repo.storage
     before = set(_keys(storage, "packs/"))
     assert len(before) == 4
+    s = repo.readonly_session("main")
     digests = {i: s.resolve(f"x/c/{i}")[4] for i in range(40)}  # type: ignore[index]
 
     report = repo.compact(keep_journal=dt.timedelta(days=30))
@@ -413,3 +421,31 @@ def test_compaction_merges_the_small_packs_commits_leave_behind(tmp_path: Path) 
 
     again = repo.compact(keep_journal=dt.timedelta(days=30))  # one small pack: nothing to merge
     assert (again.packed_chunks, again.snapshot) == (0, None)
+
+
+def test_compaction_at_a_small_target_settles(tmp_path: Path) -> None:
+    """At an 8 KiB target every pack is under 1 MiB: packs count as small below half the
+    target, so the two packs the first compaction writes are not merged (into the same two) by
+    every later one."""
+    repo, data = _four_small_packs(tmp_path, each=3)  # four packs of 3 KiB
+    first = compact(repo.core, pack_target_bytes=8 * 1024)
+    assert (first.packed_chunks, first.packs_written) == (12, 2)  # of 8 KiB and 4 KiB
+    head = repo.core.journal.current("main").snapshot
+    second = compact(repo.core, pack_target_bytes=8 * 1024)
+    assert (second.packed_chunks, second.snapshot) == (0, None)
+    assert repo.core.journal.current("main").snapshot == head
+    got = zarr.open_array(repo.readonly_session("main").store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+
+
+def test_compaction_refuses_a_damaged_session_pack_and_changes_nothing(tmp_path: Path) -> None:
+    repo, _ = _four_small_packs(tmp_path)
+    head = repo.core.journal.current("main").snapshot
+    ref: Any = repo.readonly_session("main").resolve("x/c/12")
+    path = tmp_path / "r" / "packs" / ref[1]
+    damaged = bytearray(path.read_bytes())
+    damaged[ref[2]] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(zarrlake.CorruptObject, match=ref[1]):
+        repo.compact()
+    assert repo.core.journal.current("main").snapshot == head

@@ -40,6 +40,7 @@ from zarrlake.format.model import (
     ChunkRef,
     ShardInfo,
     Snapshot,
+    chunk_key,
     manifest_key,
     pack_key,
     ref_size,
@@ -49,8 +50,9 @@ from zarrlake.refs import PRUNE_FLOOR
 
 DEFAULT_PACK_BELOW = 256 * 1024
 PACK_TARGET_BYTES = 64 * 1024 * 1024
-#: A pack whose chunks still in use (in one run) add up to less than this is worth merging with
-#: others like it: sessions leave a small pack behind at each commit (the tail of their writes).
+#: A pack whose chunks still in use (in one run) add up to less than this (or to less than half
+#: the pack target, if that is smaller) is worth merging with others like it: sessions leave a
+#: small pack behind at each commit (the tail of their writes).
 SMALL_PACK_BYTES = 1024 * 1024
 
 
@@ -121,31 +123,49 @@ PackGroup = list[tuple[str, ChunkRef]]
 def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkRef]]:
     """Read the chunks of ``group`` (objects, or ranges of small packs), write them as one pack
     (content-addressed, so a retry writes the same object) and return each chunk's ``PACKED``
-    ref into it. A chunk keeps its digest: packing is not a change of data."""
+    ref into it. A chunk keeps its digest: packing is not a change of data. Bytes that do not
+    hash to their digest are :class:`CorruptObject` (session packs are not named by their
+    content, so this is where a damaged one is caught); keys holding the same bytes share them."""
     objects = core.objects
     datas = objects.read_chunks([(ref, None) for _, ref in group])
-    pack = b"".join(datas)
+    parts: list[bytes] = []
+    placed: dict[bytes, tuple[int, int]] = {}
+    offset = 0
+    for (_, ref), data in zip(group, datas, strict=True):
+        digest = ref[1] if ref[0] == OBJECT else ref[4]
+        if digest in placed:
+            continue
+        if bytes.fromhex(objects.hash_data(data)) != digest:
+            where = pack_key(ref[1]) if ref[0] == PACKED else chunk_key(digest.hex())
+            raise CorruptObject(where, f"a chunk's bytes do not match its digest {digest.hex()}")
+        placed[digest] = (offset, len(data))
+        parts.append(data)
+        offset += len(data)
+    pack = b"".join(parts)
     pack_id = objects.hash_data(pack)
     core.storage.put(pack_key(pack_id), pack)
     out: list[tuple[str, ChunkRef]] = []
-    offset = 0
-    for (key, ref), data in zip(group, datas, strict=True):
+    for key, ref in group:
         digest = ref[1] if ref[0] == OBJECT else ref[4]
-        out.append((key, (PACKED, pack_id, offset, len(data), digest)))
-        offset += len(data)
+        out.append((key, (PACKED, pack_id, *placed[digest], digest)))
     return out
 
 
-def _in_small_packs(refs: list[ChunkRef]) -> set[int]:
-    """The positions of refs into packs whose bytes in use among ``refs`` are under
-    :data:`SMALL_PACK_BYTES`, when there are two such packs or more (one alone would only be
-    copied into a pack like itself)."""
+def _in_small_packs(refs: list[ChunkRef], target: int) -> set[int]:
+    """The positions of refs into small packs: those whose bytes in use among ``refs`` are
+    under :data:`SMALL_PACK_BYTES` and half of ``target``, when there are two such packs or more
+    and merging them makes fewer packs (else it would only copy packs into packs like them).
+    A pack any ref names without a digest (an older format) is left alone."""
     live: dict[str, int] = {}
+    undigested: set[str] = set()
     for ref in refs:
-        if ref[0] == PACKED and len(ref) > 4:
+        if ref[0] == PACKED:
             live[ref[1]] = live.get(ref[1], 0) + int(ref[3])
-    small = {pack for pack, size in live.items() if size < SMALL_PACK_BYTES}
-    if len(small) < 2:
+            if len(ref) <= 4:
+                undigested.add(ref[1])
+    below = min(SMALL_PACK_BYTES, target // 2)
+    small = {p for p, size in live.items() if size < below and p not in undigested}
+    if len(small) < 2 or -(-sum(live[p] for p in small) // max(1, target)) >= len(small):
         return set()
     return {i for i, ref in enumerate(refs) if ref[0] == PACKED and ref[1] in small}
 
@@ -227,7 +247,7 @@ def compact_run(
             manifest_key(run.shards[0].digest) if run.shards else "manifest",
             f"the shards hold {len(keys)} of the {wanted} refs the snapshot's index gives them",
         )
-    packed = _in_small_packs(refs)
+    packed = _in_small_packs(refs, target)
     small = [
         i for i, ref in enumerate(refs) if (ref[0] == OBJECT and ref[2] < pack_below) or i in packed
     ]
@@ -241,13 +261,20 @@ def compact_run(
         size += ref_size(refs[i])
     small_bytes = sum(ref_size(refs[i]) for i in small)
     relocated: list[tuple[str, ChunkRef]] = []
+    packs = len(groups)
     if not dry_run:
+        packs = 0
         for group in groups:
+            moved = 0
             for i, (key, ref) in zip(
                 group, write_pack(core, [(keys[i], refs[i]) for i in group]), strict=True
             ):
-                refs[i] = ref
-                relocated.append((key, ref))
+                if ref != refs[i]:  # a pack written again as it was moves nothing
+                    refs[i] = ref
+                    relocated.append((key, ref))
+                    moved += 1
+            packs += moved > 0
+        small_bytes = sum(ref_size(ref) for _, ref in relocated)
     index, encoded = manifest.cut(keys, refs, run.sizes)
     if not dry_run:
         unchanged = {info.digest for info in run.shards}
@@ -255,9 +282,9 @@ def compact_run(
     return RunResult(
         index=index,
         relocated=relocated,
-        small_chunks=len(small),
+        small_chunks=len(relocated) if not dry_run else len(small),
         small_bytes=small_bytes,
-        packs=len(groups),
+        packs=packs,
     )
 
 
