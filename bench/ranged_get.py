@@ -3,7 +3,7 @@ larger object (a pack), by object size.
 
     python bench/ranged_get.py [--server moto|seaweedfs] [--reads 300]
 
-Sessions put small chunks into ~4 MiB packs, so a random chunk read became a ranged GET. This
+Sessions put small chunks into packs (~1 MiB), so a random chunk read became a ranged GET. This
 tells whether the server's cost of such a GET grows with the object (moto_server reads the whole
 object to slice it; a real server should not), which is what the random-read row on S3 measures
 as much as the client. boto3 on one connection, medians of ``--reads`` reads at random offsets.

@@ -77,6 +77,20 @@ def call(what: str, key: str, fn: Callable[[], T]) -> T:
         raise
 
 
+def range_or_empty(key: str, fn: Callable[[], T], empty: T) -> T:
+    """:func:`call` for a ranged read: ``empty`` when the range starts at or past the object's
+    end (the server's 416), as every backend answers such a read."""
+    try:
+        return fn()
+    except Exception as e:
+        from obstore.exceptions import BaseError
+
+        if isinstance(e, BaseError) and status_of(str(e)) == 416:
+            return empty
+        _raise_translated("get", key, e)
+        raise
+
+
 async def call_async(what: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
     """:func:`call` for obstore's coroutines (``put_async`` and the like)."""
     try:

@@ -466,19 +466,31 @@ class S3Storage(Storage):
         return store
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
-        store = self._obstore() if byte_range is None else None
+        start, end = byte_range or (0, 0)
+        if byte_range is not None and end <= start:
+            return b""
+        store = self._obstore()
         if store is not None:
             import obstore
 
             path = self._k(key)
+            if byte_range is None:
+                return with_retries(
+                    lambda: bytes(
+                        objstore.call("get", key, lambda: obstore.get(store, path).bytes())
+                    )
+                )
+            # A chunk in a pack: ~0.8 ms less a request than the signed urllib3 path (moto and
+            # SeaweedFS alike; bench/RESULTS.md).
             return with_retries(
-                lambda: bytes(objstore.call("get", key, lambda: obstore.get(store, path).bytes()))
+                lambda: objstore.range_or_empty(
+                    key,
+                    lambda: bytes(obstore.get_range(store, path, start=start, end=end)),
+                    b"",
+                )
             )
         headers = {}
         if byte_range is not None:
-            start, end = byte_range
-            if end <= start:
-                return b""
             headers["Range"] = f"bytes={start}-{end - 1}"
         r = self._send("GET", key, headers=headers)
         return b"" if r is None else r.data
