@@ -43,9 +43,11 @@ from zarrlake.format.model import OBJECT, PACKED, ChunkRef
 
 _NONE, _OBJECT, _OTHER, _PACKED = 0, 1, 2, 3
 _DIGEST = 32
-#: Where a packed chunk lies: its pack (an id of 32 bytes: a hash, or the random id a session
-#: gives the packs it writes), offset and length. For packed entries only, in a column of their own.
-_PLACE = np.dtype([("pack", np.uint8, (32,)), ("offset", np.int64), ("length", np.int64)])
+#: Where a packed chunk lies: its pack (a row of the run's table of pack ids, which are 32 bytes:
+#: a hash, or the random id a session gives the packs it writes), offset and length. For packed
+#: entries only, in a column of their own: 16 bytes an entry (a million chunks lie in a few
+#: hundred packs).
+_PLACE = np.dtype([("pack", np.uint32), ("offset", np.int64), ("length", np.uint32)])
 _HEX = frozenset("0123456789abcdef")
 _MISSING: Any = object()
 # Keys are stored as UTF-8; a lone surrogate (legal in a Python str) round-trips, in code point
@@ -68,7 +70,7 @@ def _packed_place(ref: ChunkRef) -> tuple[bytes, int, int] | None:
         and type(offset) is int
         and type(length) is int
         and 0 <= offset < 1 << 63
-        and 0 <= length < 1 << 63
+        and 0 <= length < 1 << 32
     ):
         return None
     return bytes.fromhex(pack), offset, length
@@ -97,6 +99,7 @@ class _Run:
     others: list[ChunkRef]
     live: npt.NDArray[np.bool_]  # False: removed from the mapping (``del``), not a deletion
     places: npt.NDArray[Any]  # (_PLACE) where each _PACKED entry's chunk lies
+    packs: npt.NDArray[np.uint8]  # (m, 32): the pack ids ``places`` names, each once
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -134,7 +137,7 @@ class _Run:
             sizes,
             others,
             np.ones(n, np.bool_),
-            _places(places),
+            *_places(places),
         )
 
     def find(self, key: bytes) -> int:
@@ -156,7 +159,7 @@ class _Run:
             place = self.places[int(self.sizes[i])]
             return (
                 PACKED,
-                place["pack"].tobytes().hex(),
+                self.packs[int(place["pack"])].tobytes().hex(),
                 int(place["offset"]),
                 int(place["length"]),
                 self.digests[i].tobytes(),
@@ -169,15 +172,40 @@ class _Run:
         """The entries ``where`` selects (default: the live ones), in key order."""
         where = self.live if where is None else where
         block = 4096  # decoded a block at a time: nothing of the run's size is built
+        packs = [row.tobytes().hex() for row in self.packs]  # one str a pack, shared by its refs
         for start in range(0, len(self.keys), block):
             live = where[start : start + block]
             keys = self.keys[start : start + block].tolist()
+            values = self._values(start, start + len(keys), packs)
             if live.all():
-                for j, key in enumerate(keys):
-                    yield key.decode(_UTF8, _SURROGATES), self.value(start + j)
+                for key, value in zip(keys, values, strict=True):
+                    yield key.decode(_UTF8, _SURROGATES), value
             else:
                 for j in np.flatnonzero(live).tolist():
-                    yield keys[j].decode(_UTF8, _SURROGATES), self.value(start + j)
+                    yield keys[j].decode(_UTF8, _SURROGATES), values[j]
+
+    def _values(self, start: int, stop: int, packs: list[str]) -> list[ChunkRef | None]:
+        """:meth:`value` of entries ``start`` .. ``stop``, the columns read once for them all
+        (a numpy scalar a field costs microseconds; a million packed refs, seconds)."""
+        kinds = self.kinds[start:stop]
+        sizes = self.sizes[start:stop].tolist()
+        digests = self.digests[start:stop].tobytes()
+        places = self.places[self.sizes[start:stop][kinds == _PACKED]]
+        pack = iter(places["pack"].tolist())
+        offset = iter(places["offset"].tolist())
+        length = iter(places["length"].tolist())
+        out: list[ChunkRef | None] = []
+        for j, kind in enumerate(kinds.tolist()):
+            if kind == _OBJECT:
+                out.append((OBJECT, digests[j * _DIGEST : (j + 1) * _DIGEST], sizes[j]))
+            elif kind == _PACKED:
+                digest = digests[j * _DIGEST : (j + 1) * _DIGEST]
+                out.append((PACKED, packs[next(pack)], next(offset), next(length), digest))
+            elif kind == _OTHER:
+                out.append(self.others[sizes[j]])
+            else:
+                out.append(None)
+        return out
 
     def keys_where(self, where: npt.NDArray[np.bool_]) -> Iterator[str]:
         """The keys ``where`` selects, decoded, in key order."""
@@ -198,6 +226,7 @@ class _Run:
             self.others,
             self.live.copy(),
             self.places,
+            self.packs,
         )
 
     def merged_under(self, newer: _Run) -> _Run:
@@ -216,7 +245,7 @@ class _Run:
             _empty((n,), np.dtype(np.int64)),
             self.others + newer.others,
             _empty((n,), np.dtype(np.bool_)),
-            np.concatenate([self.places, newer.places]),
+            *_joined_places(self, newer),
         )
         out.live[:] = True
         # No kept key is on both sides, so an entry's place in the result is its rank among its
@@ -268,6 +297,9 @@ class _Run:
         sizes[other] = np.arange(len(used))
         at = sizes[packed]
         sizes[packed] = np.arange(len(at))
+        places = self.places[at]
+        named, row = np.unique(places["pack"], return_inverse=True)
+        places["pack"] = row.reshape(-1)
         return _Run(
             self.keys,
             self.kinds,
@@ -275,17 +307,53 @@ class _Run:
             sizes,
             [self.others[j] for j in used],
             self.live,
-            self.places[at],
+            places,
+            self.packs[named],
         )
 
 
-def _places(places: list[tuple[bytes, int, int]]) -> npt.NDArray[Any]:
+def _places(
+    places: list[tuple[bytes, int, int]],
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.uint8]]:
+    """The ``places`` column and pack table of ``(pack id bytes, offset, length)`` entries."""
     out = np.zeros(len(places), _PLACE)
+    rows: dict[bytes, int] = {}
     if places:
-        out["pack"] = np.frombuffer(b"".join(p for p, _, _ in places), np.uint8).reshape(-1, 32)
+        out["pack"] = [rows.setdefault(p, len(rows)) for p, _, _ in places]
         out["offset"] = [o for _, o, _ in places]
         out["length"] = [n for _, _, n in places]
-    return out
+    table = np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), _DIGEST)
+    return out, table
+
+
+def _joined_places(older: _Run, newer: _Run) -> tuple[npt.NDArray[Any], npt.NDArray[np.uint8]]:
+    """The places of ``older`` then ``newer`` (as a merge indexes them) over one pack table that
+    holds each id of the two once."""
+    packs, row = np.unique(np.concatenate([older.packs, newer.packs]), axis=0, return_inverse=True)
+    row = row.reshape(-1)
+    places = np.concatenate([older.places, newer.places])
+    places["pack"][: len(older.places)] = row[older.places["pack"]]
+    places["pack"][len(older.places) :] = row[len(older.packs) + newer.places["pack"]]
+    return places, packs
+
+
+#: ``places`` as a zarrlake from before the pack table pickled it: each place held its pack's id.
+_OLD_PLACE = np.dtype([("pack", np.uint8, (32,)), ("offset", np.int64), ("length", np.int64)])
+
+
+def _upgraded(run: _Run) -> _Run:
+    """A run as pickled by a zarrlake from before packed columns, or before the pack table."""
+    if not hasattr(run, "places"):
+        run.places, run.packs = _places([])
+    elif not hasattr(run, "packs"):  # each place held its pack's id
+        old = run.places
+        packs, row = np.unique(old["pack"].reshape(len(old), _DIGEST), axis=0, return_inverse=True)
+        places = np.zeros(len(old), _PLACE)
+        places["pack"] = row.reshape(-1)
+        places["offset"] = old["offset"]
+        places["length"] = old["length"]
+        run.places, run.packs = places, packs
+    return run
 
 
 #: Entries a merge or a walk handles at a time (its temporaries are a few hundred KB).
@@ -612,11 +680,8 @@ class _Keys(Sequence[str]):
 
 
 def _restore(recent: dict[str, ChunkRef | None], runs: list[_Run]) -> ChunkChanges:
-    for run in runs:
-        if not hasattr(run, "places"):  # pickled by a zarrlake from before packed columns
-            run.places = _places([])
     out = ChunkChanges()
-    out._recent, out._runs = recent, runs
+    out._recent, out._runs = recent, [_upgraded(run) for run in runs]
     return out
 
 
