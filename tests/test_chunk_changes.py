@@ -566,11 +566,16 @@ def test_runs_pickled_before_the_pack_table_read_the_same() -> None:
         for i in range(300)
     }
     refs["k999"] = (OBJECT, rng.randbytes(32), 5)
+    refs["k998"] = (PACKED, "c" * 64, 0, 1 << 33, rng.randbytes(32))  # too long for the columns
     run = changes_module._Run.of(list(refs.items()))
-    old = np.zeros(len(run.places), changes_module._OLD_PLACE)
-    old["pack"] = run.packs[run.places["pack"]]
-    old["offset"], old["length"] = run.places["offset"], run.places["length"]
-    run.places = old
+    old = np.zeros(len(run.places) + 1, changes_module._OLD_PLACE)
+    old["pack"][:-1] = run.packs[run.places["pack"]]
+    old["offset"][:-1], old["length"][:-1] = run.places["offset"], run.places["length"]
+    old[-1] = (np.frombuffer(bytes.fromhex("c" * 64), np.uint8), 0, 1 << 33)
+    big = int(np.flatnonzero(run.kinds == changes_module._OTHER)[0])  # then, in columns
+    run.kinds[big], run.sizes[big] = changes_module._PACKED, len(old) - 1
+    run.digests[big] = np.frombuffer(refs["k998"][4], np.uint8)
+    run.others, run.places = [], old
     del run.packs  # as an earlier zarrlake pickled it
     restored = changes_module._restore({}, [run])
     assert dict(restored.items()) == refs

@@ -353,6 +353,13 @@ def _upgraded(run: _Run) -> _Run:
         places["offset"] = old["offset"]
         places["length"] = old["length"]
         run.places, run.packs = places, packs
+        for i in np.flatnonzero(run.kinds == _PACKED).tolist():
+            j = int(run.sizes[i])
+            if int(old["length"][j]) >= 1 << 32:  # no longer fits the column: kept whole
+                pack = old["pack"][j].tobytes().hex()
+                ref = (PACKED, pack, int(old["offset"][j]), int(old["length"][j]))
+                run.others.append((*ref, run.digests[i].tobytes()))
+                run.kinds[i], run.sizes[i] = _OTHER, len(run.others) - 1
     return run
 
 

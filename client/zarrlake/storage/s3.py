@@ -408,9 +408,9 @@ class S3Storage(Storage):
     # Whole-object GETs, PUTs and HEADs go through obstore (Rust: its requests leave the GIL, at
     # a third of the client CPU per small object; bench/RESULTS.md, "S3 engines"), signed with
     # the credentials botocore resolved (profiles, SSO, web identity and their refreshes keep
-    # working), to the very URLs the urllib3 path uses. The urllib3 path stays for anonymous
-    # requests, ranged reads, processes forked after obstore started here (its runtime does not
-    # survive fork) and ZARRLAKE_S3_ENGINE=urllib3.
+    # working), to the very URLs the urllib3 path uses; ranged GETs too (a chunk in a pack). The
+    # urllib3 path stays for anonymous requests, processes forked after obstore started here (its
+    # runtime does not survive fork) and ZARRLAKE_S3_ENGINE=urllib3.
 
     def _obstore(self, *, build: bool = True) -> Any | None:
         """This storage's obstore ``S3Store``, or None where the urllib3 path serves. With
