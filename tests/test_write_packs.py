@@ -449,3 +449,36 @@ def test_compaction_refuses_a_damaged_session_pack_and_changes_nothing(tmp_path:
     with pytest.raises(zarrlake.CorruptObject, match=ref[1]):
         repo.compact()
     assert repo.core.journal.current("main").snapshot == head
+
+
+def test_compaction_moves_only_the_refs_a_merge_changes(tmp_path: Path) -> None:
+    """A merge can write again a pack compaction wrote before (content-addressed: the same
+    bytes make the same pack): refs already in it stay, are not counted, and only the new key
+    moves into it."""
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    data = _data(6)
+    data[4 * CHUNK : 5 * CHUNK] = data[:CHUNK]  # chunk 4: the bytes of chunk 0
+    data[5 * CHUNK :] = data[CHUNK : 2 * CHUNK]  # chunk 5: those of chunk 1
+    s = repo.writable_session("main")
+    arr = _array(s, 6)
+    arr[: 4 * CHUNK] = data[: 4 * CHUNK]
+    s.commit("chunks 0-3: a pack of 4 KiB")
+    s = repo.writable_session("main")
+    zarr.open_array(s.store, path="x")[4 * CHUNK : 5 * CHUNK] = data[4 * CHUNK : 5 * CHUNK]
+    s.commit("chunk 4: a pack of 1 KiB")
+    first = compact(repo.core, pack_target_bytes=16 * 1024)
+    assert (first.packed_chunks, first.packs_written) == (5, 1)  # 4 KiB: chunk 4 shares 0's
+    merged: Any = repo.readonly_session("main").resolve("x/c/0")
+    s = repo.writable_session("main")
+    zarr.open_array(s.store, path="x")[5 * CHUNK :] = data[5 * CHUNK :]
+    s.commit("chunk 5: a pack of 1 KiB")
+
+    again = compact(repo.core, pack_target_bytes=16 * 1024)  # the 4 KiB pack and the new one
+    assert (again.packed_chunks, again.packs_written) == (1, 1)
+    head = repo.readonly_session("main")
+    refs: list[Any] = [head.resolve(f"x/c/{i}") for i in range(6)]
+    assert {r[1] for r in refs} == {merged[1]}  # the same pack as before, written again
+    assert refs[5][2:4] == refs[1][2:4]  # chunk 5 reads chunk 1's bytes
+    got = zarr.open_array(head.store, path="x", mode="r")[:]
+    assert np.array_equal(got, data)
+    assert repo.fsck(verify_content=True).ok

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from zarrlake.changeset import Changeset
 from zarrlake.conflicts import ChangeSummary
@@ -43,6 +43,7 @@ from zarrlake.format.model import (
     chunk_key,
     manifest_key,
     pack_key,
+    ref_identity,
     ref_size,
 )
 from zarrlake.nodes import split_chunk_key
@@ -132,7 +133,7 @@ def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkR
     placed: dict[bytes, tuple[int, int]] = {}
     offset = 0
     for (_, ref), data in zip(group, datas, strict=True):
-        digest = ref[1] if ref[0] == OBJECT else ref[4]
+        digest = _digest(ref)
         if digest in placed:
             continue
         if bytes.fromhex(objects.hash_data(data)) != digest:
@@ -146,9 +147,14 @@ def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkR
     core.storage.put(pack_key(pack_id), pack)
     out: list[tuple[str, ChunkRef]] = []
     for key, ref in group:
-        digest = ref[1] if ref[0] == OBJECT else ref[4]
+        digest = _digest(ref)
         out.append((key, (PACKED, pack_id, *placed[digest], digest)))
     return out
+
+
+def _digest(ref: ChunkRef) -> bytes:
+    """The digest of the chunk an object ref or a packed ref (with its digest) names."""
+    return cast(bytes, ref_identity(ref))
 
 
 def _in_small_packs(refs: list[ChunkRef], target: int) -> set[int]:

@@ -67,27 +67,20 @@ def first_line(e: BaseException) -> str:
     return f"{first} {found.group(1)}: {found.group(2).strip()}" if found else first
 
 
-def call(what: str, key: str, fn: Callable[[], T]) -> T:
+def call(what: str, key: str, fn: Callable[[], T], *, past_end: T | None = None) -> T:
     """Run an obstore call, turning its errors into zarrlake's storage errors. A 409 (S3's
-    answer to a conditional write racing another on the same key) is a precondition failure."""
+    answer to a conditional write racing another on the same key) is a precondition failure.
+    For a ranged read, ``past_end`` is the answer to a range that starts at or past the object's
+    end (the server's 416), as every backend answers such a read: nothing."""
     try:
         return fn()
     except Exception as e:
+        if past_end is not None and status_of(str(e)) == 416:
+            from obstore.exceptions import BaseError
+
+            if isinstance(e, BaseError):
+                return past_end
         _raise_translated(what, key, e)
-        raise
-
-
-def range_or_empty(key: str, fn: Callable[[], T], empty: T) -> T:
-    """:func:`call` for a ranged read: ``empty`` when the range starts at or past the object's
-    end (the server's 416), as every backend answers such a read."""
-    try:
-        return fn()
-    except Exception as e:
-        from obstore.exceptions import BaseError
-
-        if isinstance(e, BaseError) and status_of(str(e)) == 416:
-            return empty
-        _raise_translated("get", key, e)
         raise
 
 

@@ -483,10 +483,11 @@ class S3Storage(Storage):
             # A chunk in a pack: ~0.8 ms less a request than the signed urllib3 path (moto and
             # SeaweedFS alike; bench/RESULTS.md).
             return with_retries(
-                lambda: objstore.range_or_empty(
+                lambda: objstore.call(
+                    "get",
                     key,
                     lambda: bytes(obstore.get_range(store, path, start=start, end=end)),
-                    b"",
+                    past_end=b"",
                 )
             )
         headers = {}
