@@ -34,6 +34,7 @@ from zarrlake.format.model import (
     snapshot_key,
     txlog_key,
 )
+from zarrlake.readahead import PackReadAhead, Window
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 
 K = TypeVar("K")
@@ -136,6 +137,9 @@ class ObjectStore:
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
         self._pages: LRU[str, HistoryPage] = LRU(1024)
+        #: Windows read ahead in packs, where a request costs far more than its bytes (not on
+        #: local files or memory, whose small reads run in place: see ``inline_read_bytes``).
+        self._ahead = None if self.storage.inline_read_bytes else PackReadAhead()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"storage": self.storage, "content_hash": self.content_hash}
@@ -379,27 +383,52 @@ class ObjectStore:
                 return b""
             if self._staged and (staged := self._staged_read(read, ref[1])) is not None:
                 return staged
+            if self._ahead is not None and (window := self._ahead.lookup(*read)) is not None:
+                group = RangeGroup(read[0], read[1], read[2], ((0, read[1], read[2]),))
+                return _via_window(self.storage, window, group)[0]
             return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
     def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
         """The requests that read many chunks (``(ref, byte range or None)`` each, as
         :meth:`read_chunk`): ranges of one pack that lie close together share one ranged
-        request (see :func:`coalesce`); every other read is a job of its own. Each read is
-        served by exactly one job; duplicates, overlaps and any order are fine."""
+        request (see :func:`coalesce`), and reads inside a window read ahead in a pack (see
+        :mod:`zarrlake.readahead`) take their bytes from it; every other read is a job of its
+        own. Each read is served by exactly one job; duplicates, overlaps and any order are
+        fine. A job marked ``ready`` makes no request."""
         jobs: list[ReadJob] = []
         wanted: list[tuple[str, int, int]] = []
         where: list[int] = []
+        joined: dict[Window, list[tuple[int, int, int]]] = {}
+        ahead = self._ahead
         for i, (ref, byte_range) in enumerate(reads):
             read = _packed_read(ref, byte_range) if ref[0] == PACKED else None
             if read is None or (self._staged and ref[1] in self._staged):
                 jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range)))
+            elif ahead is not None and (window := ahead.lookup(*read)) is not None:
+                joined.setdefault(window, []).append((i, read[1], read[2]))
             else:
                 wanted.append(read)
                 where.append(i)
+        for window, parts in joined.items():
+            group = RangeGroup(
+                window.key, min(p[1] for p in parts), max(p[2] for p in parts), tuple(parts)
+            )
+            targets = tuple(i for i, _, _ in parts)
+            fetch = partial(_via_window, self.storage, window, group)
+            jobs.append(ReadJob(targets, fetch, window.done and window.data is not None))
+        fetch_upto = partial(_fetch_upto, self.storage)
         for group in coalesce(wanted):
             targets = tuple(where[part] for part, _, _ in group.parts)
-            jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
+            planned = None
+            if ahead is not None:
+                planned = ahead.plan(
+                    group.key, group.start, group.end, partial(fetch_upto, group.key)
+                )
+            if planned is None:
+                jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
+            else:
+                jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, group)))
         return jobs
 
     def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
@@ -485,6 +514,8 @@ class ReadJob:
 
     targets: tuple[int, ...]
     fetch: Callable[[], list[bytes]]
+    #: ``fetch`` makes no request (its bytes were read ahead): it may run on the event loop.
+    ready: bool = False
 
 
 def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None) -> list[bytes]:
@@ -494,6 +525,26 @@ def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None
 def _split(storage: Storage, group: RangeGroup) -> list[bytes]:
     data = _fetch_range(storage, group.key, group.start, group.end)
     return [data[start - group.start : end - group.start] for _, start, end in group.parts]
+
+
+def _via_window(storage: Storage, window: Window, group: RangeGroup) -> list[bytes]:
+    """The bytes of ``group``'s reads, all inside ``window``, from its bytes; if its request
+    failed or the pack ends inside it, from the group's own request (which says why)."""
+    try:
+        data = window.result()
+    except Exception:
+        return _split(storage, group)
+    if group.end - window.start > len(data):
+        return _split(storage, group)
+    return [data[start - window.start : end - window.start] for _, start, end in group.parts]
+
+
+def _fetch_upto(storage: Storage, key: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of pack ``key``, fewer if the pack ends sooner (a read-ahead)."""
+    try:
+        return storage.get(key, (start, end))
+    except ObjectNotFound:
+        raise CorruptObject(key, "pack object is missing") from None
 
 
 def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:

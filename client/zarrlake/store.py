@@ -269,9 +269,19 @@ class ZarrlakeStore(Store):
                     f.set_exception(e)
             return
         for job in jobs:
+            futures = [batch.futures[i] for i in job.targets]
+            if job.ready:  # read ahead: no request, no thread
+                try:
+                    found = job.fetch()
+                except Exception:
+                    pass  # settled as any other job below, each read on its own if need be
+                else:
+                    for f, data in zip(futures, found, strict=True):
+                        if not f.done():
+                            f.set_result(data)
+                    continue
             # Each request settles its own reads as it completes: Zarr starts the next read as
             # soon as one is done, and a slow request must not hold up the others.
-            futures = [batch.futures[i] for i in job.targets]
             reads = [batch.reads[i] for i in job.targets]
             task = batch.loop.create_task(_settle(job, reads, futures, objects))
             _SETTLING.add(task)  # the loop keeps only weak references to tasks
