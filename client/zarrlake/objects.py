@@ -383,9 +383,11 @@ class ObjectStore:
                 return b""
             if self._staged and (staged := self._staged_read(read, ref[1])) is not None:
                 return staged
-            if self._ahead is not None and (window := self._ahead.lookup(*read)) is not None:
-                group = RangeGroup(read[0], read[1], read[2], ((0, read[1], read[2]),))
-                return _via_window(self.storage, window, group)[0]
+            # A window already fetching or fetched serves it; one it would have to fetch itself
+            # does not (a single read fetches just its chunk).
+            ahead = self._ahead
+            if ahead is not None and (window := ahead.lookup(*read, started=True)) is not None:
+                return _via_window(self.storage, window, [(0, read[1], read[2])])[0]
             return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
@@ -411,24 +413,24 @@ class ObjectStore:
                 wanted.append(read)
                 where.append(i)
         for window, parts in joined.items():
-            group = RangeGroup(
-                window.key, min(p[1] for p in parts), max(p[2] for p in parts), tuple(parts)
-            )
             targets = tuple(i for i, _, _ in parts)
-            fetch = partial(_via_window, self.storage, window, group)
-            jobs.append(ReadJob(targets, fetch, window.done and window.data is not None))
-        fetch_upto = partial(_fetch_upto, self.storage)
+            fetch = partial(_via_window, self.storage, window, parts)
+            # Ready: its bytes are here, all of them (a pack may end inside a window).
+            data, end = window.data, max(e for _, _, e in parts)
+            ready = data is not None and end <= window.start + len(data)
+            jobs.append(ReadJob(targets, fetch, ready))
         for group in coalesce(wanted):
             targets = tuple(where[part] for part, _, _ in group.parts)
             planned = None
             if ahead is not None:
                 planned = ahead.plan(
-                    group.key, group.start, group.end, partial(fetch_upto, group.key)
+                    group.key, group.start, group.end, partial(_fetch_upto, self.storage, group.key)
                 )
             if planned is None:
                 jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
             else:
-                jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, group)))
+                parts = list(group.parts)
+                jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, parts)))
         return jobs
 
     def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
@@ -523,28 +525,39 @@ def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None
 
 
 def _split(storage: Storage, group: RangeGroup) -> list[bytes]:
-    data = _fetch_range(storage, group.key, group.start, group.end)
-    return [data[start - group.start : end - group.start] for _, start, end in group.parts]
+    return _slice(
+        _fetch_range(storage, group.key, group.start, group.end), group.start, group.parts
+    )
 
 
-def _via_window(storage: Storage, window: Window, group: RangeGroup) -> list[bytes]:
-    """The bytes of ``group``'s reads, all inside ``window``, from its bytes; if its request
-    failed or the pack ends inside it, from the group's own request (which says why)."""
+def _slice(data: bytes, base: int, parts: Iterable[tuple[int, int, int]]) -> list[bytes]:
+    """Each part's bytes ``[start, end)`` of ``data``, the object's bytes from ``base`` on."""
+    return [data[start - base : end - base] for _, start, end in parts]
+
+
+def _via_window(
+    storage: Storage, window: Window, parts: Sequence[tuple[int, int, int]]
+) -> list[bytes]:
+    """The bytes of reads ``parts`` (index, start, end), all inside ``window``, from its bytes.
+    If its request failed or the pack ends inside it, they make their own requests, as they
+    would have without it (ranges close together share one), and each gets its own error."""
     try:
         data = window.result()
     except Exception:
-        return _split(storage, group)
-    if group.end - window.start > len(data):
-        return _split(storage, group)
-    return [data[start - window.start : end - window.start] for _, start, end in group.parts]
+        data = b""
+    if max(end for _, _, end in parts) - window.start <= len(data):
+        return _slice(data, window.start, parts)
+    wanted = [(window.key, start, end) for _, start, end in parts]
+    out: list[bytes] = [b""] * len(parts)
+    for group in coalesce(wanted):
+        for (i, _, _), got in zip(group.parts, _split(storage, group), strict=True):
+            out[i] = got
+    return out
 
 
 def _fetch_upto(storage: Storage, key: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of pack ``key``, fewer if the pack ends sooner (a read-ahead)."""
-    try:
-        return storage.get(key, (start, end))
-    except ObjectNotFound:
-        raise CorruptObject(key, "pack object is missing") from None
+    return _fetch_range(storage, key, start, end, exact=False)
 
 
 def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:
@@ -557,11 +570,11 @@ def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str
     return pack_key(pack_id), offset + start, offset + end
 
 
-def _fetch_range(storage: Storage, key: str, start: int, end: int) -> bytes:
+def _fetch_range(storage: Storage, key: str, start: int, end: int, *, exact: bool = True) -> bytes:
     try:
         data = storage.get(key, (start, end))
     except ObjectNotFound:
         raise CorruptObject(key, "pack object is missing") from None
-    if len(data) != end - start:
+    if exact and len(data) != end - start:
         raise CorruptObject(key, f"pack ends before byte {end} that a chunk ref names")
     return data
