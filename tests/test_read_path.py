@@ -148,9 +148,15 @@ def test_a_chunk_object_shorter_than_its_ref_is_corrupt(storage: zarrlake.Storag
         objects.read_chunk(ref, (50, 80))
     with pytest.raises(CorruptObject, match="holds 60 bytes"):
         objects.read_chunks([(ref, None)])
+    with pytest.raises(CorruptObject, match="holds 60 bytes"):  # the store's path from a loop
+        asyncio.run(objects.read_object_async(ref))
+    missing = (OBJECT, hashlib.sha256(b"never written").digest(), 13)
+    with pytest.raises(CorruptObject, match="chunk object is missing"):
+        asyncio.run(objects.read_object_async(missing))
     assert objects.read_chunk(ref, (10, 40)) == data[10:40]  # what does exist reads fine
     storage.put(chunk_key(digest.hex()), data)
     assert objects.read_chunk(ref) == data and objects.read_chunk(ref, (90, 200)) == data[90:]
+    assert asyncio.run(objects.read_object_async(ref)) == data
 
 
 # -- single-flight loads -------------------------------------------------------------------------

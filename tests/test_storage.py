@@ -192,6 +192,51 @@ def test_s3_put_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) ->
     assert storage.get("k29") == b"z" * 29 and storage.get("first") == b"x"
 
 
+def test_get_async_keeps_the_contract_of_get(storage: Storage) -> None:
+    """What the Zarr store awaits for every chunk object: the same answers as :meth:`get`."""
+    storage.put("g/k", b"whole object")
+    blobs = {f"g/{i}": bytes([i]) * (i * 1000 + 1) for i in range(20)}
+    for key, data in blobs.items():
+        storage.put(key, data)
+
+    async def reads() -> None:
+        assert await storage.get_async("g/k") == b"whole object"
+        with pytest.raises(ObjectNotFound) as info:
+            await storage.get_async("g/absent")
+        assert info.value.key == "g/absent"
+        got = await asyncio.gather(*(storage.get_async(k) for k in blobs))
+        assert got == list(blobs.values())
+
+    asyncio.run(reads())
+
+
+def test_s3_get_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) -> None:  # type: ignore[no-untyped-def]
+    """As ``put_async``: no thread of the I/O pool once a sync request has built the store."""
+    storage = s3_server.storage(f"get-async-{random.getrandbits(32):08x}")
+    storage_fresh = s3_server.storage(storage.prefix)
+    for i in range(1, 30):
+        storage.put(f"k{i}", b"z" * i)
+    pooled: list[object] = []
+    run_async = storage_fresh.run_async
+
+    async def counted(fn: Callable[..., object], *args: object) -> object:
+        pooled.append(fn)
+        return await run_async(fn, *args)
+
+    storage_fresh.run_async = counted  # type: ignore[method-assign]
+    assert asyncio.run(storage_fresh.get_async("k1")) == b"z"
+    assert len(pooled) == 1  # no store yet: the pool's way
+    pooled.clear()
+
+    async def many() -> list[bytes]:
+        return list(await asyncio.gather(*(storage_fresh.get_async(f"k{i}") for i in range(1, 30))))
+
+    assert asyncio.run(many()) == [b"z" * i for i in range(1, 30)]
+    assert pooled == []
+    with pytest.raises(ObjectNotFound):
+        asyncio.run(storage_fresh.get_async("absent"))
+
+
 def test_with_retries_async_retries_transient_errors_only() -> None:
     fn, calls = flaky(3, lambda: TransientStorageError("slow down"))
 

@@ -391,6 +391,18 @@ class ObjectStore:
             return _fetch_range(self.storage, *read)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
+    async def read_object_async(self, ref: ChunkRef) -> bytes:
+        """The whole chunk of an object ref, from an event loop (the storage's
+        :meth:`~Storage.get_async`). Raises as :meth:`read_chunk`."""
+        key = chunk_key(ref[1].hex())
+        try:
+            got = await self.storage.get_async(key)
+        except ObjectNotFound:
+            raise CorruptObject(key, "chunk object is missing") from None
+        if len(got) != ref_size(ref):
+            raise CorruptObject(key, f"holds {len(got)} bytes where its ref needs them")
+        return got
+
     def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
         """The requests that read many chunks (``(ref, byte range or None)`` each, as
         :meth:`read_chunk`): ranges of one pack that lie close together share one ranged

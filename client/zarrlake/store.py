@@ -23,7 +23,7 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from zarrlake.errors import ReadOnlyError
-from zarrlake.format.model import INLINE, ChunkRef, ref_size
+from zarrlake.format.model import INLINE, OBJECT, ChunkRef, ref_size
 from zarrlake.objects import ObjectStore, ReadJob
 
 #: Chunks up to this size are written from the event loop (see :meth:`ZarrlakeStore.set`).
@@ -244,6 +244,8 @@ class ZarrlakeStore(Store):
         rng = _range(byte_range, size)
         if value[0] == INLINE or size <= objects.storage.inline_read_bytes:
             return objects.read_chunk(value, rng)
+        if value[0] == OBJECT and rng is None:  # a whole object: nothing to coalesce it with
+            return await objects.read_object_async(value)
         return await self._batched_read(value, rng)
 
     async def _batched_read(self, ref: ChunkRef, rng: tuple[int, int] | None) -> bytes:

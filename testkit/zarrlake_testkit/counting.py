@@ -110,6 +110,10 @@ class CountingStorage(Storage):
         self.counts.add("put_create_only" if create_only else "put", key)
         self.inner.put(key, data, create_only=create_only)
 
+    async def get_async(self, key: str) -> bytes:
+        self.counts.add("get", key)
+        return await self.inner.get_async(key)
+
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         self.counts.add("put_create_only" if create_only else "put", key)
         await self.inner.put_async(key, data, create_only=create_only)

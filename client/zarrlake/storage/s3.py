@@ -516,6 +516,21 @@ class S3Storage(Storage):
             return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
+    async def get_async(self, key: str) -> bytes:
+        # As put_async: on the caller's loop once this process's store exists.
+        store = self._obstore(build=False)
+        if store is None:
+            return await super().get_async(key)
+        import obstore
+
+        path = self._k(key)
+
+        async def fetch() -> bytes:
+            got = await obstore.get_async(store, path)
+            return bytes(await got.bytes_async())
+
+        return await with_retries_async(lambda: objstore.call_async("get", key, fetch))
+
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         # Awaited on the caller's loop once this process's store exists; the first request goes
         # the pool's way, and builds it there.
