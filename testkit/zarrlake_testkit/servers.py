@@ -291,6 +291,9 @@ def seaweedfs_command(
         # Small volumes, as many as the disk holds (the default, 30 GB each and at most 8, runs
         # out after a few buckets); no grace period on stop.
         "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0",
+        # One master, its own leader: started again on its data, it waits one election timeout
+        # (10 s by default, twice over) before it serves.
+        "-master.electionTimeout=1s",
     ]  # fmt: skip
 
 
@@ -324,8 +327,13 @@ def start_seaweedfs(
     secret_key: str = "testing",
     timeout: float = 60.0,
     attempts: int = 5,
+    ports: dict[str, int] | None = None,
 ) -> SeaweedFS:
     """``weed server -s3`` on free loopback ports (stop it with :meth:`SeaweedFS.stop`).
+
+    ``ports``: those of a server that ran on ``workdir`` before (:attr:`SeaweedFS.ports`), to
+    start it again where its clients find it, with the data it kept (one attempt: the ports are
+    not free to choose).
 
     The S3 gateway takes requests signed with ``access_key``/``secret_key`` (an identity with
     every permission, written to ``workdir/s3.json``) and answers anonymous ones with 403. Data,
@@ -347,9 +355,10 @@ def start_seaweedfs(
     # the default, a few hundred buckets use up every volume the disk allows and writes fail with
     # 500 "No writable volumes" (the operator fleet bench provisions a bucket per repository).
     (work / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
-    for attempt in range(attempts):
-        ports: dict[str, int] = {}
-        for name in SEAWEEDFS_LISTENERS:
+    given = ports
+    for attempt in range(1 if given else attempts):
+        ports = dict(given) if given else {}
+        for name in () if given else SEAWEEDFS_LISTENERS:
             ports[name], ports[name + ".grpc"] = free_port(), free_port()
         with open(work / "weed.log", "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
@@ -367,7 +376,7 @@ def start_seaweedfs(
             return server
         except PortTaken:
             server.stop()
-            if attempt == attempts - 1:
+            if given or attempt == attempts - 1:
                 raise
         except BaseException:
             server.stop()
