@@ -164,11 +164,8 @@ def test_put_async_keeps_the_contract_of_put(storage: Storage) -> None:
     assert all(storage.get(f"a/{i}") == bytes([i]) * 100 for i in range(20))
 
 
-def test_s3_put_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) -> None:  # type: ignore[no-untyped-def]
-    """Once a sync request has built this process's obstore store, ``put_async`` needs no
-    thread of the I/O pool (the hand-off per object is what it saves); before, it takes the
-    pool's way, which builds the store there (resolving credentials may block)."""
-    storage = s3_server.storage(f"put-async-{random.getrandbits(32):08x}")
+def _pool_calls(storage: Storage) -> list[object]:
+    """The functions ``storage`` hands to its I/O pool from now on (appended as it does)."""
     pooled: list[object] = []
     run_async = storage.run_async
 
@@ -177,6 +174,15 @@ def test_s3_put_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) ->
         return await run_async(fn, *args)
 
     storage.run_async = counted  # type: ignore[method-assign]
+    return pooled
+
+
+def test_s3_put_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) -> None:  # type: ignore[no-untyped-def]
+    """Once a sync request has built this process's obstore store, ``put_async`` needs no
+    thread of the I/O pool (the hand-off per object is what it saves); before, it takes the
+    pool's way, which builds the store there (resolving credentials may block)."""
+    storage = s3_server.storage(f"put-async-{random.getrandbits(32):08x}")
+    pooled = _pool_calls(storage)
     asyncio.run(storage.put_async("first", b"x"))
     assert len(pooled) == 1  # no store yet: the pool's way
     storage.put("sync", b"y")
@@ -216,14 +222,7 @@ def test_s3_get_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) ->
     storage_fresh = s3_server.storage(storage.prefix)
     for i in range(1, 30):
         storage.put(f"k{i}", b"z" * i)
-    pooled: list[object] = []
-    run_async = storage_fresh.run_async
-
-    async def counted(fn: Callable[..., object], *args: object) -> object:
-        pooled.append(fn)
-        return await run_async(fn, *args)
-
-    storage_fresh.run_async = counted  # type: ignore[method-assign]
+    pooled = _pool_calls(storage_fresh)
     assert asyncio.run(storage_fresh.get_async("k1")) == b"z"
     assert len(pooled) == 1  # no store yet: the pool's way
     pooled.clear()

@@ -372,11 +372,7 @@ class ObjectStore:
                 got = self.storage.get(key, byte_range)
             except ObjectNotFound:
                 raise CorruptObject(key, "chunk object is missing") from None
-            size = ref_size(ref)
-            start, end = (0, size) if byte_range is None else byte_range
-            if len(got) != max(0, min(end, size) - start):
-                raise CorruptObject(key, f"holds {len(got)} bytes where its ref needs them")
-            return got
+            return _whole(key, got, ref, byte_range)
         if kind == PACKED:
             read = _packed_read(ref, byte_range)
             if read is None:
@@ -399,9 +395,7 @@ class ObjectStore:
             got = await self.storage.get_async(key)
         except ObjectNotFound:
             raise CorruptObject(key, "chunk object is missing") from None
-        if len(got) != ref_size(ref):
-            raise CorruptObject(key, f"holds {len(got)} bytes where its ref needs them")
-        return got
+        return _whole(key, got, ref, None)
 
     def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
         """The requests that read many chunks (``(ref, byte range or None)`` each, as
@@ -435,9 +429,9 @@ class ObjectStore:
             targets = tuple(where[part] for part, _, _ in group.parts)
             planned = None
             if ahead is not None:
-                planned = ahead.plan(
-                    group.key, group.start, group.end, partial(_fetch_upto, self.storage, group.key)
-                )
+                # A window may reach past the pack's end: it holds what there is.
+                upto = partial(_fetch_range, self.storage, group.key, exact=False)
+                planned = ahead.plan(group.key, group.start, group.end, upto)
             if planned is None:
                 jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
             else:
@@ -532,6 +526,16 @@ class ReadJob:
     ready: bool = False
 
 
+def _whole(key: str, got: bytes, ref: ChunkRef, byte_range: tuple[int, int] | None) -> bytes:
+    """``got``, read from chunk object ``key`` of ``ref`` (``byte_range`` of it), if it holds
+    every byte the ref says is there: a truncated object must not reach the codec as whole."""
+    size = ref_size(ref)
+    start, end = (0, size) if byte_range is None else byte_range
+    if len(got) != max(0, min(end, size) - start):
+        raise CorruptObject(key, f"holds {len(got)} bytes where its ref needs them")
+    return got
+
+
 def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None) -> list[bytes]:
     return [objects.read_chunk(ref, byte_range)]
 
@@ -567,11 +571,6 @@ def _via_window(
     return out
 
 
-def _fetch_upto(storage: Storage, key: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of pack ``key``, fewer if the pack ends sooner (a read-ahead)."""
-    return _fetch_range(storage, key, start, end, exact=False)
-
-
 def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str, int, int] | None:
     """(pack key, start, end) in the pack for ``byte_range`` of a packed chunk; None if empty."""
     pack_id, offset, length = ref[1], ref[2], ref[3]
@@ -583,6 +582,8 @@ def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str
 
 
 def _fetch_range(storage: Storage, key: str, start: int, end: int, *, exact: bool = True) -> bytes:
+    """Bytes ``[start, end)`` of pack ``key``; with ``exact`` off, fewer if the pack ends sooner
+    (a read-ahead window). A missing pack, or a short one read exactly, is corrupt."""
     try:
         data = storage.get(key, (start, end))
     except ObjectNotFound:

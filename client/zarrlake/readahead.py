@@ -57,12 +57,8 @@ class Window:
         self._claimed = False
 
     @property
-    def done(self) -> bool:
-        """Whether its request is over (``data`` holds its bytes, unless it failed)."""
-        return self.data is not None or self._error is not None
-
-    @property
     def started(self) -> bool:
+        """Whether someone is making (or has made) its request."""
         return self._claimed
 
     def covers(self, start: int, end: int) -> bool:

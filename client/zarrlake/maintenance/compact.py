@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from zarrlake.changeset import Changeset
 from zarrlake.conflicts import ChangeSummary
@@ -153,8 +153,12 @@ def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkR
 
 
 def _digest(ref: ChunkRef) -> bytes:
-    """The digest of the chunk an object ref or a packed ref (with its digest) names."""
-    return cast(bytes, ref_identity(ref))
+    """The digest of the chunk an object ref or a packed ref (with its digest) names. Packs a
+    ref names without a digest (an older format) are never repacked (:func:`_in_small_packs`)."""
+    digest = ref_identity(ref)
+    if not isinstance(digest, bytes):
+        raise TypeError(f"a ref without a chunk digest cannot be packed: {ref!r}")
+    return digest
 
 
 def _in_small_packs(refs: list[ChunkRef], target: int) -> set[int]:
