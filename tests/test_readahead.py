@@ -187,11 +187,13 @@ class RangeLog(CountingStorage):
     def __init__(self, inner: zarrlake.Storage) -> None:
         super().__init__(inner, Counts())
         self.spans: list[int] = []
+        self.ranges: list[tuple[str, int, int]] = []
         self.fail_spans_over: int | None = None
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         if byte_range is not None:
             self.spans.append(byte_range[1] - byte_range[0])
+            self.ranges.append((key, *byte_range))
             if self.fail_spans_over is not None and self.spans[-1] > self.fail_spans_over:
                 self.counts.add("get_range", key)
                 raise StorageError(f"{key}: injected failure of a {self.spans[-1]}-byte range")
@@ -223,17 +225,29 @@ def test_a_scan_of_packed_chunks_reads_each_pack_in_a_few_requests(
     log = RangeLog(s3_storage)
     session = zarrlake.Repository.open(log).readonly_session("main")
     log.counts.reset()
-    log.spans.clear()
+    log.ranges.clear()
     np.testing.assert_array_equal(zarr.open_array(session.store, path="data")[:], values)
     ranged = log.counts.by_op().get("get_range", 0)
     assert 0 < ranged <= 40, log.counts.by_op()
-    assert max(log.spans) > WINDOW_MIN // 2  # windows were read, not chunks
-    # Read again on the same session: the windows it kept serve all but the first requests of
-    # each pack's stream (the first two are exact; from the third on, reads find kept windows).
-    packs = len(s3_storage.list_keys("packs/"))
+    windows = [(k, a, b) for k, a, b in log.ranges if b - a >= WINDOW_MIN]
+    assert windows  # windows were read, not chunks
+    # Read again on the same session. Which reads Zarr hands over together depends on timing,
+    # so the count is not fixed; what is: the windows the session kept (32 MiB holds them all)
+    # serve every chunk inside them, so each request starts at a chunk outside every window.
+    sizes = {k: len(s3_storage.get(k)) for k in s3_storage.list_keys("packs/")}
+
+    def kept(key: str, at: int) -> bool:
+        return any(k == key and a <= at < min(b, sizes[k]) for k, a, b in windows)
+
+    outside = sum(
+        1 for k, n in sizes.items() for at in range(0, n, 1024) if not kept(k, at)
+    )  # the chunks of the first requests of each pack, and any tail past the last window
     log.counts.reset()
+    log.ranges.clear()
     np.testing.assert_array_equal(zarr.open_array(session.store, path="data")[:], values)
-    assert log.counts.by_op().get("get_range", 0) <= STREAK * packs + 2
+    assert log.ranges, "the first requests of each pack are made again"
+    assert not [r for r in log.ranges if kept(r[0], r[1])], log.ranges
+    assert len(log.ranges) <= outside < 4000 // 10, (len(log.ranges), outside)
 
 
 def test_random_reads_of_packed_chunks_fetch_only_their_chunk(s3_storage: zarrlake.Storage) -> None:
