@@ -513,9 +513,36 @@ def test_a_lease_left_by_a_dead_promoter_is_taken_over_when_it_expires(
     assert len(terms) <= 2  # older terms are deleted as the chain grows
 
 
-def test_a_promoter_whose_lease_was_taken_stops_acting(source: zl.Repository, dest: zl.Storage):
+def _steal(dest: zl.Storage) -> LeaseRecord:
+    """Write the next term of the lease for "other", for an hour. The holder renews it meanwhile
+    (writing the next term, deleting older ones): try again on the term after until ours lands."""
+    while True:
+        newest = DestinationLease(dest).newest()
+        assert newest is not None
+        stolen = LeaseRecord(
+            newest.seq + 1, "other", dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+        )
+        try:
+            dest.put(lease_key(stolen.seq), stolen.encode(), create_only=True)
+            return stolen
+        except zl.PreconditionFailed:
+            continue  # a renewal took that term first
+
+
+def _wait_for_log(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, f"never logged {text!r}"
+        time.sleep(0.01)
+
+
+def test_a_promoter_whose_lease_was_taken_stops_acting(
+    source: zl.Repository, dest: zl.Storage, caplog: pytest.LogCaptureFixture
+):
+    import logging
     import threading
 
+    caplog.set_level(logging.INFO, logger="zarrlake.mirror")
     write(source, "main", 0, "one")
     m = Mirror(source, dest)
     m.LEASE_TTL = 0.3
@@ -530,15 +557,14 @@ def test_a_promoter_whose_lease_was_taken_stops_acting(source: zl.Repository, de
     try:
         while not passes:
             time.sleep(0.01)
-        newest = _terms(dest)[-1]
-        stolen = LeaseRecord(
-            newest.seq + 1, "other", dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
-        )
-        dest.put(lease_key(stolen.seq), stolen.encode(), create_only=True)
-        time.sleep(0.5)  # a renewal (every 0.1 s) finds its term taken
+        _steal(dest)
+        # A renewal (every 0.1 s) finds its term taken; the promoter leaves its loop of passes,
+        # and its next attempt to take the lease is refused (the stolen term lasts an hour).
+        _wait_for_log(caplog, "lost the lease")
+        _wait_for_log(caplog, "standing by")
         count = len(passes)
         head = write(source, "main", 1, "two")
-        time.sleep(0.5)
+        time.sleep(0.5)  # time for a pass it must not make
         assert len(passes) == count  # no pass since: standing by
         assert zl.Repository.open(dest).lookup_branch("main") != head
     finally:
@@ -549,13 +575,9 @@ def test_a_promoter_whose_lease_was_taken_stops_acting(source: zl.Repository, de
     lease = DestinationLease(dest, ttl=0.3, wait_s=1)
     dest.delete_many(dest.list_keys("mirror/lease/"))
     with lease.hold():
-        newest = _terms(dest)[-1]
         # Someone else writes the next term (as if this holder had been paused past its term).
-        taken = LeaseRecord(
-            newest.seq + 1, "other", dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
-        )
-        dest.put(lease_key(taken.seq), taken.encode(), create_only=True)
-        assert lease.lost.wait(5), "the renewal never noticed"
+        _steal(dest)
+        assert lease.lost.wait(30), "the renewal never noticed"
     assert _terms(dest)[-1].holder == "other"  # and it handed nothing over on leaving
     other = DestinationLease(dest, wait_s=0.2)
     with (

