@@ -34,6 +34,7 @@ import heapq
 import json
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -1252,6 +1253,79 @@ def test_compaction_merges_undersized_shards(storage: zarrlake.Storage) -> None:
     assert not repo.diff(before, after)
     assert np.array_equal(read_array(repo, after), content)
     assert repo.fsck().ok
+
+
+def packs_from_sessions(
+    storage: zarrlake.Storage, sessions: list[list[int]], pack_below: int = 256 * 1024
+) -> zarrlake.Repository:
+    """2,048 chunks of 1 KiB in shards of 256 refs; each session writes the chunks it lists, in
+    that order (so a session's 1 MiB packs hold them in that order; its last one is smaller).
+    ``pack_below=0``: sessions write chunk objects."""
+    config = zarrlake.RepositoryConfig(shard_max_refs=256, pack_chunks_below_bytes=pack_below)
+    repo = zarrlake.Repository.create(storage, config=config)
+    s = repo.writable_session()
+    create_array(s, 2048)
+    s.commit("create")
+    for i, chunks in enumerate(sessions):
+        s = repo.writable_session()
+        write_blocks(s, {j: float(i + 1) for j in chunks})
+        s.commit(f"session {i}")
+    return repo
+
+
+def pack_sizes(repo: zarrlake.Repository) -> list[int]:
+    return sorted(len(repo.storage.get(k)) for k in repo.storage.list_keys("packs/"))
+
+
+#: One session writes the even chunks, then the odd ones: two full packs (1 MiB each), each
+#: with chunks in every shard. Four sessions each write a 256-chunk range: four small packs,
+#: whose chunks fall into several shards (keys sort as text: "a/c/1", "a/c/10", ...).
+SCATTERED_FULL = [list(range(0, 2048, 2)) + list(range(1, 2048, 2))]
+SMALL_QUARTERS = [list(range(k * 512, k * 512 + 256)) for k in range(4)]
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_compaction_leaves_full_packs_alone_however_many_runs_see_a_part(
+    tmp_path: Path, runs: int
+) -> None:
+    """Which packs are small is decided over the whole manifest: a run that sees a quarter of a
+    1 MiB pack does not take it for a small one (it did: four runs copied both packs)."""
+    repo = packs_from_sessions(zarrlake.Storage.local(tmp_path / "r"), SCATTERED_FULL)
+    assert pack_sizes(repo) == [1 << 20, 1 << 20]
+    before = objects(repo.storage, "packs/"), objects(repo.storage, "manifests/")
+    report = compact_at(repo.core, branch="main", runs=runs)
+    assert (report.packed_chunks, report.packs_written, report.snapshot) == (0, 0, None)
+    assert (objects(repo.storage, "packs/"), objects(repo.storage, "manifests/")) == before
+
+
+def test_compaction_merges_small_packs_only_where_its_runs_make_fewer(tmp_path: Path) -> None:
+    """Four small packs: one run merges them into one pack. Four runs would each write a pack of
+    the chunks they see, four small packs again: they leave them, and so does every compaction
+    after (a compaction that found work once finds none the next time)."""
+    built = packs_from_sessions(zarrlake.Storage.local(tmp_path / "built"), SMALL_QUARTERS)
+    content = read_array(built, "main")
+    assert pack_sizes(built) == [256 * 1024] * 4
+    for runs, merged in ((4, False), (1, True)):
+        shutil.copytree(tmp_path / "built", tmp_path / f"runs{runs}")
+        repo = zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / f"runs{runs}"))
+        report = compact_at(repo.core, branch="main", runs=runs)
+        assert report.packed_chunks == (1024 if merged else 0), (runs, report)
+        # (The four stay until GC takes them.)
+        assert pack_sizes(repo) == sorted([1 << 20] * merged + [256 * 1024] * 4)
+        for again in (1, 4) if merged else (4,):  # (one run would merge these four)
+            assert compact_at(repo.core, branch="main", runs=again).packed_chunks == 0
+        assert np.array_equal(read_array(repo, "main"), content)
+        assert repo.fsck(verify_content=True).ok
+    # Small chunk objects in four runs become a pack in each (under 1 MiB): a compaction after
+    # that leaves those packs as they are.
+    repo = packs_from_sessions(
+        zarrlake.Storage.local(tmp_path / "objects"), [list(range(0, 2048, 2))], pack_below=0
+    )
+    first = compact_at(repo.core, branch="main", runs=4)
+    assert (first.packed_chunks, first.packs_written) == (1024, 4)
+    assert compact_at(repo.core, branch="main", runs=4).packed_chunks == 0
+    assert compact_at(repo.core, branch="main", runs=1).packed_chunks == 1024  # one run: one pack
+    assert pack_sizes(repo) == sorted([1 << 20] + [256 * 1024] * 4)  # GC takes the four
 
 
 @memory_and_local

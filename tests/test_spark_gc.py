@@ -27,6 +27,8 @@ import pytest
 
 import zarrlake
 from test_maintenance import (
+    SCATTERED_FULL,
+    SMALL_QUARTERS,
     WEEK,
     ZERO,
     block,
@@ -36,6 +38,8 @@ from test_maintenance import (
     keys,
     later,
     now,
+    pack_sizes,
+    packs_from_sessions,
     read_array,
     write_blocks,
 )
@@ -385,6 +389,35 @@ def test_spark_compaction_cuts_the_manifest_in_parallel_tasks_as_one_process_wou
 
     dry = compact_spark(distributed.core, spark, branch="main", dry_run=True, runs=4)
     assert dry.packed_chunks == 0 and dry.snapshot is None  # nothing left to do
+
+
+def test_spark_compaction_decides_which_packs_are_small_over_the_whole_manifest(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The tasks first tally what they use of each pack; the driver decides which packs to merge
+    and hands every task the same answer: the packs and commit of a local compaction in as many
+    runs, whatever part of a pack each task sees."""
+    eighths = [list(range(k * 256, k * 256 + 128)) for k in range(8)]  # 8 packs of 128 KiB
+    for name, sessions, runs, packed in (
+        ("full", SCATTERED_FULL, 4, 0),  # two 1 MiB packs, a part in every task: not small
+        ("quarters", SMALL_QUARTERS, 4, 0),  # four tasks would write four small packs again
+        ("eighths", eighths, 2, 1024),  # two tasks write two packs (1 MiB in all), not eight
+    ):
+        packs_from_sessions(zarrlake.Storage.local(tmp_path / name), sessions)
+        local = _copy(tmp_path / name, tmp_path / f"{name}-local")
+        distributed = _copy(tmp_path / name, tmp_path / f"{name}-spark")
+        content = read_array(local, "main")
+        mine = compact_at(local.core, branch="main", runs=runs)
+        theirs = compact_spark(distributed.core, spark, branch="main", runs=runs)
+        assert theirs.packed_chunks == mine.packed_chunks == packed, (name, theirs)
+        assert theirs.packs_written == mine.packs_written
+        assert keys(distributed.storage, "packs/") == keys(local.storage, "packs/")
+        np.testing.assert_array_equal(read_array(distributed, "main"), content)
+        again = compact_spark(distributed.core, spark, branch="main", runs=runs)
+        assert again.packed_chunks == 0, (name, again)
+    made = [n for n in pack_sizes(distributed) if n != 128 * 1024]  # (GC takes the eight)
+    assert len(made) == 2 and sum(made) == 1 << 20, made
+    assert distributed.fsck(verify_content=True).ok
 
 
 def _refs(repo: zarrlake.Repository) -> list[Any]:

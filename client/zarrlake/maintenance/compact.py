@@ -15,6 +15,9 @@ The work is done in runs (:func:`plan_runs`, :func:`compact_run`): slices of the
 position, cut where the new shards will begin, each packed and re-cut on its own — one after
 another here, as Spark tasks in :func:`zarrlake.maintenance.spark_jobs.compact_spark`. Cut so, the
 runs together write the very shards a re-cut of the whole manifest in one process would.
+Which packs are small is decided over the whole manifest before the runs start
+(:func:`pack_usage`, :func:`small_packs`): a pack's chunks may fall into several runs, and each
+run alone would see only a part of its bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import bisect
 import datetime as dt
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +54,9 @@ from zarrlake.refs import PRUNE_FLOOR
 
 DEFAULT_PACK_BELOW = 256 * 1024
 PACK_TARGET_BYTES = 64 * 1024 * 1024
-#: A pack whose chunks still in use (in one run) add up to less than this (or to less than half
-#: the pack target, if that is smaller) is worth merging with others like it: sessions leave a
-#: small pack behind at each commit (the tail of their writes).
+#: A pack whose chunks still in use (in the whole manifest) add up to less than this (or to less
+#: than half the pack target, if that is smaller) is worth merging with others like it: sessions
+#: leave a small pack behind at each commit (the tail of their writes).
 SMALL_PACK_BYTES = 1024 * 1024
 
 
@@ -154,30 +157,56 @@ def write_pack(core: RepositoryCore, group: PackGroup) -> list[tuple[str, ChunkR
 
 def _digest(ref: ChunkRef) -> bytes:
     """The digest of the chunk an object ref or a packed ref (with its digest) names. Packs a
-    ref names without a digest (an older format) are never repacked (:func:`_in_small_packs`)."""
+    ref names without a digest (an older format) are never repacked (:func:`small_packs`)."""
     digest = ref_identity(ref)
     if not isinstance(digest, bytes):
         raise TypeError(f"a ref without a chunk digest cannot be packed: {ref!r}")
     return digest
 
 
-def _in_small_packs(refs: list[ChunkRef], target: int) -> set[int]:
-    """The positions of refs into small packs: those whose bytes in use among ``refs`` are
-    under :data:`SMALL_PACK_BYTES` and half of ``target``, when there are two such packs or more
-    and merging them makes fewer packs (else it would only copy packs into packs like them).
-    A pack any ref names without a digest (an older format) is left alone."""
-    live: dict[str, int] = {}
-    undigested: set[str] = set()
-    for ref in refs:
-        if ref[0] == PACKED:
-            live[ref[1]] = live.get(ref[1], 0) + int(ref[3])
-            if len(ref) <= 4:
-                undigested.add(ref[1])
+@dataclass
+class PackUsage:
+    """How many bytes of each pack a manifest (or a slice of it) still uses, and the packs some
+    ref names without a chunk digest (an older format). Slices add up (:meth:`add`)."""
+
+    live: dict[str, int]
+    undigested: set[str]
+
+    @classmethod
+    def of(cls, refs: Iterable[ChunkRef]) -> PackUsage:
+        usage = cls({}, set())
+        live = usage.live
+        for ref in refs:
+            if ref[0] == PACKED:
+                live[ref[1]] = live.get(ref[1], 0) + int(ref[3])
+                if len(ref) <= 4:
+                    usage.undigested.add(ref[1])
+        return usage
+
+    def add(self, other: PackUsage) -> PackUsage:
+        for pack, size in other.live.items():
+            self.live[pack] = self.live.get(pack, 0) + size
+        self.undigested |= other.undigested
+        return self
+
+
+def small_packs(runs: Sequence[PackUsage], target: int) -> frozenset[str]:
+    """The packs to merge, given what each run of a compaction uses of each pack: those whose
+    bytes in use in the whole manifest are under :data:`SMALL_PACK_BYTES` and half of
+    ``target``, when there are two such packs or more and merging them makes fewer packs. Each
+    run writes packs of its own chunks, so the packs merging makes are counted run by run: if
+    that is as many as there are small packs, merging would only copy packs into packs like
+    them, and the next compaction would do the same again. A pack some ref names without a
+    digest (an older format) is left alone."""
+    total = PackUsage({}, set())
+    for usage in runs:
+        total.add(usage)
     below = min(SMALL_PACK_BYTES, target // 2)
-    small = {p for p, size in live.items() if size < below and p not in undigested}
-    if len(small) < 2 or -(-sum(live[p] for p in small) // max(1, target)) >= len(small):
-        return set()
-    return {i for i, ref in enumerate(refs) if ref[0] == PACKED and ref[1] in small}
+    small = {p for p, size in total.live.items() if size < below and p not in total.undigested}
+    made = sum(-(-sum(u.live.get(p, 0) for p in small) // max(1, target)) for u in runs)
+    if len(small) < 2 or made >= len(small):
+        return frozenset()
+    return frozenset(small)
 
 
 @dataclass(frozen=True)
@@ -205,8 +234,11 @@ class RunResult:
     packs: int
 
 
-#: Does the runs (in this process, or in Spark tasks) and returns their results in order.
-Runner = Callable[[list[ShardRun], bool], Iterable[RunResult]]
+#: Does the runs (in this process, or in Spark tasks) and returns their results in order:
+#: ``runner(runs, dry_run, packs to merge)`` (see :func:`compact_run`).
+Runner = Callable[[list[ShardRun], bool, frozenset[str] | None], Iterable[RunResult]]
+#: The :func:`pack_usage` of each run (in this process, or in Spark tasks).
+Tallier = Callable[[list[ShardRun]], Iterable[PackUsage]]
 
 
 def plan_runs(index: list[ShardInfo], sizes: list[int], runs: int) -> list[ShardRun]:
@@ -231,12 +263,9 @@ def plan_runs(index: list[ShardInfo], sizes: list[int], runs: int) -> list[Shard
     return out
 
 
-def compact_run(
-    core: RepositoryCore, run: ShardRun, pack_below: int, target: int, dry_run: bool
-) -> RunResult:
-    """Pack the small chunk objects of ``run`` (packs of about ``target`` bytes) and cut its refs
-    into its new shards, written unless ``dry_run`` (shards that come out unchanged are not
-    rewritten). Nothing is published: the one compaction commit names the new shards."""
+def _run_refs(core: RepositoryCore, run: ShardRun) -> tuple[list[str], list[ChunkRef]]:
+    """The keys and refs of ``run``'s slice of the manifest. Raises :class:`CorruptObject` if its
+    shards do not hold the refs the snapshot's index gives them."""
     objects = core.objects
     keys: list[str] = []
     refs: list[ChunkRef] = []
@@ -257,9 +286,35 @@ def compact_run(
             manifest_key(run.shards[0].digest) if run.shards else "manifest",
             f"the shards hold {len(keys)} of the {wanted} refs the snapshot's index gives them",
         )
-    packed = _in_small_packs(refs, target)
+    return keys, refs
+
+
+def pack_usage(core: RepositoryCore, run: ShardRun) -> PackUsage:
+    """The bytes of each pack ``run``'s slice of the manifest uses (see :func:`small_packs`)."""
+    return PackUsage.of(_run_refs(core, run)[1])
+
+
+def compact_run(
+    core: RepositoryCore,
+    run: ShardRun,
+    pack_below: int,
+    target: int,
+    dry_run: bool,
+    merge: frozenset[str] | None,
+) -> RunResult:
+    """Pack the small chunk objects of ``run`` and its chunks in the packs of ``merge`` (see
+    :func:`small_packs`; None: decided from this run's refs, for a run over the whole manifest)
+    into packs of about ``target`` bytes, and cut its refs into its new shards, written unless
+    ``dry_run`` (shards that come out unchanged are not rewritten). Nothing is published: the
+    one compaction commit names the new shards."""
+    objects = core.objects
+    keys, refs = _run_refs(core, run)
+    if merge is None:
+        merge = small_packs([PackUsage.of(refs)], target)
     small = [
-        i for i, ref in enumerate(refs) if (ref[0] == OBJECT and ref[2] < pack_below) or i in packed
+        i
+        for i, ref in enumerate(refs)
+        if (ref[0] == OBJECT and ref[2] < pack_below) or (ref[0] == PACKED and ref[1] in merge)
     ]
     groups: list[list[int]] = []
     size = 0
@@ -301,9 +356,11 @@ def compact_run(
 def _local_runner(
     core: RepositoryCore, pack_below: int, target: int, progress: Callable[[str, int], None] | None
 ) -> Runner:
-    def run_all(runs: list[ShardRun], dry_run: bool) -> Iterator[RunResult]:
+    def run_all(
+        runs: list[ShardRun], dry_run: bool, merge: frozenset[str] | None
+    ) -> Iterator[RunResult]:
         for run in runs:
-            result = compact_run(core, run, pack_below, target, dry_run)
+            result = compact_run(core, run, pack_below, target, dry_run, merge)
             if progress and result.relocated:
                 progress("pack", len(result.relocated))
             yield result
@@ -335,6 +392,7 @@ def compact(
     now: dt.datetime | None = None,
     runner: Runner | None = None,
     runs: int = 1,
+    tally: Tallier | None = None,
 ) -> CompactReport:
     """Pack small chunks of ``branch``'s head, re-cut its manifest, prune its old journal.
 
@@ -344,7 +402,9 @@ def compact(
     ``as_of`` cannot need are deleted, their age measured back from ``now`` (default: the clock;
     tests move it forward). The manifest is cut into ``runs`` slices, each packed and re-cut by
     ``runner`` (default: one after another in this process; the Spark engine runs them as
-    executor tasks), and one commit publishes the result. Raises
+    executor tasks), and one commit publishes the result. With several slices, ``tally`` first
+    reads what each uses of each pack (default: in this process), so that which packs are small
+    is decided over the whole manifest. Raises
     :class:`ConflictError` if user commits kept reshaping what it packed three times over, and
     :class:`RefNotFound` for a missing branch.
     """
@@ -359,6 +419,7 @@ def compact(
                 dry_run,
                 runner or _local_runner(core, pack_below_bytes, pack_target_bytes, progress),
                 runs,
+                tally or (lambda planned: [pack_usage(core, run) for run in planned]),
             )
             break
         except ConflictError:
@@ -388,6 +449,7 @@ def _pack_and_commit(
     dry_run: bool,
     runner: Runner,
     runs: int,
+    tally: Tallier,
 ) -> _Packing:
     head_id = core.journal.current(branch).snapshot
     assert head_id is not None
@@ -400,7 +462,11 @@ def _pack_and_commit(
     recut = undersized > 1
     total = sum(s.count for s in snap.shards)
     sizes = manifest.balanced_sizes(total, max_refs) if recut else [s.count for s in snap.shards]
-    results = list(runner(plan_runs(snap.shards, sizes, runs), dry_run))
+    planned = plan_runs(snap.shards, sizes, runs)
+    # One run reads the whole manifest and decides as it goes. Several runs each see a part of
+    # a pack's chunks: what each uses of each pack is tallied first.
+    merge = small_packs(list(tally(planned)), target) if len(planned) > 1 else None
+    results = list(runner(planned, dry_run, merge))
 
     index = [info for r in results for info in r.index]
     small = sum(r.small_chunks for r in results)

@@ -50,10 +50,12 @@ from zarrlake.maintenance.compact import (
     DEFAULT_PACK_BELOW,
     PACK_TARGET_BYTES,
     CompactReport,
+    PackUsage,
     RunResult,
     ShardRun,
     compact,
     compact_run,
+    pack_usage,
 )
 from zarrlake.maintenance.gc import (
     KINDS,
@@ -264,12 +266,24 @@ def gc_spark(
     return report(tallies, dry_run, len(plan.snapshots), skipped_young, time.monotonic() - started)
 
 
-def _run_task(
-    shipped: _Shipped, runs: Iterable[ShardRun], pack_below: int, target: int, dry_run: bool
-) -> Iterator[RunResult]:
+def _usage_task(shipped: _Shipped, runs: Iterable[ShardRun]) -> Iterator[PackUsage]:
     core = _core(shipped)
     for run in runs:
-        yield compact_run(core, run, pack_below, target, dry_run)
+        yield pack_usage(core, run)
+
+
+def _run_task(
+    shipped: _Shipped,
+    runs: Iterable[ShardRun],
+    pack_below: int,
+    target: int,
+    dry_run: bool,
+    merge: Any,  # a broadcast frozenset of pack ids, or None
+) -> Iterator[RunResult]:
+    core = _core(shipped)
+    packs = None if merge is None else merge.value
+    for run in runs:
+        yield compact_run(core, run, pack_below, target, dry_run, packs)
 
 
 def compact_spark(
@@ -291,15 +305,25 @@ def compact_spark(
     sc = spark.sparkContext
     pack_below = DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes
 
-    def runner(planned: list[ShardRun], dry: bool) -> list[RunResult]:
+    def tally(planned: list[ShardRun]) -> list[PackUsage]:
+        rdd = sc.parallelize(planned, len(planned))
+        return list(rdd.mapPartitions(lambda rs: _usage_task(shipped, rs)).collect())
+
+    def runner(planned: list[ShardRun], dry: bool, merge: frozenset[str] | None) -> list[RunResult]:
         if not planned:
             return []
-        rdd = sc.parallelize(planned, len(planned))
-        return list(
-            rdd.mapPartitions(
-                lambda rs: _run_task(shipped, rs, pack_below, pack_target_bytes, dry)
-            ).collect()
-        )
+        # The packs to merge go to every task once (there may be many thousands of them).
+        shared = None if merge is None else sc.broadcast(merge)
+        try:
+            rdd = sc.parallelize(planned, len(planned))
+            return list(
+                rdd.mapPartitions(
+                    lambda rs: _run_task(shipped, rs, pack_below, pack_target_bytes, dry, shared)
+                ).collect()
+            )
+        finally:
+            if shared is not None:
+                shared.unpersist()
 
     return compact(
         core,
@@ -310,5 +334,6 @@ def compact_spark(
         now=now,
         pack_target_bytes=pack_target_bytes,
         runner=runner,
+        tally=tally,
         runs=runs if runs is not None else max(1, 2 * int(sc.defaultParallelism)),
     )
