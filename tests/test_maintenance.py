@@ -55,7 +55,7 @@ import zarrlake
 from zarrlake.cli import main as cli_main
 from zarrlake.format import manifest
 from zarrlake.format.model import OBJECT, PACKED, branch_prefix, pack_key, snapshot_key
-from zarrlake.maintenance.compact import Relocation
+from zarrlake.maintenance.compact import PackUsage, Relocation, small_packs
 from zarrlake.maintenance.compact import compact as compact_at
 from zarrlake.maintenance.expire import expire as expire_at
 from zarrlake.maintenance.gc import ChunkMarks
@@ -1277,9 +1277,10 @@ def pack_sizes(repo: zarrlake.Repository) -> list[int]:
     return sorted(len(repo.storage.get(k)) for k in repo.storage.list_keys("packs/"))
 
 
-#: One session writes the even chunks, then the odd ones: two full packs (1 MiB each), each
-#: with chunks in every shard. Four sessions each write a 256-chunk range: four small packs,
-#: whose chunks fall into several shards (keys sort as text: "a/c/1", "a/c/10", ...).
+#: One session writes the even chunks, then the odd ones: two full packs (1 MiB each, so not
+#: under the 1 MiB of a small pack), each with chunks in every shard. Four sessions each write a
+#: 256-chunk range: four small packs, whose chunks fall into several shards (keys sort as text:
+#: "a/c/1", "a/c/10", ...).
 SCATTERED_FULL = [list(range(0, 2048, 2)) + list(range(1, 2048, 2))]
 SMALL_QUARTERS = [list(range(k * 512, k * 512 + 256)) for k in range(4)]
 
@@ -1324,8 +1325,49 @@ def test_compaction_merges_small_packs_only_where_its_runs_make_fewer(tmp_path: 
     first = compact_at(repo.core, branch="main", runs=4)
     assert (first.packed_chunks, first.packs_written) == (1024, 4)
     assert compact_at(repo.core, branch="main", runs=4).packed_chunks == 0
-    assert compact_at(repo.core, branch="main", runs=1).packed_chunks == 1024  # one run: one pack
-    assert pack_sizes(repo) == sorted([1 << 20] + [256 * 1024] * 4)  # GC takes the four
+    # New chunk objects in three of the runs: each of those runs folds them into its small pack
+    # (three packs, not three packs more); after that, again nothing to do.
+    s = repo.writable_session()
+    write_blocks(s, {j: 5.0 for j in (1, 601, 1201, 1801)})
+    s.commit("four chunk objects")
+    content = read_array(repo, "main")
+    second = compact_at(repo.core, branch="main", runs=4)
+    assert second.packed_chunks > 4
+    assert len({ref[1] for ref in head_refs(repo).values() if ref[0] == PACKED}) == 4
+    assert compact_at(repo.core, branch="main", runs=4).packed_chunks == 0
+    assert compact_at(repo.core, branch="main", runs=1).packed_chunks == 1028  # one run: one pack
+    assert np.array_equal(read_array(repo, "main"), content)
+    assert repo.fsck(verify_content=True).ok
+
+
+def test_small_packs_are_decided_over_every_run() -> None:
+    """:func:`small_packs` from what each run uses (bytes per pack, small chunk objects)."""
+    kib, target = 1024, 64 << 20
+
+    def runs(*parts: tuple[dict[str, int], int]) -> list[PackUsage]:
+        return [
+            PackUsage({p: n * kib for p, n in live.items()}, set(), obj * kib)
+            for live, obj in parts
+        ]
+
+    # A 1 MiB pack split over two runs is not small.
+    assert small_packs(runs(({"a": 512}, 0), ({"a": 512}, 0)), target) == frozenset()
+    # Two small packs in one run: merged into one.
+    assert small_packs(runs(({"a": 100, "b": 100}, 0)), target) == {"a", "b"}
+    # One small pack in each of four runs: four runs would write four packs again.
+    quarters = runs(*(({p: 256}, 0) for p in "abcd"))
+    assert small_packs(quarters, target) == frozenset()
+    # A small pack and the chunk objects of its run: one pack instead of two.
+    assert small_packs(runs(({"a": 100}, 8)), target) == {"a"}
+    # ... but not chunk objects of another run (two packs either way).
+    assert small_packs(runs(({"a": 100}, 0), ({}, 8)), target) == frozenset()
+    # A pack some ref names without a digest (an older format) is left alone.
+    old = runs(({"a": 100, "b": 100}, 0))
+    old[0].undigested.add("b")
+    assert small_packs(old, target) == frozenset()
+    # Under half the target, when that is below 1 MiB.
+    assert small_packs(runs(({"a": 300, "b": 300}, 0)), 512 * kib) == frozenset()
+    assert small_packs(runs(({"a": 200, "b": 200}, 0)), 512 * kib) == {"a", "b"}
 
 
 @memory_and_local

@@ -166,14 +166,16 @@ def _digest(ref: ChunkRef) -> bytes:
 
 @dataclass
 class PackUsage:
-    """How many bytes of each pack a manifest (or a slice of it) still uses, and the packs some
-    ref names without a chunk digest (an older format). Slices add up (:meth:`add`)."""
+    """What a manifest (or a slice of it) uses: the bytes of each pack, the packs some ref names
+    without a chunk digest (an older format), and the bytes of the chunk objects compaction
+    packs (under ``pack_below``). Slices add up (:meth:`add`)."""
 
     live: dict[str, int]
     undigested: set[str]
+    objects: int = 0
 
     @classmethod
-    def of(cls, refs: Iterable[ChunkRef]) -> PackUsage:
+    def of(cls, refs: Iterable[ChunkRef], pack_below: int) -> PackUsage:
         usage = cls({}, set())
         live = usage.live
         for ref in refs:
@@ -181,32 +183,41 @@ class PackUsage:
                 live[ref[1]] = live.get(ref[1], 0) + int(ref[3])
                 if len(ref) <= 4:
                     usage.undigested.add(ref[1])
+            elif ref[0] == OBJECT and ref[2] < pack_below:
+                usage.objects += int(ref[2])
         return usage
 
     def add(self, other: PackUsage) -> PackUsage:
         for pack, size in other.live.items():
             self.live[pack] = self.live.get(pack, 0) + size
         self.undigested |= other.undigested
+        self.objects += other.objects
         return self
 
 
-def small_packs(runs: Sequence[PackUsage], target: int) -> frozenset[str]:
-    """The packs to merge, given what each run of a compaction uses of each pack: those whose
-    bytes in use in the whole manifest are under :data:`SMALL_PACK_BYTES` and half of
-    ``target``, when there are two such packs or more and merging them makes fewer packs. Each
-    run writes packs of its own chunks, so the packs merging makes are counted run by run: if
-    that is as many as there are small packs, merging would only copy packs into packs like
-    them, and the next compaction would do the same again. A pack some ref names without a
-    digest (an older format) is left alone."""
+def small_packs(usages: Sequence[PackUsage], target: int) -> frozenset[str]:
+    """The packs to merge, given what each run of a compaction uses: those whose bytes in use
+    in the whole manifest are under :data:`SMALL_PACK_BYTES` and half of ``target``, if merging
+    them makes fewer packs. Each run packs its own chunks (its small chunk objects, and its
+    chunks of the packs merged) into packs of its own, so the packs are counted run by run:
+    merging must write fewer packs than the small packs it replaces plus those the chunk
+    objects alone would make. Else it would only copy packs into packs like them, and the next
+    compaction would do the same again. A pack some ref names without a digest (an older
+    format) is left alone."""
     total = PackUsage({}, set())
-    for usage in runs:
+    for usage in usages:
         total.add(usage)
     below = min(SMALL_PACK_BYTES, target // 2)
     small = {p for p, size in total.live.items() if size < below and p not in total.undigested}
-    made = sum(-(-sum(u.live.get(p, 0) for p in small) // max(1, target)) for u in runs)
-    if len(small) < 2 or made >= len(small):
+    if not small:
         return frozenset()
-    return frozenset(small)
+    target = max(1, target)
+    merged = objects_alone = 0
+    for u in usages:
+        in_small = sum(size for p, size in u.live.items() if p in small)
+        merged += -(-(u.objects + in_small) // target)
+        objects_alone += -(-u.objects // target)
+    return frozenset(small) if merged < len(small) + objects_alone else frozenset()
 
 
 @dataclass(frozen=True)
@@ -289,9 +300,9 @@ def _run_refs(core: RepositoryCore, run: ShardRun) -> tuple[list[str], list[Chun
     return keys, refs
 
 
-def pack_usage(core: RepositoryCore, run: ShardRun) -> PackUsage:
-    """The bytes of each pack ``run``'s slice of the manifest uses (see :func:`small_packs`)."""
-    return PackUsage.of(_run_refs(core, run)[1])
+def pack_usage(core: RepositoryCore, run: ShardRun, pack_below: int) -> PackUsage:
+    """What ``run``'s slice of the manifest uses of each pack (see :func:`small_packs`)."""
+    return PackUsage.of(_run_refs(core, run)[1], pack_below)
 
 
 def compact_run(
@@ -310,7 +321,7 @@ def compact_run(
     objects = core.objects
     keys, refs = _run_refs(core, run)
     if merge is None:
-        merge = small_packs([PackUsage.of(refs)], target)
+        merge = small_packs([PackUsage.of(refs, pack_below)], target)
     small = [
         i
         for i, ref in enumerate(refs)
@@ -419,7 +430,7 @@ def compact(
                 dry_run,
                 runner or _local_runner(core, pack_below_bytes, pack_target_bytes, progress),
                 runs,
-                tally or (lambda planned: [pack_usage(core, run) for run in planned]),
+                tally or (lambda planned: [pack_usage(core, r, pack_below_bytes) for r in planned]),
             )
             break
         except ConflictError:

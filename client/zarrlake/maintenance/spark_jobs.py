@@ -3,8 +3,12 @@
 **Compaction** (:func:`compact_spark`) is the local compaction with its work done by executor
 tasks. The driver reads only the branch head's shard index (which grows with shards, not chunks)
 and cuts the manifest into slices by position (:func:`~zarrlake.maintenance.compact.plan_runs`),
-cut where the new, evenly filled shards will begin. Each task reads its slice's shards, packs their
-small chunk objects, cuts the slice into its new shards and writes them
+cut where the new, evenly filled shards will begin. A first job tallies what each slice uses of
+each pack (:func:`~zarrlake.maintenance.compact.pack_usage`): a pack's chunks may fall into several
+slices, so the driver decides which packs are small over the whole manifest
+(:func:`~zarrlake.maintenance.compact.small_packs`) and broadcasts the answer. Each task then
+reads its slice's shards, packs their small chunk objects and their chunks of those small packs,
+cuts the slice into its new shards and writes them
 (:func:`~zarrlake.maintenance.compact.compact_run`); the shards are those a re-cut of the whole
 manifest in one process would make. Back come the new shard index entries and the moved chunks'
 new refs (key and byte range: they are the commit's changes and its transaction log), and one
@@ -266,10 +270,12 @@ def gc_spark(
     return report(tallies, dry_run, len(plan.snapshots), skipped_young, time.monotonic() - started)
 
 
-def _usage_task(shipped: _Shipped, runs: Iterable[ShardRun]) -> Iterator[PackUsage]:
+def _usage_task(
+    shipped: _Shipped, runs: Iterable[ShardRun], pack_below: int
+) -> Iterator[PackUsage]:
     core = _core(shipped)
     for run in runs:
-        yield pack_usage(core, run)
+        yield pack_usage(core, run, pack_below)
 
 
 def _run_task(
@@ -307,7 +313,7 @@ def compact_spark(
 
     def tally(planned: list[ShardRun]) -> list[PackUsage]:
         rdd = sc.parallelize(planned, len(planned))
-        return list(rdd.mapPartitions(lambda rs: _usage_task(shipped, rs)).collect())
+        return list(rdd.mapPartitions(lambda rs: _usage_task(shipped, rs, pack_below)).collect())
 
     def runner(planned: list[ShardRun], dry: bool, merge: frozenset[str] | None) -> list[RunResult]:
         if not planned:
@@ -323,7 +329,7 @@ def compact_spark(
             )
         finally:
             if shared is not None:
-                shared.unpersist()
+                shared.destroy()
 
     return compact(
         core,
