@@ -175,7 +175,9 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         assert MICRO_TIME.match(spec["acquireTime"]) and MICRO_TIME.match(spec["renewTime"])
         assert spec["renewTime"] > spec["acquireTime"]  # renewed meanwhile
 
-        # SIGKILL the leader: b acts within 15 s (a Repository created at once turns Ready).
+        # SIGKILL the leader: b takes the Lease once it expires (at most a duration after the
+        # leader's last renewal, found by the read at expiry), then acts: a Repository created at
+        # once turns Ready. Starting Kopf and reconciling on a loaded machine take a while.
         killed = time.monotonic()
         replicas["a"].kill()
         replicas["a"].wait()
@@ -184,7 +186,8 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         measured["sigkill: Lease taken"] = time.monotonic() - killed
         wait_for("second Ready", lambda: _ready("second"), 60)
         measured["sigkill: acting (second Ready)"] = time.monotonic() - killed
-        assert measured["sigkill: acting (second Ready)"] <= 15, measured
+        assert measured["sigkill: Lease taken"] <= DURATION + RETRY + 3, measured
+        assert measured["sigkill: acting (second Ready)"] <= DURATION + RETRY + 15, measured
         assert any("/repositories/second" in r["path"] for r in acted("b"))
         # Its /healthz is Kopf's now, on the port the standby answered on (the probes' port).
         assert fetch(f"http://127.0.0.1:{health_ports['b']}/healthz") != '{"standby": true}'
