@@ -222,17 +222,22 @@ def test_threads_reading_one_shard_at_once_fetch_it_once(storage: zarrlake.Stora
     counts.reset()
     barrier = threading.Barrier(8)
     got: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
 
     def read(i: int) -> None:
-        arr = zarr.open_array(session.store, path="data", mode="r")
-        barrier.wait(10)
-        got[i] = arr[i * 128 : (i + 1) * 128]
+        try:
+            arr = zarr.open_array(session.store, path="data", mode="r")
+            barrier.wait(120)  # all eight start their read together (generous: a loaded machine)
+            got[i] = arr[i * 128 : (i + 1) * 128]
+        except BaseException as e:
+            errors.append(e)
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(180)
+    assert not errors, errors
     for i in range(8):
         np.testing.assert_array_equal(got[i], values[i * 128 : (i + 1) * 128])
     manifests = [k for op, k in counts.calls() if k.startswith("manifests/")]

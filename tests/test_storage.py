@@ -738,12 +738,27 @@ def test_with_retries_never_retries_answers_or_hard_errors(error: Callable[[], E
     assert len(calls) == 1
 
 
-def test_with_retries_backs_off() -> None:
+def test_with_retries_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each retry sleeps up to twice as long as the one before (full jitter): the sleeps asked
+    for, not the clock (a loaded machine stretches those)."""
+    import zarrlake.storage.base as base
+
+    slept: list[float] = []
+
+    class Clock:
+        """The storage module's ``time``, sleeping only on paper (other threads of this process
+        keep the real ``time.sleep``)."""
+
+        sleep = staticmethod(slept.append)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+    monkeypatch.setattr(base, "time", Clock())
     fn, calls = flaky(3, lambda: TransientStorageError("x"))
-    start = time.monotonic()
     with_retries(fn, base_delay=0.001)
-    assert time.monotonic() - start < 1.0
     assert len(calls) == 4
+    assert len(slept) == 3 and all(0 <= d <= 0.001 * 2**i for i, d in enumerate(slept)), slept
 
 
 # -- S3 failures -----------------------------------------------------------------------------------
