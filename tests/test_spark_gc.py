@@ -420,6 +420,38 @@ def test_spark_compaction_decides_which_packs_are_small_over_the_whole_manifest(
     assert distributed.fsck(verify_content=True).ok
 
 
+def test_the_cli_runs_local_spark_workers_on_its_own_python(tmp_path: Path) -> None:
+    """``zarrlake compact --engine spark --spark-master local[1]`` from an installation whose
+    environment is not activated: the ``python3`` first on PATH has no zarrlake, and Spark's
+    local workers must not be started with it (they failed with ModuleNotFoundError)."""
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("PySpark needs a Java runtime")
+    packs_from_sessions(zarrlake.Storage.local(tmp_path / "repo"), SMALL_QUARTERS)
+    bare = Path(sys.base_prefix) / "bin" / "python3"  # this venv's base: no zarrlake in it
+    assert subprocess.run([bare, "-c", "import zarrlake"], capture_output=True).returncode != 0
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for name in ("python", "python3"):
+        (shims / name).symlink_to(bare)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    env.update(
+        PATH=f"{shims}{os.pathsep}{env.get('PATH', '')}",
+        SPARK_LOCAL_IP="127.0.0.1",
+        PYSPARK_SUBMIT_ARGS="--conf spark.ui.enabled=false pyspark-shell",
+    )
+    argv = ["compact", str(tmp_path / "repo"), "--engine", "spark", "--spark-master", "local[1]"]
+    done = subprocess.run(
+        [sys.executable, "-m", "zarrlake", *argv, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["packed_chunks"] == 1024  # the four small packs merged
+
+
 def _refs(repo: zarrlake.Repository) -> list[Any]:
     from zarrlake.format import manifest
 

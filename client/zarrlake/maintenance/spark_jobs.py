@@ -41,7 +41,9 @@ pyspark is imported lazily.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -99,7 +101,8 @@ def _core(shipped: _Shipped) -> RepositoryCore:
 
 def spark_session(app: str, master: str | None = None) -> Any:
     """The SparkSession a maintenance job runs on: the active one, or the one ``spark-submit``
-    configured, or one on ``master``. Raises :class:`ImportError` (saying what to install)
+    configured, or one on ``master``; on a ``local`` master its workers run this Python (unless
+    ``PYSPARK_PYTHON`` names another). Raises :class:`ImportError` (saying what to install)
     without pyspark."""
     try:
         from pyspark.sql import SparkSession
@@ -108,6 +111,11 @@ def spark_session(app: str, master: str | None = None) -> Any:
     builder = SparkSession.builder.appName(app)
     if master:
         builder = builder.master(master)
+        if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
+            # Local workers are processes of this machine: they run this interpreter, the one
+            # zarrlake is installed in, not whichever ``python3`` comes first on PATH. (PySpark
+            # takes the workers' Python from this variable only, when the context starts.)
+            os.environ["PYSPARK_PYTHON"] = sys.executable
     return builder.getOrCreate()
 
 
