@@ -451,6 +451,21 @@ def test_the_cli_runs_local_spark_workers_on_its_own_python(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["packed_chunks"] == 1024  # the four small packs merged
 
+    # Workers told to run a Python without zarrlake (as an executor image without it would):
+    # a one-line error that says so, and the repository as it was.
+    before = {o.key for o in zarrlake.Storage.local(tmp_path / "repo").list("")}
+    env["PYSPARK_PYTHON"] = str(bare)
+    failed = subprocess.run(
+        [sys.executable, "-m", "zarrlake", "gc", str(tmp_path / "repo"), "--engine", "spark",
+         "--spark-master", "local[1]", "--grace", "0s", "--force"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert failed.returncode == 1
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("zarrlake: error: Spark's Python workers cannot import zarrlake"), last
+    assert str(bare) in last
+    assert {o.key for o in zarrlake.Storage.local(tmp_path / "repo").list("")} == before
+
 
 def _refs(repo: zarrlake.Repository) -> list[Any]:
     from zarrlake.format import manifest

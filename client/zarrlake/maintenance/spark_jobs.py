@@ -41,16 +41,18 @@ pyspark is imported lazily.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from zarrlake.commit import BranchLock
 from zarrlake.core import RepositoryCore
+from zarrlake.errors import ZarrlakeError
 from zarrlake.format.model import OBJECT, RepoRecord, ShardInfo
 from zarrlake.maintenance.compact import (
     DEFAULT_PACK_BELOW,
@@ -117,6 +119,33 @@ def spark_session(app: str, master: str | None = None) -> Any:
             # takes the workers' Python from this variable only, when the context starts.)
             os.environ["PYSPARK_PYTHON"] = sys.executable
     return builder.getOrCreate()
+
+
+Job = TypeVar("Job", bound=Callable[..., Any])
+
+
+def _explained(job: Job) -> Job:
+    """``job``, whose failure because Spark's Python workers cannot import zarrlake (an executor
+    image or a ``PYSPARK_PYTHON`` without it) is a :class:`ZarrlakeError` that says so, not a
+    worker traceback. Such a job fails before it commits anything."""
+
+    @functools.wraps(job)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return job(*args, **kwargs)
+        except ZarrlakeError:
+            raise
+        except Exception as e:
+            if "No module named 'zarrlake" not in str(e):
+                raise
+            python = os.environ.get("PYSPARK_PYTHON", "python3")
+            raise ZarrlakeError(
+                f"Spark's Python workers cannot import zarrlake (they run {python!r} unless the "
+                "cluster says otherwise): install zarrlake where the executors run, or point "
+                "PYSPARK_PYTHON (spark.pyspark.python) at a Python that has it"
+            ) from None
+
+    return run  # type: ignore[return-value]
 
 
 def _ship(storage: Storage, record: RepoRecord, lock: BranchLock | None) -> _Shipped:
@@ -194,6 +223,7 @@ def _prefixes(storage: Storage, kind: str) -> list[str]:
     return [f"chunks/{d}/" for d in storage.list_dirs("chunks/")]
 
 
+@_explained
 def gc_spark(
     core: RepositoryCore,
     spark: Any,
@@ -300,6 +330,7 @@ def _run_task(
         yield compact_run(core, run, pack_below, target, dry_run, packs)
 
 
+@_explained
 def compact_spark(
     core: RepositoryCore,
     spark: Any,
