@@ -462,7 +462,7 @@ def test_the_cli_runs_local_spark_workers_on_its_own_python(tmp_path: Path) -> N
     )  # fmt: skip
     assert failed.returncode == 1
     last = failed.stderr.strip().splitlines()[-1]
-    assert last.startswith("zarrlake: error: Spark's Python workers cannot import zarrlake"), last
+    assert last.startswith("zarrlake: error: Spark's Python workers cannot import zarrlake "), last
     assert str(bare) in last
     assert {o.key for o in zarrlake.Storage.local(tmp_path / "repo").list("")} == before
 

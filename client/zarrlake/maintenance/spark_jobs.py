@@ -44,6 +44,7 @@ import datetime as dt
 import functools
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -136,13 +137,16 @@ def _explained(job: Job) -> Job:
         except ZarrlakeError:
             raise
         except Exception as e:
-            if "No module named 'zarrlake" not in str(e):
+            # The worker's traceback comes back inside the message; the module it missed may be
+            # zarrlake or a part of it (executors with another version of zarrlake).
+            missing = re.search(r"No module named '(zarrlake[\w.]*)'", str(e))
+            if missing is None:
                 raise
             python = os.environ.get("PYSPARK_PYTHON", "python3")
             raise ZarrlakeError(
-                f"Spark's Python workers cannot import zarrlake (they run {python!r} unless the "
-                "cluster says otherwise): install zarrlake where the executors run, or point "
-                "PYSPARK_PYTHON (spark.pyspark.python) at a Python that has it"
+                f"Spark's Python workers cannot import {missing.group(1)} (they run {python!r} "
+                "unless the cluster says otherwise): install this zarrlake where the executors "
+                "run, or point PYSPARK_PYTHON (spark.pyspark.python) at a Python that has it"
             ) from None
 
     return run  # type: ignore[return-value]
