@@ -190,14 +190,21 @@ class RangeLog(CountingStorage):
         self.ranges: list[tuple[str, int, int]] = []
         self.fail_spans_over: int | None = None
 
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+    def _record(self, key: str, byte_range: tuple[int, int] | None) -> None:
         if byte_range is not None:
             self.spans.append(byte_range[1] - byte_range[0])
             self.ranges.append((key, *byte_range))
             if self.fail_spans_over is not None and self.spans[-1] > self.fail_spans_over:
                 self.counts.add("get_range", key)
                 raise StorageError(f"{key}: injected failure of a {self.spans[-1]}-byte range")
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        self._record(key, byte_range)
         return super().get(key, byte_range)
+
+    async def get_async(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        self._record(key, byte_range)
+        return await super().get_async(key, byte_range)
 
 
 def _packed_array(storage: zarrlake.Storage, chunks: int) -> np.ndarray:
@@ -270,6 +277,33 @@ def test_random_reads_of_packed_chunks_fetch_only_their_chunk(s3_storage: zarrla
             arr[i * 1024 : (i + 1) * 1024], values[i * 1024 : (i + 1) * 1024]
         )
     assert log.spans == [1024] * len(picks)
+
+
+def test_single_reads_past_a_truncated_pack_or_of_a_missing_one_are_corrupt(
+    s3_storage: zarrlake.Storage,
+) -> None:
+    """One chunk at a time (each its own ranged request, awaited on Zarr's loop): a chunk the
+    pack no longer holds whole, or whose pack is gone, is CorruptObject, never short bytes."""
+    values = _packed_array(s3_storage, 1500)
+    big, *rest = sorted(s3_storage.list_keys("packs/"), key=lambda k: -len(s3_storage.get(k)))
+    whole = s3_storage.get(big)
+    s3_storage.put(big, whole[: len(whole) - 10_000])
+    for key in rest:
+        s3_storage.delete_many([key])
+    arr = zarr.open_array(zarrlake.Repository.open(s3_storage).readonly_session("main").store,
+                          path="data")  # fmt: skip
+    raw, good, bad = values.tobytes(), 0, 0
+    # Every chunk once, each 101 after the one before: never a stream, so no read-ahead.
+    for i in (k * 101 % 1500 for k in range(1500)):
+        try:
+            got = arr[i * 1024 : (i + 1) * 1024].tobytes()
+        except CorruptObject:
+            bad += 1
+        else:
+            assert got == raw[i * 1024 : (i + 1) * 1024], i
+            good += 1
+    held = (len(whole) - 10_000) // 1024  # the chunks the truncated pack still holds whole
+    assert good == held and bad == 1500 - held, (good, bad, held)
 
 
 def test_a_failed_read_ahead_sends_its_reads_to_their_own_requests(

@@ -212,8 +212,24 @@ def test_get_async_keeps_the_contract_of_get(storage: Storage) -> None:
         assert info.value.key == "g/absent"
         got = await asyncio.gather(*(storage.get_async(k) for k in blobs))
         assert got == list(blobs.values())
+        with pytest.raises(ObjectNotFound):
+            await storage.get_async("g/absent", (0, 10))
 
     asyncio.run(reads())
+
+
+def test_ranged_get_async_keeps_the_contract_of_get(storage: Storage) -> None:
+    """What the Zarr store awaits for a chunk in a pack: the bytes of the range that exist, and
+    nothing for a range at or past the end, as :meth:`get` answers."""
+    data = bytes(range(256)) * 4
+    storage.put("obj", data)
+
+    async def reads() -> list[bytes]:
+        return list(await asyncio.gather(*(storage.get_async("obj", r) for r, _ in RANGES)))
+
+    got = asyncio.run(reads())
+    for (byte_range, expect), answer in zip(RANGES, got, strict=True):
+        assert answer == data[expect] == storage.get("obj", byte_range), byte_range
 
 
 def test_s3_get_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) -> None:  # type: ignore[no-untyped-def]
@@ -231,9 +247,19 @@ def test_s3_get_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) ->
         return list(await asyncio.gather(*(storage_fresh.get_async(f"k{i}") for i in range(1, 30))))
 
     assert asyncio.run(many()) == [b"z" * i for i in range(1, 30)]
+
+    async def ranges() -> list[bytes]:
+        return list(
+            await asyncio.gather(*(storage_fresh.get_async(f"k{i}", (1, i)) for i in range(1, 30)))
+        )
+
+    # Ranged reads (a chunk in a pack) too, down to a range past the end.
+    assert asyncio.run(ranges()) == [b"z" * (i - 1) for i in range(1, 30)]
     assert pooled == []
     with pytest.raises(ObjectNotFound):
         asyncio.run(storage_fresh.get_async("absent"))
+    with pytest.raises(ObjectNotFound):
+        asyncio.run(storage_fresh.get_async("absent", (0, 5)))
 
 
 def test_with_retries_async_retries_transient_errors_only() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -433,7 +433,13 @@ class ObjectStore:
                 upto = partial(_fetch_range, self.storage, group.key, exact=False)
                 planned = ahead.plan(group.key, group.start, group.end, upto)
             if planned is None:
-                jobs.append(ReadJob(targets, partial(_split, self.storage, group)))
+                jobs.append(
+                    ReadJob(
+                        targets,
+                        partial(_split, self.storage, group),
+                        fetch_async=partial(_split_async, self.storage, group),
+                    )
+                )
             else:
                 parts = list(group.parts)
                 jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, parts)))
@@ -524,6 +530,9 @@ class ReadJob:
     fetch: Callable[[], list[bytes]]
     #: ``fetch`` makes no request (its bytes were read ahead): it may run on the event loop.
     ready: bool = False
+    #: The same request for a caller on an event loop (:meth:`Storage.get_async`), where there
+    #: is one: it saves the hand-off to an I/O thread and back.
+    fetch_async: Callable[[], Awaitable[list[bytes]]] | None = None
 
 
 def _whole(key: str, got: bytes, ref: ChunkRef, byte_range: tuple[int, int] | None) -> bytes:
@@ -544,6 +553,11 @@ def _split(storage: Storage, group: RangeGroup) -> list[bytes]:
     return _slice(
         _fetch_range(storage, group.key, group.start, group.end), group.start, group.parts
     )
+
+
+async def _split_async(storage: Storage, group: RangeGroup) -> list[bytes]:
+    got = await _fetch_range_async(storage, group.key, group.start, group.end)
+    return _slice(got, group.start, group.parts)
 
 
 def _slice(data: bytes, base: int, parts: Iterable[tuple[int, int, int]]) -> list[bytes]:
@@ -588,6 +602,19 @@ def _fetch_range(storage: Storage, key: str, start: int, end: int, *, exact: boo
         data = storage.get(key, (start, end))
     except ObjectNotFound:
         raise CorruptObject(key, "pack object is missing") from None
-    if exact and len(data) != end - start:
+    return _exactly(key, data, start, end) if exact else data
+
+
+async def _fetch_range_async(storage: Storage, key: str, start: int, end: int) -> bytes:
+    """:func:`_fetch_range` (exact) from an event loop."""
+    try:
+        data = await storage.get_async(key, (start, end))
+    except ObjectNotFound:
+        raise CorruptObject(key, "pack object is missing") from None
+    return _exactly(key, data, start, end)
+
+
+def _exactly(key: str, data: bytes, start: int, end: int) -> bytes:
+    if len(data) != end - start:
         raise CorruptObject(key, f"pack ends before byte {end} that a chunk ref names")
     return data

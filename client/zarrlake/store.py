@@ -126,7 +126,10 @@ async def _settle(
     found: list[bytes | BaseException]
     try:
         try:
-            found = list(await run(job.fetch))
+            if job.fetch_async is not None:
+                found = list(await job.fetch_async())
+            else:
+                found = list(await run(job.fetch))
         except Exception as e:
             if len(reads) == 1:
                 found = [e]

@@ -110,9 +110,9 @@ class CountingStorage(Storage):
         self.counts.add("put_create_only" if create_only else "put", key)
         self.inner.put(key, data, create_only=create_only)
 
-    async def get_async(self, key: str) -> bytes:
-        self.counts.add("get", key)
-        return await self.inner.get_async(key)
+    async def get_async(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        self.counts.add("get" if byte_range is None else "get_range", key)
+        return await self.inner.get_async(key, byte_range)
 
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         self.counts.add("put_create_only" if create_only else "put", key)

@@ -618,11 +618,11 @@ class Storage(abc.ABC):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor(), fn, *args)
 
-    async def get_async(self, key: str) -> bytes:
-        """:meth:`get` of a whole object for a caller on an event loop, with the same contract:
-        on the I/O pool, unless the backend has requests of its own that an event loop can await
-        (S3 on obstore), which saves the hand-off to a thread and back for every object."""
-        return await self.run_async(self.get, key)
+    async def get_async(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        """:meth:`get` for a caller on an event loop, with the same contract: on the I/O pool,
+        unless the backend has requests of its own that an event loop can await (S3 on
+        obstore), which saves the hand-off to a thread and back for every request."""
+        return await self.run_async(self.get, key, byte_range)
 
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         """:meth:`put` for a caller on an event loop, with the same contract: on the I/O pool,

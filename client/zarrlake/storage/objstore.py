@@ -75,22 +75,29 @@ def call(what: str, key: str, fn: Callable[[], T], *, past_end: T | None = None)
     try:
         return fn()
     except Exception as e:
-        if past_end is not None and status_of(str(e)) == 416:
-            from obstore.exceptions import BaseError
-
-            if isinstance(e, BaseError):
-                return past_end
-        _raise_translated(what, key, e)
-        raise
+        return _answer_or_raise(what, key, e, past_end)
 
 
-async def call_async(what: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
-    """:func:`call` for obstore's coroutines (``put_async`` and the like)."""
+async def call_async(
+    what: str, key: str, fn: Callable[[], Awaitable[T]], *, past_end: T | None = None
+) -> T:
+    """:func:`call` for obstore's coroutines (``get_range_async``, ``put_async`` and the like)."""
     try:
         return await fn()
     except Exception as e:
-        _raise_translated(what, key, e)
-        raise
+        return _answer_or_raise(what, key, e, past_end)
+
+
+def _answer_or_raise(what: str, key: str, e: Exception, past_end: T | None) -> T:
+    """``past_end`` if ``e`` is obstore's answer to a range past the object's end and the caller
+    gave one; otherwise raise the storage error ``e`` means (``e`` itself if it means none)."""
+    if past_end is not None and status_of(str(e)) == 416:
+        from obstore.exceptions import BaseError
+
+        if isinstance(e, BaseError):
+            return past_end
+    _raise_translated(what, key, e)
+    raise e
 
 
 def _raise_translated(what: str, key: str, e: Exception) -> None:

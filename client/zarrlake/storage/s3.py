@@ -516,20 +516,31 @@ class S3Storage(Storage):
             return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
-    async def get_async(self, key: str) -> bytes:
+    async def get_async(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         # As put_async: on the caller's loop once this process's store exists.
         store = self._obstore(build=False)
         if store is None:
-            return await super().get_async(key)
+            return await super().get_async(key, byte_range)
         import obstore
 
         path = self._k(key)
+        if byte_range is None:
 
-        async def fetch() -> bytes:
-            got = await obstore.get_async(store, path)
-            return bytes(await got.bytes_async())
+            async def fetch() -> bytes:
+                got = await obstore.get_async(store, path)
+                return bytes(await got.bytes_async())
 
-        return await with_retries_async(lambda: objstore.call_async("get", key, fetch))
+            return await with_retries_async(lambda: objstore.call_async("get", key, fetch))
+        start, end = byte_range
+        if end <= start:
+            return b""
+
+        async def fetch_range() -> bytes:
+            return bytes(await obstore.get_range_async(store, path, start=start, end=end))
+
+        return await with_retries_async(
+            lambda: objstore.call_async("get", key, fetch_range, past_end=b"")
+        )
 
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         # Awaited on the caller's loop once this process's store exists; the first request goes
