@@ -2,7 +2,10 @@
 
 The S3 server is a ``moto_server`` on a free loopback port, started for one run and stopped by its
 process id at the end. Every system that talks S3 talks to this one server, so S3 numbers compare
-clients, not servers. The server logs one line per HTTP request to a file (before it sends the
+clients, not servers. Each system keeps its data in a bucket of its own
+(:meth:`S3Server.bucket_for`), as separate deployments would: moto answers a prefix listing by
+scanning every key of the bucket, so in a shared bucket one system's 20,000 chunk objects would
+slow another's listings. The server logs one line per HTTP request to a file (before it sends the
 response), and :class:`RequestLog` counts the lines a timed operation added: the same count for
 every S3 system, whatever its client.
 """
@@ -83,16 +86,27 @@ class S3Server:
 
         return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION)
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Remove every object under ``prefix`` (keeps the server's memory flat between runs)."""
+    def bucket_for(self, kind: str) -> str:
+        """The bucket of one system (zarr, zarrlake, icechunk), created here if it is not yet."""
+        name = f"{self.bucket}-{kind}"
         client = self.client()
+        try:
+            client.head_bucket(Bucket=name)
+        except client.exceptions.ClientError:
+            client.create_bucket(Bucket=name)
+        return name
+
+    def delete_prefix(self, prefix: str, bucket: str | None = None) -> int:
+        """Remove every object under ``prefix`` of ``bucket`` (the server's own by default;
+        keeps the server's memory flat between runs)."""
+        client, bucket = self.client(), bucket or self.bucket
         n = 0
         for page in client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/"
+            Bucket=bucket, Prefix=prefix.rstrip("/") + "/"
         ):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
-                client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
                 n += len(keys)
         return n
 

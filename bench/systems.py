@@ -201,7 +201,7 @@ class System:
         if self.backend == LOCAL:
             shutil.rmtree(self._path(label), ignore_errors=True)
         elif s3 is not None:
-            s3.delete_prefix(self._prefix(label))
+            s3.delete_prefix(self._prefix(label), self.bucket)
 
 
 def make_systems(workdir: str, run_id: str, s3: S3Server | None) -> list[System]:
@@ -213,8 +213,7 @@ def make_systems(workdir: str, run_id: str, s3: S3Server | None) -> list[System]
     ]
     if s3 is not None:
         out += [
-            System(ZARR, S3, workdir, run_id, s3.endpoint, s3.bucket),
-            System(ZARRLAKE, S3, workdir, run_id, s3.endpoint, s3.bucket),
-            System(ICECHUNK, S3, workdir, run_id, s3.endpoint, s3.bucket),
+            System(kind, S3, workdir, run_id, s3.endpoint, s3.bucket_for(kind))
+            for kind in (ZARR, ZARRLAKE, ICECHUNK)
         ]
     return out
