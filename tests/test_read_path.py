@@ -133,6 +133,15 @@ def test_a_pack_shorter_than_its_refs_or_missing_is_corrupt(storage: zarrlake.St
     missing = (PACKED, "0" * 64, 0, 10, b"")
     with pytest.raises(CorruptObject, match="pack object is missing"):
         objects.read_chunks([(refs[0], None), (missing, None)])
+    # The same requests awaited from an event loop (what the Zarr store does with them).
+    for read, error in [(beyond, "pack ends before"), (missing, "pack object is missing")]:
+        [job] = objects.plan_reads([(read, None)])
+        assert job.fetch_async is not None
+        with pytest.raises(CorruptObject, match=error):
+            asyncio.run(job.fetch_async())
+    [job] = objects.plan_reads([(refs[0], None), (refs[1], None)])
+    assert job.fetch_async is not None
+    assert asyncio.run(job.fetch_async()) == [pack[:50], pack[50:100]]
 
 
 def test_a_chunk_object_shorter_than_its_ref_is_corrupt(storage: zarrlake.Storage) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,7 @@ from zarrlake.storage.http import HTTPStorage
 from zarrlake.storage.local import LocalStorage
 from zarrlake.storage.memory import MemoryStorage
 from zarrlake.storage.s3 import S3Storage
+from zarrlake_testkit.s3proxy import HeaderStrippingProxy
 
 FORK = mp.get_context("fork")
 DEFAULT_ATTEMPTS = inspect.signature(with_retries).parameters["attempts"].default
@@ -250,11 +252,15 @@ def test_s3_get_async_is_awaited_on_the_loop_once_its_store_exists(s3_server) ->
 
     async def ranges() -> list[bytes]:
         return list(
-            await asyncio.gather(*(storage_fresh.get_async(f"k{i}", (1, i)) for i in range(1, 30)))
+            await asyncio.gather(
+                *(storage_fresh.get_async(f"k{i}", (1, i + 3)) for i in range(1, 30)),
+                *(storage_fresh.get_async(f"k{i}", (i, i + 5)) for i in range(1, 30)),
+            )
         )
 
-    # Ranged reads (a chunk in a pack) too, down to a range past the end.
-    assert asyncio.run(ranges()) == [b"z" * (i - 1) for i in range(1, 30)]
+    # Ranged reads (a chunk in a pack) too: running past the end (what there is), and starting
+    # at it (the server's 416: nothing).
+    assert asyncio.run(ranges()) == [b"z" * (i - 1) for i in range(1, 30)] + [b""] * 29
     assert pooled == []
     with pytest.raises(ObjectNotFound):
         asyncio.run(storage_fresh.get_async("absent"))
@@ -957,6 +963,90 @@ def test_s3_server_faults(
         assert server.requests == requests
     finally:
         server.close()
+
+
+def short_partial_body(conn: socket.socket) -> None:
+    conn.sendall(
+        b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-4/100\r\nContent-Length: 5\r\n"
+        b"Connection: close\r\n\r\n01"
+    )
+
+
+@pytest.mark.parametrize(
+    ("respond", "byte_range", "error", "requests"),
+    [
+        *[
+            (xml_error("503 Slow Down", "SlowDown"), r, TransientStorageError, DEFAULT_ATTEMPTS)
+            for r in (None, (0, 5))
+        ],
+        *[(hang_up, r, TransientStorageError, DEFAULT_ATTEMPTS) for r in (None, (0, 5))],
+        (short_body, None, TransientStorageError, DEFAULT_ATTEMPTS),
+        (short_partial_body, (0, 5), TransientStorageError, DEFAULT_ATTEMPTS),
+        *[(xml_error("404 Not Found", "NoSuchKey"), r, ObjectNotFound, 1) for r in (None, (0, 5))],
+        *[(xml_error("403 Forbidden", "AccessDenied"), r, StorageError, 1) for r in (None, (0, 5))],
+    ],
+    ids=[
+        f"{fault}-{part}"
+        for fault in ("503", "hangup", "short-body", "404", "403")
+        for part in ("whole", "range")
+    ],
+)
+def test_s3_server_faults_of_reads_awaited_on_the_loop(
+    respond: Callable[[socket.socket], None],
+    byte_range: tuple[int, int] | None,
+    error: type[Exception],
+    requests: int,
+) -> None:
+    """``get_async`` of a whole object and of a range, once this process's store exists (awaited
+    on the event loop, no I/O thread): the retries and errors of ``get``."""
+    server = FaultyServer(respond)
+    try:
+        s = s3_at(server.port)
+        with pytest.raises(error):
+            s.get("k", byte_range)  # builds the store, and answers as get_async must
+        pooled = _pool_calls(s)
+        server.requests = 0
+        with pytest.raises(error) as info:
+            asyncio.run(s.get_async("k", byte_range))
+        if error is StorageError:
+            assert not isinstance(info.value, (TransientStorageError, ObjectNotFound))
+        assert server.requests == requests
+        assert pooled == []
+    finally:
+        server.close()
+
+
+def test_s3_requests_awaited_on_a_loop_keep_to_the_storage_concurrency(moto_s3: Any) -> None:
+    """As many requests in flight as the I/O pool would have threads (``concurrency``), however
+    many reads and writes Zarr awaits at once."""
+    with HeaderStrippingProxy(moto_s3.endpoint, drop=()) as proxy:
+        storage = Storage.s3(
+            moto_s3.bucket,
+            f"in-flight-{random.getrandbits(32):08x}",
+            endpoint_url=proxy.endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key="testing",
+            allow_http=True,
+        )
+        storage.concurrency = 3  # type: ignore[misc]
+        storage.put("first", b"x")  # builds the store: the rest is awaited on the loop
+        pooled = _pool_calls(storage)
+
+        async def many() -> list[bytes]:
+            await asyncio.gather(*(storage.put_async(f"k{i}", bytes([i]) * 100) for i in range(40)))
+            return list(
+                await asyncio.gather(
+                    *(storage.get_async(f"k{i}") for i in range(40)),
+                    *(storage.get_async(f"k{i}", (10, 20)) for i in range(40)),
+                )
+            )
+
+        got = asyncio.run(many())
+        assert got == [bytes([i]) * 100 for i in range(40)] + [bytes([i]) * 10 for i in range(40)]
+        assert pooled == []
+        assert len(proxy.requests()) == 121
+        assert 1 <= proxy.most_in_flight <= 3, proxy.most_in_flight
 
 
 # -- local: nothing torn is ever visible -----------------------------------------------------------

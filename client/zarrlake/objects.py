@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -368,10 +369,8 @@ class ObjectStore:
             return data if byte_range is None else data[byte_range[0] : byte_range[1]]
         if kind == OBJECT:
             key = chunk_key(ref[1].hex())
-            try:
+            with _missing_is_corrupt(key, "chunk object"):
                 got = self.storage.get(key, byte_range)
-            except ObjectNotFound:
-                raise CorruptObject(key, "chunk object is missing") from None
             return _whole(key, got, ref, byte_range)
         if kind == PACKED:
             read = _packed_read(ref, byte_range)
@@ -391,10 +390,8 @@ class ObjectStore:
         """The whole chunk of an object ref, from an event loop (the storage's
         :meth:`~Storage.get_async`). Raises as :meth:`read_chunk`."""
         key = chunk_key(ref[1].hex())
-        try:
+        with _missing_is_corrupt(key, "chunk object"):
             got = await self.storage.get_async(key)
-        except ObjectNotFound:
-            raise CorruptObject(key, "chunk object is missing") from None
         return _whole(key, got, ref, None)
 
     def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
@@ -598,19 +595,15 @@ def _packed_read(ref: ChunkRef, byte_range: tuple[int, int] | None) -> tuple[str
 def _fetch_range(storage: Storage, key: str, start: int, end: int, *, exact: bool = True) -> bytes:
     """Bytes ``[start, end)`` of pack ``key``; with ``exact`` off, fewer if the pack ends sooner
     (a read-ahead window). A missing pack, or a short one read exactly, is corrupt."""
-    try:
+    with _missing_is_corrupt(key, "pack object"):
         data = storage.get(key, (start, end))
-    except ObjectNotFound:
-        raise CorruptObject(key, "pack object is missing") from None
     return _exactly(key, data, start, end) if exact else data
 
 
 async def _fetch_range_async(storage: Storage, key: str, start: int, end: int) -> bytes:
     """:func:`_fetch_range` (exact) from an event loop."""
-    try:
+    with _missing_is_corrupt(key, "pack object"):
         data = await storage.get_async(key, (start, end))
-    except ObjectNotFound:
-        raise CorruptObject(key, "pack object is missing") from None
     return _exactly(key, data, start, end)
 
 
@@ -618,3 +611,12 @@ def _exactly(key: str, data: bytes, start: int, end: int) -> bytes:
     if len(data) != end - start:
         raise CorruptObject(key, f"pack ends before byte {end} that a chunk ref names")
     return data
+
+
+@contextmanager
+def _missing_is_corrupt(key: str, what: str) -> Iterator[None]:
+    """A chunk or pack object that a ref names and the storage does not have is corruption."""
+    try:
+        yield
+    except ObjectNotFound:
+        raise CorruptObject(key, f"{what} is missing") from None

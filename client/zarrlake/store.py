@@ -1,10 +1,11 @@
 """The Zarr store adapter: ``zarr.abc.store.Store`` over a session.
 
 Zarr's async machinery calls these methods concurrently; the blocking object-store calls run on the
-backend's I/O thread pool, so many chunk reads or uploads are in flight at once. Two exceptions on
-the read path (see "reads" below): finding a chunk's ref needs no thread once its manifest shard is
-cached, and a small chunk of a local or memory storage is read right on the event loop, because
-the hand-off to a thread and back costs more than the read itself.
+backend's I/O thread pool, so many chunk reads or uploads are in flight at once. Exceptions on the
+read path (see "reads" below): finding a chunk's ref needs no thread once its manifest shard is
+cached; a small chunk of a local or memory storage is read right on the event loop, because the
+hand-off to a thread and back costs more than the read itself; and a backend whose requests an
+event loop can await (S3 on obstore) serves a chunk object, or a chunk's range of a pack, there.
 """
 
 from __future__ import annotations
@@ -214,9 +215,10 @@ class ZarrlakeStore(Store):
     # A read resolves its key on the event loop when that needs no I/O (the snapshot and the
     # key's manifest shard are cached: every read after the first few), then reads small chunks
     # of a local or memory storage right there too: the hand-off to a thread and back costs more
-    # than such a read. Network reads go to the I/O pool; those of one turn of the event loop
-    # (Zarr starts a batch of chunk reads together) are fetched together, ranges of one pack
-    # coalesced into one request.
+    # than such a read. The reads of one turn of the event loop (Zarr starts a batch of chunk
+    # reads together) are fetched together, ranges of one pack coalesced into one request, each
+    # request awaited where the backend can (Storage.get_async), else on the I/O pool; read-ahead
+    # windows are fetched on the I/O pool, whoever waits for them.
 
     def _get_blocking(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
         _check_byte_range(byte_range)

@@ -75,6 +75,10 @@ class CountingStorage(Storage):
 
     The capabilities (``durable``, ``concurrency``, ...) are the inner storage's; attributes the
     protocol does not define (an S3 storage's ``bucket``, say) are looked up on the inner storage.
+
+    A subclass that changes what ``get`` or ``put`` does (to inject a fault, or to record what is
+    asked) must change ``get_async`` and ``put_async`` too: the Zarr store awaits those for chunk
+    objects and for chunks in packs, and they go straight to the inner storage.
     """
 
     def __init__(self, inner: Storage, counts: Counts | None = None) -> None:

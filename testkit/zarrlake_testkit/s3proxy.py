@@ -42,6 +42,9 @@ class HeaderStrippingProxy:
         self.upstream = (target.hostname, target.port or 80)
         self.drop = {h.lower() for h in drop}
         self.stripped = 0
+        #: The most requests the proxy had in flight at once (received, not yet answered).
+        self.most_in_flight = 0
+        self._in_flight = 0
         self._forwarded: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -82,6 +85,17 @@ class HeaderStrippingProxy:
         with self._lock:
             self._forwarded.append((method, path))
 
+    def started(self) -> None:
+        """One more request in flight (called by the request handlers)."""
+        with self._lock:
+            self._in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self._in_flight)
+
+    def finished(self) -> None:
+        """One request fewer in flight (called by the request handlers)."""
+        with self._lock:
+            self._in_flight -= 1
+
     def requests(self, *, clear: bool = False) -> list[tuple[str, str]]:
         """(method, path with query) of every request forwarded (since the last ``clear``)."""
         with self._lock:
@@ -100,6 +114,13 @@ def _handler_for(proxy: HeaderStrippingProxy) -> type[BaseHTTPRequestHandler]:
             pass  # quiet: the tests' output is for the tests
 
         def _forward(self) -> None:
+            proxy.started()
+            try:
+                self._forward_one()
+            finally:
+                proxy.finished()
+
+        def _forward_one(self) -> None:
             body = self._read_body()
             proxy.record(self.command, self.path)
             headers = [(n, v) for n, v in self.headers.items() if n.lower() not in proxy.drop]

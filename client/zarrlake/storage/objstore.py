@@ -75,7 +75,10 @@ def call(what: str, key: str, fn: Callable[[], T], *, past_end: T | None = None)
     try:
         return fn()
     except Exception as e:
-        return _answer_or_raise(what, key, e, past_end)
+        if past_end is not None and _past_the_end(e):
+            return past_end
+        _raise_translated(what, key, e)
+        raise
 
 
 async def call_async(
@@ -85,19 +88,17 @@ async def call_async(
     try:
         return await fn()
     except Exception as e:
-        return _answer_or_raise(what, key, e, past_end)
-
-
-def _answer_or_raise(what: str, key: str, e: Exception, past_end: T | None) -> T:
-    """``past_end`` if ``e`` is obstore's answer to a range past the object's end and the caller
-    gave one; otherwise raise the storage error ``e`` means (``e`` itself if it means none)."""
-    if past_end is not None and status_of(str(e)) == 416:
-        from obstore.exceptions import BaseError
-
-        if isinstance(e, BaseError):
+        if past_end is not None and _past_the_end(e):
             return past_end
-    _raise_translated(what, key, e)
-    raise e
+        _raise_translated(what, key, e)
+        raise
+
+
+def _past_the_end(e: Exception) -> bool:
+    """Whether ``e`` is obstore's error for a range that starts at or past the object's end."""
+    from obstore.exceptions import BaseError
+
+    return isinstance(e, BaseError) and status_of(str(e)) == 416
 
 
 def _raise_translated(what: str, key: str, e: Exception) -> None:

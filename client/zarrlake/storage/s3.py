@@ -16,11 +16,13 @@ custom endpoint path style, which every S3-compatible server understands.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import datetime as dt
 import email.utils
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -516,7 +518,20 @@ class S3Storage(Storage):
             return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
 
+    def _slots(self) -> asyncio.Semaphore:
+        """What bounds the requests this storage awaits on the running event loop: at most
+        :attr:`concurrency` at once, as its blocking requests are bounded by its I/O threads."""
+        loop = asyncio.get_running_loop()
+        slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]
+        slots = self.__dict__.setdefault("_loop_slots", weakref.WeakKeyDictionary())
+        found = slots.get(loop)
+        if found is None:
+            found = slots[loop] = asyncio.Semaphore(self.concurrency)
+        return found
+
     async def get_async(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        if byte_range is not None and byte_range[1] <= byte_range[0]:
+            return b""
         # As put_async: on the caller's loop once this process's store exists.
         store = self._obstore(build=False)
         if store is None:
@@ -524,23 +539,24 @@ class S3Storage(Storage):
         import obstore
 
         path = self._k(key)
+        past_end: bytes | None = None
         if byte_range is None:
 
             async def fetch() -> bytes:
                 got = await obstore.get_async(store, path)
                 return bytes(await got.bytes_async())
 
-            return await with_retries_async(lambda: objstore.call_async("get", key, fetch))
-        start, end = byte_range
-        if end <= start:
-            return b""
+        else:
+            start, end = byte_range
+            past_end = b""
 
-        async def fetch_range() -> bytes:
-            return bytes(await obstore.get_range_async(store, path, start=start, end=end))
+            async def fetch() -> bytes:
+                return bytes(await obstore.get_range_async(store, path, start=start, end=end))
 
-        return await with_retries_async(
-            lambda: objstore.call_async("get", key, fetch_range, past_end=b"")
-        )
+        async with self._slots():
+            return await with_retries_async(
+                lambda: objstore.call_async("get", key, fetch, past_end=past_end)
+            )
 
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         # Awaited on the caller's loop once this process's store exists; the first request goes
@@ -554,13 +570,14 @@ class S3Storage(Storage):
         path = self._k(key)
         mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
         body = memoryview(data)
-        await with_retries_async(
-            lambda: objstore.call_async(
-                "put",
-                key,
-                lambda: obstore.put_async(store, path, body, mode=mode, use_multipart=False),
+        async with self._slots():
+            await with_retries_async(
+                lambda: objstore.call_async(
+                    "put",
+                    key,
+                    lambda: obstore.put_async(store, path, body, mode=mode, use_multipart=False),
+                )
             )
-        )
 
     def head(self, key: str) -> ObjectInfo | None:
         store = self._obstore()
@@ -649,4 +666,5 @@ class S3Storage(Storage):
         # obstore's store holds the credentials the chain resolved: a pickle carries only
         # those given explicitly (API.md), and the receiving process builds its own store.
         state.pop("_obs", None)
+        state.pop("_loop_slots", None)
         return state
