@@ -26,6 +26,7 @@ import pytest
 import zarr
 
 import zarrlake
+import zarrlake.refs
 from zarrlake.format.model import WRITE_PROBE_KEY, branch_entry_key
 from zarrlake.history import EXPIRY_PREFIX
 from zarrlake_testkit.counting import CountingStorage, Counts
@@ -282,7 +283,7 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts = counted().counts
     counts.reset()
     assert list(repo.list_branches()) == ["main"]
-    assert _ops(counts) == ["list_dirs", "list", "get"]
+    assert _ops(counts) == ["list", "get"]  # every journal in one listing, then the head
     counts.reset()
 
     session = repo.writable_session("main")
@@ -399,6 +400,60 @@ def test_refs_are_one_listing_and_a_read_of_what_moved(
     counts.reset()
     assert watcher.lookup_branch("dev") == moved
     assert _ops(counts) == ["get", "get"]
+
+
+def test_list_branches_is_one_listing_and_a_read_of_each_head_that_moved(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """1 + N requests in two rounds for N branches (before: a listing of the branch folders,
+    then a listing and a read for each branch, 1 + 2N in three rounds); one listing when no head
+    moved. Deleted branches are left out: their newest entry, a tombstone, is read as a head."""
+    _repo_with_commits(counted, 2)
+    writer = zarrlake.Repository.open(counted())
+    for name in ("dev", "gone", "x"):
+        writer.create_branch(name)
+    writer.delete_branch("gone")
+    expected = {n: writer.lookup_branch(n) for n in ("dev", "main", "x")}
+    reader = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    heads = reader.list_branches()
+    assert heads == expected and list(heads) == ["dev", "main", "x"]
+    assert _ops(counts) == ["list", "get", "get", "get", "get"]
+    counts.reset()
+    assert reader.list_branches() == heads
+    assert _ops(counts) == ["list"]  # nothing moved: nothing read
+
+    s = writer.writable_session("dev")
+    zarr.open_array(s.store, path="data")[0:C] = 7
+    moved = s.commit("on dev")
+    counts.reset()
+    assert reader.list_branches() == {**heads, "dev": moved}
+    assert counts.calls() == [("list", "refs/branch."), ("get", branch_entry_key("dev", 1))]
+    # What the listing taught the journal serves the next read of the head (no listing).
+    counts.reset()
+    assert reader.lookup_branch("dev") == moved
+    assert _ops(counts) == ["get", "get"]
+
+
+def test_list_branches_reads_long_journals_a_branch_at_a_time(
+    counted: Callable[[], CountingStorage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Journals holding more entries together than one listing page (compaction prunes them)
+    cost more pages listed whole than a listing per branch does: past the bound, the listing
+    stops and each branch's head is found on its own, with the same answer."""
+    _repo_with_commits(counted, 2)  # main's journal: 3 entries
+    writer = zarrlake.Repository.open(counted())
+    writer.create_branch("dev")
+    expected = zarrlake.Repository.open(counted()).list_branches()
+    monkeypatch.setattr(zarrlake.refs, "HEADS_FROM_ONE_LISTING", 3)
+    reader = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    assert reader.list_branches() == expected
+    # The listing given up past 3 entries; then the folders, and each head on its own.
+    assert counts.calls()[:2] == [("list", "refs/branch."), ("list_dirs", "refs/")]
+    assert counts.by_op()["list_dirs"] == 1
 
 
 def test_refs_without_a_listing_read_each_ref(counted: Callable[[], CountingStorage]) -> None:

@@ -11,6 +11,7 @@ own writer id, so a lost response never turns into a false conflict.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import re
 import time
 import uuid
@@ -52,6 +53,10 @@ KNOWN_HEAD_TTL_S = 3600.0
 #: Entries past a known head's successor to read one by one before listing instead (a branch
 #: that moved a lot).
 _PROBES = 2
+#: :meth:`BranchJournal.heads` finds every branch's head in one listing of all the journals when
+#: they hold at most this many entries together (one S3 listing page). Longer journals (those
+#: compaction has not pruned) are read a branch at a time.
+HEADS_FROM_ONE_LISTING = 1000
 
 #: Keys read in one concurrent round when a storage without listings (plain HTTP) finds a head
 #: by probing, or walks a journal back from its head.
@@ -343,7 +348,20 @@ class BranchJournal:
         return head is not None and head.snapshot is not None
 
     def heads(self) -> dict[str, str]:
-        """Every live branch: name -> head snapshot id, sorted by name."""
+        """Every live branch: name -> head snapshot id, sorted by name.
+
+        With a listing, one listing of every journal names each one's newest entry, and one
+        concurrent round reads the heads this journal has not read as they are now listed
+        (:meth:`heads_listed`): 1 + N requests for N branches, and one when no head moved since
+        this journal last looked. Journals holding more than :data:`HEADS_FROM_ONE_LISTING`
+        entries together are read a branch at a time: a listing of the branch folders, then
+        each one's head (:meth:`head`), as without a listing."""
+        if self.storage.supports_listing:
+            asked = time.monotonic()
+            listing = self.storage.list(self.root + REFS_PREFIX + "branch.")
+            listed = list(itertools.islice(listing, HEADS_FROM_ONE_LISTING + 1))
+            if len(listed) <= HEADS_FROM_ONE_LISTING:
+                return self.heads_listed(newest_entries(self.root, listed), asked)
         names = self.names()
         entries: list[JournalEntry | None] = self.storage.map(self.head, names)
         return {
@@ -530,21 +548,33 @@ def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
     if not storage.supports_listing:
         return Refs(journal.heads(), dict(sorted(tags.all().items())))
     asked = time.monotonic()
-    entries: dict[str, list[ObjectInfo]] = {}
+    listed = list(storage.list(journal.root + REFS_PREFIX))
     records: dict[str, ObjectInfo] = {}
     deleted: set[str] = set()
-    for info in storage.list(journal.root + REFS_PREFIX):
+    for info in listed:
         parsed = parse_ref_key(info.key[len(journal.root) :])
-        if parsed is None:
-            continue  # the write probe
+        if parsed is None or parsed[0] == "branch":
+            continue  # the write probe; the journals' entries are for newest_entries
         kind, name, _ = parsed
-        if kind == "branch":
-            entries.setdefault(name, []).append(info)
-        elif kind == "tag":
+        if kind == "tag":
             records[name] = info
         else:
             deleted.add(name)
-    # Entry names are fixed-width in one folder: the smallest is the newest.
-    newest = {name: min(infos, key=lambda i: i.key) for name, infos in entries.items()}
     live_tags = {name: info for name, info in records.items() if name not in deleted}
+    newest = newest_entries(journal.root, listed)
     return Refs(journal.heads_listed(newest, asked), tags.listed(live_tags))
+
+
+def newest_entries(root: str, listed: Iterable[ObjectInfo]) -> dict[str, ObjectInfo]:
+    """The newest entry of each branch journal among ``listed`` objects (keys with ``root``):
+    entry names are fixed-width in one folder, so the smallest key is the newest. Other keys
+    (tags, the write probe) are left out."""
+    newest: dict[str, ObjectInfo] = {}
+    for info in listed:
+        parsed = parse_ref_key(info.key[len(root) :])
+        if parsed is None or parsed[0] != "branch":
+            continue
+        seen = newest.get(parsed[1])
+        if seen is None or info.key < seen.key:
+            newest[parsed[1]] = info
+    return newest
