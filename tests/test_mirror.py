@@ -464,9 +464,12 @@ def test_of_two_promoters_one_acts_and_the_other_stands_by(
     b.start()
     threading.Event().wait(0.5)
     assert passes["second"] == 0  # standing by while the first holds the lock
-    head = write(source, "main", 1, "two")
     stop_first.set()
     a.join()
+    # Written once the first has stopped: only the standby can promote it (written before, the
+    # first could promote it on its way out, and the loop below would end before the standby's
+    # first pass).
+    head = write(source, "main", 1, "two")
     deadline = dt.datetime.now() + dt.timedelta(seconds=10)
     while zl.Repository.open(dest).lookup_branch("main") != head:
         assert dt.datetime.now() < deadline, "the standby never took over"
