@@ -360,6 +360,13 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
     assert list(data[:C]) == [13] * C and list(data[C : 2 * C]) == [5] * C
 
 
+def _commit_first_chunk(repo: zarrlake.Repository, branch: str, value: int) -> str:
+    """Commit ``value`` into the first chunk of ``data`` on ``branch``; returns the commit."""
+    session = repo.writable_session(branch)
+    zarr.open_array(session.store, path="data")[0:C] = value
+    return session.commit(f"{value} on {branch}")
+
+
 def test_refs_are_one_listing_and_a_read_of_what_moved(
     counted: Callable[[], CountingStorage],
 ) -> None:
@@ -384,9 +391,7 @@ def test_refs_are_one_listing_and_a_read_of_what_moved(
     assert watcher.refs() == refs
     assert _ops(counts) == ["list"]  # nothing moved: nothing read
 
-    s = writer.writable_session("dev")
-    zarr.open_array(s.store, path="data")[0:C] = 3
-    moved = s.commit("on dev")
+    moved = _commit_first_chunk(writer, "dev", 3)
     writer.create_tag("v2", "dev")
     main = writer.lookup_branch("main")
     counts.reset()  # the writer's requests counted too: from here on, only the watcher's
@@ -424,9 +429,7 @@ def test_list_branches_is_one_listing_and_a_read_of_each_head_that_moved(
     assert reader.list_branches() == heads
     assert _ops(counts) == ["list"]  # nothing moved: nothing read
 
-    s = writer.writable_session("dev")
-    zarr.open_array(s.store, path="data")[0:C] = 7
-    moved = s.commit("on dev")
+    moved = _commit_first_chunk(writer, "dev", 7)
     counts.reset()
     assert reader.list_branches() == {**heads, "dev": moved}
     assert counts.calls() == [("list", "refs/branch."), ("get", branch_entry_key("dev", 1))]
