@@ -439,6 +439,33 @@ def test_list_branches_is_one_listing_and_a_read_of_each_head_that_moved(
     assert _ops(counts) == ["get", "get"]
 
 
+def test_list_tags_is_one_listing_and_a_read_of_each_new_record(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """Tag records and tombstones in one listing (before: one of each, then a read of every
+    record, each time): 1 + N requests for N tags, one when no tag changed; deleted tags left
+    out, and a name's tombstone wins over its record."""
+    ids = _repo_with_commits(counted, 2)
+    writer = zarrlake.Repository.open(counted())
+    for name, ref in (("v1", ids[1]), ("v2", ids[0]), ("old", ids[2])):
+        writer.create_tag(name, ref)
+    writer.delete_tag("old")
+    reader = zarrlake.Repository.open(counted())
+    counts = counted().counts
+    counts.reset()
+    assert reader.list_tags() == {"v1": ids[1], "v2": ids[0]}
+    assert _ops(counts) == ["list", "get", "get"]
+    assert counts.calls()[0] == ("list", "refs/tag")
+    counts.reset()
+    assert reader.list_tags() == {"v1": ids[1], "v2": ids[0]}
+    assert _ops(counts) == ["list"]  # nothing changed: nothing read
+    writer.create_tag("v3", "main")
+    writer.delete_tag("v1")
+    counts.reset()
+    assert reader.list_tags() == {"v2": ids[0], "v3": ids[0]}
+    assert counts.calls() == [("list", "refs/tag"), ("get", "refs/tag.v3")]
+
+
 def test_list_branches_reads_long_journals_a_branch_at_a_time(
     counted: Callable[[], CountingStorage], monkeypatch: pytest.MonkeyPatch
 ) -> None:

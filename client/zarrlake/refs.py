@@ -57,6 +57,10 @@ _PROBES = 2
 #: they hold at most this many entries together (one S3 listing page). Longer journals (those
 #: compaction has not pruned) are read a branch at a time.
 HEADS_FROM_ONE_LISTING = 1000
+#: The prefix of every branch journal's entries (``refs/branch.<name>/<seq>``).
+BRANCH_KEYS = REFS_PREFIX + "branch."
+#: The prefix of every tag record (``refs/tag.<name>``) and tombstone (``refs/tagdel.<name>``).
+TAG_KEYS = REFS_PREFIX + "tag"
 
 #: Keys read in one concurrent round when a storage without listings (plain HTTP) finds a head
 #: by probing, or walks a journal back from its head.
@@ -358,7 +362,7 @@ class BranchJournal:
         each one's head (:meth:`head`), as without a listing."""
         if self.storage.supports_listing:
             asked = time.monotonic()
-            listing = self.storage.list(self.root + REFS_PREFIX + "branch.")
+            listing = self.storage.list(self.root + BRANCH_KEYS)
             listed = list(itertools.islice(listing, HEADS_FROM_ONE_LISTING + 1))
             if len(listed) <= HEADS_FROM_ONE_LISTING:
                 return self.heads_listed(newest_entries(self.root, listed), asked)
@@ -509,19 +513,11 @@ class Tags:
         return {name: listed[records[name].key][2] for name in sorted(records)}
 
     def all(self) -> dict[str, str]:
-        """Every live tag: name -> snapshot id."""
-        live: dict[str, str] = {}
-        dead, live_prefix = self.root + "refs/tagdel.", self.root + "refs/tag."
-        deleted = {ref_name_from_key(k[len(dead) :]) for k in self.storage.list_keys(dead)}
-        keys = self.storage.list_keys(live_prefix)
-        names = [ref_name_from_key(k[len(live_prefix) :]) for k in keys]
-        records: list[TagRecord] = self.storage.map(
-            lambda k: TagRecord.decode(self.storage.get(k), k), keys
-        )
-        for name, rec in zip(names, records, strict=True):
-            if name not in deleted:
-                live[name] = rec.snapshot
-        return live
+        """Every live tag: name -> snapshot id, sorted by name. One listing finds the records
+        and the tombstones (``refs/tag.`` and ``refs/tagdel.`` share the prefix ``refs/tag``),
+        then one concurrent round reads the live records not read before as listed
+        (:meth:`listed`): 1 + N requests for N tags, one when no tag changed."""
+        return self.listed(live_tag_records(self.root, self.storage.list(self.root + TAG_KEYS)))
 
 
 @dataclass(frozen=True)
@@ -549,20 +545,26 @@ def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
         return Refs(journal.heads(), dict(sorted(tags.all().items())))
     asked = time.monotonic()
     listed = list(storage.list(journal.root + REFS_PREFIX))
+    newest = newest_entries(journal.root, listed)
+    return Refs(
+        journal.heads_listed(newest, asked), tags.listed(live_tag_records(tags.root, listed))
+    )
+
+
+def live_tag_records(root: str, listed: Iterable[ObjectInfo]) -> dict[str, ObjectInfo]:
+    """Name -> record of each tag among ``listed`` objects (keys with ``root``) that has no
+    tombstone among them. Other keys (journal entries, the write probe) are left out."""
     records: dict[str, ObjectInfo] = {}
     deleted: set[str] = set()
     for info in listed:
-        parsed = parse_ref_key(info.key[len(journal.root) :])
+        parsed = parse_ref_key(info.key[len(root) :])
         if parsed is None or parsed[0] == "branch":
-            continue  # the write probe; the journals' entries are for newest_entries
-        kind, name, _ = parsed
-        if kind == "tag":
-            records[name] = info
+            continue
+        if parsed[0] == "tag":
+            records[parsed[1]] = info
         else:
-            deleted.add(name)
-    live_tags = {name: info for name, info in records.items() if name not in deleted}
-    newest = newest_entries(journal.root, listed)
-    return Refs(journal.heads_listed(newest, asked), tags.listed(live_tags))
+            deleted.add(parsed[1])
+    return {name: info for name, info in records.items() if name not in deleted}
 
 
 def newest_entries(root: str, listed: Iterable[ObjectInfo]) -> dict[str, ObjectInfo]:
