@@ -1683,3 +1683,20 @@ def test_chunk_marks_turn_into_a_bloom_filter_past_the_limit() -> None:
     assert all(marks.contains_many([*marked, b"short"]))  # never a false negative
     others = _digests(5_000, 4)[:-4]
     assert sum(marks.contains_many(others)) < 50  # 1e-4 false positives, with room to spare
+
+
+def test_fsck_reads_every_tag_record_again_whatever_was_listed_before(tmp_path: Path) -> None:
+    """A repository handle does not read a tag record again while the listing shows it with the
+    same size and modification time (records are create-only); fsck reads them all, so a record
+    that rotted in place is reported, not taken from what the handle read before."""
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    head = repo.lookup_branch("main")
+    repo.create_tag("v1", "main")
+    assert repo.list_tags() == {"v1": head}
+    path = tmp_path / "repo" / "refs" / "tag.v1"
+    before, data = path.stat(), path.read_bytes()
+    path.write_bytes(bytes(len(data)))  # the same size, every byte gone
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert repo.list_tags() == {"v1": head}  # as listed before: not read again
+    assert ("corrupt", "refs/tag.*") in [(x.kind, x.key) for x in repo.fsck().problems]

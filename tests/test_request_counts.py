@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,8 +28,9 @@ import zarr
 
 import zarrlake
 import zarrlake.refs
-from zarrlake.format.model import WRITE_PROBE_KEY, branch_entry_key
+from zarrlake.format.model import WRITE_PROBE_KEY, branch_entry_key, seq_from_entry_key
 from zarrlake.history import EXPIRY_PREFIX
+from zarrlake.refs import BRANCH_KEYS, BranchJournal, newest_entries
 from zarrlake_testkit.counting import CountingStorage, Counts
 from zarrlake_testkit.servers import start_moto, stop
 
@@ -437,6 +439,33 @@ def test_list_branches_is_one_listing_and_a_read_of_each_head_that_moved(
     counts.reset()
     assert reader.lookup_branch("dev") == moved
     assert _ops(counts) == ["get", "get"]
+
+
+def test_a_listing_overtaken_by_a_commit_gives_way_to_what_is_newer(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    """Two races of one listing of the journals: the branch moved and compaction pruned the
+    listed entry before it was read (that branch's head is then found on its own), and this
+    client committed a newer head meanwhile (the listing does not make it forget that head)."""
+    _repo_with_commits(counted, 1)
+    storage = counted()
+    writer = zarrlake.Repository.open(storage)
+    asked = time.monotonic()
+    listing = newest_entries("", storage.list(BRANCH_KEYS))
+    [(_, info)] = listing.items()
+    moved = _commit_first_chunk(writer, "main", 5)
+    journal = BranchJournal(storage)
+    seq = seq_from_entry_key(info.key)
+    journal.prune("main", [seq])  # as compaction would, once the head has moved on
+    assert journal.heads_listed(listing, asked) == {"main": moved}
+    assert journal.known("main") is not None and journal.known("main").snapshot == moved
+    # The other race: this journal learned a newer head than a listing made before shows.
+    listing = newest_entries("", storage.list(BRANCH_KEYS))
+    again = _commit_first_chunk(writer, "main", 6)
+    assert journal.head("main").snapshot == again
+    assert journal.heads_listed(listing, asked)["main"] == moved  # what the listing showed
+    known = journal.known("main")
+    assert known is not None and known.snapshot == again  # still the newer one
 
 
 def test_list_tags_is_one_listing_and_a_read_of_each_new_record(

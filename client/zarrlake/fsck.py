@@ -117,7 +117,7 @@ def fsck(
             if entry.snapshot is not None and (i == 0 or entry.snapshot not in expired):
                 roots.append(entry.snapshot)
     try:
-        tags = core.tags.all()
+        tags = core.tags.all(reread=True)
     except (CorruptObject, UnsupportedFormat) as e:
         problem("corrupt", "refs/tag.*", str(e))
         tags = {}

@@ -366,6 +366,11 @@ class BranchJournal:
             listed = list(itertools.islice(listing, HEADS_FROM_ONE_LISTING + 1))
             if len(listed) <= HEADS_FROM_ONE_LISTING:
                 return self.heads_listed(newest_entries(self.root, listed), asked)
+        return self.heads_branch_by_branch()
+
+    def heads_branch_by_branch(self) -> dict[str, str]:
+        """:meth:`heads`, a branch at a time: a listing of the branch folders, then each one's
+        head (:meth:`head`). Follows a local repository's branch folders wherever they link."""
         names = self.names()
         entries: list[JournalEntry | None] = self.storage.map(self.head, names)
         return {
@@ -377,24 +382,45 @@ class BranchJournal:
         found it (asked at ``asked``, a ``time.monotonic()``): see :func:`read_refs`.
 
         An entry the listing shows with the size and modification time it had when this journal
-        read it is not read again: entries are written create-only, never rewritten."""
+        read it is not read again: entries are written create-only, never rewritten. An entry
+        gone by the time it is read (compaction pruned it: the branch moved on since the
+        listing) sends that branch to :meth:`head`. A head this journal knows to be newer than
+        the listed one (it committed meanwhile) stays the one it knows."""
+        cache = self._listed  # one view of it: calls running at once each replace it whole
         to_read = [
             info
             for info in newest.values()
-            if self._listed.get(info.key, (None, None))[:2] != (info.size, info.modified)
+            if cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
-        read = self.storage.map(lambda info: self.read_entry(info.key), to_read)
-        listed = {i.key: self._listed[i.key] for i in newest.values() if i.key in self._listed}
-        for info, entry in zip(to_read, read, strict=True):
-            listed[info.key] = (info.size, info.modified, entry)
+
+        def read(info: ObjectInfo) -> JournalEntry | None:
+            try:
+                return self.read_entry(info.key)
+            except ObjectNotFound:
+                return None
+
+        read_now: list[JournalEntry | None] = self.storage.map(read, to_read)
+        listed = {i.key: cache[i.key] for i in newest.values() if i.key in cache}
+        gone: list[str] = []
+        for info, entry in zip(to_read, read_now, strict=True):
+            if entry is not None:
+                listed[info.key] = (info.size, info.modified, entry)
         self._listed = listed
         heads: dict[str, str] = {}
         for name, info in sorted(newest.items()):
+            if info.key not in listed:
+                gone.append(name)
+                continue
             head = listed[info.key][2]
-            self._learn(name, head, asked, None)
+            known = self.known(name)
+            if known is None or known.seq <= head.seq:
+                self._learn(name, head, asked, None)
             if head.snapshot is not None:
                 heads[name] = head.snapshot
-        return heads
+        for name, entry in zip(gone, self.storage.map(self.head, gone), strict=True):
+            if entry is not None and entry.snapshot is not None:
+                heads[name] = entry.snapshot
+        return dict(sorted(heads.items()))
 
     def prune(self, name: str, seqs: Iterable[int]) -> None:
         """Delete the entries ``seqs`` of the branch (compaction; never the head's)."""
@@ -494,30 +520,35 @@ class Tags:
         except PreconditionFailed:
             raise RefNotFound(name, "tag") from None
 
-    def listed(self, records: dict[str, ObjectInfo]) -> dict[str, str]:
+    def listed(self, records: dict[str, ObjectInfo], *, reread: bool = False) -> dict[str, str]:
         """Name -> snapshot id of the live tags whose records a listing found (tombstoned ones
         left out by the caller), sorted by name: see :func:`read_refs`. A record seen before with
-        the same size and modification time is not read again (records are create-only)."""
+        the same size and modification time is not read again (records are create-only), unless
+        ``reread`` (fsck: a record may rot without changing either)."""
+        # One view of the cache: calls running at once each replace it whole.
+        cache = {} if reread else self._listed
         to_read = [
             info
             for info in records.values()
-            if self._listed.get(info.key, (None, None))[:2] != (info.size, info.modified)
+            if cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
         snapshots = self.storage.map(
             lambda info: TagRecord.decode(self.storage.get(info.key), info.key).snapshot, to_read
         )
-        listed = {i.key: self._listed[i.key] for i in records.values() if i.key in self._listed}
+        listed = {i.key: cache[i.key] for i in records.values() if i.key in cache}
         for info, snapshot in zip(to_read, snapshots, strict=True):
             listed[info.key] = (info.size, info.modified, snapshot)
         self._listed = listed
         return {name: listed[records[name].key][2] for name in sorted(records)}
 
-    def all(self) -> dict[str, str]:
+    def all(self, *, reread: bool = False) -> dict[str, str]:
         """Every live tag: name -> snapshot id, sorted by name. One listing finds the records
         and the tombstones (``refs/tag.`` and ``refs/tagdel.`` share the prefix ``refs/tag``),
         then one concurrent round reads the live records not read before as listed
-        (:meth:`listed`): 1 + N requests for N tags, one when no tag changed."""
-        return self.listed(live_tag_records(self.root, self.storage.list(self.root + TAG_KEYS)))
+        (:meth:`listed`; with ``reread``, every live record): 1 + N requests for N tags, one
+        when no tag changed."""
+        listed = self.storage.list(self.root + TAG_KEYS)
+        return self.listed(live_tag_records(self.root, listed), reread=reread)
 
 
 @dataclass(frozen=True)

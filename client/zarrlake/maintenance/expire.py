@@ -71,7 +71,9 @@ def expire(
     """
     started = time.monotonic()
     now = now or dt.datetime.now(dt.UTC)
-    heads = core.journal.heads()
+    # A branch at a time: a local branch folder that links elsewhere is listed too (one listing
+    # of every journal does not follow links), and a head missed here would lose its retention.
+    heads = core.journal.heads_branch_by_branch()
     tags = core.tags.all()
     already = core.expiry.expired(refresh=True)
     retained: set[str] = set(heads.values()) | set(tags.values())
