@@ -522,8 +522,10 @@ class S3Storage(Storage):
         """What bounds the requests this storage awaits on the running event loop: at most
         :attr:`concurrency` at once, as its blocking requests are bounded by its I/O threads."""
         loop = asyncio.get_running_loop()
-        slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]
-        slots = self.__dict__.setdefault("_loop_slots", weakref.WeakKeyDictionary())
+        slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] | None
+        slots = self.__dict__.get("_loop_slots")
+        if slots is None:  # made once, not for every request
+            slots = self.__dict__["_loop_slots"] = weakref.WeakKeyDictionary()
         found = slots.get(loop)
         if found is None:
             found = slots[loop] = asyncio.Semaphore(self.concurrency)
