@@ -179,6 +179,54 @@ def test_a_pack_that_cannot_be_written_fails_the_commit_and_loses_nothing(tmp_pa
     assert fresh.fsck(verify_content=True).ok
 
 
+class HeldPacks(CountingStorage):
+    """Real local storage whose pack writes wait until a snapshot object has been written (at
+    most ``patience`` seconds), and which records the order writes end in."""
+
+    def __init__(self, inner: zarrlake.Storage, patience: float = 10.0) -> None:
+        super().__init__(inner)
+        self.patience = patience
+        self.snapshot_written = threading.Event()
+        self.ended: list[str] = []
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        if key.startswith("packs/"):
+            self.snapshot_written.wait(self.patience)
+        super().put(key, data, create_only=create_only)
+        if key.startswith("snapshots/"):
+            self.snapshot_written.set()
+        self.ended.append(key.split("/", 1)[0])
+
+
+def test_a_commit_writes_its_snapshot_while_the_last_pack_uploads_and_publishes_after_it(
+    tmp_path: Path,
+) -> None:
+    # The last pack of a session travels while the commit builds and writes its snapshot (a
+    # round trip saved on S3), yet the journal entry that publishes the commit is written only
+    # once the pack is. If the commit waited for the pack first, the pack (which waits for a
+    # snapshot) would end only after ``patience`` and after no snapshot.
+    storage = HeldPacks(zarrlake.Storage.local(tmp_path / "r"))
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    _array(s, 10)
+    s.commit("empty array")  # (no chunk: no pack)
+    storage.snapshot_written.clear()
+    storage.ended.clear()
+
+    s = repo.writable_session("main")
+    data = _data(10, seed=3)
+    zarr.open_array(s.store, path="x")[:] = data
+    t0 = time.monotonic()
+    s.commit("ten small chunks in one pack")
+    assert time.monotonic() - t0 < storage.patience / 2
+    assert storage.ended.index("snapshots") < storage.ended.index("packs")
+    assert storage.ended[-1] == "refs"  # the entry: after the pack
+    got = zarr.open_array(
+        zarrlake.Repository.open(storage.inner).readonly_session("main").store, path="x", mode="r"
+    )[:]
+    assert np.array_equal(got, data)
+
+
 class FailingOnce(CountingStorage):
     """Real local storage whose next ``failures`` pack writes fail (a blip), then work."""
 

@@ -360,6 +360,7 @@ class CommitEngine:
         extra_parents: tuple[str, ...] = (),
         reshard: bool = False,
         prebuilt: ManifestUpdate | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> str:
         """Publish ``changeset`` on ``branch`` and return the new snapshot id.
 
@@ -368,8 +369,10 @@ class CommitEngine:
         fails with :class:`ConflictError`. ``extra_parents`` make a merge commit; ``reshard``
         re-cuts the whole manifest into evenly filled shards. ``prebuilt`` is the manifest the
         changes make of their base, already written (compaction cuts it in parallel tasks): used
-        as is while the branch has not moved, else the changes are applied as usual. Raises
-        :class:`ConflictError`,
+        as is while the branch has not moved, else the changes are applied as usual. ``ready``
+        waits for what the changes name and is still being written (a session's last pack): it
+        is called before each journal append, and if it raises, nothing is published and the
+        commit fails with its error. Raises :class:`ConflictError`,
         :class:`RefNotFound` (no such branch), :class:`RetryableError` (a deduplicated chunk was
         garbage-collected meanwhile), ``ValueError`` (metadata not serializable).
         """
@@ -391,6 +394,7 @@ class CommitEngine:
                         extra_parents=extra_parents,
                         reshard=reshard,
                         prebuilt=prebuilt,
+                        ready=ready,
                     )
             except _StaleFence:
                 continue
@@ -411,6 +415,7 @@ class CommitEngine:
         extra_parents: tuple[str, ...],
         reshard: bool,
         prebuilt: ManifestUpdate | None,
+        ready: Callable[[], None] | None = None,
     ) -> str:
         """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
         ``refence``, a stale one is given back for a new one, else it is used as it is)."""
@@ -471,6 +476,8 @@ class CommitEngine:
                 built.encoded,
                 fence=fence,
             )
+            if ready is not None:
+                ready()  # (an upload that fails here fails the commit: nothing named it yet)
             # Chunks we deduplicated against may be old garbage GC is about to sweep: check
             # they still exist, and (with a lock service) keep GC's deletes out until the
             # journal entry that makes them reachable is written.

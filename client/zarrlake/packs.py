@@ -13,7 +13,9 @@ after which a writer waits for the oldest (memory stays bounded).
 Until its pack is uploaded, a chunk is read from this process's memory (the
 :class:`~zarrlake.objects.ObjectStore` asks the writer first), so a session reads its own writes.
 :meth:`PackWriter.flush` uploads what is left and waits for every upload; sessions call it before
-anything leaves the process that names these packs: a commit, a fork, a fork's changeset. A pack
+anything leaves the process that names these packs: a fork, a fork's changeset, a commit's journal
+entry (a commit :meth:`PackWriter.send`-s the last pack first and writes its snapshot meanwhile:
+nothing reaches a snapshot until an entry names it). A pack
 whose upload failed stays in memory and is tried again by the next flush; nothing publishes a ref
 to it until it is written.
 
@@ -145,14 +147,20 @@ class PackWriter:
         upload.add_done_callback(first)
         return out
 
-    def flush(self) -> None:
-        """Upload the open pack, wait for every upload, and write again any that failed (in this
-        thread). Raises the storage's error if one still fails: it stays in memory for the next
-        flush, and no ref to it may leave the process."""
+    def send(self) -> None:
+        """Seal the open pack and start its upload, without waiting: a commit sends the last
+        pack, then builds and writes its snapshot while the pack travels, and :meth:`flush`-es
+        before the journal entry that publishes it."""
         with self._lock:
             tail = self._seal() if self._open else None
         if tail is not None:
             self._start(*tail)
+
+    def flush(self) -> None:
+        """Upload the open pack, wait for every upload, and write again any that failed (in this
+        thread). Raises the storage's error if one still fails: it stays in memory for the next
+        flush, and no ref to it may leave the process."""
+        self.send()
         with self._lock:
             sealed = list(self._sealed.items())
         for pack_id, (data, upload) in sealed:

@@ -456,7 +456,11 @@ class Session(Workspace):
             changeset = self._top()
             self._committing = True
         try:
-            self.flush()  # every pack the changes name is written before a snapshot names it
+            # The last pack travels while the commit builds and writes its snapshot; every pack
+            # the changes name is written before the journal entry that publishes them.
+            packs = self._packs
+            if packs is not None:
+                packs.send()
             new_id = self._core.commits.commit(
                 self._branch,
                 changeset,
@@ -465,6 +469,7 @@ class Session(Workspace):
                 metadata=metadata or {},
                 rebase=rebase,
                 policy=SolverPolicy(solver),
+                ready=self.flush,
             )
             with self._mutex:
                 self._committed = new_id
