@@ -45,7 +45,7 @@ from test_maintenance import (
 )
 from zarrlake.format.model import PACKED
 from zarrlake.maintenance.gc import gc as gc_at
-from zarrlake.maintenance.spark_jobs import compact_spark, gc_spark
+from zarrlake.maintenance.spark_jobs import compact_spark, default_master_is_local, gc_spark
 
 # Chunks as objects of their own: what these tests collect (see conftest).
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("chunk_objects")]
@@ -465,6 +465,61 @@ def test_the_cli_runs_local_spark_workers_on_its_own_python(tmp_path: Path) -> N
     assert last.startswith("zarrlake: error: Spark's Python workers cannot import zarrlake "), last
     assert str(bare) in last
     assert {o.key for o in zarrlake.Storage.local(tmp_path / "repo").list("")} == before
+
+    # ``repo.gc(engine="spark")`` from a script that names no master and no Python: Spark takes
+    # its default master, local[*], whose workers must run this Python too.
+    del env["PYSPARK_PYTHON"]
+    script = (
+        "import datetime as dt, json, sys, numpy as np, zarr, zarrlake\n"
+        "repo = zarrlake.Repository.open(zarrlake.Storage.local(sys.argv[1]))\n"
+        "s = repo.writable_session('main')\n"  # two 512 KiB chunk objects, never committed
+        "zarr.create_array(s.store, name='junk', shape=(2 << 16,), chunks=(1 << 16,),\n"
+        "                  dtype='u8', compressors=None)[:] = np.arange(1, 1 + (2 << 16))\n"
+        "report = repo.gc(engine='spark', grace=dt.timedelta(0), force=True)\n"
+        "print(json.dumps({'deleted': report.deleted_objects}))\n"
+    )
+    collected = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "repo")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stderr[-2000:]
+    assert json.loads(collected.stdout.strip().splitlines()[-1])["deleted"] == 2
+    assert zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / "repo")).fsck().ok
+
+
+@pytest.mark.parametrize(
+    ("environ", "defaults", "local"),
+    [
+        ({}, None, True),  # spark-submit's own default: local[*]
+        ({"PYSPARK_SUBMIT_ARGS": "--conf spark.ui.enabled=false pyspark-shell"}, None, True),
+        ({"PYSPARK_SUBMIT_ARGS": "--master k8s://https://api:6443 pyspark-shell"}, None, False),
+        ({"PYSPARK_SUBMIT_ARGS": "--master=local[2] pyspark-shell"}, "spark.master k8s://x", True),
+        ({"PYSPARK_SUBMIT_ARGS": "--conf spark.master=yarn pyspark-shell"}, None, False),
+        ({"PYSPARK_SUBMIT_ARGS": "--master 'unbalanced"}, None, True),  # unparsable: the rest
+        ({}, "spark.master  spark://head:7077", False),
+        ({}, "# spark.master k8s://x\nspark.master=local[4]", True),
+        ({"MASTER": "spark://head:7077"}, None, False),
+        ({"MASTER": "spark://head:7077"}, "spark.master local", True),  # the file comes first
+        ({"PYSPARK_GATEWAY_PORT": "40000"}, None, False),  # spark-submit started this process
+        ({"SPARK_REMOTE": "sc://connect:15002"}, None, False),  # Spark Connect
+    ],
+)
+def test_which_spark_masters_run_workers_on_this_machine(
+    tmp_path: Path, environ: dict[str, str], defaults: str | None, local: bool
+) -> None:
+    # Where no master is named in code, the workers of a local one run this Python (a bare
+    # ``python3`` on PATH has no zarrlake); a cluster's executors keep their own.
+    environ = dict(environ)
+    if defaults is not None:
+        (tmp_path / "spark-defaults.conf").write_text(defaults + "\n")
+        environ["SPARK_CONF_DIR"] = str(tmp_path)
+    assert default_master_is_local(environ) is local
+    if defaults is not None:  # found through SPARK_HOME/conf too
+        (tmp_path / "conf").mkdir()
+        (tmp_path / "spark-defaults.conf").rename(tmp_path / "conf" / "spark-defaults.conf")
+        del environ["SPARK_CONF_DIR"]
+        environ["SPARK_HOME"] = str(tmp_path)
+        assert default_master_is_local(environ) is local
 
 
 def _refs(repo: zarrlake.Repository) -> list[Any]:

@@ -45,10 +45,11 @@ import functools
 import os
 import pickle
 import re
+import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from zarrlake.commit import BranchLock
@@ -104,9 +105,9 @@ def _core(shipped: _Shipped) -> RepositoryCore:
 
 def spark_session(app: str, master: str | None = None) -> Any:
     """The SparkSession a maintenance job runs on: the active one, or the one ``spark-submit``
-    configured, or one on ``master``; on a ``local`` master its workers run this Python (unless
-    ``PYSPARK_PYTHON`` names another). Raises :class:`ImportError` (saying what to install)
-    without pyspark."""
+    configured, or one on ``master``; on a ``local`` master, named or taken by default, its
+    workers run this Python (unless ``PYSPARK_PYTHON`` names another). Raises
+    :class:`ImportError` (saying what to install) without pyspark."""
     try:
         from pyspark.sql import SparkSession
     except ImportError:
@@ -114,12 +115,66 @@ def spark_session(app: str, master: str | None = None) -> Any:
     builder = SparkSession.builder.appName(app)
     if master:
         builder = builder.master(master)
-        if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
-            # Local workers are processes of this machine: they run this interpreter, the one
-            # zarrlake is installed in, not whichever ``python3`` comes first on PATH. (PySpark
-            # takes the workers' Python from this variable only, when the context starts.)
-            os.environ["PYSPARK_PYTHON"] = sys.executable
+    if master:
+        local = master.startswith("local")
+    else:  # (an active session's context has its workers' Python already)
+        local = SparkSession.getActiveSession() is None and default_master_is_local(os.environ)
+    if local and not os.environ.get("PYSPARK_PYTHON"):
+        # Local workers are processes of this machine: they run this interpreter, the one
+        # zarrlake is installed in, not whichever ``python3`` comes first on PATH. (PySpark
+        # takes the workers' Python from this variable only, when the context starts.)
+        os.environ["PYSPARK_PYTHON"] = sys.executable
     return builder.getOrCreate()
+
+
+def default_master_is_local(environ: Mapping[str, str]) -> bool:
+    """Whether a Spark context started by this process with the environment ``environ`` and no
+    master named in code runs its workers on this machine: ``spark-submit`` did not start the
+    process, Spark Connect is not configured, and no master is named by ``PYSPARK_SUBMIT_ARGS``,
+    ``spark-defaults.conf`` or ``MASTER`` (then ``spark-submit`` takes ``local[*]``)."""
+    if environ.get("PYSPARK_GATEWAY_PORT") or environ.get("SPARK_REMOTE"):
+        return False  # spark-submit (which decided the master) or a Spark Connect server
+    named = _named_master(environ.get("PYSPARK_SUBMIT_ARGS", ""))
+    if named is None:
+        named = _configured_master(environ)
+    if named is None:
+        named = environ.get("MASTER") or "local[*]"
+    return named.startswith("local")
+
+
+def _named_master(submit_args: str) -> str | None:
+    """The ``--master`` of spark-submit arguments, if they name one."""
+    try:
+        args = shlex.split(submit_args)
+    except ValueError:
+        return None
+    for i, arg in enumerate(args):
+        if arg == "--master" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--master="):
+            return arg.split("=", 1)[1]
+        if arg == "--conf" and i + 1 < len(args) and args[i + 1].startswith("spark.master="):
+            return args[i + 1].split("=", 1)[1]
+    return None
+
+
+def _configured_master(environ: Mapping[str, str]) -> str | None:
+    """``spark.master`` of the ``spark-defaults.conf`` spark-submit reads, if it sets one."""
+    conf_dir = environ.get("SPARK_CONF_DIR")
+    if not conf_dir and environ.get("SPARK_HOME"):
+        conf_dir = os.path.join(environ["SPARK_HOME"], "conf")
+    if not conf_dir:
+        return None
+    try:
+        with open(os.path.join(conf_dir, "spark-defaults.conf"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        found = re.match(r"\s*spark\.master\s*[=:\s]\s*(\S+)", line)
+        if found:
+            return found.group(1)
+    return None
 
 
 Job = TypeVar("Job", bound=Callable[..., Any])
