@@ -45,7 +45,7 @@ from test_maintenance import (
 )
 from zarrlake.format.model import PACKED
 from zarrlake.maintenance.gc import gc as gc_at
-from zarrlake.maintenance.spark_jobs import compact_spark, default_master_is_local, gc_spark
+from zarrlake.maintenance.spark_jobs import compact_spark, gc_spark, spark_defaults_to_local
 
 # Chunks as objects of their own: what these tests collect (see conftest).
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("chunk_objects")]
@@ -476,50 +476,57 @@ def test_the_cli_runs_local_spark_workers_on_its_own_python(tmp_path: Path) -> N
         "zarr.create_array(s.store, name='junk', shape=(2 << 16,), chunks=(1 << 16,),\n"
         "                  dtype='u8', compressors=None)[:] = np.arange(1, 1 + (2 << 16))\n"
         "report = repo.gc(engine='spark', grace=dt.timedelta(0), force=True)\n"
-        "print(json.dumps({'deleted': report.deleted_objects}))\n"
+        "import os\n"
+        "print(json.dumps({'deleted': report.deleted_objects,\n"
+        "                  'left': os.environ.get('PYSPARK_PYTHON')}))\n"
     )
     collected = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "repo")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert collected.returncode == 0, collected.stderr[-2000:]
-    assert json.loads(collected.stdout.strip().splitlines()[-1])["deleted"] == 2
+    answer = json.loads(collected.stdout.strip().splitlines()[-1])
+    assert answer == {"deleted": 2, "left": None}  # (not left for processes it starts later)
     assert zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / "repo")).fsck().ok
 
 
 @pytest.mark.parametrize(
-    ("environ", "defaults", "local"),
+    ("environ", "files", "local"),
     [
-        ({}, None, True),  # spark-submit's own default: local[*]
-        ({"PYSPARK_SUBMIT_ARGS": "--conf spark.ui.enabled=false pyspark-shell"}, None, True),
-        ({"PYSPARK_SUBMIT_ARGS": "--master k8s://https://api:6443 pyspark-shell"}, None, False),
-        ({"PYSPARK_SUBMIT_ARGS": "--master=local[2] pyspark-shell"}, "spark.master k8s://x", True),
-        ({"PYSPARK_SUBMIT_ARGS": "--conf spark.master=yarn pyspark-shell"}, None, False),
-        ({"PYSPARK_SUBMIT_ARGS": "--master 'unbalanced"}, None, True),  # unparsable: the rest
-        ({}, "spark.master  spark://head:7077", False),
-        ({}, "# spark.master k8s://x\nspark.master=local[4]", True),
-        ({"MASTER": "spark://head:7077"}, None, False),
-        ({"MASTER": "spark://head:7077"}, "spark.master local", True),  # the file comes first
-        ({"PYSPARK_GATEWAY_PORT": "40000"}, None, False),  # spark-submit started this process
-        ({"SPARK_REMOTE": "sc://connect:15002"}, None, False),  # Spark Connect
+        ({}, {}, True),  # nothing names a master: spark-submit's default, local[*]
+        ({"PYSPARK_SUBMIT_ARGS": "--conf spark.ui.enabled=false pyspark-shell"}, {}, True),
+        # Whatever could name a master leaves the workers' Python to Spark's settings, even a
+        # local one (the safe side: pointing a cluster's executors at this machine's
+        # interpreter would break them).
+        ({"PYSPARK_SUBMIT_ARGS": "--master k8s://https://api:6443 pyspark-shell"}, {}, False),
+        ({"PYSPARK_SUBMIT_ARGS": "-c spark.master=spark://h:7077 pyspark-shell"}, {}, False),
+        ({"PYSPARK_SUBMIT_ARGS": "--conf=spark.master=yarn pyspark-shell"}, {}, False),
+        ({"PYSPARK_SUBMIT_ARGS": "--properties-file /etc/spark.conf pyspark-shell"}, {}, False),
+        ({"PYSPARK_SUBMIT_ARGS": "--master local[2] pyspark-shell"}, {}, False),
+        ({"MASTER": "spark://head:7077"}, {}, False),
+        ({"PYSPARK_GATEWAY_PORT": "40000"}, {}, False),  # spark-submit started this process
+        ({"SPARK_REMOTE": "sc://connect:15002"}, {}, False),  # Spark Connect
+        ({}, {"conf/spark-defaults.conf": "spark.master spark://head:7077\n"}, False),
+        ({}, {"conf/spark-env.sh": "export MASTER=spark://head:7077\n"}, False),
+        ({}, {"conf/log4j2.properties": ""}, True),  # a conf folder with no master in it
+        ({"SPARK_CONF_DIR": "{tmp}/etc"}, {"etc/spark-defaults.conf": ""}, False),
     ],
 )
-def test_which_spark_masters_run_workers_on_this_machine(
-    tmp_path: Path, environ: dict[str, str], defaults: str | None, local: bool
+@pytest.mark.parametrize("home", ["SPARK_HOME", "pyspark"])
+def test_which_spark_settings_leave_the_default_local_master(
+    tmp_path: Path, environ: dict[str, str], files: dict[str, str], local: bool, home: str
 ) -> None:
-    # Where no master is named in code, the workers of a local one run this Python (a bare
-    # ``python3`` on PATH has no zarrlake); a cluster's executors keep their own.
-    environ = dict(environ)
-    if defaults is not None:
-        (tmp_path / "spark-defaults.conf").write_text(defaults + "\n")
-        environ["SPARK_CONF_DIR"] = str(tmp_path)
-    assert default_master_is_local(environ) is local
-    if defaults is not None:  # found through SPARK_HOME/conf too
-        (tmp_path / "conf").mkdir()
-        (tmp_path / "spark-defaults.conf").rename(tmp_path / "conf" / "spark-defaults.conf")
-        del environ["SPARK_CONF_DIR"]
+    # Where no master is named in code and nothing names one, the default master is local and
+    # its workers must run this Python (a bare ``python3`` on PATH has no zarrlake).
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    environ = {k: v.format(tmp=tmp_path) for k, v in environ.items()}
+    if home == "SPARK_HOME":  # spark-submit's conf folder: $SPARK_HOME/conf
         environ["SPARK_HOME"] = str(tmp_path)
-        assert default_master_is_local(environ) is local
+        assert spark_defaults_to_local(environ, str(tmp_path / "unused")) is local
+    else:  # an installed pyspark's own folder, where SPARK_HOME is not set
+        assert spark_defaults_to_local(environ, str(tmp_path)) is local
 
 
 def _refs(repo: zarrlake.Repository) -> list[Any]:

@@ -371,13 +371,19 @@ class CommitEngine:
         changes make of their base, already written (compaction cuts it in parallel tasks): used
         as is while the branch has not moved, else the changes are applied as usual. ``ready``
         waits for what the changes name and is still being written (a session's last pack): it
-        is called before each journal append, and if it raises, nothing is published and the
-        commit fails with its error. Raises :class:`ConflictError`,
+        is called before each journal append (before taking the branch, with a lock service),
+        and if it raises, nothing is published and the commit fails with its error. Raises
+        :class:`ConflictError`,
         :class:`RefNotFound` (no such branch), :class:`RetryableError` (a deduplicated chunk was
         garbage-collected meanwhile), ``ValueError`` (metadata not serializable).
         """
         policy = policy if policy is not None else SolverPolicy()
         meta = dict(metadata or {})
+        if ready is not None and self.lock is not None:
+            # Other writers of the branch queue on the lock: they must not wait on this
+            # session's uploads too.
+            ready()
+            ready = None
         for attempt in range(3):
             try:
                 with self.hold_branch(branch) as token:
@@ -466,6 +472,8 @@ class CommitEngine:
                 # Not the entry this client saw: a repository created anew at this location.
                 self.journal.forget(branch)
                 continue
+            if ready is not None:
+                ready()  # (an upload that fails here fails the commit: nothing named it yet)
             entry = JournalEntry(
                 head_entry.seq + 1,
                 snap.id,
@@ -476,8 +484,6 @@ class CommitEngine:
                 built.encoded,
                 fence=fence,
             )
-            if ready is not None:
-                ready()  # (an upload that fails here fails the commit: nothing named it yet)
             # Chunks we deduplicated against may be old garbage GC is about to sweep: check
             # they still exist, and (with a lock service) keep GC's deletes out until the
             # journal entry that makes them reachable is written.

@@ -45,7 +45,6 @@ import functools
 import os
 import pickle
 import re
-import shlex
 import sys
 import threading
 import time
@@ -105,76 +104,56 @@ def _core(shipped: _Shipped) -> RepositoryCore:
 
 def spark_session(app: str, master: str | None = None) -> Any:
     """The SparkSession a maintenance job runs on: the active one, or the one ``spark-submit``
-    configured, or one on ``master``; on a ``local`` master, named or taken by default, its
-    workers run this Python (unless ``PYSPARK_PYTHON`` names another). Raises
-    :class:`ImportError` (saying what to install) without pyspark."""
+    configured, or one on ``master``. When it starts a context on a ``local`` master (named, or
+    Spark's default where nothing names one), its workers run this Python unless
+    ``PYSPARK_PYTHON`` names another. Raises :class:`ImportError` (saying what to install)
+    without pyspark."""
     try:
+        import pyspark
         from pyspark.sql import SparkSession
     except ImportError:
         raise ImportError("the spark engine needs pyspark: pip install 'zarrlake[spark]'") from None
     builder = SparkSession.builder.appName(app)
     if master:
         builder = builder.master(master)
-    if master:
         local = master.startswith("local")
-    else:  # (an active session's context has its workers' Python already)
-        local = SparkSession.getActiveSession() is None and default_master_is_local(os.environ)
-    if local and not os.environ.get("PYSPARK_PYTHON"):
-        # Local workers are processes of this machine: they run this interpreter, the one
-        # zarrlake is installed in, not whichever ``python3`` comes first on PATH. (PySpark
-        # takes the workers' Python from this variable only, when the context starts.)
-        os.environ["PYSPARK_PYTHON"] = sys.executable
-    return builder.getOrCreate()
-
-
-def default_master_is_local(environ: Mapping[str, str]) -> bool:
-    """Whether a Spark context started by this process with the environment ``environ`` and no
-    master named in code runs its workers on this machine: ``spark-submit`` did not start the
-    process, Spark Connect is not configured, and no master is named by ``PYSPARK_SUBMIT_ARGS``,
-    ``spark-defaults.conf`` or ``MASTER`` (then ``spark-submit`` takes ``local[*]``)."""
-    if environ.get("PYSPARK_GATEWAY_PORT") or environ.get("SPARK_REMOTE"):
-        return False  # spark-submit (which decided the master) or a Spark Connect server
-    named = _named_master(environ.get("PYSPARK_SUBMIT_ARGS", ""))
-    if named is None:
-        named = _configured_master(environ)
-    if named is None:
-        named = environ.get("MASTER") or "local[*]"
-    return named.startswith("local")
-
-
-def _named_master(submit_args: str) -> str | None:
-    """The ``--master`` of spark-submit arguments, if they name one."""
+    else:
+        local = spark_defaults_to_local(os.environ, os.path.dirname(pyspark.__file__))
+    if not local or os.environ.get("PYSPARK_PYTHON"):
+        return builder.getOrCreate()
+    # Local workers are processes of this machine: they run this interpreter, the one zarrlake
+    # is installed in, not whichever ``python3`` comes first on PATH. PySpark reads the variable
+    # once, when a context starts (an active one keeps its own); it is not left behind for the
+    # processes this one starts later, which may submit elsewhere.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     try:
-        args = shlex.split(submit_args)
-    except ValueError:
-        return None
-    for i, arg in enumerate(args):
-        if arg == "--master" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--master="):
-            return arg.split("=", 1)[1]
-        if arg == "--conf" and i + 1 < len(args) and args[i + 1].startswith("spark.master="):
-            return args[i + 1].split("=", 1)[1]
-    return None
+        return builder.getOrCreate()
+    finally:
+        os.environ.pop("PYSPARK_PYTHON", None)
 
 
-def _configured_master(environ: Mapping[str, str]) -> str | None:
-    """``spark.master`` of the ``spark-defaults.conf`` spark-submit reads, if it sets one."""
-    conf_dir = environ.get("SPARK_CONF_DIR")
-    if not conf_dir and environ.get("SPARK_HOME"):
-        conf_dir = os.path.join(environ["SPARK_HOME"], "conf")
-    if not conf_dir:
-        return None
-    try:
-        with open(os.path.join(conf_dir, "spark-defaults.conf"), encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        found = re.match(r"\s*spark\.master\s*[=:\s]\s*(\S+)", line)
-        if found:
-            return found.group(1)
-    return None
+def spark_defaults_to_local(environ: Mapping[str, str], pyspark_home: str) -> bool:
+    """Whether a Spark context started by a process with the environment ``environ``, and no
+    master named in code, certainly takes spark-submit's default master, ``local[*]``: nothing
+    that could name another is there. That is: no ``spark-submit`` started the process (it
+    decided the master), no Spark Connect, no ``MASTER``, no mention of a master or of a
+    properties file in ``PYSPARK_SUBMIT_ARGS``, and no ``spark-defaults.conf`` or
+    ``spark-env.sh`` where spark-submit looks (``SPARK_CONF_DIR``, ``SPARK_HOME/conf``, or
+    ``pyspark_home/conf`` for an installed pyspark). When in doubt the answer is no: the
+    cluster's own settings then decide the workers' Python, as they would without zarrlake."""
+    if any(environ.get(k) for k in ("PYSPARK_GATEWAY_PORT", "SPARK_REMOTE", "MASTER")):
+        return False
+    submit_args = environ.get("PYSPARK_SUBMIT_ARGS", "")
+    if "master" in submit_args or "properties-file" in submit_args:
+        return False
+    homes = [environ.get("SPARK_HOME") or pyspark_home]
+    conf_dirs = [environ.get("SPARK_CONF_DIR") or "", *(os.path.join(h, "conf") for h in homes)]
+    return not any(
+        os.path.exists(os.path.join(d, name))
+        for d in conf_dirs
+        if d
+        for name in ("spark-defaults.conf", "spark-env.sh")
+    )
 
 
 Job = TypeVar("Job", bound=Callable[..., Any])
