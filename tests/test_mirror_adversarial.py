@@ -449,7 +449,13 @@ class MirrorSchedule(RuleBasedStateMachine):
 
     def _deliver(self, keys: list[str]) -> None:
         for key in keys:
-            self.dest.put(key, self.source.storage.get(key))
+            try:
+                data = self.source.storage.get(key)
+            except ObjectNotFound:
+                # Deleted at the source since it was listed (an old head's marker): nothing
+                # to deliver. A mirror never reads the source's refs, copied or not.
+                continue
+            self.dest.put(key, data)
             self.replicated.add(key)
 
     @rule(

@@ -28,7 +28,13 @@ import zarr
 
 import zarrlake
 import zarrlake.refs
-from zarrlake.format.model import WRITE_PROBE_KEY, branch_entry_key, seq_from_entry_key
+from zarrlake.format.model import (
+    WRITE_PROBE_KEY,
+    branch_entry_key,
+    head_marker_key,
+    parse_marker_key,
+    seq_from_entry_key,
+)
 from zarrlake.history import EXPIRY_PREFIX
 from zarrlake.refs import BRANCH_KEYS, BranchJournal, newest_entries
 from zarrlake_testkit.counting import CountingStorage, Counts
@@ -40,6 +46,19 @@ BENCH = ROOT / "bench"
 
 def _ops(counts: Counts) -> list[str]:
     return [op for op, _ in counts.calls()]
+
+
+def _settled(*repos: zarrlake.Repository) -> None:
+    """Wait for the head markers that the repositories' commits write off the committer's path
+    (on S3), so that a count begins after them."""
+    for repo in repos:
+        repo.core.journal.settle()
+
+
+def _without_markers(storage: zarrlake.Storage) -> None:
+    """Delete every marker: the refs as a client older than markers leaves them, or one killed
+    between its entry (or tag record) and its marker."""
+    storage.delete_many([i.key for i in storage.list("refs/") if parse_marker_key(i.key)])
 
 
 # -- the wrapper ---------------------------------------------------------------------------------
@@ -129,6 +148,7 @@ def _repo_with_commits(make: Callable[[], CountingStorage], commits: int) -> lis
         session = repo.writable_session("main")
         zarr.open_array(session.store, path="data")[C * k : C * (k + 1)] = k + 1
         session.commit(f"commit {k}")
+    _settled(repo)
     return [c.id for c in repo.log("main")]
 
 
@@ -167,6 +187,7 @@ def test_a_new_or_reset_branch_reads_like_a_committed_one(
     else:
         repo.create_branch("dev", "main")
         repo.reset_branch("dev", "v1")
+    _settled(repo)
     counts = counted().counts
     counts.reset()
 
@@ -280,12 +301,14 @@ def test_the_newest_commit_alone_is_the_read_of_the_head(
 
 
 def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorage]) -> None:
-    _repo_with_commits(counted, 2)
+    ids = _repo_with_commits(counted, 2)
     repo = zarrlake.Repository.open(counted())
+    # Without main's marker, the listing reads its head entry, and this client learns it.
+    _without_markers(repo.storage)
     counts = counted().counts
     counts.reset()
     assert list(repo.list_branches()) == ["main"]
-    assert _ops(counts) == ["list", "get"]  # every journal in one listing, then the head
+    assert _ops(counts) == ["list", "get"]  # every ref in one listing, then the head
     counts.reset()
 
     session = repo.writable_session("main")
@@ -309,21 +332,33 @@ def test_list_branches_and_one_chunk_commit(counted: Callable[[], CountingStorag
     counts.reset()
     zarr.open_array(session.store, path="data")[0:C] = 7
     assert counts.calls() == []  # the chunk waits in the session's pack, in memory
-    session.commit("one chunk")
+    new = session.commit("one chunk")
+    _settled(repo)
+    calls = counts.calls()
     # The pack holding the chunk, uploading while the rest goes on. No listing of the head: the
     # append of the entry after the session's base decides. The manifest to rewrite; then one
     # concurrent round: the new manifest, the transaction log, the snapshot, and a read of the
     # base's entry (still there: the repository was not replaced); then, once the pack is
     # written, the new head entry.
-    packs = [call for call in counts.calls() if call[1].startswith("packs/")]
+    packs = [call for call in calls if call[1].startswith("packs/")]
     assert [op for op, _ in packs] == ["put"]
     # (That the pack is written before the entry begins is pinned where it can fail:
     # test_write_packs.py, test_a_commit_writes_its_snapshot_while_the_last_pack_uploads...)
-    ops = [op for op, key in counts.calls() if not key.startswith("packs/")]
+    marks = [call for call in calls if call[1].startswith("refs/head.")]
+    commit = [call for call in calls if call not in packs and call not in marks]
+    ops = [op for op, _ in commit]
     assert ops[0] == "get" and ops[-1] == "put_create_only"
     assert sorted(ops[1:-1]) == ["get", "put", "put", "put_create_only"]
-    assert ("get", branch_entry_key("main", 3)) in counts.calls()
-    assert counts.calls()[-1][1] == branch_entry_key("main", 4)  # the key just found absent
+    assert ("get", branch_entry_key("main", 3)) in calls
+    assert commit[-1][1] == branch_entry_key("main", 4)  # the key just found absent
+    # Once the entry is in (off the committer's path on S3): the new head's marker, then the
+    # old head's marker deleted.
+    guard = repo.core.id
+    assert marks == [
+        ("put", head_marker_key("main", 4, new, guard)),
+        ("delete_many", head_marker_key("main", 3, ids[0], guard)),
+    ]
+    assert calls.index(marks[0]) > calls.index(commit[-1])
 
 
 def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
@@ -344,6 +379,7 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
         zarr.open_array(s.store, path="data")[0:C] = value
         s.commit(f"other {value}")
     head = other.lookup_branch("main")
+    _settled(other)
     counts.reset()
     assert mine.readonly_session("main").base == head
     # Entry 3 still there and 4 found, then 5 found (each carrying its snapshot) and 6 absent.
@@ -353,6 +389,7 @@ def test_a_known_head_is_checked_with_one_read_and_a_moved_one_found(
         zarr.open_array(s.store, path="data")[0:C] = value
         s.commit(f"other {value}")
     head = other.lookup_branch("main")
+    _settled(other)
     counts.reset()
     assert mine.readonly_session("main").base == head
     # Moved further than the probes cover: listed.
@@ -373,24 +410,37 @@ def _commit_first_chunk(repo: zarrlake.Repository, branch: str, value: int) -> s
     return session.commit(f"{value} on {branch}")
 
 
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "no-markers"])
 def test_refs_are_one_listing_and_a_read_of_what_moved(
-    counted: Callable[[], CountingStorage],
+    counted: Callable[[], CountingStorage], markers: bool
 ) -> None:
     """``Repository.refs()`` (what the operator polls): one listing, then reads of only the
-    head entries and tag records not seen as they are now; the same answer as
-    ``list_branches()`` and ``list_tags()``, deleted branches and tags left out."""
+    head entries and tag records the listing shows without their markers and not seen as they
+    are now; the same answer as ``list_branches()`` and ``list_tags()``, deleted branches and
+    tags left out. Without markers (written by an older client), a read of each."""
     _repo_with_commits(counted, 2)
     writer = zarrlake.Repository.open(counted())
+
+    def written() -> None:
+        _settled(writer)
+        if not markers:
+            _without_markers(writer.storage)
+
     for name in ("dev", "gone"):
         writer.create_branch(name)
     writer.create_tag("v1", "main")
     writer.create_tag("v0", "main")
     writer.delete_tag("v0")
     writer.delete_branch("gone")
+    written()
     watcher = zarrlake.Repository.open(counted())
     counts = counted().counts
     counts.reset()
     refs = watcher.refs()
+    if markers:
+        assert counts.calls() == [("list", "refs/")]  # every head and tag from its marker
+    else:
+        assert _ops(counts) == ["list", "get", "get", "get", "get"]  # dev, gone, main; v1
     assert refs.branches == writer.list_branches() and list(refs.branches) == ["dev", "main"]
     assert refs.tags == writer.list_tags() == {"v1": writer.lookup_branch("main")}
     counts.reset()
@@ -399,11 +449,20 @@ def test_refs_are_one_listing_and_a_read_of_what_moved(
 
     moved = _commit_first_chunk(writer, "dev", 3)
     writer.create_tag("v2", "dev")
+    written()
     main = writer.lookup_branch("main")
     counts.reset()  # the writer's requests counted too: from here on, only the watcher's
     refs = watcher.refs()
     assert refs.branches == {"dev": moved, "main": main}
     assert refs.tags["v2"] == moved
+    if markers:
+        assert _ops(counts) == ["list"]
+        # A marker says a head's snapshot, not its entry: the next read of the head finds it
+        # as a fresh client does.
+        counts.reset()
+        assert watcher.lookup_branch("dev") == moved
+        assert _ops(counts) == ["list", "get"]
+        return
     # The listing, then the new head of dev and the new tag's record, in one round.
     assert _ops(counts) == ["list", "get", "get"]
     assert {k for _, k in counts.calls()[1:]} == {branch_entry_key("dev", 1), "refs/tag.v2"}
@@ -420,38 +479,55 @@ def _head_is_known_from_the_listing(
     assert _ops(counts) == ["get", "get"]
 
 
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "no-markers"])
 def test_list_branches_is_one_listing_and_a_read_of_each_head_that_moved(
-    counted: Callable[[], CountingStorage],
+    counted: Callable[[], CountingStorage], markers: bool
 ) -> None:
-    """1 + N requests in two rounds for N branches (before: a listing of the branch folders,
-    then a listing and a read for each branch, 1 + 2N in three rounds); one listing when no head
-    moved. Deleted branches are left out: their newest entry, a tombstone, is read as a head."""
+    """One listing for N branches whose heads have their markers; without markers, 1 + N
+    requests in two rounds (before: a listing of the branch folders, then a listing and a read
+    for each branch, 1 + 2N in three rounds); one listing when no head moved. Deleted branches
+    are left out: their newest entry, a tombstone, is read as a head (or marked as deleted)."""
     _repo_with_commits(counted, 2)
     writer = zarrlake.Repository.open(counted())
+
+    def written() -> None:
+        _settled(writer)
+        if not markers:
+            _without_markers(writer.storage)
+
     for name in ("dev", "gone", "x"):
         writer.create_branch(name)
     writer.delete_branch("gone")
+    written()
     expected = {n: writer.lookup_branch(n) for n in ("dev", "main", "x")}
     reader = zarrlake.Repository.open(counted())
     counts = counted().counts
     counts.reset()
     heads = reader.list_branches()
     assert heads == expected and list(heads) == ["dev", "main", "x"]
-    assert _ops(counts) == ["list", "get", "get", "get", "get"]
+    if markers:
+        assert counts.calls() == [("list", "refs/")]
+    else:
+        assert _ops(counts) == ["list", "get", "get", "get", "get"]
     counts.reset()
     assert reader.list_branches() == heads
     assert _ops(counts) == ["list"]  # nothing moved: nothing read
 
     moved = _commit_first_chunk(writer, "dev", 7)
+    written()
     counts.reset()
     assert reader.list_branches() == {**heads, "dev": moved}
-    assert counts.calls() == [("list", "refs/branch."), ("get", branch_entry_key("dev", 1))]
-    _head_is_known_from_the_listing(reader, counts, "dev", moved)
+    if markers:
+        assert counts.calls() == [("list", "refs/")]
+    else:
+        assert counts.calls() == [("list", "refs/"), ("get", branch_entry_key("dev", 1))]
+        _head_is_known_from_the_listing(reader, counts, "dev", moved)
     # A deleted branch made again: its new first entry is newer than its tombstone.
     again = writer.create_branch("gone", "x")
+    written()
     counts.reset()
     assert reader.list_branches() == {**heads, "dev": moved, "gone": again}
-    assert _ops(counts) == ["list", "get"]
+    assert _ops(counts) == (["list"] if markers else ["list", "get"])
 
 
 def test_a_listing_overtaken_by_a_commit_gives_way_to_what_is_newer(
@@ -481,31 +557,38 @@ def test_a_listing_overtaken_by_a_commit_gives_way_to_what_is_newer(
     assert known is not None and known.snapshot == again  # still the newer one
 
 
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "no-markers"])
 def test_list_tags_is_one_listing_and_a_read_of_each_new_record(
-    counted: Callable[[], CountingStorage],
+    counted: Callable[[], CountingStorage], markers: bool
 ) -> None:
-    """Tag records and tombstones in one listing (before: one of each, then a read of every
-    record, each time): 1 + N requests for N tags, one when no tag changed; deleted tags left
-    out, and a name's tombstone wins over its record."""
+    """Tag records, tombstones and markers in one listing: one request for tags whose records
+    have their markers; without markers, 1 + N requests for N tags (before: one listing of each,
+    then a read of every record, each time), one when no tag changed; deleted tags left out, and
+    a name's tombstone wins over its record."""
     ids = _repo_with_commits(counted, 2)
     writer = zarrlake.Repository.open(counted())
     for name, ref in (("v1", ids[1]), ("v2", ids[0]), ("old", ids[2])):
         writer.create_tag(name, ref)
     writer.delete_tag("old")
+    if not markers:
+        _without_markers(writer.storage)
     reader = zarrlake.Repository.open(counted())
     counts = counted().counts
     counts.reset()
     assert reader.list_tags() == {"v1": ids[1], "v2": ids[0]}
-    assert _ops(counts) == ["list", "get", "get"]
+    assert _ops(counts) == (["list"] if markers else ["list", "get", "get"])
     assert counts.calls()[0] == ("list", "refs/tag")
     counts.reset()
     assert reader.list_tags() == {"v1": ids[1], "v2": ids[0]}
     assert _ops(counts) == ["list"]  # nothing changed: nothing read
     writer.create_tag("v3", "main")
     writer.delete_tag("v1")
+    if not markers:
+        _without_markers(writer.storage)
     counts.reset()
     assert reader.list_tags() == {"v2": ids[0], "v3": ids[0]}
-    assert counts.calls() == [("list", "refs/tag"), ("get", "refs/tag.v3")]
+    expected = [("list", "refs/tag")] + ([] if markers else [("get", "refs/tag.v3")])
+    assert counts.calls() == expected
 
 
 def test_list_branches_reads_long_journals_a_branch_at_a_time(
@@ -524,7 +607,7 @@ def test_list_branches_reads_long_journals_a_branch_at_a_time(
     counts.reset()
     assert reader.list_branches() == expected
     # The listing given up past 3 entries; then the folders, and each head on its own.
-    assert counts.calls()[:2] == [("list", "refs/branch."), ("list_dirs", "refs/")]
+    assert counts.calls()[:2] == [("list", "refs/"), ("list_dirs", "refs/")]
     assert counts.by_op()["list_dirs"] == 1
 
 

@@ -64,8 +64,12 @@ class RepositoryCore:
         config = RepositoryConfig.from_dict(record.config)
         objects = ObjectStore(storage, record.content_hash)
         root = MIRROR_PREFIX if record.mirror_of is not None else ""
-        journal = BranchJournal(storage, adopt=objects.adopt_snapshot, root=root)
-        tags = Tags(storage, root=root)
+        # A mirror's refs carry no markers: the promoter starts its journals anew, under the
+        # source's id, so a mirror made again in place could not tell its markers from a
+        # deleted one's. Its readers read each head, as without markers.
+        guard = None if root else record.id
+        journal = BranchJournal(storage, adopt=objects.adopt_snapshot, root=root, guard=guard)
+        tags = Tags(storage, root=root, guard=guard)
         expiry = ExpiryLog(storage)
         graph = CommitGraph(objects, journal, tags, expiry)
         commits = CommitEngine(record.id, config, objects, journal, graph, lock)

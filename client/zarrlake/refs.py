@@ -12,28 +12,40 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import logging
+import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists, ZarrlakeError
 from zarrlake.format.model import (
+    GUARD_ID,
     REFS_PREFIX,
     JournalEntry,
+    Marker,
     TagRecord,
     branch_entry_key,
     branch_prefix,
+    head_marker_key,
+    head_marker_prefix,
+    parse_marker_key,
     parse_ref_key,
     ref_name_from_key,
     seq_from_entry_key,
     tag_key,
+    tag_marker_key,
     tag_tombstone_key,
 )
 from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
+
+log = logging.getLogger("zarrlake")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -61,6 +73,10 @@ HEADS_FROM_ONE_LISTING = 1000
 BRANCH_KEYS = REFS_PREFIX + "branch."
 #: The prefix of every tag record (``refs/tag.<name>``) and tombstone (``refs/tagdel.<name>``).
 TAG_KEYS = REFS_PREFIX + "tag"
+
+#: Markers found in a listing of the refs, by ref: ("head" or "tag", name) -> the markers and
+#: their listed objects (see :func:`listed_markers`).
+Markers = dict[tuple[str, str], list[tuple[Marker, ObjectInfo]]]
 
 #: Keys read in one concurrent round when a storage without listings (plain HTTP) finds a head
 #: by probing, or walks a journal back from its head.
@@ -115,10 +131,18 @@ class BranchJournal:
         adopt: Callable[[str, bytes], None] | None = None,
         *,
         root: str = "",
+        guard: str | None = None,
     ) -> None:
         self.storage = storage
         # Prepended to every key: "" for a repository, ``mirror/`` for a mirror's own refs.
         self.root = root
+        # The repository id that this journal's head markers carry, and the only one it trusts
+        # in markers it lists; None: it writes none and trusts none (see :meth:`heads_listed`).
+        self.guard = marker_guard(guard)
+        # Branch -> (process id, the marker write in flight): the next one for that branch
+        # waits for it, so a marker is never deleted before it is written.
+        self._marking: dict[str, tuple[int, Future[None]]] = {}
+        self._marking_lock = threading.Lock()
         # Where a head entry's carried snapshot goes (the object store's cache), so whoever reads
         # the head next finds its snapshot without another request.
         self._adopt = adopt
@@ -131,10 +155,17 @@ class BranchJournal:
 
     def __getstate__(self) -> dict[str, Any]:
         # What a client learned (and when, on its own monotonic clock) stays with that client.
-        return {"storage": self.storage, "adopt": self._adopt, "root": self.root}
+        return {
+            "storage": self.storage,
+            "adopt": self._adopt,
+            "root": self.root,
+            "guard": self.guard,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"], state["adopt"], root=state["root"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["storage"], state["adopt"], root=state["root"], guard=state.get("guard")
+        )
 
     def entry_key(self, name: str, seq: int) -> str:
         """The storage key of journal entry ``seq`` of branch ``name``."""
@@ -354,18 +385,20 @@ class BranchJournal:
     def heads(self) -> dict[str, str]:
         """Every live branch: name -> head snapshot id, sorted by name.
 
-        With a listing, one listing of every journal names each one's newest entry, and one
-        concurrent round reads the heads this journal has not read as they are now listed
-        (:meth:`heads_listed`): 1 + N requests for N branches, and one when no head moved since
-        this journal last looked. Journals holding more than :data:`HEADS_FROM_ONE_LISTING`
-        entries together are read a branch at a time: a listing of the branch folders, then
-        each one's head (:meth:`head`), as without a listing."""
+        With a listing, one listing of the refs names each journal's newest entry and its
+        marker, and one concurrent round reads the heads that have no marker and that this
+        journal has not read as they are now listed (:meth:`heads_listed`): one request when
+        every head has its marker or none moved since this journal last looked, 1 + N for N
+        branches at most. Refs of more than :data:`HEADS_FROM_ONE_LISTING` keys together are
+        read a branch at a time: a listing of the branch folders, then each one's head
+        (:meth:`head`), as without a listing."""
         if self.storage.supports_listing:
             asked = time.monotonic()
-            listing = self.storage.list(self.root + BRANCH_KEYS)
+            listing = self.storage.list(self.root + REFS_PREFIX)
             listed = list(itertools.islice(listing, HEADS_FROM_ONE_LISTING + 1))
             if len(listed) <= HEADS_FROM_ONE_LISTING:
-                return self.heads_listed(newest_entries(self.root, listed), asked)
+                newest = newest_entries(self.root, listed)
+                return self.heads_listed(newest, asked, listed_markers(self.root, listed))
         return self.heads_branch_by_branch()
 
     def heads_branch_by_branch(self) -> dict[str, str]:
@@ -377,20 +410,37 @@ class BranchJournal:
             n: e.snapshot for n, e in sorted(zip(names, entries, strict=True)) if e and e.snapshot
         }
 
-    def heads_listed(self, newest: dict[str, ObjectInfo], asked: float) -> dict[str, str]:
+    def heads_listed(
+        self, newest: dict[str, ObjectInfo], asked: float, markers: Markers | None = None
+    ) -> dict[str, str]:
         """Every live branch, from the newest entry of each journal as a listing of them all
-        found it (asked at ``asked``, a ``time.monotonic()``): see :func:`read_refs`.
+        found it (asked at ``asked``, a ``time.monotonic()``), and the ``markers`` the same
+        listing found: see :func:`read_refs`.
 
         An entry the listing shows with the size and modification time it had when this journal
-        read it is not read again: entries are written create-only, never rewritten. An entry
-        gone by the time it is read (compaction pruned it: the branch moved on since the
-        listing) sends that branch to :meth:`head`. A head this journal knows to be newer than
-        the listed one (it committed meanwhile) stays the one it knows."""
+        read it is not read again: entries are written create-only, never rewritten. Nor is an
+        entry the listing shows with its marker (:func:`trusted_marker`): the marker's key says
+        the head. An entry gone by the time it is read (compaction pruned it: the branch moved
+        on since the listing) sends that branch to :meth:`head`. A head this journal knows to be
+        newer than the listed one (it committed meanwhile) stays the one it knows."""
         cache = self._listed  # one view of it: calls running at once each replace it whole
+        marked: dict[str, str | None] = {}
+        for name, info in newest.items():
+            if cache.get(info.key, (None, None))[:2] == (info.size, info.modified):
+                continue  # read before: the entry itself, which this journal then knows
+            found = trusted_marker(
+                (markers or {}).get(("head", name), []),
+                seq_from_entry_key(info.key),
+                info,
+                self.guard,
+            )
+            if found is not None:
+                marked[name] = found.snapshot
         to_read = [
             info
-            for info in newest.values()
-            if cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
+            for name, info in newest.items()
+            if name not in marked
+            and cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
 
         def read(info: ObjectInfo) -> JournalEntry | None:
@@ -408,6 +458,14 @@ class BranchJournal:
         self._listed = listed
         heads: dict[str, str] = {}
         for name, info in sorted(newest.items()):
+            if name in marked:
+                known = self.known(name)
+                snapshot = marked[name]
+                if known is not None and known.seq > seq_from_entry_key(info.key):
+                    snapshot = known.snapshot
+                if snapshot is not None:
+                    heads[name] = snapshot
+                continue
             if info.key not in listed:
                 gone.append(name)
                 continue
@@ -426,6 +484,47 @@ class BranchJournal:
         """Delete the entries ``seqs`` of the branch (compaction; never the head's)."""
         self.storage.delete_many(self.entry_key(name, seq) for seq in seqs)
 
+    def prune_markers(self, name: str, head_seq: int) -> int:
+        """Delete the branch's markers of entries older than ``head_seq`` (compaction: only a
+        head's marker is ever trusted, and each one is a key in every listing of the refs).
+        Returns how many were deleted."""
+        prefix = self.root + head_marker_prefix(name)
+        stale = []
+        for key in self.storage.list_keys(prefix):
+            marker = parse_marker_key(key[len(self.root) :])
+            if marker is not None and marker.seq is not None and marker.seq < head_seq:
+                stale.append(key)
+        return self.storage.delete_many(stale) if stale else 0
+
+    def settle(self) -> None:
+        """Wait for this journal's marker writes in flight (they never raise)."""
+        with self._marking_lock:
+            pending = [f for pid, f in self._marking.values() if pid == os.getpid()]
+        for future in pending:
+            future.result()
+
+    def _mark(self, name: str, entry: JournalEntry, previous: JournalEntry | None) -> None:
+        """Write the marker of ``entry``, this writer's own new head of ``name``, and delete
+        the marker of the ``previous`` head: on the I/O pool, off the committer's path, where
+        a write costs a thread hand-off or more; here, where it costs less (local files)."""
+        if self.guard is None:
+            return
+        key = self.root + head_marker_key(name, entry.seq, entry.snapshot, self.guard)
+        stale = None
+        if previous is not None and previous.seq < entry.seq:
+            stale = self.root + head_marker_key(name, previous.seq, previous.snapshot, self.guard)
+        if self.storage.inline_write_bytes:
+            write_marker(self.storage, key, stale)
+            return
+        with self._marking_lock:
+            before = self._marking.get(name)
+            after = before[1] if before is not None and before[0] == os.getpid() else None
+            try:
+                future = self.storage.submit(write_marker, self.storage, key, stale, after)
+            except RuntimeError:  # the interpreter is shutting down: readers read the entry
+                return
+            self._marking[name] = (os.getpid(), future)
+
     def append(self, name: str, entry: JournalEntry) -> bool:
         """Create-only write of ``entry``. True if it is now the branch's newest entry.
 
@@ -433,6 +532,7 @@ class BranchJournal:
         """
         key = self.entry_key(name, entry.seq)
         asked = time.monotonic()
+        seen = self._known.get(name)
         encoded = entry.encode()
         data: bytes | None = encoded
         try:
@@ -451,6 +551,7 @@ class BranchJournal:
                 return False
             data = None  # stored by an earlier try of ours: its bytes may differ (its time)
         self._learn(name, entry, asked, data)
+        self._mark(name, entry, None if seen is None else seen[0])
         return True
 
     def names(self) -> list[str]:
@@ -469,9 +570,10 @@ class BranchJournal:
 class Tags:
     """Create-only tags; a deleted tag leaves a tombstone and its name is never reused."""
 
-    def __init__(self, storage: Storage, *, root: str = "") -> None:
+    def __init__(self, storage: Storage, *, root: str = "", guard: str | None = None) -> None:
         self.storage = storage
         self.root = root  # prepended to every key, as BranchJournal.root
+        self.guard = marker_guard(guard)  # as BranchJournal.guard, for tag markers
         # Tag records read by :func:`read_refs` (key -> size, time, snapshot), as the journal's.
         self._listed: dict[str, tuple[int, dt.datetime, str]] = {}
 
@@ -503,14 +605,17 @@ class Tags:
         except PreconditionFailed:
             # A retried write whose first response was lost finds its own record: not a clash.
             try:
-                if TagRecord.decode(self.storage.get(key), key) == record:
-                    return
+                mine = TagRecord.decode(self.storage.get(key), key) == record
             except ObjectNotFound:
-                pass
-            raise TagExists(f"tag {name!r} already exists") from None
+                mine = False
+            if not mine:
+                raise TagExists(f"tag {name!r} already exists") from None
+        if self.guard is not None:
+            # Only now, the record known to be this writer's: a marker never names a loser's.
+            write_marker(self.storage, self.root + tag_marker_key(name, snapshot_id, self.guard))
 
     def delete(self, name: str) -> None:
-        self.get(name)  # RefNotFound if absent or already deleted
+        snapshot = self.get(name)  # RefNotFound if absent or already deleted
         try:
             self.storage.put(
                 self.root + tag_tombstone_key(name),
@@ -519,18 +624,37 @@ class Tags:
             )
         except PreconditionFailed:
             raise RefNotFound(name, "tag") from None
+        if self.guard is not None:
+            # A deleted tag's marker is never trusted (the tombstone rules): out of the listings.
+            write_marker(self.storage, None, self.root + tag_marker_key(name, snapshot, self.guard))
 
-    def listed(self, records: dict[str, ObjectInfo], *, reread: bool = False) -> dict[str, str]:
+    def listed(
+        self,
+        records: dict[str, ObjectInfo],
+        *,
+        reread: bool = False,
+        markers: Markers | None = None,
+    ) -> dict[str, str]:
         """Name -> snapshot id of the live tags whose records a listing found (tombstoned ones
         left out by the caller), sorted by name: see :func:`read_refs`. A record seen before with
-        the same size and modification time is not read again (records are create-only), unless
-        ``reread`` (fsck: a record may rot without changing either)."""
+        the same size and modification time is not read again (records are create-only), nor one
+        the same listing shows with its marker among ``markers`` (:func:`trusted_marker`),
+        unless ``reread`` (fsck: a record may rot without changing either)."""
         # One view of the cache: calls running at once each replace it whole.
         cache = {} if reread else self._listed
+        marked: dict[str, str] = {}
+        if not reread:
+            for name, info in records.items():
+                found = trusted_marker(
+                    (markers or {}).get(("tag", name), []), None, info, self.guard
+                )
+                if found is not None and found.snapshot is not None:
+                    marked[name] = found.snapshot
         to_read = [
             info
-            for info in records.values()
-            if cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
+            for name, info in records.items()
+            if name not in marked
+            and cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
         snapshots = self.storage.map(
             lambda info: TagRecord.decode(self.storage.get(info.key), info.key).snapshot, to_read
@@ -539,16 +663,21 @@ class Tags:
         for info, snapshot in zip(to_read, snapshots, strict=True):
             listed[info.key] = (info.size, info.modified, snapshot)
         self._listed = listed
-        return {name: listed[records[name].key][2] for name in sorted(records)}
+        return {
+            name: marked[name] if name in marked else listed[records[name].key][2]
+            for name in sorted(records)
+        }
 
     def all(self, *, reread: bool = False) -> dict[str, str]:
-        """Every live tag: name -> snapshot id, sorted by name. One listing finds the records
-        and the tombstones (``refs/tag.`` and ``refs/tagdel.`` share the prefix ``refs/tag``),
-        then one concurrent round reads the live records not read before as listed
-        (:meth:`listed`; with ``reread``, every live record): 1 + N requests for N tags, one
-        when no tag changed."""
-        listed = self.storage.list(self.root + TAG_KEYS)
-        return self.listed(live_tag_records(self.root, listed), reread=reread)
+        """Every live tag: name -> snapshot id, sorted by name. One listing finds the records,
+        the tombstones and the markers (``refs/tag.``, ``refs/tagdel.`` and ``refs/tagid.``
+        share the prefix ``refs/tag``), then one concurrent round reads the live records that
+        have no marker and were not read before as listed (:meth:`listed`; with ``reread``,
+        every live record): one request when every tag has its marker or none changed, 1 + N
+        for N tags at most."""
+        listed = list(self.storage.list(self.root + TAG_KEYS))
+        records = live_tag_records(self.root, listed)
+        return self.listed(records, reread=reread, markers=listed_markers(self.root, listed))
 
 
 @dataclass(frozen=True)
@@ -561,13 +690,14 @@ class Refs:
 
 def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
     """Every live branch and tag from one listing of the refs, reading only the head entries
-    and tag records that this journal and these tags have not read as the listing shows them.
+    and tag records that the listing shows without their markers (:func:`trusted_marker`) and
+    that this journal and these tags have not read as the listing shows them.
 
     For a process that polls many repositories (the operator): a repository whose refs fit in
-    one listing page (1,000 keys on S3) costs one request when nothing moved, where
-    :meth:`BranchJournal.heads` and :meth:`Tags.all` cost a listing each and two reads per
-    branch. The listing holds every retained journal entry, so long journals (compaction prunes
-    them) cost more pages. A storage that cannot list answers through those two.
+    one listing page (1,000 keys on S3) costs one request when every ref has its marker or
+    nothing moved, where :meth:`BranchJournal.heads` and :meth:`Tags.all` cost a listing each.
+    The listing holds every retained journal entry, so long journals (compaction prunes them)
+    cost more pages. A storage that cannot list answers through those two.
     """
     if journal.storage is not tags.storage or journal.root != tags.root:
         raise ValueError("read_refs needs the journal and the tags of one repository")
@@ -577,8 +707,10 @@ def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
     asked = time.monotonic()
     listed = list(storage.list(journal.root + REFS_PREFIX))
     newest = newest_entries(journal.root, listed)
+    markers = listed_markers(journal.root, listed)
     return Refs(
-        journal.heads_listed(newest, asked), tags.listed(live_tag_records(tags.root, listed))
+        journal.heads_listed(newest, asked, markers),
+        tags.listed(live_tag_records(tags.root, listed), markers=markers),
     )
 
 
@@ -611,3 +743,68 @@ def newest_entries(root: str, listed: Iterable[ObjectInfo]) -> dict[str, ObjectI
         if seen is None or info.key < seen.key:
             newest[parsed[1]] = info
     return newest
+
+
+def marker_guard(repository_id: str | None) -> str | None:
+    """The guard markers carry for this repository id, or None if it cannot guard them (an id
+    of another shape, from a repository made before markers: its clients read every record)."""
+    if repository_id is None or GUARD_ID.match(repository_id) is None:
+        return None
+    return repository_id
+
+
+def write_marker(
+    storage: Storage,
+    key: str | None,
+    stale: str | None = None,
+    after: Future[None] | None = None,
+) -> None:
+    """Write the empty marker ``key``, then delete the marker ``stale``, once ``after`` (the
+    previous marker write of the same ref) is done. Never raises: a marker only saves readers a
+    read, so one that cannot be written (an outage, a key too long for a file name) leaves them
+    reading the entry, and one that cannot be deleted stays untrusted (its entry is not the
+    newest) until compaction deletes it."""
+    if after is not None:
+        after.result()
+    try:
+        if key is not None:
+            storage.put(key, b"")
+        if stale is not None:
+            storage.delete_many([stale])
+    except Exception as e:  # any failure: readers fall back to reading (see above)
+        log.debug("marker %s not written (readers read its entry instead): %s", key or stale, e)
+
+
+def listed_markers(root: str, listed: Iterable[ObjectInfo]) -> Markers:
+    """The markers among ``listed`` objects (keys with ``root``), by ref."""
+    markers: Markers = {}
+    for info in listed:
+        marker = parse_marker_key(info.key[len(root) :])
+        if marker is not None:
+            markers.setdefault((marker.kind, marker.name), []).append((marker, info))
+    return markers
+
+
+def trusted_marker(
+    markers: list[tuple[Marker, ObjectInfo]],
+    seq: int | None,
+    record: ObjectInfo,
+    guard: str | None,
+) -> Marker | None:
+    """The marker that says what ``record`` (a branch's newest entry ``seq``, or a tag's
+    record: ``seq`` None) holds, among a ref's ``markers`` listed with it; None if a reader
+    must read the record.
+
+    Trusted only if exactly one marker names that entry, carries ``guard`` (this repository's
+    id: never a deleted repository's, whose entry of the same number held something else) and
+    was listed as written no earlier than the record (a marker is written after its record;
+    one older than its record is not about it). Two markers of one entry (one copied over the
+    other) are read through."""
+    if guard is None:
+        return None
+    found = [
+        marker
+        for marker, info in markers
+        if marker.seq == seq and marker.guard == guard and info.modified >= record.modified
+    ]
+    return found[0] if len(found) == 1 else None

@@ -59,10 +59,12 @@ LAYOUT_PREFIXES = (
 )
 _ID = "[0-9A-HJKMNP-TV-Z]{26}"
 _HEX = "[0-9a-f]{64}"
+_GUARD = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 LAYOUT_KEY = re.compile(
     rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
     r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+|(mirror/)?refs/probe"
+    rf"|refs/head\.[^/]+/[0-9a-f]{{16}}\.({_ID}|-)\.{_GUARD}|refs/tagid\.[^/]+\.{_ID}\.{_GUARD}"
     rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID}|mirror/lease/[0-9a-f]{{16}})$"
 )
 SEQ_MAX = (1 << 64) - 1
@@ -141,6 +143,58 @@ def parse_ref_key(key: str) -> tuple[str, str, int | None] | None:
     if m[1] is not None:
         return "branch", ref_name_from_key(m[1]), seq_from_entry_key(key)
     return m[3], ref_name_from_key(m[4]), None
+
+
+# Markers: empty objects whose keys say what a ref's newest record holds, so that one listing of
+# the refs answers "every branch head, every tag" without reading each record. A writer creates
+# one only after its entry (or tag record) is known to be its own, so a marker never names what
+# lost a race. ``guard`` is the repository id: a repository made anew at a location never trusts
+# markers a deleted one left. Older clients never read these keys (parse_ref_key ignores them).
+#   refs/head.<name>/<the entry's 16 hex digits>.<snapshot id, or "-" for a deletion>.<guard>
+#   refs/tagid.<name>.<snapshot id>.<guard>
+_MARKER_KEY = re.compile(
+    rf"^refs/(?:head\.([^/]+)/([0-9a-f]{{16}})\.({_ID}|-)\.({_GUARD})"
+    rf"|tagid\.([^/]+)\.({_ID})\.({_GUARD}))$"
+)
+#: Repository ids that can guard markers (those :func:`uuid.uuid4` makes, as ``str``).
+GUARD_ID = re.compile(rf"^{_GUARD}$")
+
+
+class Marker(NamedTuple):
+    """A parsed marker key: ``kind`` is ``"head"`` (``seq`` set; ``snapshot`` None for a deleted
+    branch) or ``"tag"`` (``seq`` None)."""
+
+    kind: str
+    name: str
+    seq: int | None
+    snapshot: str | None
+    guard: str
+
+
+def head_marker_prefix(name: str) -> str:
+    return f"refs/head.{_ref_name(name)}/"
+
+
+def head_marker_key(name: str, seq: int, snapshot: str | None, guard: str) -> str:
+    """The marker of branch ``name``'s journal entry ``seq``, whose head is ``snapshot``."""
+    return head_marker_prefix(name) + f"{SEQ_MAX - seq:016x}.{snapshot or '-'}.{guard}"
+
+
+def tag_marker_key(name: str, snapshot: str, guard: str) -> str:
+    """The marker of tag ``name``'s record, which points at ``snapshot``."""
+    return f"refs/tagid.{_ref_name(name)}.{snapshot}.{guard}"
+
+
+def parse_marker_key(key: str) -> Marker | None:
+    """The marker a key under :data:`REFS_PREFIX` is, or None for any other key. Parsed from
+    the right, so a tag named ``a.b`` is never taken for tag ``a``."""
+    m = _MARKER_KEY.match(key)
+    if m is None:
+        return None
+    if m[1] is not None:
+        snapshot = None if m[3] == "-" else m[3]
+        return Marker("head", ref_name_from_key(m[1]), SEQ_MAX - int(m[2], 16), snapshot, m[4])
+    return Marker("tag", ref_name_from_key(m[5]), None, m[6], m[7])
 
 
 # -- chunk references ----------------------------------------------------------------------------

@@ -524,6 +524,9 @@ def _prune_journal(
     """Delete journal entries nobody can need: all but the newest, those younger than ``keep``,
     and the newest one older than ``keep`` (the head at the start of the window)."""
     entries = core.journal.history(branch)  # newest first
+    if entries and not dry_run:
+        # Only the head's marker is ever trusted; older ones only fill the listings of refs.
+        core.journal.prune_markers(branch, entries[0].seq)
     if len(entries) <= 1:
         return 0
     cutoff = (now or dt.datetime.now(dt.UTC)) - keep

@@ -234,7 +234,8 @@ def gc_roots(core: RepositoryCore, cutoff: dt.datetime, expired: Set[str]) -> se
     """Snapshots GC keeps whatever else happens: branch heads, tags, journal entries younger than
     ``cutoff`` plus each branch's head as of ``cutoff`` (sessions opened since may still be
     running), and older journal entries (for ``as_of``) unless their snapshot was expired."""
-    roots = set(core.tags.all().values())
+    # Each record read, not its marker: what GC keeps rests on the records themselves.
+    roots = set(core.tags.all(reread=True).values())
     for name in core.journal.names():
         entries = core.journal.history(name)  # newest first
         protected = True

@@ -1,0 +1,254 @@
+"""Head and tag markers: the empty objects whose keys let one listing of the refs say every
+branch head and every tag (see ``zarrlake.format.model``). What a reader may trust in them, what
+it must not, and that a marker missing or unwritable costs a read, never a wrong answer."""
+
+from __future__ import annotations
+
+import datetime as dt
+import pickle
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+import zarrlake
+import zarrlake.refs
+from zarrlake.format.ids import new_snapshot_id
+from zarrlake.format.model import (
+    LAYOUT_KEY,
+    Marker,
+    head_marker_key,
+    parse_marker_key,
+    tag_marker_key,
+)
+from zarrlake.maintenance.gc import gc_roots
+from zarrlake.storage.base import Buffer
+from zarrlake_testkit.counting import CountingStorage, Counts
+
+
+def _markers(storage: zarrlake.Storage) -> list[Marker]:
+    found = (parse_marker_key(i.key) for i in storage.list("refs/"))
+    return [m for m in found if m is not None]
+
+
+def _settled(repo: zarrlake.Repository) -> zarrlake.Repository:
+    repo.core.journal.settle()  # marker writes off the committer's path (S3)
+    return repo
+
+
+def _commit(repo: zarrlake.Repository, branch: str, value: int) -> str:
+    with repo.transaction(branch, message=f"{value}") as store:
+        zarr.open_array(store, path="a")[:] = value
+    return repo.lookup_branch(branch)
+
+
+def _with_array(repo: zarrlake.Repository) -> zarrlake.Repository:
+    with repo.transaction("main", message="create") as store:
+        zarr.create_array(store, name="a", shape=(4,), chunks=(4,), dtype="int64")[:] = 1
+    return repo
+
+
+def _strip(storage: zarrlake.Storage, kind: str, name: str) -> None:
+    """Delete the markers of one ref, as a writer killed between its record and its marker
+    (or an older client) leaves it."""
+    doomed = []
+    for info in storage.list("refs/"):
+        marker = parse_marker_key(info.key)
+        if marker is not None and (marker.kind, marker.name) == (kind, name):
+            doomed.append(info.key)
+    storage.delete_many(doomed)
+
+
+def test_each_ref_has_one_marker_naming_its_head(repo: zarrlake.Repository) -> None:
+    _with_array(repo)
+    repo.create_branch("dev")
+    dev = _commit(repo, "dev", 2)
+    repo.create_branch("gone")
+    repo.delete_branch("gone")
+    repo.create_tag("v1", "main")
+    repo.create_tag("v0", "dev")
+    repo.delete_tag("v0")
+    _settled(repo)
+    guard = repo.core.id
+    markers = _markers(repo.storage)
+    assert {m.guard for m in markers} == {guard}
+    heads = sorted((m.name, m.seq, m.snapshot) for m in markers if m.kind == "head")
+    journal = repo.core.journal
+    assert heads == [
+        ("dev", 1, dev),
+        ("gone", 1, None),  # the tombstone's marker: a deleted branch costs no read either
+        ("main", journal.current("main").seq, repo.lookup_branch("main")),
+    ]
+    # The tag's marker; the deleted tag's marker deleted with it.
+    assert [(m.name, m.snapshot) for m in markers if m.kind == "tag"] == [
+        ("v1", repo.lookup_branch("main"))
+    ]
+    # Every key is one the layout knows: deleting the repository deletes the markers too.
+    assert all(LAYOUT_KEY.match(i.key) for i in repo.storage.list(""))
+
+
+def test_a_fresh_listing_trusts_only_a_marker_of_this_repository_for_the_newest_entry(
+    repo: zarrlake.Repository,
+) -> None:
+    """What a forged marker can and cannot do shows what a reader checks: a marker naming the
+    newest entry with this repository's id is believed (the positive control); one with
+    another repository's id, or two for one entry, are read through."""
+    _with_array(repo)
+    head = repo.core.journal.current("main")
+    storage, guard = repo.storage, repo.core.id
+    _settled(repo)
+    _strip(storage, "head", "main")
+    forged = "0" * 26  # a snapshot id that sorts before any other: listed first
+
+    def fresh_head() -> str:
+        return zarrlake.Repository.open(storage).list_branches()["main"]
+
+    assert fresh_head() == head.snapshot  # no marker: the entry is read
+    storage.put(head_marker_key("main", head.seq, forged, str(uuid.uuid4())), b"")
+    assert fresh_head() == head.snapshot  # another repository's (deleted, made anew here)
+    storage.put(head_marker_key("main", head.seq - 1, forged, guard), b"")
+    assert fresh_head() == head.snapshot  # not the newest entry's
+    storage.put(head_marker_key("main", head.seq, forged, guard), b"")
+    assert fresh_head() == forged  # the positive control: such a marker is believed
+    storage.put(head_marker_key("main", head.seq, head.snapshot, guard), b"")
+    assert fresh_head() == head.snapshot  # two markers of one entry: read it
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_marker_older_than_its_entry_is_not_about_it(kind: str, tmp_path: Path) -> None:
+    """A marker is written after its entry: one listed as older names an entry of the same
+    number that was replaced (a repository restored over this location under the same id)."""
+    storage = zarrlake.Storage.local(tmp_path) if kind == "local" else zarrlake.Storage.memory()
+    repo = _with_array(zarrlake.Repository.create(storage))
+    head = repo.core.journal.current("main")
+    _strip(storage, "head", "main")
+    forged = head_marker_key("main", head.seq, new_snapshot_id(), repo.core.id)
+    storage.put(forged, b"")
+    entry = repo.core.journal.entry_key("main", head.seq)
+    entry_time = storage.head(entry).modified  # type: ignore[union-attr]
+    storage.set_modified(forged, entry_time - dt.timedelta(seconds=5))  # type: ignore[attr-defined]
+    assert zarrlake.Repository.open(storage).list_branches()["main"] == head.snapshot
+    storage.set_modified(forged, entry_time)  # type: ignore[attr-defined]
+    assert zarrlake.Repository.open(storage).list_branches()["main"] != head.snapshot
+
+
+def test_a_writer_killed_between_its_entry_and_its_marker(storage: zarrlake.Storage) -> None:
+    """Without the marker the reader reads that head alone (and the refs stay right); the next
+    commit on the branch marks it again."""
+    repo = _settled(_with_array(zarrlake.Repository.create(storage)))
+    repo.create_branch("dev")
+    repo.create_tag("v1", "main")
+    _settled(repo)
+    _strip(storage, "head", "main")
+    _strip(storage, "tag", "v1")
+    counts = Counts(record_keys=True)
+    reader = zarrlake.Repository.open(CountingStorage(storage, counts))
+    counts.reset()
+    refs = reader.refs()
+    main = repo.lookup_branch("main")
+    assert refs.branches == {"dev": main, "main": main} and refs.tags == {"v1": main}
+    gets = sorted(key for op, key in counts.calls() if op == "get")
+    assert gets == [repo.core.journal.entry_key("main", 1), "refs/tag.v1"]
+    again = _settled(zarrlake.Repository.open(storage))
+    moved = _commit(again, "main", 3)
+    _settled(again)
+    counts.reset()
+    fresh = zarrlake.Repository.open(CountingStorage(storage, counts))
+    counts.reset()
+    assert fresh.list_branches() == {"dev": main, "main": moved}
+    assert [op for op, _ in counts.calls()] == ["list"]
+
+
+class NoMarkers(CountingStorage):
+    """A storage that fails every marker write, as an outage between a commit's entry and its
+    marker would (or a key too long for the backend)."""
+
+    def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        if parse_marker_key(key) is not None:
+            raise ConnectionError(f"refused: {key}")
+        super().put(key, data, create_only=create_only)
+
+
+def test_markers_that_cannot_be_written_lose_nothing(storage: zarrlake.Storage) -> None:
+    flaky = NoMarkers(storage, Counts())
+    repo = _with_array(zarrlake.Repository.create(flaky))
+    repo.create_branch("dev")
+    dev = _commit(repo, "dev", 5)
+    repo.create_tag("v1", "dev")
+    repo.delete_branch("dev")
+    _settled(repo)
+    assert _markers(storage) == []
+    fresh = zarrlake.Repository.open(storage)
+    assert fresh.refs() == zarrlake.refs.Refs({"main": repo.lookup_branch("main")}, {"v1": dev})
+    tagged = zarr.open_array(fresh.readonly_session("v1").store, path="a", mode="r")
+    np.testing.assert_array_equal(tagged[:], 5)
+
+
+def test_a_tag_name_too_long_for_a_marker_file(tmp_path: Path) -> None:
+    """On a local directory a key's last part is a file name, at most 255 bytes: a tag name
+    that fits its record's file but not its marker's gets no marker, and reads as any other."""
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path))
+    name = "t" * 240
+    repo.create_tag(name, "main")
+    assert [m for m in _markers(repo.storage) if m.kind == "tag"] == []
+    fresh = zarrlake.Repository.open(zarrlake.Storage.local(tmp_path))
+    assert fresh.list_tags() == {name: repo.lookup_branch("main")}
+
+
+def test_tag_markers_are_parsed_from_the_right(storage: zarrlake.Storage) -> None:
+    """Tags ``a``, ``a.b`` and one named like a marker's tail: each its own marker, in one
+    listing."""
+    repo = _with_array(zarrlake.Repository.create(storage))
+    first = repo.lookup_branch("main")
+    second = _commit(repo, "main", 2)
+    tricky = f"a.{first}.{uuid.uuid4()}"
+    for name, ref in (("a", first), ("a.b", second), (tricky, second)):
+        repo.create_tag(name, ref)
+    counts = Counts(record_keys=True)
+    fresh = zarrlake.Repository.open(CountingStorage(storage, counts))
+    counts.reset()
+    assert fresh.list_tags() == {"a": first, "a.b": second, tricky: second}
+    assert [op for op, _ in counts.calls()] == ["list"]
+
+
+def test_compaction_deletes_the_markers_below_each_head(repo: zarrlake.Repository) -> None:
+    """A marker whose delete failed (or that an older client's compaction left) is a key in
+    every listing of the refs until compaction deletes it; the head's stays."""
+    _with_array(repo)
+    _settled(repo)
+    head = repo.core.journal.current("main")
+    stale = head_marker_key("main", 0, new_snapshot_id(), repo.core.id)
+    repo.storage.put(stale, b"")
+    repo.compact(branch="main")
+    _settled(repo)
+    marks = [m for m in _markers(repo.storage) if m.kind == "head"]
+    assert [(m.seq, m.snapshot) for m in marks] == [
+        (repo.core.journal.current("main").seq, repo.lookup_branch("main"))
+    ]
+    assert head.seq <= marks[0].seq
+
+
+def test_gc_roots_read_the_tag_records_not_their_markers(repo: zarrlake.Repository) -> None:
+    """What GC keeps rests on the records themselves: a wrong marker (forged, or rotten)
+    can make a listing wrong, never a tagged snapshot deleted."""
+    _with_array(repo)
+    tagged = repo.lookup_branch("main")
+    repo.create_tag("keep", tagged)
+    _commit(repo, "main", 9)
+    _strip(repo.storage, "tag", "keep")
+    repo.storage.put(tag_marker_key("keep", new_snapshot_id(), repo.core.id), b"")
+    fresh = zarrlake.Repository.open(repo.storage)
+    assert fresh.list_tags()["keep"] != tagged  # the listing believes the marker
+    # Its journal entry expired and older than the cutoff: only the tag keeps it.
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)
+    roots = gc_roots(fresh.core, later, frozenset({tagged}))
+    assert tagged in roots
+
+
+def test_the_guard_travels_with_a_pickled_repository(repo: zarrlake.Repository) -> None:
+    copy = pickle.loads(pickle.dumps(repo.core))
+    assert copy.journal.guard == copy.tags.guard == repo.core.id
+    journal = pickle.loads(pickle.dumps(repo.core.journal))
+    assert journal.guard == repo.core.id
