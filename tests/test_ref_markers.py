@@ -34,20 +34,21 @@ def _markers(storage: zarrlake.Storage) -> list[Marker]:
 
 
 def _settled(repo: zarrlake.Repository) -> zarrlake.Repository:
-    repo.core.journal.settle()  # marker writes off the committer's path (S3)
+    repo.core.journal.settle()  # head marker writes run off the committer's path
     return repo
 
 
 def _commit(repo: zarrlake.Repository, branch: str, value: int) -> str:
     with repo.transaction(branch, message=f"{value}") as store:
         zarr.open_array(store, path="a")[:] = value
+    _settled(repo)
     return repo.lookup_branch(branch)
 
 
 def _with_array(repo: zarrlake.Repository) -> zarrlake.Repository:
     with repo.transaction("main", message="create") as store:
         zarr.create_array(store, name="a", shape=(4,), chunks=(4,), dtype="int64")[:] = 1
-    return repo
+    return _settled(repo)
 
 
 def _strip(storage: zarrlake.Storage, kind: str, name: str) -> None:
