@@ -174,8 +174,9 @@ class Ops:
 
     # -- history: sequential commits, log(), checkout ----------------------------------------------
 
-    def log_build(self, label: str, n: int, c: int) -> dict:
-        """Create the array, then ``n`` commits; commit ``k`` writes chunk ``k - 1`` with ``k``."""
+    def log_build(self, label: str, n: int, c: int, refs: int) -> dict:
+        """Create the array, then ``n`` commits; commit ``k`` writes chunk ``k - 1`` with ``k``;
+        then ``refs`` branches and as many tags at commits spread over the history."""
         system = self.system
         repo = system.create(label)
         txn = system.begin(repo)
@@ -193,6 +194,12 @@ class Ops:
             ids.append(snap)
             per_commit.append(seconds)
             requests.append(req)
+        branches, tags = _ref_names(refs)
+        system.make_refs(
+            repo,
+            {b: ids[i % n] for i, b in enumerate(branches)},
+            {t: ids[(7 * i) % n] for i, t in enumerate(tags)},
+        )
         return {
             "ids": ids,
             "commit_ms": statistics.median(per_commit) * 1000,
@@ -200,13 +207,18 @@ class Ops:
             "commit_requests": None if None in requests else statistics.median(requests),
         }
 
-    def log_round(self, label: str, n: int, c: int, old: int, ids: list[str]) -> dict:
-        """``log()`` on a fresh client, then a checkout of commit ``old`` on another."""
+    def log_round(self, label: str, n: int, c: int, old: int, ids: list[str], refs: int) -> dict:
+        """``log()`` on a fresh client, the branches and tags on another, then a checkout of
+        commit ``old`` on a third."""
         system = self.system
         repo = system.open(label)
         t_log, entries, log_req = self.meter(system.log, repo)
         if entries[:n] != ids[::-1]:
             raise AssertionError(f"{system.name}: log() does not list the commits in order")
+        t_refs, listed, refs_req = self.meter(system.refs, system.open(label))
+        branches, tags = _ref_names(refs)
+        if listed != (sorted([*branches, "main"]), tags):
+            raise AssertionError(f"{system.name}: the branches and tags listed are not all there")
         expected = np.zeros(n * c, dtype=np.int64)
         for k in range(1, old + 1):
             expected[(k - 1) * c : k * c] = k
@@ -221,12 +233,19 @@ class Ops:
             "log_entries": len(entries),
             "checkout_ms": t_checkout * 1000,
             "checkout_requests": co_req,
+            "refs_ms": t_refs * 1000,
+            "refs_requests": refs_req,
         }
 
     # -- concurrent writers ------------------------------------------------------------------------
 
     def concurrent(self, writers: int, trials: int) -> dict:
         return _concurrent(self.system, self._s3_server(), writers, trials)
+
+
+def _ref_names(count: int) -> tuple[list[str], list[str]]:
+    """The names of the history benchmark's branches and tags, sorted."""
+    return [f"branch-{i:04d}" for i in range(count)], [f"tag-{i:04d}" for i in range(count)]
 
 
 def _create_array(store: Any, n: int, chunk: int, dtype: str = "uint8") -> zarr.Array:

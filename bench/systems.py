@@ -196,6 +196,30 @@ class System:
             return [s.id for s in repo.ancestry(branch="main")]
         raise TypeError("raw Zarr has no history")
 
+    def make_refs(self, repo: Any, branches: dict[str, str], tags: dict[str, str]) -> None:
+        """Create branches and tags: name -> snapshot id."""
+        for name, snapshot in branches.items():
+            if self.kind == ZARRLAKE:
+                repo.create_branch(name, snapshot)
+            else:
+                repo.create_branch(name, snapshot_id=snapshot)
+        for name, snapshot in tags.items():
+            if self.kind == ZARRLAKE:
+                repo.create_tag(name, snapshot)
+            else:
+                repo.create_tag(name, snapshot_id=snapshot)
+
+    def refs(self, repo: Any) -> tuple[list[str], list[str]]:
+        """The names of every branch and every tag, as each system lists them: zarrlake's
+        ``refs()`` (one listing for both; it gives each one's snapshot too), Icechunk's
+        ``list_branches()`` and ``list_tags()`` (names)."""
+        if self.kind == ZARRLAKE:
+            refs = repo.refs()
+            return list(refs.branches), list(refs.tags)
+        if self.kind == ICECHUNK:
+            return sorted(repo.list_branches()), sorted(repo.list_tags())
+        raise TypeError("raw Zarr has no refs")
+
     def destroy(self, label: str, s3: S3Server | None) -> None:
         """Delete a repository's data."""
         if self.backend == LOCAL:

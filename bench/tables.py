@@ -212,6 +212,16 @@ def build_rows(res: Results, sizes: Sizes) -> list[Row]:
             _row(
                 res,
                 "log",
+                f"list {sizes.log_refs} branches + {sizes.log_refs} tags, fresh client",
+                _ms,
+                "refs_ms",
+                requests=("refs_requests",),
+            )
+        )
+        rows.append(
+            _row(
+                res,
+                "log",
                 "checkout of an old commit + full read",
                 _ms,
                 "checkout_ms",
@@ -335,6 +345,23 @@ def build_targets(res: Results, sizes: Sizes) -> list[Target]:
                 Target(
                     f"log() of {sizes.log_commits} commits: ≤ 2 storage requests ({be})",
                     _get(res, "log", f"zarrlake-{be}", "log_requests"),
+                    2,
+                    "<=",
+                )
+            )
+            refs = f"{sizes.log_refs} branches + {sizes.log_refs} tags"
+            t.append(
+                Target(
+                    f"listing {refs}: time ≤ 0.5x Icechunk's ({be})",
+                    time_ratio("log", f"zarrlake-{be}", f"icechunk-{be}", "refs_ms"),
+                    0.5,
+                    "<=",
+                )
+            )
+            t.append(
+                Target(
+                    f"listing {refs}: ≤ 2 storage requests ({be})",
+                    _get(res, "log", f"zarrlake-{be}", "refs_requests"),
                     2,
                     "<=",
                 )

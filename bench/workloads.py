@@ -45,6 +45,7 @@ class Sizes:
     commit_reps: int = 7
     log_commits: int = 1000
     log_rounds: int = 5
+    log_refs: int = 100  # branches, and as many tags, listed by a fresh client
     writers: int = 4
     concurrent_trials: int = 5
 
@@ -60,6 +61,7 @@ class Sizes:
             commit_reps=5,
             log_commits=20,
             log_rounds=3,
+            log_refs=20,
             concurrent_trials=3,
         )
 
@@ -271,7 +273,8 @@ def bench_commit(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
 
 
 def bench_log(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
-    """Sequential commits, then ``log()`` and checkout of an old commit, on a fresh client.
+    """Sequential commits, then ``log()``, a listing of the branches and tags, and checkout of an
+    old commit, on a fresh client.
 
     Commit ``k`` writes chunk ``k - 1`` (1 KiB, a chunk object) with the value ``k``; the checkout
     reads the whole array as of commit ``k_old`` and checks that exactly chunks ``< k_old`` are set.
@@ -286,7 +289,7 @@ def bench_log(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
     out: Results = {}
     with ctx.workers(versioned) as pool:
         for system in versioned:
-            b = pool[system.name].call("log_build", label=label, n=n, c=c)
+            b = pool[system.name].call("log_build", label=label, n=n, c=c, refs=sizes.log_refs)
             ids[system.name] = b.pop("ids")
             out[system.name] = {**b, "rounds": [], "checkout_commit": old}
             progress(
@@ -296,12 +299,19 @@ def bench_log(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
         for r in range(sizes.log_rounds):
             for system in versioned:
                 m = pool[system.name].call(
-                    "log_round", label=label, n=n, c=c, old=old, ids=ids[system.name]
+                    "log_round",
+                    label=label,
+                    n=n,
+                    c=c,
+                    old=old,
+                    ids=ids[system.name],
+                    refs=sizes.log_refs,
                 )
                 out[system.name]["rounds"].append(m)
                 progress(
                     f"log round {r + 1}/{sizes.log_rounds} {system.name}: log() of "
                     f"{m['log_entries']} in {m['log_ms']:.1f} ms ({m['log_requests']} requests); "
+                    f"branches and tags in {m['refs_ms']:.1f} ms ({m['refs_requests']} requests); "
                     f"checkout of commit {old} in {m['checkout_ms']:.1f} ms "
                     f"({m['checkout_requests']} requests)"
                 )
@@ -311,7 +321,8 @@ def bench_log(systems: list[System], sizes: Sizes, ctx: Context) -> Results:
         rounds = m["rounds"]
         m["log_ms"] = min(x["log_ms"] for x in rounds)
         m["checkout_ms"] = min(x["checkout_ms"] for x in rounds)
-        for k in ("log_requests", "checkout_requests", "log_entries"):
+        m["refs_ms"] = min(x["refs_ms"] for x in rounds)
+        for k in ("log_requests", "checkout_requests", "log_entries", "refs_requests"):
             m[k] = rounds[-1][k]
     return _finish(out, pool)
 
