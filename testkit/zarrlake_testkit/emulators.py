@@ -23,6 +23,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+from zarrlake_testkit.loopback_http import LoopbackHTTPServer
 from zarrlake_testkit.servers import spawn_on_free_port
 
 #: Azurite's well-known development account (public, the same in every Azurite).
@@ -241,8 +242,7 @@ class TokenServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = LoopbackHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

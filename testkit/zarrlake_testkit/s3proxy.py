@@ -18,10 +18,12 @@ from __future__ import annotations
 import http.client
 import threading
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
+
+from zarrlake_testkit.loopback_http import LoopbackHTTPServer
 
 __all__ = ["HeaderStrippingProxy"]
 
@@ -47,8 +49,7 @@ class HeaderStrippingProxy:
         self._in_flight = 0
         self._forwarded: list[tuple[str, str]] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._server.daemon_threads = True
+        self._server = LoopbackHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="s3-header-proxy", daemon=True
         )

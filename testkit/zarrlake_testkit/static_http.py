@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from zarrlake_testkit.loopback_http import LoopbackHTTPServer
+
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 
@@ -90,9 +92,8 @@ class StaticHTTPServer:
     """Serve ``directory`` on ``http://127.0.0.1:<port>`` until :meth:`close` (or the ``with``
     block ends). :attr:`requests` counts requests by method."""
 
-    class _Server(http.server.ThreadingHTTPServer):
+    class _Server(LoopbackHTTPServer):
         request_queue_size = 128
-        daemon_threads = True
         ranges: bool
         listings: bool
         authorization: str | None

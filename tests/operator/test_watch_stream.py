@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import pytest
 
 from zarrlake_operator import kube
 from zarrlake_testkit.kubeapi import write_kubeconfig
+from zarrlake_testkit.loopback_http import LoopbackHTTPServer
 
 PATH = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 
@@ -107,8 +108,7 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Script]:
     script = Script()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
-    httpd.daemon_threads = True
+    httpd = LoopbackHTTPServer(("127.0.0.1", 0), _handler(script))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
