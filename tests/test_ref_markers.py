@@ -4,8 +4,10 @@ it must not, and that a marker missing or unwritable costs a read, never a wrong
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import pickle
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import zarr
 
 import zarrlake
 import zarrlake.refs
+from zarrlake.core import RepositoryCore
 from zarrlake.format.ids import new_snapshot_id
 from zarrlake.format.model import (
     LAYOUT_KEY,
@@ -24,6 +27,14 @@ from zarrlake.format.model import (
     tag_marker_key,
 )
 from zarrlake.maintenance.gc import gc_roots
+from zarrlake.refs import (
+    MARKER_LISTED_WINDOW,
+    MARKER_WRITE_WINDOW_S,
+    listed_markers,
+    new_writer_id,
+    newest_entries,
+    write_marker,
+)
 from zarrlake.storage.base import Buffer
 from zarrlake_testkit.counting import CountingStorage, Counts
 
@@ -133,6 +144,89 @@ def test_a_marker_older_than_its_entry_is_not_about_it(kind: str, tmp_path: Path
     assert zarrlake.Repository.open(storage).list_branches()["main"] == head.snapshot
     storage.set_modified(forged, entry_time)  # type: ignore[attr-defined]
     assert zarrlake.Repository.open(storage).list_branches()["main"] != head.snapshot
+    # Nor is one listed long after its entry: a marker a client queued for a repository
+    # deleted and made anew meanwhile (whose entry of that number is another).
+    late = entry_time + MARKER_LISTED_WINDOW + dt.timedelta(seconds=1)
+    storage.set_modified(forged, late)  # type: ignore[attr-defined]
+    assert zarrlake.Repository.open(storage).list_branches()["main"] == head.snapshot
+
+
+def test_a_marker_write_that_waited_too_long_is_dropped(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path)
+    key = head_marker_key("main", 3, new_snapshot_id(), str(uuid.uuid4()))
+    write_marker(storage, key, None, time.monotonic() - MARKER_WRITE_WINDOW_S - 1)
+    assert not storage.exists(key)
+    write_marker(storage, key, None, time.monotonic())
+    assert storage.exists(key)
+
+
+def test_only_the_winner_of_an_entry_marks_it(repo: zarrlake.Repository) -> None:
+    """Two writers race for entry N: the loser writes no marker (it knows it lost), and a
+    writer whose create-only response was lost, finding its own entry, marks it."""
+    _with_array(repo)
+    mine = repo.core.journal
+    theirs = zarrlake.Repository.open(repo.storage).core.journal
+    head = mine.current("main")
+    won = dataclasses.replace(
+        head,
+        seq=head.seq + 1,
+        snapshot=new_snapshot_id(),
+        writer=new_writer_id(),
+        snapshot_data=None,
+    )
+    lost = dataclasses.replace(won, snapshot=new_snapshot_id(), writer=new_writer_id())
+    assert mine.append("main", won) is True
+    assert theirs.append("main", lost) is False
+    assert theirs.append("main", won) is True  # the same entry: a retry after a lost response
+    mine.settle()
+    theirs.settle()
+    marks = [(m.seq, m.snapshot) for m in _markers(repo.storage) if m.kind == "head"]
+    assert (won.seq, lost.snapshot) not in marks
+    assert (won.seq, won.snapshot) in marks
+
+
+def test_a_head_this_client_committed_after_the_listing_stays_the_one_it_knows(
+    repo: zarrlake.Repository,
+) -> None:
+    _with_array(repo)
+    reader = zarrlake.Repository.open(repo.storage)
+    listed = list(repo.storage.list("refs/"))
+    marks = listed_markers("", listed)
+    assert ("head", "main") in marks
+    moved = _commit(reader, "main", 7)
+    journal = reader.core.journal
+    heads = journal.heads_listed(newest_entries("", listed), time.monotonic(), marks)
+    assert heads["main"] == moved  # not the marked head the older listing shows
+
+
+def test_fsck_reports_a_marker_that_disagrees_with_its_entry_or_record(
+    repo: zarrlake.Repository,
+) -> None:
+    _with_array(repo)
+    repo.create_tag("v1", "main")
+    assert repo.fsck().ok
+    head = repo.core.journal.current("main")
+    guard = repo.core.id
+    _strip(repo.storage, "head", "main")
+    _strip(repo.storage, "tag", "v1")
+    wrong_head = head_marker_key("main", head.seq, new_snapshot_id(), guard)
+    wrong_tag = tag_marker_key("v1", new_snapshot_id(), guard)
+    repo.storage.put(wrong_head, b"")
+    repo.storage.put(wrong_tag, b"")
+    report = zarrlake.Repository.open(repo.storage).fsck(check_chunks=False)
+    assert {(p.kind, p.key) for p in report.problems} == {
+        ("corrupt", wrong_head),
+        ("corrupt", wrong_tag),
+    }
+
+
+def test_a_mirror_writes_and_trusts_no_markers(repo: zarrlake.Repository) -> None:
+    """Its journals start anew under its source's id: a mirror made again in place could not
+    tell its markers from a deleted one's. Its readers read each head."""
+    record = dataclasses.replace(repo.core.record, mirror_of="s3://source/repository")
+    core = RepositoryCore.build(repo.storage, record)
+    assert core.journal.guard is None and core.tags.guard is None
+    assert core.journal.root == "mirror/"
 
 
 def test_a_writer_killed_between_its_entry_and_its_marker(storage: zarrlake.Storage) -> None:
@@ -159,7 +253,7 @@ def test_a_writer_killed_between_its_entry_and_its_marker(storage: zarrlake.Stor
     fresh = zarrlake.Repository.open(CountingStorage(storage, counts))
     counts.reset()
     assert fresh.list_branches() == {"dev": main, "main": moved}
-    assert [op for op, _ in counts.calls()] == ["list"]
+    assert [op for op, _ in counts.calls()] == ["list", "list"]  # the journals, the markers
 
 
 class NoMarkers(CountingStorage):

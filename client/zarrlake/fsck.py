@@ -31,6 +31,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
+from zarrlake.refs import marker_disagreements
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ def fsck(
         tags = {}
     refs += len(tags)
     roots.extend(tags.values())
+    # Markers (what a listing of the refs believes) that disagree with what they name.
+    for key, detail in marker_disagreements(core.journal, core.tags):
+        problem("corrupt", key, detail)
 
     # A mirror holds the data (shards, chunks) of the snapshots its refs have pointed at, and
     # only the history (snapshot objects, txlogs, pages) of the commits it skipped.

@@ -565,7 +565,9 @@ class Mirror:
     # -- tags ------------------------------------------------------------------------------------
 
     def _step_tags(self, counters: _Pass, *, promote: bool = True) -> list[RefStatus]:
-        source_tags = self.source.core.tags.all()
+        # The records themselves, not their markers: a mirror's tags are create-only, so a
+        # wrong marker copied here would stay wrong there.
+        source_tags = self.source.core.tags.all(reread=True)
         dest_tags_store = self.mirror.core.tags
         dest_tags = dest_tags_store.all()
         out: list[RefStatus] = []
