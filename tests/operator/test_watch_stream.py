@@ -13,6 +13,7 @@ reads it as it would an API server's.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -95,6 +96,10 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                     self.wfile.close()  # the file objects hold the socket open too
                     self.rfile.close()
                     self.connection.close()
+                    # http.server flushes the response file once this method returns: give it
+                    # one with nowhere to go, and no next request to read.
+                    self.wfile = io.BytesIO()
+                    self.close_connection = True
                     return
                 elif step[0] == "hang":
                     script.release.wait(30)
