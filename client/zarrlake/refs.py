@@ -702,16 +702,18 @@ class Tags:
             for name in sorted(records)
         }
 
-    def all(self, *, reread: bool = False) -> dict[str, str]:
+    def all(self, *, reread: bool = False, records_only: bool = False) -> dict[str, str]:
         """Every live tag: name -> snapshot id, sorted by name. One listing finds the records,
         the tombstones and the markers (``refs/tag.``, ``refs/tagdel.`` and ``refs/tagid.``
         share the prefix ``refs/tag``), then one concurrent round reads the live records that
         have no marker and were not read before as listed (:meth:`listed`; with ``reread``,
         every live record): one request when every tag has its marker or none changed, 1 + N
-        for N tags at most."""
+        for N tags at most. With ``records_only``, markers are not trusted: every answer is a
+        record this object read (GC, expiry and mirrors rest on records, never on markers)."""
         listed = list(self.storage.list(self.root + TAG_KEYS))
         records = live_tag_records(self.root, listed)
-        return self.listed(records, reread=reread, markers=listed_markers(self.root, listed))
+        markers = None if records_only else listed_markers(self.root, listed)
+        return self.listed(records, reread=reread, markers=markers)
 
 
 @dataclass(frozen=True)

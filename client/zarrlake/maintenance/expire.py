@@ -74,7 +74,7 @@ def expire(
     # A branch at a time: a local branch folder that links elsewhere is listed too (one listing
     # of every journal does not follow links), and a head missed here would lose its retention.
     heads = core.journal.heads_branch_by_branch()
-    tags = core.tags.all(reread=True)  # the records themselves, as GC reads them
+    tags = core.tags.all(records_only=True)  # the records themselves, as GC reads them
     already = core.expiry.expired(refresh=True)
     retained: set[str] = set(heads.values()) | set(tags.values())
     retained_by_branch: dict[str, int] = {}

@@ -235,7 +235,7 @@ def gc_roots(core: RepositoryCore, cutoff: dt.datetime, expired: Set[str]) -> se
     ``cutoff`` plus each branch's head as of ``cutoff`` (sessions opened since may still be
     running), and older journal entries (for ``as_of``) unless their snapshot was expired."""
     # Each record read, not its marker: what GC keeps rests on the records themselves.
-    roots = set(core.tags.all(reread=True).values())
+    roots = set(core.tags.all(records_only=True).values())
     for name in core.journal.names():
         entries = core.journal.history(name)  # newest first
         protected = True

@@ -567,7 +567,7 @@ class Mirror:
     def _step_tags(self, counters: _Pass, *, promote: bool = True) -> list[RefStatus]:
         # The records themselves, not their markers: a mirror's tags are create-only, so a
         # wrong marker copied here would stay wrong there.
-        source_tags = self.source.core.tags.all(reread=True)
+        source_tags = self.source.core.tags.all(records_only=True)
         dest_tags_store = self.mirror.core.tags
         dest_tags = dest_tags_store.all()
         out: list[RefStatus] = []
