@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import pickle
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -347,3 +349,21 @@ def test_the_guard_travels_with_a_pickled_repository(repo: zarrlake.Repository) 
     assert copy.journal.guard == copy.tags.guard == repo.core.id
     journal = pickle.loads(pickle.dumps(repo.core.journal))
     assert journal.guard == repo.core.id
+
+
+def test_a_short_lived_writer_leaves_no_marker_of_an_earlier_head(tmp_path: Path) -> None:
+    """Markers of earlier heads are deleted in batches; a process that exits before its batch
+    fills deletes the rest as it exits (one CLI command moving a branch, here)."""
+    repo = _with_array(zarrlake.Repository.create(zarrlake.Storage.local(tmp_path)))
+    repo.create_branch("dev")
+    first = repo.lookup_branch("main")
+    script = (
+        "import sys, zarrlake\n"
+        "repo = zarrlake.Repository.open(zarrlake.Storage.local(sys.argv[1]))\n"
+        "repo.reset_branch('dev', sys.argv[2])\n"
+    )
+    second = _commit(repo, "main", 2)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path), second], check=True, timeout=120)
+    dev = [(m.seq, m.snapshot) for m in _markers(repo.storage) if m.name == "dev"]
+    assert dev == [(1, second)]  # not (0, first) beside it
+    assert first != second

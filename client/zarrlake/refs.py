@@ -10,6 +10,7 @@ own writer id, so a lost response never turns into a false conflict.
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import itertools
 import logging
@@ -18,6 +19,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -541,6 +543,7 @@ class BranchJournal:
             self._stale.append(
                 self.root + head_marker_key(name, previous.seq, previous.snapshot, self.guard)
             )
+            _HOLDING_STALE_MARKERS.add(self)
         stale: list[str] = []
         if len(self._stale) >= STALE_MARKERS_BATCH:
             stale, self._stale = self._stale, []
@@ -801,6 +804,22 @@ def _marker_thread() -> ThreadPoolExecutor:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarrlake-markers")
             _MARKER_THREAD = (os.getpid(), pool)
         return _MARKER_THREAD[1]
+
+
+#: Journals that may hold markers of earlier heads to delete: the rest of a batch is deleted
+#: when the interpreter exits (after the marker thread has written what was queued), so a
+#: short-lived writer (one CLI commit) leaves no marker behind for compaction.
+_HOLDING_STALE_MARKERS: weakref.WeakSet[BranchJournal] = weakref.WeakSet()
+
+
+def _delete_held_stale_markers() -> None:
+    for journal in list(_HOLDING_STALE_MARKERS):
+        stale, journal._stale = journal._stale, []
+        if stale:
+            write_marker(journal.storage, None, stale)
+
+
+atexit.register(_delete_held_stale_markers)
 
 
 def _after_fork_in_child() -> None:
