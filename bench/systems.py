@@ -198,6 +198,8 @@ class System:
 
     def make_refs(self, repo: Any, branches: dict[str, str], tags: dict[str, str]) -> None:
         """Create branches and tags: name -> snapshot id."""
+        if not self.versioned:
+            raise TypeError("raw Zarr has no refs")
         for name, snapshot in branches.items():
             if self.kind == ZARRLAKE:
                 repo.create_branch(name, snapshot)

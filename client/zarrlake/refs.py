@@ -457,7 +457,7 @@ class BranchJournal:
                 self.guard,
             )
             if found is not None:
-                marked[name] = found.snapshot
+                marked[name] = found[0].snapshot
         to_read = [
             info
             for name, info in newest.items()
@@ -685,8 +685,8 @@ class Tags:
                 found = trusted_marker(
                     (markers or {}).get(("tag", name), []), None, info, self.guard
                 )
-                if found is not None and found.snapshot is not None:
-                    marked[name] = found.snapshot
+                if found is not None and found[0].snapshot is not None:
+                    marked[name] = found[0].snapshot
         to_read = [
             info
             for name, info in records.items()
@@ -864,19 +864,20 @@ def marker_disagreements(journal: BranchJournal, tags: Tags) -> list[tuple[str, 
         return []
     listed = list(storage.list(journal.root + REFS_PREFIX))
     markers = listed_markers(journal.root, listed)
-    claims: list[tuple[Marker, ObjectInfo]] = []
+    # (the marker, its listed object, the listed record it names)
+    claims: list[tuple[Marker, ObjectInfo, ObjectInfo]] = []
     for name, info in newest_entries(journal.root, listed).items():
         marks = markers.get(("head", name), [])
         found = trusted_marker(marks, seq_from_entry_key(info.key), info, journal.guard)
         if found is not None:
-            claims.append((found, info))
+            claims.append((*found, info))
     for name, info in live_tag_records(tags.root, listed).items():
         found = trusted_marker(markers.get(("tag", name), []), None, info, tags.guard)
         if found is not None:
-            claims.append((found, info))
+            claims.append((*found, info))
 
-    def actual(claim: tuple[Marker, ObjectInfo]) -> tuple[bool, str | None]:
-        marker, info = claim
+    def actual(claim: tuple[Marker, ObjectInfo, ObjectInfo]) -> tuple[bool, str | None]:
+        marker, _, info = claim
         try:
             if marker.kind == "head":
                 return True, journal.read_entry(info.key).snapshot
@@ -885,15 +886,13 @@ def marker_disagreements(journal: BranchJournal, tags: Tags) -> list[tuple[str, 
             return False, None  # gone meanwhile, or unreadable: fsck reports the record itself
 
     wrong = []
-    for (marker, info), (read, snapshot) in zip(claims, storage.map(actual, claims), strict=True):
+    for (marker, listed_as, info), (read, snapshot) in zip(
+        claims, storage.map(actual, claims), strict=True
+    ):
         if read and snapshot != marker.snapshot:
-            if marker.kind == "head":
-                key = head_marker_key(marker.name, marker.seq or 0, marker.snapshot, marker.guard)
-            else:
-                key = tag_marker_key(marker.name, marker.snapshot or "", marker.guard)
             wrong.append(
                 (
-                    journal.root + key,
+                    listed_as.key,
                     f"names snapshot {marker.snapshot or '(a deletion)'}, but {info.key} holds "
                     f"{snapshot or '(a deletion)'}",
                 )
@@ -916,10 +915,10 @@ def trusted_marker(
     seq: int | None,
     record: ObjectInfo,
     guard: str | None,
-) -> Marker | None:
-    """The marker that says what ``record`` (a branch's newest entry ``seq``, or a tag's
-    record: ``seq`` None) holds, among a ref's ``markers`` listed with it; None if a reader
-    must read the record.
+) -> tuple[Marker, ObjectInfo] | None:
+    """The marker, with its listed object, that says what ``record`` (a branch's newest entry
+    ``seq``, or a tag's record: ``seq`` None) holds, among a ref's ``markers`` listed with it;
+    None if a reader must read the record.
 
     Trusted only if exactly one marker names that entry, carries ``guard`` (this repository's
     id: never a deleted repository's, whose entry of the same number held something else) and
@@ -930,7 +929,7 @@ def trusted_marker(
         return None
     latest = record.modified + MARKER_LISTED_WINDOW
     found = [
-        marker
+        (marker, info)
         for marker, info in markers
         if marker.seq == seq
         and marker.guard == guard
