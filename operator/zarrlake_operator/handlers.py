@@ -23,7 +23,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import kopf
@@ -72,6 +74,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 _object_locks: dict[str, threading.Lock] = {}
 _object_locks_guard = threading.Lock()
+# Uids of the objects whose delete handler has finished, oldest first (the newest
+# :data:`FINISHED_KEPT`): a resync may still hold a body of one read before that (the watch's
+# view lags, and a Repository's resync takes its dependents from it), and must not act on it.
+_finished: OrderedDict[str, None] = OrderedDict()
+FINISHED_KEPT = 4096
 
 
 def serialized(body: Mapping[str, Any]) -> threading.Lock:
@@ -83,8 +90,33 @@ def serialized(body: Mapping[str, Any]) -> threading.Lock:
 
 
 def forget(body: kopf.Body) -> None:
+    """The object's delete handler has finished: drop its lock, and remember that it is gone."""
+    uid = body["metadata"]["uid"]
     with _object_locks_guard:
-        _object_locks.pop(body["metadata"]["uid"], None)
+        _object_locks.pop(uid, None)
+        _finished[uid] = None
+        while len(_finished) > FINISHED_KEPT:
+            _finished.popitem(last=False)
+
+
+@contextmanager
+def deleting(body: kopf.Body) -> Iterator[None]:
+    """Hold the object's lock for its delete handler; when the handler has finished, remember
+    the object gone (see :func:`going`) before a resync waiting for the lock takes it."""
+    with serialized(body):
+        yield
+        forget(body)
+
+
+def going(body: Mapping[str, Any]) -> bool:
+    """Whether the object is being deleted (or is gone): nothing but its delete handler may act
+    on it then. A resync that took a Branch's absent branch for drift would otherwise create it
+    again, after (or while) its delete handler deleted it."""
+    meta = body.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return True
+    with _object_locks_guard:
+        return meta.get("uid") in _finished
 
 
 def _seen(body: kopf.Body, event: kopf.RawEvent, kind: str) -> bool:
@@ -97,10 +129,12 @@ def _seen(body: kopf.Body, event: kopf.RawEvent, kind: str) -> bool:
     return deleted
 
 
-def _resync(kind: str, fn: Callable[..., object], body: Mapping[str, Any], **kwargs: Any) -> None:
+def resync(kind: str, fn: Callable[..., object], body: Mapping[str, Any], **kwargs: Any) -> None:
     """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
     try:
         with serialized(body):
+            if going(body):  # checked under the lock: a delete handler may have just finished
+                return
             metrics.instrumented(kind)(fn)(body, **kwargs)
     except kopf.TemporaryError as e:
         log.info("resync of %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], e)
@@ -166,7 +200,8 @@ async def _dependent_changed(
 
     def attempt() -> None:
         with serialized(body):
-            metrics.instrumented(kind)(fn)(body, **kwargs)
+            if not going(body):
+                metrics.instrumented(kind)(fn)(body, **kwargs)
 
     try:
         await _in_thread(attempt)
@@ -196,13 +231,15 @@ def _resync_dependents(repo_body: kopf.Body) -> None:
     """After a Repository's resync: reconcile those of its dependents whose status what it read
     does not confirm (see :func:`reconcile.dependents`). One failing does not stop the others."""
     for dependent in reconcile.dependents(repo_body):
+        if going(dependent.body):
+            continue
         outcome = "confirmed" if dependent.confirmed else "reconciled"
         metrics.DEPENDENTS_CHECKED.labels(dependent.kind, outcome).inc()
         if dependent.confirmed:
             continue
         fn, kwargs = RESYNCS[dependent.kind]
         try:
-            _resync(dependent.kind, fn, dependent.body, **kwargs)
+            resync(dependent.kind, fn, dependent.body, **kwargs)
         except Exception:
             meta = dependent.body["metadata"]
             log.exception("resync of %s %s/%s", dependent.kind, meta["namespace"], meta["name"])
@@ -226,7 +263,7 @@ def repository_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def repository_resync(body: kopf.Body, **_: Any) -> None:
-    _resync("Repository", reconcile.repository, body, resync=True)
+    resync("Repository", reconcile.repository, body, resync=True)
     _resync_dependents(body)
 
 
@@ -245,9 +282,8 @@ async def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> No
 @kopf.on.delete(*REPOSITORIES)
 @metrics.instrumented("Repository")
 def repository_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    with serialized(body):
+    with deleting(body):
         outcome = reconcile.delete_repository(body)
-    forget(body)
     _passed.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
     logger.info(outcome)
     kopf.info(body, reason="Reclaimed", message=outcome)
@@ -268,7 +304,7 @@ async def branch_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 @kopf.timer(*BRANCHES, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
 def branch_resync(body: kopf.Body, **_: Any) -> None:
     if not _covered(body):
-        _resync("Branch", reconcile.branch, body, resync=True)
+        resync("Branch", reconcile.branch, body, resync=True)
 
 
 @kopf.on.event(*BRANCHES)
@@ -279,9 +315,8 @@ async def branch_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
 @kopf.on.delete(*BRANCHES)
 @metrics.instrumented("Branch")
 def branch_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    with serialized(body):
+    with deleting(body):
         logger.info(reconcile.delete_branch(body))
-    forget(body)
 
 
 # -- Tag --
@@ -299,7 +334,7 @@ async def tag_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 @kopf.timer(*TAGS, interval=DEPENDENT_RESYNC_SECONDS, initial_delay=DEPENDENT_RESYNC_SECONDS)
 def tag_resync(body: kopf.Body, **_: Any) -> None:
     if not _covered(body):
-        _resync("Tag", reconcile.tag, body, resync=True)
+        resync("Tag", reconcile.tag, body, resync=True)
 
 
 @kopf.on.event(*TAGS)
@@ -310,9 +345,8 @@ async def tag_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> None:
 @kopf.on.delete(*TAGS)
 @metrics.instrumented("Tag")
 def tag_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    with serialized(body):
+    with deleting(body):
         logger.info(reconcile.delete_tag(body))
-    forget(body)
 
 
 # -- RetentionPolicy and its jobs --
@@ -333,7 +367,7 @@ async def policy_changed(body: kopf.Body, **_: Any) -> None:
 def policy_resync(body: kopf.Body, **_: Any) -> None:
     if not _covered(body):
         fn, kwargs = RESYNCS["RetentionPolicy"]
-        _resync("RetentionPolicy", fn, body, **kwargs)
+        resync("RetentionPolicy", fn, body, **kwargs)
 
 
 @kopf.on.event(*POLICIES)
@@ -424,15 +458,14 @@ def mirror_resync(body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
     if last is not None and time.monotonic() - last < interval:
         return
     _observed_now(body)
-    _resync("Mirror", reconcile.mirror, body, job_image=JOB_IMAGE)
+    resync("Mirror", reconcile.mirror, body, job_image=JOB_IMAGE)
 
 
 @kopf.on.delete(*MIRRORS)
 @metrics.instrumented("Mirror")
 def mirror_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    with serialized(body):
+    with deleting(body):
         outcome = reconcile.delete_mirror(body)
-    forget(body)
     metrics.forget_object("Mirror", body["metadata"]["namespace"], body["metadata"]["name"])
     _last_observed.pop(body["metadata"]["uid"], None)
     logger.info(outcome)

@@ -12,8 +12,8 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
 :class:`KubeEmulator` keeps its own object store and adds:
 
 * ``metadata.resourceVersion`` (a cluster-wide counter), ``uid``, ``creationTimestamp`` and
-  ``generation`` (+1 when anything outside ``metadata`` changes; ``status`` does not count
-  where it is a subresource);
+  ``generation`` (+1 when anything outside ``metadata`` changes, ``status`` not counted where
+  it is a subresource, and +1 when the object is marked for deletion);
 * create (201, 409 AlreadyExists), get, list (``<Kind>List``), ``labelSelector`` (equality and
   set-based) and ``fieldSelector`` (``=``/``==``/``!=``; any dotted field of a built-in kind,
   but of a custom resource only ``metadata.name``, ``metadata.namespace`` and the CRD's
@@ -2077,6 +2077,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             new = copy.deepcopy(obj)
             new["metadata"]["deletionTimestamp"] = _now()
             new["metadata"]["deletionGracePeriodSeconds"] = 0
+            # As kube-apiserver: marking an object for deletion changes what its controllers
+            # should do, so its generation moves on (a status "for its generation" is stale).
+            if new["metadata"].get("generation"):
+                new["metadata"]["generation"] += 1
             if res.key == NAMESPACE_KEY:
                 new["status"] = {**(new.get("status") or {}), "phase": "Terminating"}
             new["metadata"]["resourceVersion"] = self._next_rv()

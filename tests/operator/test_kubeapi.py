@@ -673,6 +673,8 @@ def test_finalizers_block_deletion_until_removed(api: Http) -> None:
     with api.watch(path, resourceVersion=rv, fieldSelector="metadata.name=fin") as take:
         deleting = api.ok("DELETE", f"{path}/fin")
         assert deleting["metadata"]["deletionTimestamp"]
+        # Marked for deletion: a new generation (kube-apiserver's rule; controllers act otherwise).
+        assert deleting["metadata"]["generation"] == obj["metadata"]["generation"] + 1
         (event,) = take(1)
         assert event["type"] == "MODIFIED" and event["object"]["metadata"]["deletionTimestamp"]
         assert api.ok("GET", f"{path}/fin")["metadata"]["finalizers"] == ["test/hold"]

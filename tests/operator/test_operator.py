@@ -290,6 +290,43 @@ def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
     wait_for("resource gone", lambda: k8s.get("Branch", "dev") is None)
 
 
+def test_a_branch_being_deleted_is_not_recreated_by_a_resync(k8s: Env) -> None:
+    """Between the operator's delete of a branch and the end of its Branch resource (another
+    finalizer still holds it here, as a slower controller's would), the branch is absent and
+    the resource still listed: its Repository's resyncs (every second here) must not take that
+    for a branch deleted behind the operator's back and recreate it."""
+    k8s.ready_repository()
+    repo = k8s.open_repository()
+    commit(repo, "main", 1.0, "base")
+    k8s.create(
+        {
+            "apiVersion": API,
+            "kind": "Branch",
+            "metadata": {"name": "held", "finalizers": ["tests.zarrlake.io/hold"]},
+            "spec": {"repository": "repo", "from": "main"},
+        }
+    )
+    k8s.wait_condition("Branch", "held")
+    assert "held" in repo.list_branches()
+    k8s.delete("Branch", "held")
+    wait_for("branch deleted", lambda: "held" not in repo.list_branches())
+
+    def repository_resyncs() -> float:
+        return _series(k8s, "zarrlake_operator_reconciles_total").get(("Repository", "ok"), 0)
+
+    # Each Repository resync then checks its dependents, this Branch among them.
+    seen = repository_resyncs()
+    wait_for("three Repository resyncs", lambda: repository_resyncs() >= seen + 3)
+    obj = k8s.get("Branch", "held")
+    assert obj is not None and obj["metadata"].get("deletionTimestamp"), obj
+    assert "held" not in repo.list_branches()
+    assert "BranchRecreated" not in k8s.event_reasons()
+
+    k8s.patch("Branch", "held", {"metadata": {"finalizers": None}})
+    wait_for("resource gone", lambda: k8s.get("Branch", "held") is None)
+    assert "held" not in repo.list_branches()
+
+
 def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
     k8s.ready_repository()
     k8s.custom("Branch", "first", {"repository": "repo", "name": "shared"})
