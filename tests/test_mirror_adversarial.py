@@ -339,27 +339,34 @@ def test_adversarial_replication_never_shows_an_incomplete_head_and_lag_stays_bo
     assert reads >= 20, reads
 
     # 3. Lag stays bounded: it does not grow with the number of source commits. Passes while
-    # the writer ran, first half against second half.
+    # the writer ran, first half against second half. The growth checks take both branches
+    # together (commits behind summed, seconds behind the larger) in each pass: a mirror
+    # falling steadily behind is ~3x as far behind in the second half on every branch, while
+    # one branch alone is noise (dev gets a third of the commits, a large one every 15: its
+    # mean swings from 2 to 7 commits between identical runs).
     during = [(t, s) for t, s in statuses if started <= t <= ended]
     middle = started + (ended - started) / 2
+    first = [s for t, s in during if t < middle]
+    second = [s for t, s in during if t >= middle]
+    assert len(first) >= 5 and len(second) >= 5, (len(first), len(second))
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    def behind(s: MirrorStatus) -> tuple[int, float]:
+        refs = [s.ref(b) for b in branches]
+        return sum(r.commits_behind for r in refs), max(r.seconds_behind for r in refs)
+
+    c1, s1 = (mean(x) for x in zip(*map(behind, first), strict=True))
+    c2, s2 = (mean(x) for x in zip(*map(behind, second), strict=True))
+    detail = f"commits behind {c1:.1f} -> {c2:.1f}, seconds {s1:.2f} -> {s2:.2f}"
+    assert c2 <= 2 * c1 + 3, detail
+    assert s2 <= 2 * s1 + 0.5, detail
     for branch in branches:
-        lag = [(t, s.ref(branch)) for t, s in during]
-        first = [r for t, r in lag if t < middle]
-        second = [r for t, r in lag if t >= middle]
-        assert len(first) >= 5 and len(second) >= 5, (len(first), len(second))
-
-        def mean(xs: list[float]) -> float:
-            return sum(xs) / len(xs)
-
-        c1, c2 = mean([r.commits_behind for r in first]), mean([r.commits_behind for r in second])
-        s1, s2 = mean([r.seconds_behind for r in first]), mean([r.seconds_behind for r in second])
-        worst = max(r.seconds_behind for _, r in lag)
-        detail = f"{branch}: commits behind {c1:.1f} -> {c2:.1f}, seconds {s1:.2f} -> {s2:.2f}"
-        assert c2 <= 2 * c1 + 3, detail
-        assert s2 <= 2 * s1 + 0.5, detail
         # Bounded by the replication delay (at most ~1.3 s here) plus a few passes, not by the
         # length of the run: a mirror that stalled would be ~run_for seconds behind.
-        assert worst < 0.6 * run_for, f"{detail}; worst {worst:.2f} s"
+        worst = max(s.ref(branch).seconds_behind for _, s in during)
+        assert worst < 0.6 * run_for, f"{branch}: worst {worst:.2f} s; {detail}"
 
     assert mirror_repo.fsck().ok
     for branch in branches:
