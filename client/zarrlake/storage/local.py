@@ -186,16 +186,19 @@ class LocalStorage(Storage):
         # Walk only the directory that can hold the prefix, one directory's names in memory at a
         # time: a listing of a million chunk objects must not hold a million entries.
         base_dir, _, _ = prefix.rpartition("/")
-        start = self.root / base_dir if base_dir else self.root
+        start = self._root_slash + base_dir if base_dir else self._root_slash
         return self._walk(start, base_dir + "/" if base_dir else "", prefix)
 
-    def _walk(self, path: Path, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+    def _walk(self, path: str, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        # Paths as strings, from the directory entries: a pathlib join and its conversion back
+        # per name cost more than the stat itself (a fresh client's refs(), 1,001 journal
+        # entries, 100 branches and 100 tags: 11.3 -> 6.9 ms).
         try:
             with os.scandir(path) as it:
                 entries = [
-                    (e.name + "/", e.name, True, e.is_symlink())
+                    (e.name + "/", e.name, e.path, True, e.is_symlink())
                     if e.is_dir()
-                    else (e.name, e.name, False, False)
+                    else (e.name, e.name, e.path, False, False)
                     for e in it
                 ]
         except (FileNotFoundError, NotADirectoryError):
@@ -205,20 +208,21 @@ class LocalStorage(Storage):
         # is made once per name, as the entry is read (a key function per name cost more than the
         # sort: finding a branch head in a journal of 1,002 entries 789 -> 488 us).
         entries.sort(key=_sort_key)
-        for _, name, is_dir, is_link in entries:
+        stat, fromtimestamp, utc = os.stat, dt.datetime.fromtimestamp, dt.UTC
+        for _, name, full, is_dir, is_link in entries:
             key = rel + name
             if is_dir:
                 sub = key + "/"
                 if is_link or (not rel and name == _TMP):
                     continue
                 if sub.startswith(prefix) or prefix.startswith(sub):
-                    yield from self._walk(path / name, sub, prefix)
+                    yield from self._walk(full, sub, prefix)
             elif key.startswith(prefix):
                 try:
-                    st = os.stat(path / name)
+                    st = stat(full)
                 except FileNotFoundError:
                     continue  # deleted since the directory was read
-                yield ObjectInfo(key, st.st_size, dt.datetime.fromtimestamp(st.st_mtime, dt.UTC))
+                yield ObjectInfo(key, st.st_size, fromtimestamp(st.st_mtime, utc))
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         path = self.root / prefix if prefix else self.root
