@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import pickle
+import random
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import zarr
@@ -24,15 +27,19 @@ from zarrlake.format.ids import new_snapshot_id
 from zarrlake.format.model import (
     LAYOUT_KEY,
     Marker,
+    branch_entry_key,
     head_marker_key,
     parse_marker_key,
+    tag_key,
     tag_marker_key,
+    tag_tombstone_key,
 )
 from zarrlake.maintenance.gc import gc_roots
 from zarrlake.refs import (
     MARKER_LISTED_WINDOW,
     MARKER_WRITE_WINDOW_S,
     listed_markers,
+    live_tag_records,
     new_writer_id,
     newest_entries,
     write_marker,
@@ -367,3 +374,50 @@ def test_a_short_lived_writer_leaves_no_marker_of_an_earlier_head(tmp_path: Path
     dev = [(m.seq, m.snapshot) for m in _markers(repo.storage) if m.name == "dev"]
     assert dev == [(1, second)]  # not (0, first) beside it
     assert first != second
+
+
+# -- reading a listing of the refs, in any order ---------------------------------------------------
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    journals=st.dictionaries(
+        st.sampled_from(["a", "a.b", "main", "m/x", "50%", "z"]),
+        st.sets(st.integers(0, 40), min_size=1, max_size=12),
+        max_size=4,
+    ),
+    tags=st.dictionaries(st.sampled_from(["t", "t.1", "v/2"]), st.booleans(), max_size=3),
+    stray=st.lists(st.sampled_from(["refs/branch.a/zz", "refs/branch.a/0", "refs/.probe"])),
+    root=st.sampled_from(["", "mirror/"]),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_listing_is_read_the_same_in_any_order(
+    journals: dict[str, set[int]],
+    tags: dict[str, bool],
+    stray: list[str],
+    root: str,
+    order: random.Random,
+) -> None:
+    """The newest entry of each journal, the live tags and the markers, from a listing's objects
+    in the listing's order (the skips that make a long journal cheap rely on it) or in any
+    other, and with keys no ref has."""
+    when = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
+    guard = str(uuid.UUID(int=7))
+    snap = new_snapshot_id()
+    keys = [branch_entry_key(name, seq) for name, seqs in journals.items() for seq in seqs]
+    keys += [head_marker_key(name, max(seqs), snap, guard) for name, seqs in journals.items()]
+    for name, deleted in tags.items():
+        keys += [tag_key(name), tag_marker_key(name, snap, guard)]
+        keys += [tag_tombstone_key(name)] if deleted else []
+    infos = [zarrlake.storage.base.ObjectInfo(root + k, 0, when) for k in keys + stray]
+    listing = sorted(infos, key=lambda i: i.key)
+    shuffled = list(listing)
+    order.shuffle(shuffled)
+    want_heads = {name: root + branch_entry_key(name, max(seqs)) for name, seqs in journals.items()}
+    want_tags = {name for name, deleted in tags.items() if not deleted}
+    for listed in (listing, shuffled):
+        assert {n: i.key for n, i in newest_entries(root, listed).items()} == want_heads
+        assert set(live_tag_records(root, listed)) == want_tags
+        marks = listed_markers(root, listed)
+        assert {n for kind, n in marks if kind == "head"} == set(want_heads)
+        assert {n for kind, n in marks if kind == "tag"} == set(tags)

@@ -758,7 +758,10 @@ def live_tag_records(root: str, listed: Iterable[ObjectInfo]) -> dict[str, Objec
     tombstone among them. Other keys (journal entries, the write probe) are left out."""
     records: dict[str, ObjectInfo] = {}
     deleted: set[str] = set()
+    tags = root + TAG_KEYS
     for info in listed:
+        if not info.key.startswith(tags):
+            continue  # journal entries and head markers, most of a listing of the refs
         parsed = parse_ref_key(info.key[len(root) :])
         if parsed is None or parsed[0] == "branch":
             continue
@@ -774,13 +777,21 @@ def newest_entries(root: str, listed: Iterable[ObjectInfo]) -> dict[str, ObjectI
     entry names are fixed-width in one folder, so the smallest key is the newest. Other keys
     (tags, the write probe) are left out."""
     newest: dict[str, ObjectInfo] = {}
+    entries = root + BRANCH_KEYS
+    folder, last = "", None  # the journal of the entry before, and its newest entry so far
     for info in listed:
-        parsed = parse_ref_key(info.key[len(root) :])
+        key = info.key
+        if not key.startswith(entries):
+            continue
+        if last is not None and key >= last.key and key.startswith(folder):
+            continue  # an older entry of the same journal (a listing shows them in a row)
+        parsed = parse_ref_key(key[len(root) :])
         if parsed is None or parsed[0] != "branch":
             continue
         seen = newest.get(parsed[1])
-        if seen is None or info.key < seen.key:
-            newest[parsed[1]] = info
+        if seen is None or key < seen.key:
+            newest[parsed[1]] = seen = info
+        folder, last = key[: key.rindex("/") + 1], seen
     return newest
 
 
@@ -903,7 +914,10 @@ def marker_disagreements(journal: BranchJournal, tags: Tags) -> list[tuple[str, 
 def listed_markers(root: str, listed: Iterable[ObjectInfo]) -> Markers:
     """The markers among ``listed`` objects (keys with ``root``), by ref."""
     markers: Markers = {}
+    kinds = (root + HEAD_MARKER_KEYS, root + TAG_KEYS + "id.")
     for info in listed:
+        if not info.key.startswith(kinds):
+            continue  # journal entries, tag records: most of a listing of the refs
         marker = parse_marker_key(info.key[len(root) :])
         if marker is not None:
             markers.setdefault((marker.kind, marker.name), []).append((marker, info))
