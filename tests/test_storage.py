@@ -1215,7 +1215,7 @@ def test_map_reads_runs_in_place_where_reads_are_cheap_and_keeps_order(storage: 
         assert threading.get_ident() not in threads
 
 
-def test_read_ahead_starts_a_read_where_reads_are_slow_and_waits_where_they_are_cheap(
+def test_start_read_starts_a_read_where_reads_are_slow_and_waits_where_they_are_cheap(
     storage: Storage,
 ) -> None:
     # log() lists the expiry marks while it finds a branch head: over a network the read starts
@@ -1229,7 +1229,7 @@ def test_read_ahead_starts_a_read_where_reads_are_slow_and_waits_where_they_are_
         started.set()
         return storage.get("k")
 
-    result = storage.read_ahead(read)
+    result = storage.start_read(read)
     if storage.inline_read_bytes:
         assert not started.is_set()
         assert result() == b"v" and threads == [threading.get_ident()]
@@ -1242,7 +1242,7 @@ def test_read_ahead_starts_a_read_where_reads_are_slow_and_waits_where_they_are_
         return storage.get("nope")
 
     with pytest.raises(ObjectNotFound):
-        storage.read_ahead(missing)()
+        storage.start_read(missing)()
 
 
 def test_map_writes_runs_a_small_round_in_place_where_writes_are_cheap(storage: Storage) -> None:

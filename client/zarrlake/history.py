@@ -373,7 +373,7 @@ class CommitGraph:
         head is found, instead of after it (the same requests, a round trip less of waiting)."""
         marks = None
         if limit is None or limit > 1:
-            marks = self.objects.storage.read_ahead(
+            marks = self.objects.storage.start_read(
                 functools.partial(self.expiry.expired, refresh=True)
             )
         return self.log(self.resolve(ref), limit=limit, marks=marks)

@@ -580,7 +580,7 @@ class Storage(abc.ABC):
             return [fn(x) for x in items]
         return self.map(fn, items)
 
-    def read_ahead(self, fn: Callable[[], T]) -> Callable[[], T]:
+    def start_read(self, fn: Callable[[], T]) -> Callable[[], T]:
         """Start the read ``fn`` now, to overlap what the caller does next; returns the function
         that gives its result (or raises its error). Where small reads cost less than a thread
         hand-off (:meth:`map_reads` runs them in place) nothing starts: ``fn`` runs when its
