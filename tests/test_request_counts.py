@@ -257,6 +257,14 @@ def test_log_reads_the_head_then_one_round_of_history_pages(
         assert calls[:2] == head  # in place, one after another
     # The pages are read once the head's snapshot has named them.
     assert all(calls.index(c) > calls.index(head[1]) for c in rest if c[0] == "get")
+    if commits > 1_000:
+        # A journal past one listing page (the 8-day prune floor keeps a busy branch's entries)
+        # is still listed whole by list_branches, not read a branch at a time.
+        fresh = zarrlake.Repository.open(counted())
+        counts.reset()
+        assert fresh.list_branches() == {"main": ids[0]}
+        assert sorted(counts.calls()[:2]) == BRANCH_LISTINGS
+        assert "list_dirs" not in counts.by_op()
 
 
 def test_log_lists_the_expiry_marks_while_it_finds_the_head(
@@ -599,9 +607,9 @@ def test_list_tags_is_one_listing_and_a_read_of_each_new_record(
 def test_list_branches_reads_long_journals_a_branch_at_a_time(
     counted: Callable[[], CountingStorage], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Journals holding more entries together than one listing page (compaction prunes them)
-    cost more pages listed whole than a listing per branch does: past the bound, the listing
-    stops and each branch's head is found on its own, with the same answer."""
+    """Journals holding more entries together than a few listing pages (compaction prunes them
+    past the 8-day floor) cost more pages listed whole than a listing per branch does: past the
+    bound, the listing stops and each branch's head is found on its own, with the same answer."""
     _repo_with_commits(counted, 2)  # main's journal: 3 entries
     writer = zarrlake.Repository.open(counted())
     writer.create_branch("dev")
