@@ -12,7 +12,8 @@ operator's back, a tag deleted, a bucket or repository gone, a lock Deployment o
 edited by hand — while a resting fleet costs one listing per repository and interval. Each
 dependent also has a slow timer (``ZARRLAKE_DEPENDENT_RESYNC_SECONDS``, ten intervals by default)
 that resyncs it only if no resync of its Repository covered it in the last two intervals (its
-Repository is missing, say).
+Repository is missing, say). Nothing but its delete handler acts on an object being deleted:
+no resync, and no resync of a Repository's dependents while that Repository is going.
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ def forget(body: kopf.Body) -> None:
 @contextmanager
 def deleting(body: kopf.Body) -> Iterator[None]:
     """Hold the object's lock for its delete handler; when the handler has finished, remember
-    the object gone (see :func:`going`) before a resync waiting for the lock takes it."""
+    the object gone (see :func:`being_deleted`) before a resync waiting for the lock takes it."""
     with serialized(body):
         yield
         forget(body)
 
 
-def going(body: Mapping[str, Any]) -> bool:
+def being_deleted(body: Mapping[str, Any]) -> bool:
     """Whether the object is being deleted (or is gone): nothing but its delete handler may act
     on it then. A resync that took a Branch's absent branch for drift would otherwise create it
     again, after (or while) its delete handler deleted it."""
@@ -130,10 +131,16 @@ def _seen(body: kopf.Body, event: kopf.RawEvent, kind: str) -> bool:
 
 
 def resync(kind: str, fn: Callable[..., object], body: Mapping[str, Any], **kwargs: Any) -> None:
-    """A timer tick: the change handlers own retries, so a tick reports, counts and moves on."""
+    """A timer tick: ``fn(body, **kwargs)`` under the object's lock, counted in the metrics of
+    ``kind``. The change handlers own retries, so a tick reports and moves on: a
+    :class:`kopf.TemporaryError` is logged, a :class:`kopf.PermanentError` left to the condition
+    the reconcile set, anything else raised. Nothing happens for an object being deleted, or
+    whose delete handler has finished (:func:`being_deleted`)."""
+    if being_deleted(body):  # before the lock too: a gone object's lock is not made again
+        return
     try:
         with serialized(body):
-            if going(body):  # checked under the lock: a delete handler may have just finished
+            if being_deleted(body):  # again under the lock: its delete handler may have run
                 return
             metrics.instrumented(kind)(fn)(body, **kwargs)
     except kopf.TemporaryError as e:
@@ -200,7 +207,9 @@ async def _dependent_changed(
 
     def attempt() -> None:
         with serialized(body):
-            if not going(body):
+            # Defensive: Kopf runs no change handler on a marked body, nor one beside the
+            # object's delete handler.
+            if not being_deleted(body):
                 metrics.instrumented(kind)(fn)(body, **kwargs)
 
     try:
@@ -231,7 +240,7 @@ def _resync_dependents(repo_body: kopf.Body) -> None:
     """After a Repository's resync: reconcile those of its dependents whose status what it read
     does not confirm (see :func:`reconcile.dependents`). One failing does not stop the others."""
     for dependent in reconcile.dependents(repo_body):
-        if going(dependent.body):
+        if being_deleted(dependent.body):
             continue
         outcome = "confirmed" if dependent.confirmed else "reconciled"
         metrics.DEPENDENTS_CHECKED.labels(dependent.kind, outcome).inc()
@@ -263,6 +272,10 @@ def repository_changed(body: kopf.Body, **_: Any) -> None:
 
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def repository_resync(body: kopf.Body, **_: Any) -> None:
+    if being_deleted(body):
+        # Kopf lets a tick that began before the mark run on beside the delete handler: its
+        # dependents' reconciles would open a repository that is being reclaimed.
+        return
     resync("Repository", reconcile.repository, body, resync=True)
     _resync_dependents(body)
 
@@ -388,7 +401,8 @@ RESYNCS: dict[str, tuple[Callable[..., object], dict[str, Any]]] = {
 
 @kopf.on.delete(*POLICIES, optional=True)  # optional: no finalizer; children go by owner
 def policy_deleted(body: kopf.Body, **_: Any) -> None:
-    forget(body)
+    with deleting(body):
+        pass  # nothing to delete: a tick waiting for the lock finds the policy gone
 
 
 @kopf.on.event("batch", "v1", "cronjobs", labels={desired.POLICY_LABEL: kopf.PRESENT})
@@ -455,7 +469,7 @@ def mirror_resync(body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
     except ValidationError:
         interval = RESYNC_SECONDS
     last = _last_observed.get(body["metadata"]["uid"])
-    if last is not None and time.monotonic() - last < interval:
+    if being_deleted(body) or (last is not None and time.monotonic() - last < interval):
         return
     _observed_now(body)
     resync("Mirror", reconcile.mirror, body, job_image=JOB_IMAGE)

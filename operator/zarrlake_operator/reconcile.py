@@ -249,6 +249,11 @@ def _ready_repository(
             message=f"Repository {repository!r} does not exist in namespace {ns!r}",
         )
         raise RepositoryNotReady(f"Repository {repository!r} not found", repository, 15)
+    if (repo_body.get("metadata") or {}).get("deletionTimestamp"):
+        # Its reclaimPolicy decides what becomes of the data: nothing is written into it now.
+        message = f"Repository {repository!r} is being deleted"
+        _report_waiting(body, reason="RepositoryDeleting", message=message)
+        raise RepositoryNotReady(message, repository, 15)
     if _read_only(repo_body):
         # The provider is immutable: this does not change by waiting.
         message = (

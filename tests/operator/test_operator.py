@@ -327,6 +327,49 @@ def test_a_branch_being_deleted_is_not_recreated_by_a_resync(k8s: Env) -> None:
     assert "held" not in repo.list_branches()
 
 
+def test_nothing_is_written_into_a_repository_being_deleted(k8s: Env) -> None:
+    """A Branch made while its Repository is being deleted (another finalizer still holds it
+    after the operator's delete handler ran) waits, and says why: the Repository's
+    reclaimPolicy decides what becomes of the data, and nothing new goes into it."""
+    k8s.secret()
+    k8s.create(
+        {
+            "apiVersion": API,
+            "kind": "Repository",
+            "metadata": {"name": "repo", "finalizers": ["tests.zarrlake.io/hold"]},
+            "spec": {
+                "storage": {
+                    "bucket": f"zl-{k8s.namespace}-repo",
+                    "prefix": "repos/repo",
+                    "endpointURL": k8s.s3_endpoint,
+                    "region": "us-east-1",
+                    "provision": True,
+                    "credentialsSecret": {"name": "s3-creds"},
+                },
+                "lockService": {"mode": "none"},
+                "reclaimPolicy": "Retain",
+            },
+        }
+    )
+    k8s.wait_condition("Repository", "repo")
+    repo = k8s.open_repository()
+    k8s.delete("Repository", "repo")
+    wait_for(
+        "the operator's delete handler done",
+        lambda: (
+            (o := k8s.get("Repository", "repo"))
+            and o["metadata"].get("finalizers") == ["tests.zarrlake.io/hold"]
+        ),
+    )
+    k8s.custom("Branch", "late", {"repository": "repo"})
+    obj = k8s.wait_condition("Branch", "late", "Ready", "False")
+    assert condition(obj, "Ready")["reason"] == "RepositoryDeleting", obj["status"]
+    assert "late" not in repo.list_branches()
+    k8s.patch("Repository", "repo", {"metadata": {"finalizers": None}})
+    wait_for("Repository gone", lambda: k8s.get("Repository", "repo") is None)
+    assert list(repo.list_branches()) == ["main"]  # Retain: the data stays, as it was
+
+
 def test_two_branch_resources_for_one_branch_the_older_wins(k8s: Env) -> None:
     k8s.ready_repository()
     k8s.custom("Branch", "first", {"repository": "repo", "name": "shared"})
