@@ -73,12 +73,15 @@ _PROBES = 2
 #: read per branch) and two requests per branch. The 8-day prune floor keeps every entry of that
 #: long, so a repository committing every few minutes is past one page (a fresh client, 1,001
 #: entries in main's journal and 100 branches: 948 ms a branch at a time on moto, 217 ms in two
-#: pages; locally 17.0 and 5.0 ms). Longer journals are read a branch at a time.
+#: pages; locally 17.0 and 5.0 ms). Longer journals are read a branch at a time, after the
+#: five pages that showed them longer.
 HEADS_FROM_ONE_LISTING = 4000
 #: The prefix of every branch journal's entries (``refs/branch.<name>/<seq>``).
 BRANCH_KEYS = REFS_PREFIX + "branch."
 #: The prefix of every branch's head markers (``refs/head.<name>/…``).
 HEAD_MARKER_KEYS = REFS_PREFIX + "head."
+#: The prefix of every tag's marker (``refs/tagid.<name>.…``).
+TAG_MARKER_KEYS = REFS_PREFIX + "tagid."
 #: A head marker is written at most this long after its entry (a write that waited longer is
 #: dropped: the reader reads that head) ...
 MARKER_WRITE_WINDOW_S = 5.0
@@ -918,7 +921,7 @@ def marker_disagreements(journal: BranchJournal, tags: Tags) -> list[tuple[str, 
 def listed_markers(root: str, listed: Iterable[ObjectInfo]) -> Markers:
     """The markers among ``listed`` objects (keys with ``root``), by ref."""
     markers: Markers = {}
-    kinds = (root + HEAD_MARKER_KEYS, root + TAG_KEYS + "id.")
+    kinds = (root + HEAD_MARKER_KEYS, root + TAG_MARKER_KEYS)
     for info in listed:
         if not info.key.startswith(kinds):
             continue  # journal entries, tag records: most of a listing of the refs
