@@ -1186,8 +1186,11 @@ def retention_policy(
         )
         raise refuse(body, message)
     _gauge_runs(ns, body["metadata"]["name"], observed(RetentionPolicyStatus, body))
-    if kube.cached("Repository", ns, spec.repository) is None:
-        _suspend_cron_jobs(body)
+    found = kube.cached("Repository", ns, spec.repository)
+    if found is None:
+        _suspend_cron_jobs(body, "Repository not found")
+    elif (found.get("metadata") or {}).get("deletionTimestamp"):
+        _suspend_cron_jobs(body, "Repository being deleted")
     repo_body, _ = _ready_repository(body, spec.repository)
     engine = retention_engine(spec)
     cron_jobs: dict[str, dict[str, Any]] = {}
@@ -1325,8 +1328,9 @@ def _spark_apps(policy: Mapping[str, Any]) -> list[dict[str, Any]]:
         raise
 
 
-def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:
-    """The Repository is gone: its jobs could only fail, so they pause until it is back."""
+def _suspend_cron_jobs(policy: Mapping[str, Any], why: str) -> None:
+    """The Repository is gone or going (``why``): its jobs could only fail, or would work on
+    data its reclaimPolicy is deciding about, so they pause until it is back."""
     ns, name, _ = _meta(policy)
     kinds = ["CronJob"]
     if kube.served(desired.SPARK_API_VERSION, "scheduledsparkapplications"):
@@ -1338,7 +1342,7 @@ def _suspend_cron_jobs(policy: Mapping[str, Any]) -> None:
                 _event(
                     policy,
                     f"{kind}Suspended",
-                    f"suspended {kind} {cron['metadata']['name']}: Repository not found",
+                    f"suspended {kind} {cron['metadata']['name']}: {why}",
                     warning=True,
                 )
 

@@ -329,8 +329,9 @@ def test_a_branch_being_deleted_is_not_recreated_by_a_resync(k8s: Env) -> None:
 
 def test_nothing_is_written_into_a_repository_being_deleted(k8s: Env) -> None:
     """A Branch made while its Repository is being deleted (another finalizer still holds it
-    after the operator's delete handler ran) waits, and says why: the Repository's
-    reclaimPolicy decides what becomes of the data, and nothing new goes into it."""
+    after the operator's delete handler ran) waits, and says why, and its RetentionPolicy's jobs
+    are suspended: the Repository's reclaimPolicy decides what becomes of the data, and nothing
+    new goes into it."""
     k8s.secret()
     k8s.create(
         {
@@ -353,6 +354,9 @@ def test_nothing_is_written_into_a_repository_being_deleted(k8s: Env) -> None:
     )
     k8s.wait_condition("Repository", "repo")
     repo = k8s.open_repository()
+    k8s.custom("RetentionPolicy", "p", {"repository": "repo", "gc": {"schedule": "@daily"}})
+    cron = k8s.wait_condition("RetentionPolicy", "p")["status"]["gcCronJob"]
+    assert not k8s.get("CronJob", cron)["spec"].get("suspend")
     k8s.delete("Repository", "repo")
     wait_for(
         "the operator's delete handler done",
@@ -365,6 +369,10 @@ def test_nothing_is_written_into_a_repository_being_deleted(k8s: Env) -> None:
     obj = k8s.wait_condition("Branch", "late", "Ready", "False")
     assert condition(obj, "Ready")["reason"] == "RepositoryDeleting", obj["status"]
     assert "late" not in repo.list_branches()
+    # Its policy's GC would work on data the reclaimPolicy is deciding about: suspended now.
+    wait_for("CronJob suspended", lambda: k8s.get("CronJob", cron)["spec"].get("suspend"))
+    obj = k8s.wait_condition("RetentionPolicy", "p", "Ready", "False")
+    assert condition(obj, "Ready")["reason"] == "RepositoryDeleting", obj["status"]
     k8s.patch("Repository", "repo", {"metadata": {"finalizers": None}})
     wait_for("Repository gone", lambda: k8s.get("Repository", "repo") is None)
     assert list(repo.list_branches()) == ["main"]  # Retain: the data stays, as it was
