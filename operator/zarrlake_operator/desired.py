@@ -81,6 +81,12 @@ def owned_metadata(owner: Mapping[str, Any], name: str, labels: dict[str, str]) 
     }
 
 
+def marked_for_deletion(body: Mapping[str, Any]) -> bool:
+    """Whether the API server has marked the object for deletion (``deletionTimestamp``): its
+    finalizers are running, and no controller may act on it but to finish deleting it."""
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+
+
 def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
     """An owner reference to a resource: its children are deleted with it (Kubernetes GC)."""
     meta = body["metadata"]
@@ -1148,7 +1154,7 @@ def claim_winner(
     Resources being deleted do not win, except when asking who owned the ref until now
     (``include_deleting``): the owner's deletion deletes the ref, a loser's leaves it.
     """
-    live = [c for c in claims if include_deleting or not c["metadata"].get("deletionTimestamp")]
+    live = [c for c in claims if include_deleting or not marked_for_deletion(c)]
     if not live:
         return None
     oldest = min(

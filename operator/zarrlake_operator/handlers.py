@@ -113,11 +113,10 @@ def being_deleted(body: Mapping[str, Any]) -> bool:
     """Whether the object is being deleted (or is gone): nothing but its delete handler may act
     on it then. A resync that took a Branch's absent branch for drift would otherwise create it
     again, after (or while) its delete handler deleted it."""
-    meta = body.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    if desired.marked_for_deletion(body):
         return True
     with _object_locks_guard:
-        return meta.get("uid") in _finished
+        return (body.get("metadata") or {}).get("uid") in _finished
 
 
 def _seen(body: kopf.Body, event: kopf.RawEvent, kind: str) -> bool:
@@ -207,10 +206,7 @@ async def _dependent_changed(
 
     def attempt() -> None:
         with serialized(body):
-            # Defensive: Kopf runs no change handler on a marked body, nor one beside the
-            # object's delete handler.
-            if not being_deleted(body):
-                metrics.instrumented(kind)(fn)(body, **kwargs)
+            metrics.instrumented(kind)(fn)(body, **kwargs)
 
     try:
         await _in_thread(attempt)

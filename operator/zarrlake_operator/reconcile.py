@@ -249,7 +249,7 @@ def _ready_repository(
             message=f"Repository {repository!r} does not exist in namespace {ns!r}",
         )
         raise RepositoryNotReady(f"Repository {repository!r} not found", repository, 15)
-    if (repo_body.get("metadata") or {}).get("deletionTimestamp"):
+    if desired.marked_for_deletion(repo_body):
         # Its reclaimPolicy decides what becomes of the data: nothing is written into it now.
         message = f"Repository {repository!r} is being deleted"
         _report_waiting(body, reason="RepositoryDeleting", message=message)
@@ -1051,7 +1051,7 @@ def _owned_ref_repository(body: Mapping[str, Any], kind: str) -> tuple[Repositor
     found = kube.get("Repository", ns, repository) if repository else None
     if found is None or not repository:
         return None, "the Repository is gone; nothing to delete"
-    if (found.get("metadata") or {}).get("deletionTimestamp"):
+    if desired.marked_for_deletion(found):
         return None, "the Repository is being deleted; its reclaimPolicy decides for its refs"
     if _read_only(found):
         return None, "the Repository is read-only; nothing to delete"
@@ -1189,7 +1189,7 @@ def retention_policy(
     found = kube.cached("Repository", ns, spec.repository)
     if found is None:
         _suspend_cron_jobs(body, "Repository not found")
-    elif (found.get("metadata") or {}).get("deletionTimestamp"):
+    elif desired.marked_for_deletion(found):
         _suspend_cron_jobs(body, "Repository being deleted")
     repo_body, _ = _ready_repository(body, spec.repository)
     engine = retention_engine(spec)
