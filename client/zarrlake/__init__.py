@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
 from zarrlake.config import RepositoryConfig
@@ -58,27 +59,36 @@ from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
 
 if TYPE_CHECKING:
+    from zarrlake.dask import to_zarrlake
     from zarrlake.locks import LocalLock, RedisLock
+    from zarrlake.mirror import Mirror, MirrorStatus
+    from zarrlake.spark import read_array, write_partitions
     from zarrlake.store import ZarrlakeStore
 
 __version__ = "0.1.0"
 
+# Loaded when first asked for (``zarrlake.Mirror``, ``from zarrlake import to_zarrlake``): the
+# Zarr store adapter imports zarr (slow), a build may leave the lock service out (the CLI then
+# says so), and the rest need not cost every ``import zarrlake``. Name -> its module.
+_LAZY = {
+    "ZarrlakeStore": "zarrlake.store",
+    "RedisLock": "zarrlake.locks",
+    "LocalLock": "zarrlake.locks",
+    "Mirror": "zarrlake.mirror",
+    "MirrorStatus": "zarrlake.mirror",
+    "to_zarrlake": "zarrlake.dask",
+    "read_array": "zarrlake.spark",
+    "write_partitions": "zarrlake.spark",
+}
+#: Submodules that ``zarrlake.<name>`` reaches after a plain ``import zarrlake``.
+_SUBMODULES = frozenset({"dask", "k8s", "locks", "maintenance", "mirror", "spark", "store"})
 
-def __getattr__(name: str) -> type[ZarrlakeStore] | type[RedisLock] | type[LocalLock]:
-    # Loaded when first asked for: the Zarr store adapter imports zarr (slow), and a build may
-    # leave the lock service out (the CLI then says so).
-    if name == "ZarrlakeStore":
-        from zarrlake.store import ZarrlakeStore
 
-        return ZarrlakeStore
-    if name == "RedisLock":
-        from zarrlake.locks import RedisLock
-
-        return RedisLock
-    if name == "LocalLock":
-        from zarrlake.locks import LocalLock
-
-        return LocalLock
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zarrlake.{name}")
     raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
 
 
@@ -109,6 +119,8 @@ __all__ = [
     "LockTimeout",
     "LockUnavailable",
     "MergeConflictError",
+    "Mirror",
+    "MirrorStatus",
     "NotMirrored",
     "NothingToCommit",
     "ObjectNotFound",
@@ -137,4 +149,7 @@ __all__ = [
     "WritableSessionPickled",
     "ZarrlakeError",
     "ZarrlakeStore",
+    "read_array",
+    "to_zarrlake",
+    "write_partitions",
 ]

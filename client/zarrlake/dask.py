@@ -68,10 +68,11 @@ _REFUSED = ("store", "compute", "chunkmanager_store_kwargs", "storage_options")
 
 
 def to_zarrlake(
-    obj: Any, session: Session, group: str | None = None, **to_zarr_kwargs: Any
+    ds_or_dask_array: Any, session: Session, group: str | None = None, **to_zarr_kwargs: Any
 ) -> None:
-    """Write ``obj`` (an xarray Dataset or DataArray, or a dask array) into ``session``, from
-    whichever dask scheduler is active (threads, processes, distributed), then ``commit``.
+    """Write ``ds_or_dask_array`` (an xarray Dataset or DataArray, or a dask array) into
+    ``session``, from whichever dask scheduler is active (threads, processes, distributed), then
+    ``commit``.
 
     For xarray objects, ``to_zarr_kwargs`` are those of ``Dataset.to_zarr`` (``mode``,
     ``append_dim``, ``region``, ``encoding``, ``zarr_format``, ``consolidated``, ``safe_chunks``,
@@ -104,7 +105,7 @@ def to_zarrlake(
     # append must not grow the arrays twice, nor a commit publish half of it).
     before = session.savepoint()
     try:
-        targets = _prepare(obj, session, group, to_zarr_kwargs)
+        targets = _prepare(ds_or_dask_array, session, group, to_zarr_kwargs)
         if targets:
             changesets = _write_blocks(session, targets)
             session.merge(*[cs for cs in changesets if not cs.is_empty()])

@@ -167,7 +167,7 @@ class _Pass:
 
 
 class Mirror:
-    """A read-only replica of ``source`` at ``destination`` that shows only complete commits.
+    """A read-only replica of ``source_repo`` at ``destination`` that shows only complete commits.
 
     ``branches``: names or globs of the branches to mirror (default: all); ``tags``: mirror
     every tag too. ``copy=True``: copy missing objects from the source (any two backends: local
@@ -178,7 +178,7 @@ class Mirror:
     source) and opens with :meth:`Repository.open` like any repository, read-only: every write
     raises :class:`ReadOnlyError`. Raises :class:`RepositoryExists` if the destination holds
     another repository or mirrors another one (or is the source itself). With ``create=False``
-    nothing is written there: a destination that is not yet a mirror of ``source`` raises
+    nothing is written there: a destination that is not yet a mirror of ``source_repo`` raises
     :class:`RepositoryNotFound` (what ``zarrlake mirror status`` wants).
 
     ``lock`` (a lock service or its URL, as for :class:`Repository`): :meth:`run` acts only while
@@ -191,7 +191,7 @@ class Mirror:
 
     def __init__(
         self,
-        source: Repository,
+        source_repo: Repository,
         destination: Storage | str,
         *,
         branches: Sequence[str] | None = None,
@@ -201,7 +201,7 @@ class Mirror:
         create: bool = True,
         lock: RedisLock | LocalLock | str | None = None,
     ) -> None:
-        self.source = source
+        self.source = source_repo
         self.destination = (
             Storage.from_url(destination) if isinstance(destination, str) else destination
         )
