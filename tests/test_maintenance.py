@@ -1700,4 +1700,4 @@ def test_fsck_reads_every_tag_record_again_whatever_was_listed_before(tmp_path: 
     path.write_bytes(bytes(len(data)))  # the same size, every byte gone
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert repo.list_tags() == {"v1": head}  # as listed before: not read again
-    assert ("corrupt", "refs/tag.*") in [(x.kind, x.key) for x in repo.fsck().problems]
+    assert ("corrupt", "refs/tag.v1") in [(x.kind, x.key) for x in repo.fsck().problems]

@@ -38,6 +38,7 @@ from zarrlake.errors import (
     Conflict,
     ConflictError,
     CorruptObject,
+    InvalidArgument,
     MergeConflictError,
     RefNotFound,
     UnsupportedFormat,
@@ -118,7 +119,7 @@ class SolverPolicy:
 
     def __post_init__(self) -> None:
         if self.solver is not None and not isinstance(self.solver, UseOurs | UseTheirs):
-            raise TypeError("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
+            raise InvalidArgument("solver must be None, zarrlake.UseOurs() or zarrlake.UseTheirs()")
 
     @property
     def relocates(self) -> bool:
@@ -711,5 +712,5 @@ class CommitEngine:
         try:
             encoded = snap.encode()
         except (TypeError, ValueError) as e:
-            raise ValueError(f"commit metadata is not serializable: {e}") from None
+            raise InvalidArgument(f"commit metadata is not serializable: {e}") from None
         return CommitObjects(snap, encoded, txlog, update, sealed)

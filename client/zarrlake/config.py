@@ -6,6 +6,8 @@ import datetime as dt
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from zarrlake.errors import InvalidConfig
+
 MAX_SESSION_TTL = dt.timedelta(days=7)
 MAX_PACKED_CHUNK = 16 * 1024 * 1024
 #: The default of :attr:`RepositoryConfig.pack_chunks_below_bytes`, for repositories created
@@ -31,14 +33,25 @@ class RepositoryConfig:
     pack_chunks_below_bytes: int = field(default_factory=lambda: PACK_CHUNKS_BELOW_BYTES)
 
     def __post_init__(self) -> None:
+        """Raises :class:`InvalidConfig` (a ``ValueError``) for a value of the wrong type or out
+        of range."""
+        for name in ("inline_threshold_bytes", "shard_max_refs", "pack_chunks_below_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidConfig(f"{name} must be an integer, not {value!r}")
+        if not isinstance(self.session_ttl, dt.timedelta):
+            raise InvalidConfig(
+                f"session_ttl must be a datetime.timedelta (or seconds, in a dict), "
+                f"not {self.session_ttl!r}"
+            )
         if not 0 <= self.inline_threshold_bytes <= 1 << 20:
-            raise ValueError("inline_threshold_bytes must be between 0 and 1 MiB")
+            raise InvalidConfig("inline_threshold_bytes must be between 0 and 1 MiB")
         if not 4 <= self.shard_max_refs <= 1_000_000:
-            raise ValueError("shard_max_refs must be between 4 and 1,000,000")
+            raise InvalidConfig("shard_max_refs must be between 4 and 1,000,000")
         if not 0 <= self.pack_chunks_below_bytes <= MAX_PACKED_CHUNK:
-            raise ValueError("pack_chunks_below_bytes must be between 0 and 16 MiB")
+            raise InvalidConfig("pack_chunks_below_bytes must be between 0 and 16 MiB")
         if not dt.timedelta(0) < self.session_ttl <= MAX_SESSION_TTL:
-            raise ValueError("session_ttl must be positive and at most 7 days")
+            raise InvalidConfig("session_ttl must be positive and at most 7 days")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -46,9 +59,24 @@ class RepositoryConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RepositoryConfig:
+    def from_dict(cls, d: dict[str, Any], *, strict: bool = False) -> RepositoryConfig:
+        """The settings in ``d`` (``session_ttl`` as a ``timedelta`` or seconds). With
+        ``strict`` (a user's settings), a name zarrlake does not know raises
+        :class:`InvalidConfig`, so that a misspelt one is not silently the default; without
+        (a stored record's), it is left out: a newer zarrlake may have written it."""
         known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if strict and unknown:
+            raise InvalidConfig(
+                f"unknown repository setting(s) {', '.join(map(repr, unknown))} "
+                f"(known: {', '.join(sorted(known))})"
+            )
         kw = {k: v for k, v in d.items() if k in known}
-        if "session_ttl" in kw and not isinstance(kw["session_ttl"], dt.timedelta):
-            kw["session_ttl"] = dt.timedelta(seconds=float(kw["session_ttl"]))
+        ttl = kw.get("session_ttl")
+        if ttl is not None and not isinstance(ttl, dt.timedelta):
+            if not isinstance(ttl, int | float) or isinstance(ttl, bool):
+                raise InvalidConfig(
+                    f"session_ttl must be a datetime.timedelta or seconds, not {ttl!r}"
+                )
+            kw["session_ttl"] = dt.timedelta(seconds=float(ttl))
         return cls(**kw)

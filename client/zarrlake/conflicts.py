@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import Conflict
+from zarrlake.errors import Conflict, InvalidArgument
 from zarrlake.format.manifest import prefix_matches
 from zarrlake.format.model import ChunkRef, TxLog, ref_identity
 from zarrlake.nodes import grid_signature, meta_key_node, split_chunk_key
@@ -161,7 +161,9 @@ def three_way(
     ``strategy`` is ``"source-wins"`` or ``"dest-wins"``, which settles every conflict.
     """
     if strategy not in (None, "source-wins", "dest-wins"):
-        raise ValueError(f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'")
+        raise InvalidArgument(
+            f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
+        )
     conflicts: list[Conflict] = []
     out_chunks: dict[str, ChunkRef | None] = {}
     out_nodes: dict[str, bytes | None] = {}

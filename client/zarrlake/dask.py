@@ -51,7 +51,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import ReadOnlyError, ZarrlakeError
+from zarrlake.errors import InvalidArgument, ReadOnlyError, ZarrlakeError
 from zarrlake.forks import dump_fork, load_fork
 from zarrlake.session import ForkedSession, Session
 
@@ -87,7 +87,7 @@ def to_zarrlake(
     task raises (nothing of this call is merged then). See :mod:`zarrlake.dask`.
     """
     if not isinstance(session, Session):
-        raise TypeError(
+        raise InvalidArgument(
             f"to_zarrlake writes into a writable zarrlake Session, not {type(session).__name__}"
         )
     if session.read_only:
@@ -97,7 +97,9 @@ def to_zarrlake(
         )
     refused = sorted(k for k in to_zarr_kwargs if k in _REFUSED)
     if refused:
-        raise TypeError(f"to_zarrlake does not take {', '.join(refused)}: it writes the session")
+        raise InvalidArgument(
+            f"to_zarrlake does not take {', '.join(refused)}: it writes the session"
+        )
     group = _norm_group(group)
     _check_scheduler(session)
 
@@ -135,7 +137,7 @@ def _norm_group(group: str | None) -> str | None:
     if group is None:
         return None
     if not isinstance(group, str):
-        raise TypeError(f"group must be a string, not {type(group).__name__}")
+        raise InvalidArgument(f"group must be a string, not {type(group).__name__}")
     return group.strip("/") or None
 
 
@@ -158,7 +160,7 @@ def _prepare(
 
     if isinstance(obj, dask.array.Array):
         return _prepare_dask_array(obj, session, group, kwargs)
-    raise TypeError(
+    raise InvalidArgument(
         "to_zarrlake writes an xarray Dataset or DataArray or a dask array, "
         f"not {type(obj).__module__}.{type(obj).__name__}"
     )
@@ -238,7 +240,9 @@ def _region_starts(
     if region == "auto":
         region = dict.fromkeys(ds.dims, "auto")
     if not isinstance(region, Mapping):
-        raise TypeError(f"region must be a mapping of dimension to slice, or 'auto': {region!r}")
+        raise InvalidArgument(
+            f"region must be a mapping of dimension to slice, or 'auto': {region!r}"
+        )
     starts: dict[Hashable, int] = {}
     existing = None
     for dim, where in region.items():
@@ -254,16 +258,16 @@ def _region_starts(
             found = existing.indexes[dim].get_indexer(ds.indexes[dim][:1])
             starts[dim] = int(found[0])
         else:
-            raise TypeError(f"region[{dim!r}] must be a slice or 'auto', not {where!r}")
+            raise InvalidArgument(f"region[{dim!r}] must be a slice or 'auto', not {where!r}")
     return starts
 
 
 def _slice_start(where: slice, size: int, dim: Hashable) -> int:
     if where.step not in (None, 1):
-        raise ValueError(f"region[{dim!r}] must be a contiguous slice (step 1): {where!r}")
+        raise InvalidArgument(f"region[{dim!r}] must be a contiguous slice (step 1): {where!r}")
     start = where.start or 0
     if start < 0:
-        raise ValueError(f"region[{dim!r}] must not count from the end: {where!r}")
+        raise InvalidArgument(f"region[{dim!r}] must not count from the end: {where!r}")
     return int(start)
 
 
@@ -278,21 +282,23 @@ def _prepare_dask_array(
     overwrite = bool(kwargs.pop("overwrite", False))
     append_dim = kwargs.pop("append_dim", None)
     if component is not None and not isinstance(component, str):
-        raise TypeError(f"component must be a string path, not {type(component).__name__}")
+        raise InvalidArgument(f"component must be a string path, not {type(component).__name__}")
     path = _join(group, component)
     if region is not None and append_dim is not None:
-        raise ValueError("give region or append_dim, not both")
+        raise InvalidArgument("give region or append_dim, not both")
     axis = _axis(append_dim, arr.ndim) if append_dim is not None else 0
 
     if region is not None or append_dim is not None:
         if kwargs or overwrite:
-            raise TypeError(
+            raise InvalidArgument(
                 "region and append_dim write into an existing array: "
                 f"unexpected {', '.join(sorted(kwargs)) or 'overwrite'}"
             )
         stored = zarr.open_array(session.store, path=path, mode="r+")
         if stored.ndim != arr.ndim:
-            raise ValueError(f"array {path!r} has {stored.ndim} dimensions, the data {arr.ndim}")
+            raise InvalidArgument(
+                f"array {path!r} has {stored.ndim} dimensions, the data {arr.ndim}"
+            )
         if region is not None:
             offset = _dask_region_offset(region, arr.shape, stored.shape, path)
         else:
@@ -301,7 +307,7 @@ def _prepare_dask_array(
                 for i, (s, a) in enumerate(zip(stored.shape, arr.shape, strict=True))
                 if i != axis
             ):
-                raise ValueError(
+                raise InvalidArgument(
                     f"cannot append data of shape {arr.shape} to {path!r} of shape "
                     f"{stored.shape} along axis {axis}"
                 )
@@ -311,7 +317,9 @@ def _prepare_dask_array(
             stored.resize(tuple(grown))
     else:
         if any(n != n for n in arr.shape):  # NaN: unknown
-            raise ValueError("the dask array has unknown chunk sizes: call compute_chunk_sizes()")
+            raise InvalidArgument(
+                "the dask array has unknown chunk sizes: call compute_chunk_sizes()"
+            )
         chunks = kwargs.pop("chunks", None) or tuple(max(c) if c else 1 for c in arr.chunks)
         zarr.create_array(
             session.store,
@@ -328,9 +336,9 @@ def _prepare_dask_array(
 
 def _axis(append_dim: Any, ndim: int) -> int:
     if isinstance(append_dim, bool) or not isinstance(append_dim, int):
-        raise TypeError(f"append_dim of a dask array is an axis number, not {append_dim!r}")
+        raise InvalidArgument(f"append_dim of a dask array is an axis number, not {append_dim!r}")
     if not -ndim <= append_dim < ndim:
-        raise ValueError(f"append_dim {append_dim} is not an axis of a {ndim}-d array")
+        raise InvalidArgument(f"append_dim {append_dim} is not an axis of a {ndim}-d array")
     return append_dim % ndim
 
 
@@ -338,15 +346,15 @@ def _dask_region_offset(
     region: Any, shape: tuple[int, ...], stored: tuple[int, ...], path: str
 ) -> tuple[int, ...]:
     if not isinstance(region, tuple) or len(region) != len(shape):
-        raise TypeError(f"region must be a tuple of {len(shape)} slices, not {region!r}")
+        raise InvalidArgument(f"region must be a tuple of {len(shape)} slices, not {region!r}")
     offset = []
     for axis, where in enumerate(region):
         if not isinstance(where, slice):
-            raise TypeError(f"region[{axis}] must be a slice, not {where!r}")
+            raise InvalidArgument(f"region[{axis}] must be a slice, not {where!r}")
         start = _slice_start(where, shape[axis], axis)
         stop = where.stop if where.stop is not None else stored[axis]
         if stop - start != shape[axis] or stop > stored[axis]:
-            raise ValueError(
+            raise InvalidArgument(
                 f"region {region!r} of {path!r} (shape {stored}) does not fit data of shape {shape}"
             )
         offset.append(start)

@@ -177,6 +177,15 @@ class UnsupportedFormat(ZarrlakeError):
     """An object written by a newer zarrlake format version, or not a zarrlake object at all."""
 
 
+class NotZarrlakeObject(CorruptObject, UnsupportedFormat):
+    """Bytes where a zarrlake object should be that are not one at all (no zarrlake header):
+    damaged, or written there by something else. A :class:`CorruptObject`, and an
+    :class:`UnsupportedFormat` as this case always was."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        CorruptObject.__init__(self, key, reason)
+
+
 class StorageError(ZarrlakeError):
     """The object store failed in a way retries did not fix."""
 
@@ -256,6 +265,17 @@ class RetryableError(ZarrlakeError):
 
 class KubernetesError(ZarrlakeError):
     """A ``Repository`` resource, or a Secret it names, is missing, not ready or malformed."""
+
+
+class InvalidArgument(ZarrlakeError, ValueError, TypeError):
+    """An argument of the wrong type or value (an unknown merge strategy, a lock that is not
+    one, a solver that is not one). Both a ``ValueError`` and a ``TypeError``, so that code
+    written against either keeps catching it."""
+
+
+class InvalidConfig(InvalidArgument):
+    """A repository setting zarrlake does not know, or a value out of its range or of the wrong
+    type (``Repository.create(config=…)``)."""
 
 
 class InvalidDuration(ZarrlakeError, ValueError):

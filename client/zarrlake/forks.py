@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from zarrlake.errors import InvalidArgument
 from zarrlake.format.ids import LEGACY_CONTENT_HASH
 from zarrlake.objects import ObjectStore
 from zarrlake.session import ForkedSession
@@ -71,7 +72,7 @@ class _ForkPickler(pickle.Pickler):
 def dump_fork(fork: ForkedSession) -> bytes:
     """``fork`` as bytes for the workers (load each task's copy with :func:`load_fork`)."""
     if not isinstance(fork, ForkedSession):
-        raise TypeError(f"expected a ForkedSession, got {type(fork).__name__}")
+        raise InvalidArgument(f"expected a ForkedSession, got {type(fork).__name__}")
     buffer = io.BytesIO()
     _ForkPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(fork)
     return buffer.getvalue()
@@ -81,5 +82,5 @@ def load_fork(data: bytes) -> ForkedSession:
     """A fresh copy of the fork :func:`dump_fork` gave as ``data``."""
     fork = pickle.loads(data)
     if not isinstance(fork, ForkedSession):
-        raise TypeError(f"expected a pickled ForkedSession, got {type(fork).__name__}")
+        raise InvalidArgument(f"expected a pickled ForkedSession, got {type(fork).__name__}")
     return fork

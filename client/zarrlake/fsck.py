@@ -23,6 +23,7 @@ from zarrlake.format.model import (
     PACKED,
     REPO_KEY,
     ChunkRef,
+    TagRecord,
     chunk_key,
     history_page_key,
     pack_key,
@@ -31,7 +32,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
-from zarrlake.refs import marker_disagreements
+from zarrlake.refs import TAG_KEYS, live_tag_records, marker_disagreements
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def fsck(
     content_refs: dict[str, set[ChunkRef]] = {}
 
     def problem(kind: str, key: str, detail: str) -> None:
-        problems.append(Problem(kind, key, detail))
+        prefix = f"corrupt object {key}: "  # a CorruptObject's message names the key too
+        problems.append(Problem(kind, key, detail.removeprefix(prefix)))
 
     # Roots: every branch head and live tag, and older journal entries (as_of reads them)
     # unless expiry took their snapshot out of history. Parents stop at expired snapshots too.
@@ -119,9 +121,15 @@ def fsck(
                 roots.append(entry.snapshot)
     try:
         tags = core.tags.all(reread=True)
-    except (CorruptObject, UnsupportedFormat) as e:
-        problem("corrupt", "refs/tag.*", str(e))
+    except (CorruptObject, UnsupportedFormat):
+        # One bad record: read them one by one, to name each bad one and check the others.
         tags = {}
+        listed = core.storage.list(core.tags.root + TAG_KEYS)
+        for name, found in live_tag_records(core.tags.root, listed).items():
+            try:
+                tags[name] = TagRecord.decode(core.storage.get(found.key), found.key).snapshot
+            except (CorruptObject, UnsupportedFormat) as e:
+                problem("corrupt", found.key, str(e))
     refs += len(tags)
     roots.extend(tags.values())
     # Markers (what a listing of the refs believes) that disagree with what they name.

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
-from zarrlake.errors import LockTimeout, LockUnavailable
+from zarrlake.errors import InvalidArgument, LockTimeout, LockUnavailable
 
 log = logging.getLogger("zarrlake.locks")
 
@@ -201,12 +201,12 @@ class RedisLock:
         namespace: str = "zarrlake",
     ) -> None:
         if on_unavailable not in ("optimistic", "fail"):
-            raise ValueError("on_unavailable must be 'optimistic' or 'fail'")
+            raise InvalidArgument("on_unavailable must be 'optimistic' or 'fail'")
         if lease_s <= 0 or wait_s < 0:
-            raise ValueError("lease_s must be positive and wait_s non-negative")
+            raise InvalidArgument("lease_s must be positive and wait_s non-negative")
         scheme = urlparse(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"not a Redis URL: {url!r}")
+            raise InvalidArgument(f"not a Redis URL: {url!r}")
         self.url = url
         self.lease_s = float(lease_s)
         self.wait_s = float(wait_s)
@@ -324,19 +324,26 @@ class RedisLock:
             return False
 
     def status(self, repo_id: str) -> list[LockHolder]:
-        """Current holders of this repository's branch locks."""
+        """Current holders of this repository's branch locks. Raises :class:`LockUnavailable`
+        when the service cannot be asked (unreachable, refused credentials)."""
         from urllib.parse import unquote
+
+        import redis
 
         base = f"{self.namespace}:{{{repo_id}}}:lock:"
         out = []
-        for key in sorted(self.client.scan_iter(match=base.replace("[", "\\[") + "*")):
-            value = self.client.get(key)
-            if value is None:
-                continue
-            branch = unquote(key[len(base) :])
-            holder, _, token = value.rpartition(":")
-            waiters = self.client.zcard(self._keys(repo_id, branch)[1])
-            out.append(LockHolder(branch, holder, int(token), int(self.client.pttl(key)), waiters))
+        try:
+            for key in sorted(self.client.scan_iter(match=base.replace("[", "\\[") + "*")):
+                value = self.client.get(key)
+                if value is None:
+                    continue
+                branch = unquote(key[len(base) :])
+                holder, _, token = value.rpartition(":")
+                waiters = self.client.zcard(self._keys(repo_id, branch)[1])
+                ttl = int(self.client.pttl(key))
+                out.append(LockHolder(branch, holder, int(token), ttl, waiters))
+        except redis.RedisError as e:
+            raise LockUnavailable(f"cannot ask lock service {self!r}: {e}") from None
         return out
 
 
@@ -406,4 +413,4 @@ def lock_from_url(url: str, **options: Any) -> RedisLock | LocalLock:
         return LocalLock(urlparse(url).path, **options)
     if "://" not in url:
         return LocalLock(url, **options)
-    raise ValueError(f"unsupported lock URL {url!r} (use redis://, rediss:// or a directory)")
+    raise InvalidArgument(f"unsupported lock URL {url!r} (use redis://, rediss:// or a directory)")

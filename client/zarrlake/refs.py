@@ -137,6 +137,16 @@ def validate_name(name: object, kind: str = "branch") -> str:
     return name
 
 
+def branch_glob_problem(glob: object) -> str | None:
+    """Why ``glob`` cannot select branches as meant (None when it can): not a string, empty,
+    or with unbalanced brackets (``[bad`` would only match itself, literally)."""
+    if not isinstance(glob, str) or not glob:
+        return f"a branch name or glob is a non-empty string, not {glob!r}"
+    if glob.count("[") != glob.count("]"):
+        return f"{glob!r} has unbalanced brackets (a set is written [...])"
+    return None
+
+
 def new_writer_id() -> str:
     return uuid.uuid4().hex
 

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 from zarrlake.commit import BranchLock
 from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
 from zarrlake.core import RepositoryCore, check_storage_writable
+from zarrlake.durations import parse_duration
 from zarrlake.errors import (
     BranchExists,
+    InvalidArgument,
     NotMirrored,
     ReadOnlyError,
     RepositoryExists,
@@ -67,6 +69,31 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def _moment(as_of: object) -> dt.datetime:
+    """``as_of`` as a datetime: one, or an ISO 8601 string (``"2026-11-28T12:00:00+00:00"``)."""
+    if isinstance(as_of, dt.datetime):
+        return as_of
+    if isinstance(as_of, str):
+        try:
+            return dt.datetime.fromisoformat(as_of)
+        except ValueError:
+            raise InvalidArgument(f"as_of {as_of!r} is not an ISO 8601 time") from None
+    raise InvalidArgument(
+        f"as_of must be a datetime or an ISO 8601 string, not {type(as_of).__name__}"
+    )
+
+
+def _grace(grace: object) -> dt.timedelta:
+    """A GC grace period: a timedelta, or a duration as the CLI takes it (``"7d"``)."""
+    if isinstance(grace, dt.timedelta):
+        return grace
+    if isinstance(grace, str):
+        return parse_duration(grace)  # InvalidDuration
+    raise InvalidArgument(
+        f"grace must be a datetime.timedelta or a duration like '7d', not {type(grace).__name__}"
+    )
+
+
 def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
     def get(key: str) -> bytes | None:
         try:
@@ -85,6 +112,11 @@ class Repository:
             from zarrlake.locks import lock_from_url
 
             lock = lock_from_url(lock)
+        elif lock is not None and not callable(getattr(lock, "hold", None)):
+            raise InvalidArgument(
+                "lock must be a lock service (zarrlake.RedisLock, zarrlake.LocalLock), its URL "
+                f"(redis://…, a directory), or None; not {type(lock).__name__}"
+            )
         self.storage = storage
         self._core = RepositoryCore.build(storage, record, lock)
 
@@ -122,7 +154,7 @@ class Repository:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
         check_storage_writable(storage)
         if isinstance(config, dict):
-            config = RepositoryConfig.from_dict(config)
+            config = RepositoryConfig.from_dict(config, strict=True)
         config = config or RepositoryConfig()
         if any(storage.map(storage.exists, (REPO_KEY, MIRROR_REPO_KEY))):
             raise RepositoryExists(f"a repository already exists at {storage.url}")
@@ -373,7 +405,7 @@ class Repository:
         :class:`MergeConflictError`; ``"source-wins"``/``"dest-wins"`` settle them all.
         """
         if strategy not in (None, "source-wins", "dest-wins"):
-            raise ValueError(
+            raise InvalidArgument(
                 f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
             )
         validate_name(into)
@@ -398,21 +430,22 @@ class Repository:
         if isinstance(rules, Mapping):
             rules = RetentionRules.from_dict(rules)
         if not isinstance(rules, RetentionRules):
-            raise TypeError("rules must be a zarrlake.RetentionRules (or its dict form)")
+            raise InvalidArgument("rules must be a zarrlake.RetentionRules (or its dict form)")
         self._core.check_writable()
         return expire(self._core, rules, dry_run=dry_run)
 
     def gc(
         self,
         *,
-        grace: dt.timedelta = dt.timedelta(days=7),
+        grace: dt.timedelta | str = dt.timedelta(days=7),
         dry_run: bool = False,
         force: bool = False,
         progress: Progress | None = None,
         engine: str = "local",
         spark: Any = None,
     ) -> GCReport:
-        """Delete objects no retained snapshot needs and older than ``grace``; a :class:`GCReport`.
+        """Delete objects no retained snapshot needs and older than ``grace`` (a ``timedelta``,
+        or a duration like ``"7d"``); a :class:`GCReport`.
 
         A ``grace`` shorter than the longest session lifetime (7 days) is refused unless
         ``force``: a running session's uploads must outlive it. ``engine="spark"`` marks and
@@ -426,6 +459,7 @@ class Repository:
                 "garbage collection runs with its promoter (zarrlake.mirror.Mirror.gc, or "
                 "Mirror.run(gc_every=...)), which must know what it deletes"
             )
+        grace = _grace(grace)
         spark = self._spark_for(engine, spark, "gc")
         self._core.check_writable()  # a newer format's objects may look unreachable here
         if spark is not None:
@@ -479,7 +513,7 @@ class Repository:
         """The SparkSession a maintenance call with ``engine`` runs on (None: the local engine):
         ``spark`` if given, else the active one or a new one as ``spark-submit`` configured it."""
         if engine not in ("local", "spark"):
-            raise ValueError(f"unknown {what} engine {engine!r} (use 'local' or 'spark')")
+            raise InvalidArgument(f"unknown {what} engine {engine!r} (use 'local' or 'spark')")
         if engine == "local":
             return None
         if spark is None:
@@ -498,11 +532,16 @@ class Repository:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    def readonly_session(self, ref: str = MAIN, *, as_of: dt.datetime | None = None) -> Session:
-        """A read-only view of ``ref`` (branch, tag, snapshot id), or of it as of ``as_of``."""
+    def readonly_session(
+        self, ref: str = MAIN, *, as_of: dt.datetime | str | None = None
+    ) -> Session:
+        """A read-only view of ``ref`` (branch, tag, snapshot id), or of it as of ``as_of`` (a
+        ``datetime`` or an ISO 8601 string; naive times are UTC). Raises :class:`RefNotFound`
+        (also for a moment before the ref existed), :class:`InvalidArgument` for an ``as_of``
+        that is not a time."""
         graph = self._core.graph
         if as_of is not None:
-            sid, branch = graph.as_of(ref, as_of), None
+            sid, branch = graph.as_of(ref, _moment(as_of)), None
         else:
             sid, is_branch = graph.locate(ref)
             branch = ref if is_branch else None
@@ -523,7 +562,7 @@ class Repository:
         """A transaction on ``branch``, expiring after ``ttl`` (default: config; at most 7 days)."""
         validate_name(branch)
         if ttl is not None and not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
-            raise ValueError("session ttl must be positive and at most 7 days")
+            raise InvalidArgument("session ttl must be positive and at most 7 days")
         self._core.check_writable()
         head = self._core.journal.current(branch).snapshot
         assert head is not None
@@ -536,7 +575,7 @@ class Repository:
         """``with repo.transaction("main", message="...") as store:`` — commits on success,
         discards on error. Nothing is committed if nothing was written."""
         if not isinstance(message, str):
-            raise TypeError("transaction() needs a commit message: message='...'")
+            raise InvalidArgument("transaction() needs a commit message: message='...'")
         session = self.writable_session(branch)
         try:
             yield session.store
@@ -655,7 +694,7 @@ class Repository:
         )
 
     async def readonly_session_async(
-        self, ref: str = MAIN, *, as_of: dt.datetime | None = None
+        self, ref: str = MAIN, *, as_of: dt.datetime | str | None = None
     ) -> Session:
         """Async twin of :meth:`readonly_session`."""
         return await asyncio.to_thread(self.readonly_session, ref, as_of=as_of)
@@ -675,7 +714,7 @@ class Repository:
     async def gc_async(
         self,
         *,
-        grace: dt.timedelta = dt.timedelta(days=7),
+        grace: dt.timedelta | str = dt.timedelta(days=7),
         dry_run: bool = False,
         force: bool = False,
         progress: Progress | None = None,

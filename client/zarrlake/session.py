@@ -26,6 +26,7 @@ from zarrlake.conflicts import Solver
 from zarrlake.errors import (
     Conflict,
     ConflictError,
+    InvalidArgument,
     NothingToCommit,
     ReadOnlyError,
     SessionExpired,
@@ -63,6 +64,8 @@ class Workspace:
     _read_only: bool
     _expires_at: dt.datetime | None
     _session_id: str
+    #: The snapshot a session's commit made (then it is read-only); None for a fork.
+    _committed: str | None = None
     _branch: str | None
     #: A commit of these changes is running (set and read under ``_mutex``).
     _committing: bool = False
@@ -114,11 +117,17 @@ class Workspace:
     def _snapshot(self) -> Snapshot:
         return self._objects.snapshot(self._base_id)
 
+    def _read_only_reason(self) -> str:
+        if self._committed is not None:
+            return (
+                f"this session was committed (as {self._committed}) and is read-only now; "
+                "open a new writable_session to go on"
+            )
+        return "this session is read-only (open a writable_session on a branch to write)"
+
     def _check_writable(self) -> None:
         if self._read_only:
-            raise ReadOnlyError(
-                "this session is read-only (open a writable_session on a branch to write)"
-            )
+            raise ReadOnlyError(self._read_only_reason())
         if self._expires_at is not None and dt.datetime.now(dt.UTC) >= self._expires_at:
             raise SessionExpired(
                 f"session {self._session_id} expired at {self._expires_at.isoformat()}; "
@@ -255,7 +264,7 @@ class Workspace:
         :meth:`writes_in_memory`), awaited on the caller's event loop."""
         self._check_writable()
         if self.writes_in_memory(key, len(data)):
-            raise ValueError(f"{key!r} is not written as an object: use write()")
+            raise InvalidArgument(f"{key!r} is not written as an object: use write()")
         if self._packs_chunk(len(data)):
             # Appended to a pack in memory (a hash and a copy: microseconds); the pack uploads
             # on the I/O pool once full, and this waits only when too many are uploading.
@@ -409,8 +418,8 @@ class Session(Workspace):
             raise WritableSessionPickled(
                 f"a writable session (branch {self._branch!r}) cannot be pickled: writes made "
                 "through the copy (e.g. by dask worker processes) would never reach this "
-                "session's commit. For xarray or dask data use "
-                "zarrlake.dask.to_zarrlake(obj, session, ...), which writes from any scheduler; "
+                "session's commit. For xarray or dask data use zarrlake.dask.to_zarrlake("
+                "ds_or_dask_array, session, ...), which writes from any scheduler; "
                 "otherwise give each process a fork: fork = session.fork() pickles, and "
                 "session.merge(fork.changeset()) brings its writes back before the commit"
             )
@@ -444,7 +453,7 @@ class Session(Workspace):
         """
         self._check_writable()
         if not isinstance(message, str):
-            raise TypeError("commit message must be a string")
+            raise InvalidArgument("commit message must be a string")
         if not self.has_changes and not allow_empty:
             raise NothingToCommit("no changes to commit (pass allow_empty=True to commit anyway)")
         assert self._branch is not None
@@ -480,7 +489,7 @@ class Session(Workspace):
             with self._mutex:
                 self._committing = False
         if self._store is not None:
-            self._store.make_read_only()
+            self._store.make_read_only(self._read_only_reason())
         return new_id
 
     async def commit_async(
@@ -579,7 +588,7 @@ class Session(Workspace):
         self._check_writable()
         for cs in changesets:
             if not isinstance(cs, Changeset):
-                raise TypeError(f"expected a Changeset, got {type(cs).__name__}")
+                raise InvalidArgument(f"expected a Changeset, got {type(cs).__name__}")
             if cs.session_id != self._session_id or cs.base != self._base_id:
                 raise ZarrlakeError("changeset comes from a fork of a different session")
         conflicts = []

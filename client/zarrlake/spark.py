@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import SparkWriteError, ZarrlakeError
+from zarrlake.errors import InvalidArgument, SparkWriteError, ZarrlakeError
 from zarrlake.forks import dump_fork, load_fork, shared_instance
 from zarrlake.repository import Repository
 
@@ -104,7 +104,7 @@ _PY_EXC_RE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)): [^\n]*$
 
 def _norm_path(path: str) -> str:
     if not isinstance(path, str):
-        raise TypeError(f"array path must be a string, not {type(path).__name__}")
+        raise InvalidArgument(f"array path must be a string, not {type(path).__name__}")
     return path.strip("/")
 
 
@@ -169,7 +169,7 @@ def _as_rdd(data: Any) -> RDD[Any]:
     rdd = getattr(data, "rdd", None)  # a DataFrame: iterate its Rows
     if rdd is not None and isinstance(rdd, RDD):
         return rdd
-    raise TypeError(
+    raise InvalidArgument(
         f"write_partitions expects a pyspark RDD or DataFrame, not {type(data).__name__}"
     )
 
@@ -177,7 +177,7 @@ def _as_rdd(data: Any) -> RDD[Any]:
 def _check_writable_storage(repo: Repository) -> None:
     storage = repo.storage
     if not storage.shared_across_processes:
-        raise ValueError(
+        raise InvalidArgument(
             f"write_partitions cannot write to {storage.url} (e.g. Storage.memory()): executors "
             "would write into their own copies of it; use a shared directory or an object store"
         )
@@ -254,9 +254,9 @@ def write_partitions(
     was written (unless ``allow_empty``). In every error case nothing is committed.
     """
     if not callable(writer):
-        raise TypeError("writer must be a callable writer(store, partition_iterator)")
+        raise InvalidArgument("writer must be a callable writer(store, partition_iterator)")
     if not isinstance(message, str):
-        raise TypeError("message must be a string")
+        raise InvalidArgument("message must be a string")
     rdd = _as_rdd(rdd_or_df)
     _check_writable_storage(repo)
 
@@ -302,14 +302,14 @@ def _value_type(dtype: np.dtype[Any]) -> tuple[Any, Callable[[np.ndarray[Any, An
         return T.StringType(), lambda a: [None if v is None else str(v) for v in a.ravel().tolist()]
     if kind == "S":
         return T.BinaryType(), plain
-    raise TypeError(
+    raise InvalidArgument(
         f"dtype {dtype} is not supported by read_array(mode='element'); use mode='chunk'"
     )
 
 
 def _chunk_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     if dtype.kind in "OTV" or dtype.hasobject or dtype.itemsize == 0:
-        raise TypeError(
+        raise InvalidArgument(
             f"dtype {dtype} has no fixed-width raw form; read it with read_array(mode='element')"
         )
     return dtype.newbyteorder("<")
@@ -342,7 +342,7 @@ def read_array(
     from pyspark.sql import types as T
 
     if mode not in ("element", "chunk"):
-        raise ValueError(f"mode must be 'element' or 'chunk', not {mode!r}")
+        raise InvalidArgument(f"mode must be 'element' or 'chunk', not {mode!r}")
     apath = _norm_path(path)
     snapshot_id = repo.resolve(ref)
     arr = zarr.open_array(repo.readonly_session(snapshot_id).store, path=apath, mode="r")

@@ -165,18 +165,24 @@ class ZarrlakeStore(Store):
         super().__init__(read_only=session.read_only if read_only is None else read_only)
         self._session = session
         self._pending: _PendingReads | None = None
+        self._why_read_only: str | None = None
 
     @property
     def session(self) -> StoreSession:
         return self._session
 
-    def make_read_only(self) -> None:
-        """Refuse writes from now on (the session committed and became read-only)."""
+    def make_read_only(self, why: str | None = None) -> None:
+        """Refuse writes from now on (the session committed and became read-only), saying
+        ``why`` when given."""
         self._read_only = True
+        self._why_read_only = why
 
     def _check_writable(self) -> None:
         if self.read_only:
-            raise ReadOnlyError("store was opened in read-only mode and does not support writing")
+            raise ReadOnlyError(
+                self._why_read_only
+                or "store was opened in read-only mode and does not support writing"
+            )
 
     def with_read_only(self, read_only: bool = False) -> ZarrlakeStore:
         return type(self)(self._session, read_only=read_only)

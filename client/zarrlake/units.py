@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
+from zarrlake.errors import InvalidArgument
+
 _LARGER_UNITS = ("KiB", "MiB", "GiB", "TiB")
+#: Unit -> bytes, for :func:`parse_bytes` (lower case): binary ``KiB``…, decimal ``kB``…
+_UNIT_BYTES = {
+    "": 1,
+    "b": 1,
+    **{u.lower(): 1024 ** (i + 1) for i, u in enumerate(_LARGER_UNITS)},
+    **{u: 1000 ** (i + 1) for i, u in enumerate(("kb", "mb", "gb", "tb"))},
+}
 
 
 def format_bytes(n: float) -> str:
@@ -15,3 +26,14 @@ def format_bytes(n: float) -> str:
             break
         value, unit = value / 1024, larger
     return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as people write it: ``262144``, ``256KiB``, ``1 MiB``, ``1.5GiB`` (binary
+    units), ``10MB`` (decimal). Raises :class:`zarrlake.InvalidArgument` (a ``ValueError``) for
+    anything else, a negative count included."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    factor = _UNIT_BYTES.get(found.group(2).lower()) if found else None
+    if found is None or factor is None:
+        raise InvalidArgument(f"bad size {text!r} (use e.g. 262144, 256KiB, 1MiB, 10MB)")
+    return int(float(found.group(1)) * factor)

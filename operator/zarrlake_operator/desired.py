@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 from zarrlake.durations import parse_duration
 from zarrlake.jobreport import JobReport
+from zarrlake.refs import branch_glob_problem
 from zarrlake.resources import (
     API_VERSION,
     Condition,
@@ -1218,11 +1219,9 @@ def mirror_spec_problem(spec: MirrorSpec) -> MirrorSpecProblem | None:
     """What the schema cannot say about a Mirror spec: globs that match nothing as written
     (an unclosed ``[``), durations the engine refuses. None when it is fine."""
     for glob in spec.branches:
-        if glob.count("[") != glob.count("]"):
-            return MirrorSpecProblem(
-                "InvalidBranchGlob",
-                f"spec.branches: {glob!r} has unbalanced brackets (a set is written [...])",
-            )
+        problem = branch_glob_problem(glob)
+        if problem is not None:
+            return MirrorSpecProblem("InvalidBranchGlob", f"spec.branches: {problem}")
     durations = [("interval", spec.interval), ("stalledAfter", spec.stalled_after)]
     if spec.gc is not None:
         durations += [("gc.every", spec.gc.every), ("gc.grace", spec.gc.grace)]

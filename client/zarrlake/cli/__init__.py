@@ -92,7 +92,7 @@ from collections.abc import Sequence
 from zarrlake.cli import browse, health, history, maintenance, mirror, refs
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
-from zarrlake.errors import InvalidName, ZarrlakeError
+from zarrlake.errors import InvalidArgument, InvalidName, ZarrlakeError
 from zarrlake.maintenance import GraceTooShort, InvalidRetentionRules
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
         sys.stdout.flush()
-    except (UsageError, InvalidName, InvalidRetentionRules, GraceTooShort) as e:
+    except (UsageError, InvalidName, InvalidArgument, InvalidRetentionRules, GraceTooShort) as e:
         return fail(str(e), 2)
     except BrokenPipeError:
         # The reader went away (`zarrlake log URL | head`): stop quietly, as Python's docs advise.

@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
+from zarrlake.units import parse_bytes
 
 PROG = "zarrlake"
 MAIN = "main"
@@ -79,6 +80,15 @@ def count(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {n}")
     return n
+
+
+def size(text: str) -> int:
+    """An argument that is a byte count: ``262144``, ``256KiB``, ``1MiB``, ``10MB``
+    (``--pack-below``)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def duration(text: str, flag: str | None = None) -> dt.timedelta:

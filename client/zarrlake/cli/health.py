@@ -63,9 +63,11 @@ def add_lock_status(commands: Commands) -> None:
 
 
 def run_lock_status(args: argparse.Namespace) -> None:
-    if not args.lock:
-        raise UsageError("lock status needs --lock redis://... (the lock service to ask)")
-    lock = open_lock(args.lock)
+    lock = open_lock(args.lock)  # else $ZARRLAKE_LOCK
+    if lock is None:
+        raise UsageError(
+            "lock status needs --lock redis://... or $ZARRLAKE_LOCK (the lock service to ask)"
+        )
     repo = open_repository(args)
     from zarrlake.locks import RedisLock  # importable: open_lock just built a lock with it
 

@@ -14,7 +14,15 @@ import json
 import os
 from typing import Any
 
-from zarrlake.cli.args import MAIN, Commands, UsageError, add_json, add_lock, count, duration
+from zarrlake.cli.args import (
+    MAIN,
+    Commands,
+    UsageError,
+    add_json,
+    add_lock,
+    duration,
+    size,
+)
 from zarrlake.cli.connect import open_repository
 from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say, warn
 from zarrlake.jobreport import JobReport, job_document
@@ -149,10 +157,10 @@ def add_compact(commands: Commands) -> None:
     p.add_argument("--branch", default=MAIN, help="branch to compact (default: main)")
     p.add_argument(
         "--pack-below",
-        type=count,
+        type=size,
         default=None,
         metavar="BYTES",
-        help="pack chunk objects smaller than this (default 256 KiB)",
+        help="pack chunk objects smaller than this: 262144, 256KiB, 1MiB (default 256 KiB)",
     )
     p.add_argument(
         "--keep-journal",

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zstandard
 
-from zarrlake.errors import CorruptObject, UnsupportedFormat
+from zarrlake.errors import CorruptObject, NotZarrlakeObject, UnsupportedFormat
 
 MAGIC = b"ZLAK"
 FORMAT_VERSION = 1  # every object's version unless it needs a newer one
@@ -172,7 +172,7 @@ def decode(
     if len(data) < HEADER_LEN:
         raise CorruptObject(key, f"truncated ({len(data)} bytes)")
     if data[:4] != MAGIC:
-        raise UnsupportedFormat(f"{key} is not a zarrlake object (bad magic {data[:4]!r})")
+        raise NotZarrlakeObject(key, f"not a zarrlake object (bad magic {data[:4]!r})")
     version, kind = data[4], data[5]
     newest = newest_version(expected)
     if version > newest:

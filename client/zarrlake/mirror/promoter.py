@@ -27,7 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from zarrlake.errors import LockTimeout, RepositoryExists, RepositoryNotFound, ZarrlakeError
+from zarrlake.errors import (
+    InvalidArgument,
+    LockTimeout,
+    RepositoryExists,
+    RepositoryNotFound,
+    ZarrlakeError,
+)
 from zarrlake.format.model import (
     MIRROR_PREFIX,
     MIRROR_REPO_KEY,
@@ -41,7 +47,7 @@ from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.mirror.closure import Needs, closure
 from zarrlake.mirror.lease import DestinationLease
 from zarrlake.mirror.presence import Presence
-from zarrlake.refs import new_writer_id
+from zarrlake.refs import branch_glob_problem, new_writer_id
 from zarrlake.repository import Repository
 from zarrlake.storage.base import (
     ObjectInfo,
@@ -205,7 +211,13 @@ class Mirror:
         self.destination = (
             Storage.from_url(destination) if isinstance(destination, str) else destination
         )
+        if isinstance(branches, str):
+            branches = [branches]  # one glob, not its characters
         self.branches = tuple(branches) if branches is not None else ("*",)
+        for glob in self.branches:
+            problem = branch_glob_problem(glob)
+            if problem is not None:
+                raise InvalidArgument(f"branches: {problem}")
         self.tags = tags
         self.copy = copy
         self.progress = progress

@@ -190,9 +190,12 @@ def from_url(url: str) -> Storage:
     ``gs://bucket/prefix``, ``az://container/prefix?account_name=…`` (``abfs[s]://`` and
     ``azure://`` too), or ``http(s)://host/path`` for a read-only published copy.
 
-    A relative bare path is resolved against the current directory now. Raises
+    A relative bare path is resolved against the current directory now (``.`` names it; an
+    empty or blank URL is an error, so that an unset variable never names it). Raises
     :class:`StorageError` for a scheme no backend serves, or a URL its backend rejects.
     """
+    if not url.strip():
+        raise StorageError("empty storage URL (to mean the current directory, say '.')")
     if "://" not in url:
         return Storage.local(url)
     parsed = urlsplit(url)

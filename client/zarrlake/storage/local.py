@@ -79,6 +79,8 @@ class LocalStorage(Storage):
     fsync: ClassVar[bool] = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not os.fspath(path).strip():
+            raise StorageError("empty local path (to mean the current directory, say '.')")
         self.root = Path(path).expanduser().absolute()
         # Reads join strings: building a Path per read costs more than the read of a small file.
         self._root_slash = os.path.join(str(self.root), "")
@@ -144,6 +146,20 @@ class LocalStorage(Storage):
     def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         self._check_key(key)
         path = self._root_slash + key
+        try:
+            self._put(key, path, data, create_only)
+        except (PreconditionFailed, StorageError):
+            raise
+        except OSError as e:
+            # Not an object store's answer but the file system's (a file where a folder should
+            # be, a folder where the object should be, permissions, a full disk): say where.
+            if isinstance(e, IsADirectoryError) or (
+                isinstance(e, FileExistsError) and os.path.isdir(path)
+            ):
+                raise StorageError(f"cannot write {key!r}: {path} is a directory") from e
+            raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
+
+    def _put(self, key: str, path: str, data: Buffer, create_only: bool) -> None:
         tmp = self._write_temp(data)
         published = False
         try:
@@ -151,6 +167,8 @@ class LocalStorage(Storage):
                 try:
                     _publish(os.link, tmp, path)
                 except FileExistsError:
+                    if os.path.isdir(path):
+                        raise
                     raise PreconditionFailed(key) from None
                 except OSError as e:  # file systems without hard links
                     if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
@@ -169,6 +187,8 @@ class LocalStorage(Storage):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
+            if os.path.isdir(path):
+                raise
             raise PreconditionFailed(key) from None
         with os.fdopen(fd, "wb") as f:
             f.write(data)

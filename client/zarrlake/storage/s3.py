@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
-from urllib.parse import SplitResult, quote, unquote, urlencode
+from urllib.parse import SplitResult, quote, unquote, urlencode, urlsplit
 
 import zarrlake.storage.objstore as objstore
 from zarrlake.storage.base import (
@@ -189,8 +189,19 @@ class S3Storage(Storage):
         anonymous: bool = False,
         addressing_style: str | None = None,
     ) -> None:
+        if endpoint_url is not None:
+            parsed = urlsplit(endpoint_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise StorageError(
+                    f"endpoint_url must be an http:// or https:// URL, not {endpoint_url!r}"
+                )
         if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
-            raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
+            raise StorageError(
+                f"plain-HTTP endpoint {endpoint_url} needs allow_http=True (allow_http=true "
+                "in a URL's query)"
+            )
+        if not bucket:
+            raise StorageError("an S3 storage needs a bucket name")
         if addressing_style not in (None, *_ADDRESSING_STYLES):
             raise StorageError(
                 f"addressing_style must be 'path' or 'virtual' (or None), not {addressing_style!r}"
@@ -499,6 +510,18 @@ class S3Storage(Storage):
         return b"" if r is None else r.data
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        try:
+            self._put(key, data, create_only)
+        except ObjectNotFound:
+            # S3's 404 to a write: the bucket is not there (a key cannot be missing).
+            raise StorageError(
+                f"cannot write {key}: bucket {self.bucket!r} does not exist at {self._where()}"
+            ) from None
+
+    def _where(self) -> str:
+        return self.endpoint_url or f"AWS ({self._signing_region()})"
+
+    def _put(self, key: str, data: Buffer, create_only: bool) -> None:
         store = self._obstore()
         if store is not None:
             import obstore
@@ -573,13 +596,20 @@ class S3Storage(Storage):
         mode: Literal["create", "overwrite"] = "create" if create_only else "overwrite"
         body = memoryview(data)
         async with self._slots():
-            await with_retries_async(
-                lambda: objstore.call_async(
-                    "put",
-                    key,
-                    lambda: obstore.put_async(store, path, body, mode=mode, use_multipart=False),
+            try:
+                await with_retries_async(
+                    lambda: objstore.call_async(
+                        "put",
+                        key,
+                        lambda: obstore.put_async(
+                            store, path, body, mode=mode, use_multipart=False
+                        ),
+                    )
                 )
-            )
+            except ObjectNotFound:  # as put
+                raise StorageError(
+                    f"cannot write {key}: bucket {self.bucket!r} does not exist at {self._where()}"
+                ) from None
 
     def head(self, key: str) -> ObjectInfo | None:
         store = self._obstore()
