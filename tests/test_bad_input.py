@@ -9,7 +9,10 @@ on with a setting silently dropped.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -273,3 +276,20 @@ def test_bytes_that_are_not_an_object_are_corrupt(
     assert problems[("corrupt", f"snapshots/{head}")].startswith("not a zarrlake object")
     err = assert_one_line_error(cli("tag", str(tmp_path / "r"), "list"), 1)
     assert err.startswith("corrupt object refs/tag.v1")
+
+
+def test_a_spark_master_that_cannot_start_is_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    small_repo(tmp_path / "r")
+    before = files(tmp_path / "r")
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    argv = ["gc", str(tmp_path / "r"), "--engine", "spark", "--spark-master", "bogus://x"]
+    done = subprocess.run(
+        [sys.executable, "-m", "zarrlake", *argv], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]  # (the JVM prints its own lines before)
+    assert last.startswith("zarrlake: error: --engine spark: cannot start Spark on 'bogus://x'")
+    assert "internal error" not in done.stderr
+    assert files(tmp_path / "r") == before

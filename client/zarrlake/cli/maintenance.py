@@ -25,6 +25,7 @@ from zarrlake.cli.args import (
 )
 from zarrlake.cli.connect import open_repository
 from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say, warn
+from zarrlake.errors import ZarrlakeError
 from zarrlake.jobreport import JobReport, job_document
 from zarrlake.maintenance import InvalidRetentionRules, RetentionRules
 from zarrlake.units import format_bytes
@@ -112,6 +113,10 @@ def _spark_session(args: argparse.Namespace) -> Any:
         return spark_session(f"zarrlake-{args.command}", args.spark_master)
     except ImportError as e:
         raise UsageError(f"--engine spark: {e}") from None
+    except Exception as e:  # the JVM's or PySpark's: a bad master, no Java, a cluster away
+        where = f" on {args.spark_master!r}" if args.spark_master else ""
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ZarrlakeError(f"--engine spark: cannot start Spark{where}: {detail}") from None
 
 
 def run_gc(args: argparse.Namespace) -> None:
