@@ -392,7 +392,12 @@ class CommitGraph:
                     if entry.snapshot is None:
                         break
                     return entry.snapshot
-            raise RefNotFound(f"{ref}@{when.isoformat()}", "branch version")
+            raise RefNotFound(
+                f"{ref}@{when.isoformat()}",
+                "branch version",
+                hint=f"branch {ref!r} did not exist yet then, or compaction pruned its journal "
+                "entries from then",
+            )
         for info in self.log(self.resolve(ref)):
             if info.time <= when:
                 return info.id

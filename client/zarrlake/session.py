@@ -649,7 +649,13 @@ class Session(Workspace):
                         seen[k] = (v, number)
                 gone += [(p, number) for p in cs.deleted_prefixes]
             if conflicts:
-                raise ConflictError(conflicts, f"forks wrote different data: {conflicts[0]}")
+                more = f" (+{len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+                raise ConflictError(
+                    conflicts,
+                    f"forks wrote different data: {conflicts[0]}{more}. Forks that each write "
+                    "part of one chunk overwrite each other's part: give each chunk to one "
+                    "fork (e.g. partition rows by chunk index)",
+                )
             self._merged = seen
             self._merged_deletes = gone
             self._merges += 1
