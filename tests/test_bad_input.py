@@ -293,3 +293,15 @@ def test_a_spark_master_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     assert last.startswith("zarrlake: error: --engine spark: cannot start Spark on 'bogus://x'")
     assert "internal error" not in done.stderr
     assert files(tmp_path / "r") == before
+
+
+def test_a_ref_named_like_a_snapshot_id_is_refused(tmp_path: Path) -> None:
+    repo = small_repo(tmp_path / "r")
+    head = repo.lookup_branch("main")
+    with pytest.raises(zarrlake.InvalidName, match="snapshot id"):
+        repo.create_branch(head, head)  # meant: create_branch(name, from_ref=head)
+    with pytest.raises(zarrlake.InvalidName, match="snapshot id"):
+        repo.create_tag(head, "main")
+    assert set(repo.list_branches()) == {"main"} and repo.list_tags() == {}
+    # A name merely close to that form is fine.
+    assert repo.create_branch(head.lower()) == head

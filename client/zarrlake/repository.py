@@ -26,6 +26,7 @@ from zarrlake.durations import parse_duration
 from zarrlake.errors import (
     BranchExists,
     InvalidArgument,
+    InvalidName,
     NotMirrored,
     ReadOnlyError,
     RepositoryExists,
@@ -33,7 +34,12 @@ from zarrlake.errors import (
     UnknownContentHash,
     ZarrlakeError,
 )
-from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH, LEGACY_CONTENT_HASH
+from zarrlake.format.ids import (
+    CONTENT_HASHES,
+    DEFAULT_CONTENT_HASH,
+    LEGACY_CONTENT_HASH,
+    is_snapshot_id,
+)
 from zarrlake.format.model import (
     MIRROR_REPO_KEY,
     REPO_KEY,
@@ -92,6 +98,18 @@ def _grace(grace: object) -> dt.timedelta:
     raise InvalidArgument(
         f"grace must be a datetime.timedelta or a duration like '7d', not {type(grace).__name__}"
     )
+
+
+def _new_ref_name(name: object, kind: str) -> None:
+    """Check the name of a branch or tag about to be made: the naming rules, and not a snapshot
+    id's form (refs resolve snapshot ids first: such a ref could be shadowed)."""
+    validate_name(name, kind)
+    assert isinstance(name, str)
+    if is_snapshot_id(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: it has a snapshot id's form, and would be read as one "
+            f"(to make a {kind} at that snapshot, give the id as its ref)"
+        )
 
 
 def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
@@ -296,7 +314,7 @@ class Repository:
 
         Raises :class:`BranchExists`, :class:`InvalidName`, :class:`RefNotFound`.
         """
-        validate_name(name)
+        _new_ref_name(name, "branch")
         self._core.check_writable()
         target = self.resolve(from_ref)
         journal = self._core.journal
@@ -350,7 +368,7 @@ class Repository:
 
     def create_tag(self, name: str, ref: str) -> str:
         """Tag ``ref``. Raises :class:`TagExists`, also for names of deleted tags."""
-        validate_name(name, "tag")
+        _new_ref_name(name, "tag")
         self._core.check_writable()
         target = self.resolve(ref)
         self._core.tags.create(name, target)
