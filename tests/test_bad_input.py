@@ -305,3 +305,23 @@ def test_a_ref_named_like_a_snapshot_id_is_refused(tmp_path: Path) -> None:
     assert set(repo.list_branches()) == {"main"} and repo.list_tags() == {}
     # A name merely close to that form is fine.
     assert repo.create_branch(head.lower()) == head
+
+
+def test_durations_past_any_date_are_refused(cli: Callable[..., Result], tmp_path: Path) -> None:
+    from zarrlake.durations import parse_duration
+
+    with pytest.raises(zarrlake.InvalidDuration, match="longer than"):
+        parse_duration("99999999999999999999d")  # was an OverflowError from timedelta
+    assert parse_duration("3650d") == dt.timedelta(days=3650)
+    small_repo(tmp_path / "r")
+    err = assert_one_line_error(cli("gc", str(tmp_path / "r"), "--grace", "9999999999w"), 2)
+    assert "longer than" in err
+
+
+def test_retention_globs_are_checked_as_mirror_globs_are() -> None:
+    with pytest.raises(zarrlake.InvalidRetentionRules, match="unbalanced brackets"):
+        zarrlake.RetentionRules.from_dict({"branches": {"exp[": {"last": 3}}})
+    with pytest.raises(zarrlake.InvalidRetentionRules, match="non-empty string"):
+        zarrlake.RetentionRules(branches={"": zarrlake.Keep(last=1)})
+    rules = zarrlake.RetentionRules.from_dict({"branches": {"exp[0-9]*": {"last": 3}}})
+    assert rules.rule_for("exp1") == zarrlake.Keep(last=3)

@@ -12,6 +12,9 @@ import re
 from zarrlake.errors import InvalidDuration
 
 _UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+#: The longest duration taken (a thousand years): beyond it a ``timedelta`` soon overflows, and
+#: a time plus it is past ``datetime.max``.
+MAX_SECONDS = 1000 * 365 * 86400
 
 
 def parse_duration(text: str) -> dt.timedelta:
@@ -21,8 +24,12 @@ def parse_duration(text: str) -> dt.timedelta:
     """
     t = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", t):
-        return dt.timedelta(seconds=float(t))
-    parts = re.findall(r"(\d+(?:\.\d+)?)([wdhms])", t)
-    if not parts or "".join(n + u for n, u in parts) != t:
-        raise InvalidDuration(f"bad duration {text!r} (use e.g. 7d, 12h, 1d12h, 30m, 90s)")
-    return dt.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
+        seconds = float(t)
+    else:
+        parts = re.findall(r"(\d+(?:\.\d+)?)([wdhms])", t)
+        if not parts or "".join(n + u for n, u in parts) != t:
+            raise InvalidDuration(f"bad duration {text!r} (use e.g. 7d, 12h, 1d12h, 30m, 90s)")
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if seconds > MAX_SECONDS:
+        raise InvalidDuration(f"duration {text!r} is longer than {MAX_SECONDS // 86400:,} days")
+    return dt.timedelta(seconds=seconds)

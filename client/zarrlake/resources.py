@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -104,6 +105,21 @@ _CRON_FIELDS: tuple[tuple[str, int, int, tuple[str, ...]], ...] = (
     ("month", 1, 12, _MONTHS),
     ("day of week", 0, 7, _DAYS),
 )
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a storage endpoint (None if it can): an http(s) URL with a host
+    and, if any, a port in range. The schema's pattern only checks the scheme."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError as e:
+        return f"{url!r} is not a URL: {e}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http:// or https:// URL with a host"
+    if any(c.isspace() for c in url):
+        return f"{url!r} contains whitespace"
+    return None
 
 
 def cron_problem(schedule: str) -> str | None:
@@ -395,6 +411,14 @@ class StorageSpec(ResourceModel):
         description="s3: create the bucket (public access blocked, encryption on, "
         "incomplete multipart uploads aborted) if it does not exist.",
     )
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        problem = None if v is None else endpoint_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -920,6 +944,14 @@ class MirrorDestinationSpec(ResourceModel):
         default=False,
         description="s3: create the bucket (locked down as for a Repository) if it does not exist.",
     )
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        problem = None if v is None else endpoint_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

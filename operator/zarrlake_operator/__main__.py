@@ -110,7 +110,13 @@ class RoutineAtDebug(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.standalone:
+        try:
+            lease_settings(args)  # timings that cannot work: a usage error now, not a traceback
+        except ValueError as e:
+            parser.error(str(e))
     level = os.environ.get("ZARRLAKE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, level, logging.INFO),
@@ -145,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     return lead_then_run(args, kopf_args)
 
 
-def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
-    """Stand by until this replica holds the Lease, then run Kopf while holding it; release it
-    once Kopf has stopped. A standby makes no request but reading and watching the Lease."""
-    from zarrlake_operator import kube, leader, metrics
+def lease_settings(args: argparse.Namespace) -> Any:
+    """The leader election's :class:`~zarrlake_operator.leader.LeaseSettings` from the command
+    line. Raises ``ValueError`` for timings that cannot work."""
+    from zarrlake_operator import leader
 
-    settings = leader.LeaseSettings(
+    return leader.LeaseSettings(
         name=args.lease_name,
         namespace=args.lease_namespace,
         identity=args.lease_identity or leader.identity(os.environ.get("POD_NAME")),
@@ -159,6 +165,14 @@ def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
         retry_period=args.lease_retry_period,
         renew_interval=args.lease_renew_interval,
     )
+
+
+def lead_then_run(args: argparse.Namespace, kopf_args: dict[str, Any]) -> int:
+    """Stand by until this replica holds the Lease, then run Kopf while holding it; release it
+    once Kopf has stopped. A standby makes no request but reading and watching the Lease."""
+    from zarrlake_operator import kube, leader, metrics
+
+    settings = lease_settings(args)
     for warning in settings.warnings():
         log.warning("Leader election: %s", warning)
     elector = leader.Elector(settings)

@@ -82,8 +82,11 @@ def _code(e: Exception) -> str:
     return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
 
-def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
+def ensure_bucket(
+    conn: Connection, *, provision: bool, spec_field: str = "spec.storage"
+) -> BucketState:
     """Make sure the bucket exists; create and lock it down when ``provision`` is set.
+    ``spec_field``: where the resource's spec holds ``provision`` (for messages).
 
     A bucket the operator creates gets public access blocked, default encryption (SSE-S3), and a
     lifecycle rule that aborts multipart uploads left incomplete for a day; an existing bucket's
@@ -105,7 +108,7 @@ def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
             existed = False
         if not existed and not provision:
             raise BucketMissing(
-                f"bucket {conn.bucket!r} does not exist (set spec.storage.provision: true "
+                f"bucket {conn.bucket!r} does not exist (set {spec_field}.provision: true "
                 "to have the operator create it)"
             )
         created = False
@@ -123,7 +126,7 @@ def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
             # Only a bucket we made: an existing one's lifecycle and encryption are its owner's.
             # Which is why a failed lock-down must not leave the bucket behind: the next attempt
             # would find it existing and never lock it down.
-            _lock_down_or_remove(s3, conn.bucket)
+            _lock_down_or_remove(s3, conn.bucket, spec_field)
         return BucketState(existed=existed, created=created)
     except ClientError as e:
         raise BucketUnreachable(
@@ -134,7 +137,7 @@ def ensure_bucket(conn: Connection, *, provision: bool) -> BucketState:
         raise BucketUnreachable(f"S3 unreachable for bucket {conn.bucket!r}: {e}") from None
 
 
-def _lock_down_or_remove(s3: Any, bucket: str) -> None:
+def _lock_down_or_remove(s3: Any, bucket: str, spec_field: str) -> None:
     """Lock down the bucket just created; if S3 refuses any step, delete the (empty) bucket and
     raise :class:`BucketProvisionFailed` naming the step."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -147,7 +150,7 @@ def _lock_down_or_remove(s3: Any, bucket: str) -> None:
         why = f"S3 refused {step} ({_code(e)}: {e.response.get('Error', {}).get('Message', '')})"
         hint = (
             "; this S3 server does not implement it: create the bucket yourself and set "
-            "spec.storage.provision: false"
+            f"{spec_field}.provision: false"
             if _code(e) in ("NotImplemented", "501")
             else ""
         )

@@ -41,7 +41,7 @@ from zarrlake.durations import parse_duration
 from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
-from zarrlake.refs import Refs
+from zarrlake.refs import Refs, validate_name
 from zarrlake.resources import (
     API_VERSION,
     BranchSpec,
@@ -1064,6 +1064,10 @@ def delete_branch(body: Mapping[str, Any]) -> str:
     name = desired.ref_name(body)
     if name == MAIN:
         return "main is never deleted"
+    try:
+        validate_name(name)
+    except InvalidName:
+        return f"{name!r} is not a valid branch name: no such branch was made"
     repo, why = _owned_ref_repository(body, "Branch")
     if repo is None:
         return why
@@ -1506,7 +1510,9 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
         _report_mirror(body, reason="CredentialsNotFound", message=str(e))
         raise kopf.TemporaryError(str(e), delay=20) from None
     try:
-        state = buckets.ensure_bucket(dest, provision=dest_spec.provision)
+        state = buckets.ensure_bucket(
+            dest, provision=dest_spec.provision, spec_field="spec.destination"
+        )
     except buckets.BucketMissing as e:
         _report_mirror(body, reason="BucketNotFound", message=str(e))
         raise kopf.TemporaryError(str(e), delay=30) from None

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from k8s_env import CREDENTIALS, ROOT, wait_for
 
@@ -240,3 +241,15 @@ def test_one_replica_acts_and_another_takes_over(tmp_path: Path, moto_s3: Any) -
         # The kube client is process-wide: give it back to the shared operator tests' cluster.
         if os.environ.get("KUBECONFIG"):
             kube.use_kubeconfig(os.environ["KUBECONFIG"])
+
+
+def test_lease_timings_that_cannot_work_are_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from zarrlake_operator.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--lease-duration", "5", "--lease-renew-deadline", "7"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "lease duration > renew deadline" in err and "Traceback" not in err

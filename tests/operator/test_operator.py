@@ -96,7 +96,7 @@ def test_missing_bucket_without_provision_waits_then_recovers(k8s: Env) -> None:
     bucket = k8s.repository(provision=False)
     obj = k8s.wait_condition("Repository", "repo", "BucketReady", "False")
     assert condition(obj, "BucketReady")["reason"] == "BucketNotFound"
-    assert "provision: true" in condition(obj, "BucketReady")["message"]
+    assert "spec.storage.provision: true" in condition(obj, "BucketReady")["message"]
     assert obj["status"]["phase"] == "Provisioning"
     # A failure reason is a Warning event too: once, not once per retry.
     wait_for("the Warning event", lambda: "BucketNotFound" in k8s.event_reasons())
@@ -199,6 +199,41 @@ def test_invalid_spec_gets_a_readable_condition(k8s: Env) -> None:
     assert obj["status"]["phase"] == "Failed"
     assert condition(obj, "Ready")["status"] == "False"
     wait_for("the InvalidSpec Warning event", lambda: "InvalidSpec" in k8s.event_reasons())
+
+
+def test_a_spec_the_schema_lets_through_but_no_client_takes_is_invalid_spec(k8s: Env) -> None:
+    """An endpoint URL with no host, or a duration past any date: the CRD's patterns pass them,
+    the S3 client and ``timedelta`` do not. Each is an InvalidSpec that names the field, never
+    a traceback on every retry with no status."""
+    k8s.ready_repository()
+    storage = {"bucket": "zl-badep", "endpointURL": "http://", "region": "us-east-1"}
+    k8s.custom("Repository", "badep", {"storage": storage})
+    k8s.custom(
+        "RetentionPolicy",
+        "huge",
+        {"repository": "repo", "gc": {"schedule": "@daily", "grace": "99999999999999999999d"}},
+    )
+
+    def reason(kind: str, name: str) -> Any:
+        obj = k8s.get(kind, name)
+        return obj and condition(obj, "Ready").get("reason") == "InvalidSpec" and obj
+
+    bad = wait_for("the Repository's InvalidSpec", lambda: reason("Repository", "badep"))
+    assert "spec.storage.endpointURL" in condition(bad, "Ready")["message"]
+    huge = wait_for("the policy's InvalidSpec", lambda: reason("RetentionPolicy", "huge"))
+    assert "longer than" in condition(huge, "Ready")["message"]
+
+
+def test_a_branch_with_a_name_the_engine_refuses_can_be_deleted(k8s: Env) -> None:
+    """``feat/`` passes the CRD's pattern but not the engine's naming rules: the Branch says
+    InvalidName, and deleting it must not wait for ever on a branch that was never made."""
+    k8s.ready_repository()
+    k8s.custom("Branch", "bad-name", {"repository": "repo", "name": "feat/"})
+    obj = k8s.wait_condition("Branch", "bad-name", "Ready", "False")
+    assert condition(obj, "Ready")["reason"] == "InvalidName"
+    k8s.delete("Branch", "bad-name")
+    wait_for("the Branch resource gone", lambda: k8s.get("Branch", "bad-name") is None)
+    assert set(k8s.open_repository().list_branches()) == {"main"}
 
 
 def test_lock_service_drift_is_corrected_and_mode_change_removes_it(k8s: Env) -> None:

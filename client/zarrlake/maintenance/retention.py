@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from zarrlake.errors import InvalidRetentionRules
+from zarrlake.refs import branch_glob_problem
 
 __all__ = ["InvalidRetentionRules", "Keep", "RetentionRules"]
 
@@ -82,8 +83,9 @@ class RetentionRules:
         if not isinstance(self.default, Keep):
             raise InvalidRetentionRules("default must be a zarrlake.Keep")
         for name, rule in self.branches.items():
-            if not isinstance(name, str) or not name:
-                raise InvalidRetentionRules(f"branch pattern must be a non-empty string: {name!r}")
+            problem = branch_glob_problem(name)
+            if problem is not None:
+                raise InvalidRetentionRules(f"branch pattern: {problem}")
             if not isinstance(rule, Keep):
                 raise InvalidRetentionRules(f"rule for {name!r} must be a zarrlake.Keep")
 

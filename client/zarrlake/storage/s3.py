@@ -190,7 +190,11 @@ class S3Storage(Storage):
         addressing_style: str | None = None,
     ) -> None:
         if endpoint_url is not None:
-            parsed = urlsplit(endpoint_url)
+            try:
+                parsed = urlsplit(endpoint_url)
+                parsed.port  # noqa: B018 (a port out of range raises)
+            except ValueError as e:
+                raise StorageError(f"endpoint_url {endpoint_url!r} is not a URL: {e}") from None
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise StorageError(
                     f"endpoint_url must be an http:// or https:// URL, not {endpoint_url!r}"
