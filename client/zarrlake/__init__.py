@@ -86,12 +86,18 @@ _LAZY = {
 _SUBMODULES = frozenset({"dask", "k8s", "locks", "maintenance", "mirror", "spark", "store"})
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"zarrlake.{name}")
-    raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers take the names from the imports above: typos stay errors
+
+    def __getattr__(name: str) -> Any:
+        if name in _LAZY:
+            return getattr(importlib.import_module(_LAZY[name]), name)
+        if name in _SUBMODULES:
+            return importlib.import_module(f"zarrlake.{name}")
+        raise AttributeError(f"module 'zarrlake' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 __all__ = [

@@ -34,24 +34,21 @@ class RepositoryConfig:
 
     def __post_init__(self) -> None:
         """Raises :class:`InvalidConfig` (a ``ValueError``) for a value of the wrong type or out
-        of range."""
+        of range. A whole number given as a float (``1e5``, as earlier versions stored what they
+        were given) is taken as the integer."""
         for name in ("inline_threshold_bytes", "shard_max_refs", "pack_chunks_below_bytes"):
             value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, value := int(value))
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidConfig(f"{name} must be an integer, not {value!r}")
-        if not isinstance(self.session_ttl, dt.timedelta):
-            raise InvalidConfig(
-                f"session_ttl must be a datetime.timedelta (or seconds, in a dict), "
-                f"not {self.session_ttl!r}"
-            )
+        check_session_ttl(self.session_ttl, InvalidConfig)
         if not 0 <= self.inline_threshold_bytes <= 1 << 20:
             raise InvalidConfig("inline_threshold_bytes must be between 0 and 1 MiB")
         if not 4 <= self.shard_max_refs <= 1_000_000:
             raise InvalidConfig("shard_max_refs must be between 4 and 1,000,000")
         if not 0 <= self.pack_chunks_below_bytes <= MAX_PACKED_CHUNK:
             raise InvalidConfig("pack_chunks_below_bytes must be between 0 and 16 MiB")
-        if not dt.timedelta(0) < self.session_ttl <= MAX_SESSION_TTL:
-            raise InvalidConfig("session_ttl must be positive and at most 7 days")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -73,10 +70,18 @@ class RepositoryConfig:
             )
         kw = {k: v for k, v in d.items() if k in known}
         ttl = kw.get("session_ttl")
-        if ttl is not None and not isinstance(ttl, dt.timedelta):
-            if not isinstance(ttl, int | float) or isinstance(ttl, bool):
-                raise InvalidConfig(
-                    f"session_ttl must be a datetime.timedelta or seconds, not {ttl!r}"
-                )
+        if isinstance(ttl, int | float) and not isinstance(ttl, bool):
             kw["session_ttl"] = dt.timedelta(seconds=float(ttl))
         return cls(**kw)
+
+
+def check_session_ttl(
+    ttl: object, error: type[Exception], name: str = "session_ttl"
+) -> dt.timedelta:
+    """``ttl`` if it is a session lifetime zarrlake takes (a ``timedelta``, positive, at most
+    7 days); else raise ``error`` saying so of ``name``."""
+    if not isinstance(ttl, dt.timedelta):
+        raise error(f"{name} must be a datetime.timedelta, not {ttl!r}")
+    if not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
+        raise error(f"{name} must be positive and at most 7 days")
+    return ttl

@@ -144,6 +144,15 @@ class MergePlan:
     conflicts: list[Conflict]
 
 
+def check_strategy(strategy: object) -> None:
+    """Raise :class:`InvalidArgument` unless ``strategy`` is a merge strategy: None,
+    ``"source-wins"`` or ``"dest-wins"``."""
+    if strategy not in (None, "source-wins", "dest-wins"):
+        raise InvalidArgument(
+            f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
+        )
+
+
 def three_way(
     base_nodes: Mapping[str, bytes],
     source_nodes: Mapping[str, bytes],
@@ -160,10 +169,7 @@ def three_way(
     changes, or a change on one side where the other deleted the node, conflict — unless
     ``strategy`` is ``"source-wins"`` or ``"dest-wins"``, which settles every conflict.
     """
-    if strategy not in (None, "source-wins", "dest-wins"):
-        raise InvalidArgument(
-            f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
-        )
+    check_strategy(strategy)
     conflicts: list[Conflict] = []
     out_chunks: dict[str, ChunkRef | None] = {}
     out_nodes: dict[str, bytes | None] = {}

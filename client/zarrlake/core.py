@@ -14,8 +14,20 @@ from typing import Any
 
 from zarrlake.commit import BranchLock, CommitEngine
 from zarrlake.config import RepositoryConfig
-from zarrlake.errors import ReadOnlyError, ReadOnlyStorage, UnsupportedFormat
-from zarrlake.format.model import MIRROR_PREFIX, WRITE_PROBE_KEY, RepoRecord
+from zarrlake.errors import (
+    CorruptObject,
+    InvalidConfig,
+    ReadOnlyError,
+    ReadOnlyStorage,
+    UnsupportedFormat,
+)
+from zarrlake.format.model import (
+    MIRROR_PREFIX,
+    MIRROR_REPO_KEY,
+    REPO_KEY,
+    WRITE_PROBE_KEY,
+    RepoRecord,
+)
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import BranchJournal, Tags
@@ -61,7 +73,11 @@ class RepositoryCore:
 
         A mirror's (``record.mirror_of``) refs are its own, under ``mirror/``: the source's
         journal and tags that replication copies beside them are never read."""
-        config = RepositoryConfig.from_dict(record.config)
+        try:
+            config = RepositoryConfig.from_dict(record.config)
+        except InvalidConfig as e:  # a stored record, not the caller's input
+            key = REPO_KEY if record.mirror_of is None else MIRROR_REPO_KEY
+            raise CorruptObject(key, f"its settings: {e}") from None
         objects = ObjectStore(storage, record.content_hash)
         root = MIRROR_PREFIX if record.mirror_of is not None else ""
         # A mirror's refs carry no markers: the promoter starts its journals anew, under the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-from zarrlake.errors import InvalidDuration
+from zarrlake.errors import InvalidArgument, InvalidDuration
 
 _UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
 #: The longest duration taken (a thousand years): beyond it a ``timedelta`` soon overflows, and
@@ -33,3 +33,16 @@ def parse_duration(text: str) -> dt.timedelta:
     if seconds > MAX_SECONDS:
         raise InvalidDuration(f"duration {text!r} is longer than {MAX_SECONDS // 86400:,} days")
     return dt.timedelta(seconds=seconds)
+
+
+def as_timedelta(value: object, name: str) -> dt.timedelta:
+    """An argument ``name`` that is a duration: a ``timedelta``, or text :func:`parse_duration`
+    reads (``"7d"``). Raises :class:`zarrlake.InvalidDuration` for bad text,
+    :class:`zarrlake.InvalidArgument` for anything else."""
+    if isinstance(value, dt.timedelta):
+        return value
+    if isinstance(value, str):
+        return parse_duration(value)
+    raise InvalidArgument(
+        f"{name} must be a datetime.timedelta or a duration like '7d', not {type(value).__name__}"
+    )

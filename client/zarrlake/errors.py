@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 
 class ZarrlakeError(Exception):
@@ -47,6 +48,9 @@ class NotMirrored(RefNotFound):
     def __init__(self, snapshot_id: str, mirror_of: str) -> None:
         super().__init__(snapshot_id, "snapshot")
         self.mirror_of = mirror_of
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.ref, self.mirror_of))
 
     def __str__(self) -> str:
         return (
@@ -136,6 +140,10 @@ class ConflictError(ZarrlakeError):
             more = f" (+{len(self.conflicts) - 5} more)" if len(self.conflicts) > 5 else ""
             message = f"{len(self.conflicts)} conflict(s): {shown}{more}"
         super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.conflicts, self.message))
 
 
 class MergeConflictError(ConflictError):
@@ -171,6 +179,11 @@ class CorruptObject(ZarrlakeError):
         super().__init__(f"corrupt object {key}: {reason}")
         self.key = key
         self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its facts in another process (a dask or Spark worker's error), not from
+        # the message alone.
+        return (type(self), (self.key, self.reason))
 
 
 class UnsupportedFormat(ZarrlakeError):
@@ -233,6 +246,9 @@ class ConditionalWritesUnsupported(StorageError):
         self.url = url
         self.key = key
         self.found = found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.url, self.key, self.found))
 
 
 class ReadOnlyStorage(StorageError, ReadOnlyError):
@@ -301,3 +317,6 @@ class UnknownContentHash(ZarrlakeError, ValueError):
         super().__init__(f"unknown content hash {name!r}; choose one of {', '.join(known)}")
         self.name = name
         self.known = known
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.known))

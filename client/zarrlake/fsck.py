@@ -23,7 +23,6 @@ from zarrlake.format.model import (
     PACKED,
     REPO_KEY,
     ChunkRef,
-    TagRecord,
     chunk_key,
     history_page_key,
     pack_key,
@@ -32,7 +31,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
-from zarrlake.refs import TAG_KEYS, live_tag_records, marker_disagreements
+from zarrlake.refs import marker_disagreements
 
 
 @dataclass(frozen=True)
@@ -119,17 +118,8 @@ def fsck(
                 continue
             if entry.snapshot is not None and (i == 0 or entry.snapshot not in expired):
                 roots.append(entry.snapshot)
-    try:
-        tags = core.tags.all(reread=True)
-    except (CorruptObject, UnsupportedFormat):
-        # One bad record: read them one by one, to name each bad one and check the others.
-        tags = {}
-        listed = core.storage.list(core.tags.root + TAG_KEYS)
-        for name, found in live_tag_records(core.tags.root, listed).items():
-            try:
-                tags[name] = TagRecord.decode(core.storage.get(found.key), found.key).snapshot
-            except (CorruptObject, UnsupportedFormat) as e:
-                problem("corrupt", found.key, str(e))
+    # Each bad record named by its key; the good ones checked all the same.
+    tags = core.tags.all(reread=True, on_corrupt=lambda key, e: problem("corrupt", key, str(e)))
     refs += len(tags)
     roots.extend(tags.values())
     # Markers (what a listing of the refs believes) that disagree with what they name.

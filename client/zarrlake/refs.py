@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from zarrlake.config import MAX_SESSION_TTL
-from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, TagExists, ZarrlakeError
+from zarrlake.errors import (
+    CorruptObject,
+    InvalidName,
+    RefNotFound,
+    TagExists,
+    UnsupportedFormat,
+    ZarrlakeError,
+)
 from zarrlake.format.model import (
     GUARD_ID,
     REFS_PREFIX,
@@ -139,11 +146,25 @@ def validate_name(name: object, kind: str = "branch") -> str:
 
 def branch_glob_problem(glob: object) -> str | None:
     """Why ``glob`` cannot select branches as meant (None when it can): not a string, empty,
-    or with unbalanced brackets (``[bad`` would only match itself, literally)."""
+    or with a set left open (``exp[`` would only match itself, literally)."""
     if not isinstance(glob, str) or not glob:
         return f"a branch name or glob is a non-empty string, not {glob!r}"
-    if glob.count("[") != glob.count("]"):
-        return f"{glob!r} has unbalanced brackets (a set is written [...])"
+    # fnmatch's reading: ``[`` opens a set that a later ``]`` closes (a ``]`` first in the set,
+    # or after ``!``, is a member); a ``]`` outside a set is itself. An unclosed ``[`` would be
+    # taken literally, which is never what the writer of ``exp[`` meant.
+    i, n = 0, len(glob)
+    while i < n:
+        if glob[i] == "[":
+            j = i + 1
+            if j < n and glob[j] == "!":
+                j += 1
+            if j < n and glob[j] == "]":
+                j += 1
+            j = glob.find("]", j)
+            if j < 0:
+                return f"{glob!r} has a '[' that no ']' closes (a set is written [...])"
+            i = j
+        i += 1
     return None
 
 
@@ -688,12 +709,15 @@ class Tags:
         *,
         reread: bool = False,
         markers: Markers | None = None,
+        on_corrupt: Callable[[str, ZarrlakeError], None] | None = None,
     ) -> dict[str, str]:
         """Name -> snapshot id of the live tags whose records a listing found (tombstoned ones
         left out by the caller), sorted by name: see :func:`read_refs`. A record seen before with
         the same size and modification time is not read again (records are create-only), nor one
         the same listing shows with its marker among ``markers`` (:func:`trusted_marker`),
-        unless ``reread`` (fsck: a record may rot without changing either)."""
+        unless ``reread`` (fsck: a record may rot without changing either). A record that
+        does not parse raises its :class:`CorruptObject`; with ``on_corrupt``, it is handed
+        to it with its key instead, and its tag left out."""
         # One view of the cache: calls running at once each replace it whole.
         cache = {} if reread else self._listed
         marked: dict[str, str] = {}
@@ -710,30 +734,46 @@ class Tags:
             if name not in marked
             and cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
-        snapshots = self.storage.map(
-            lambda info: TagRecord.decode(self.storage.get(info.key), info.key).snapshot, to_read
-        )
+        def read(info: ObjectInfo) -> str | None:
+            try:
+                return TagRecord.decode(self.storage.get(info.key), info.key).snapshot
+            except (CorruptObject, UnsupportedFormat) as e:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(info.key, e)
+                return None
+
+        snapshots = self.storage.map(read, to_read)
         listed = {i.key: cache[i.key] for i in records.values() if i.key in cache}
         for info, snapshot in zip(to_read, snapshots, strict=True):
-            listed[info.key] = (info.size, info.modified, snapshot)
+            if snapshot is not None:
+                listed[info.key] = (info.size, info.modified, snapshot)
         self._listed = listed
         return {
             name: marked[name] if name in marked else listed[records[name].key][2]
             for name in sorted(records)
+            if name in marked or records[name].key in listed
         }
 
-    def all(self, *, reread: bool = False, records_only: bool = False) -> dict[str, str]:
+    def all(
+        self,
+        *,
+        reread: bool = False,
+        records_only: bool = False,
+        on_corrupt: Callable[[str, ZarrlakeError], None] | None = None,
+    ) -> dict[str, str]:
         """Every live tag: name -> snapshot id, sorted by name. One listing finds the records,
         the tombstones and the markers (``refs/tag.``, ``refs/tagdel.`` and ``refs/tagid.``
         share the prefix ``refs/tag``), then one concurrent round reads the live records that
         have no marker and were not read before as listed (:meth:`listed`; with ``reread``,
         every live record): one request when every tag has its marker or none changed, 1 + N
         for N tags at most. With ``records_only``, markers are not trusted: every answer is a
-        record this object read (GC, expiry and mirrors rest on records, never on markers)."""
+        record this object read (GC, expiry and mirrors rest on records, never on markers).
+        ``on_corrupt``: as for :meth:`listed`."""
         listed = list(self.storage.list(self.root + TAG_KEYS))
         records = live_tag_records(self.root, listed)
         markers = None if records_only else listed_markers(self.root, listed)
-        return self.listed(records, reread=reread, markers=markers)
+        return self.listed(records, reread=reread, markers=markers, on_corrupt=on_corrupt)
 
 
 @dataclass(frozen=True)

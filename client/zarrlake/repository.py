@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.commit import BranchLock
-from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
+from zarrlake.config import RepositoryConfig, check_session_ttl
+from zarrlake.conflicts import check_strategy
 from zarrlake.core import RepositoryCore, check_storage_writable
-from zarrlake.durations import parse_duration
+from zarrlake.durations import as_timedelta
 from zarrlake.errors import (
     BranchExists,
     InvalidArgument,
@@ -86,17 +87,6 @@ def _moment(as_of: object) -> dt.datetime:
             raise InvalidArgument(f"as_of {as_of!r} is not an ISO 8601 time") from None
     raise InvalidArgument(
         f"as_of must be a datetime or an ISO 8601 string, not {type(as_of).__name__}"
-    )
-
-
-def _grace(grace: object) -> dt.timedelta:
-    """A GC grace period: a timedelta, or a duration as the CLI takes it (``"7d"``)."""
-    if isinstance(grace, dt.timedelta):
-        return grace
-    if isinstance(grace, str):
-        return parse_duration(grace)  # InvalidDuration
-    raise InvalidArgument(
-        f"grace must be a datetime.timedelta or a duration like '7d', not {type(grace).__name__}"
     )
 
 
@@ -235,6 +225,8 @@ class Repository:
         day the repository is first created."""
         if content_hash not in CONTENT_HASHES:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
+        if isinstance(config, dict):  # a misspelt setting, likewise
+            config = RepositoryConfig.from_dict(config, strict=True)
         try:
             return cls.open(storage, lock=lock)
         except RepositoryNotFound:
@@ -422,10 +414,7 @@ class Repository:
         A merge commit has two parents. ``strategy`` None fails on conflicts with
         :class:`MergeConflictError`; ``"source-wins"``/``"dest-wins"`` settle them all.
         """
-        if strategy not in (None, "source-wins", "dest-wins"):
-            raise InvalidArgument(
-                f"unknown merge strategy {strategy!r}; use 'source-wins' or 'dest-wins'"
-            )
+        check_strategy(strategy)  # before any read
         validate_name(into)
         self._core.check_writable()
         src_id = self.resolve(source)
@@ -477,7 +466,7 @@ class Repository:
                 "garbage collection runs with its promoter (zarrlake.mirror.Mirror.gc, or "
                 "Mirror.run(gc_every=...)), which must know what it deletes"
             )
-        grace = _grace(grace)
+        grace = as_timedelta(grace, "grace")
         spark = self._spark_for(engine, spark, "gc")
         self._core.check_writable()  # a newer format's objects may look unreachable here
         if spark is not None:
@@ -579,8 +568,8 @@ class Repository:
     def writable_session(self, branch: str = MAIN, *, ttl: dt.timedelta | None = None) -> Session:
         """A transaction on ``branch``, expiring after ``ttl`` (default: config; at most 7 days)."""
         validate_name(branch)
-        if ttl is not None and not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
-            raise InvalidArgument("session ttl must be positive and at most 7 days")
+        if ttl is not None:
+            check_session_ttl(ttl, InvalidArgument, "ttl")
         self._core.check_writable()
         head = self._core.journal.current(branch).snapshot
         assert head is not None

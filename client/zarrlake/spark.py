@@ -96,7 +96,9 @@ Writer = Callable[[Any, Iterator[Any]], Any]
 
 _MARK = "[zarrlake-spark]"
 _MARK_RE = re.compile(re.escape(_MARK) + r" writer failed on partition (\d+): ([^\n]*)")
-_PY_EXC_RE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)): [^\n]*$", re.M)
+_PY_EXC_RE = re.compile(
+    r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)|zarrlake\.errors\.\w+): [^\n]*$", re.M
+)
 
 
 # -- helpers for writers -------------------------------------------------------------------------

@@ -36,4 +36,7 @@ def parse_bytes(text: str) -> int:
     factor = _UNIT_BYTES.get(found.group(2).lower()) if found else None
     if found is None or factor is None:
         raise InvalidArgument(f"bad size {text!r} (use e.g. 262144, 256KiB, 1MiB, 10MB)")
-    return int(float(found.group(1)) * factor)
+    count = float(found.group(1)) * factor
+    if not count.is_integer():
+        raise InvalidArgument(f"size {text!r} is not a whole number of bytes")
+    return int(count)

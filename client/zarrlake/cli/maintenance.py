@@ -113,10 +113,18 @@ def _spark_session(args: argparse.Namespace) -> Any:
         return spark_session(f"zarrlake-{args.command}", args.spark_master)
     except ImportError as e:
         raise UsageError(f"--engine spark: {e}") from None
-    except Exception as e:  # the JVM's or PySpark's: a bad master, no Java, a cluster away
+    except Exception as e:
+        if not _from_spark(e):
+            raise  # zarrlake's own bug: not to be passed off as Spark's
         where = f" on {args.spark_master!r}" if args.spark_master else ""
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ZarrlakeError(f"--engine spark: cannot start Spark{where}: {detail}") from None
+
+
+def _from_spark(e: BaseException) -> bool:
+    """Whether ``e`` is Spark's or the JVM's (PySpark, Py4J, no Java), not zarrlake's."""
+    module = type(e).__module__
+    return module.startswith(("pyspark", "py4j")) or isinstance(e, OSError)
 
 
 def run_gc(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zarrlake.durations import as_timedelta
 from zarrlake.errors import (
     InvalidArgument,
     LockTimeout,
@@ -366,15 +367,17 @@ class Mirror:
         stop: threading.Event | None = None,
         on_status: Callable[[MirrorStatus], None] | None = None,
         gc_every: float | None = None,
-        gc_grace: dt.timedelta = dt.timedelta(days=7),
+        gc_grace: dt.timedelta | str = dt.timedelta(days=7),
     ) -> None:
         """:meth:`step` every ``interval`` seconds until ``stop`` is set (forever without one);
-        with ``gc_every`` (seconds), also :meth:`gc` that often, between passes.
+        with ``gc_every`` (seconds), also :meth:`gc` that often, between passes (``gc_grace``: a
+        ``timedelta`` or a duration like ``"7d"``).
 
         A pass that fails as a whole (the source unreachable) is logged and retried at the
         next interval; nothing a failed pass did is lost, since objects are immutable. A
         destination whose server does not keep create-only writes is refused at once
         (:class:`ConditionalWritesUnsupported`), not retried."""
+        gc_grace = as_timedelta(gc_grace, "gc_grace")
         self._check_destination_keeps_create_only_writes()
         stop = stop or threading.Event()
         lock: RedisLock | LocalLock | DestinationLease = (
@@ -431,11 +434,12 @@ class Mirror:
     def gc(
         self,
         *,
-        grace: dt.timedelta = dt.timedelta(days=7),
+        grace: dt.timedelta | str = dt.timedelta(days=7),
         dry_run: bool = False,
         force: bool = False,
     ) -> GCReport:
-        """Garbage-collect the destination: delete objects older than ``grace`` that no
+        """Garbage-collect the destination: delete objects older than ``grace`` (a
+        ``timedelta`` or a duration like ``"7d"``) that no
         destination ref reaches (what the source deleted, data of skipped commits that
         replication brought), exactly as :meth:`Repository.gc` on a repository; nothing a
         destination ref reaches is deleted. The mirror runs no retention of its own: history
@@ -445,6 +449,7 @@ class Mirror:
         promoter elsewhere: the promoter trusts what it found present, and GC is what makes
         that stale. This promoter forgets everything it knew afterwards and checks again.
         """
+        grace = as_timedelta(grace, "grace")
         report = gc(self.mirror.core, grace=grace, dry_run=dry_run, force=force)
         if report.deleted_objects and not dry_run:
             self.presence.forget()

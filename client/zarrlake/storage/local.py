@@ -148,15 +148,15 @@ class LocalStorage(Storage):
         path = self._root_slash + key
         try:
             self._put(key, path, data, create_only)
-        except (PreconditionFailed, StorageError):
-            raise
+        except (FileExistsError, IsADirectoryError) as e:
+            if os.path.isdir(path):
+                raise StorageError(f"cannot write {key!r}: {path} is a directory") from None
+            if create_only and isinstance(e, FileExistsError) and os.path.lexists(path):
+                raise PreconditionFailed(key) from None  # the create-only write lost
+            raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
         except OSError as e:
             # Not an object store's answer but the file system's (a file where a folder should
-            # be, a folder where the object should be, permissions, a full disk): say where.
-            if isinstance(e, IsADirectoryError) or (
-                isinstance(e, FileExistsError) and os.path.isdir(path)
-            ):
-                raise StorageError(f"cannot write {key!r}: {path} is a directory") from e
+            # be, permissions, a full disk): say where.
             raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
 
     def _put(self, key: str, path: str, data: Buffer, create_only: bool) -> None:
@@ -165,15 +165,11 @@ class LocalStorage(Storage):
         try:
             if create_only:
                 try:
-                    _publish(os.link, tmp, path)
-                except FileExistsError:
-                    if os.path.isdir(path):
-                        raise
-                    raise PreconditionFailed(key) from None
+                    _publish(os.link, tmp, path)  # FileExistsError: see put
                 except OSError as e:  # file systems without hard links
                     if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
                         raise
-                    self._create_exclusive(path, key, data)
+                    self._create_exclusive(path, data)
             else:
                 _publish(os.replace, tmp, path)
                 published = True  # the temporary file is now the object
@@ -182,14 +178,9 @@ class LocalStorage(Storage):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
 
-    def _create_exclusive(self, path: str, key: str, data: Buffer) -> None:
+    def _create_exclusive(self, path: str, data: Buffer) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            if os.path.isdir(path):
-                raise
-            raise PreconditionFailed(key) from None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # FileExistsError: put
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 

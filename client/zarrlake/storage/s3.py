@@ -189,6 +189,7 @@ class S3Storage(Storage):
         anonymous: bool = False,
         addressing_style: str | None = None,
     ) -> None:
+        endpoint_url = endpoint_url or None  # "" is no endpoint: AWS's own
         if endpoint_url is not None:
             try:
                 parsed = urlsplit(endpoint_url)
@@ -199,11 +200,12 @@ class S3Storage(Storage):
                 raise StorageError(
                     f"endpoint_url must be an http:// or https:// URL, not {endpoint_url!r}"
                 )
-        if endpoint_url and endpoint_url.startswith("http://") and not allow_http:
-            raise StorageError(
-                f"plain-HTTP endpoint {endpoint_url} needs allow_http=True (allow_http=true "
-                "in a URL's query)"
-            )
+            endpoint_url = parsed.scheme + endpoint_url[len(parsed.scheme) :]  # HTTP:// too
+            if parsed.scheme == "http" and not allow_http:
+                raise StorageError(
+                    f"plain-HTTP endpoint {endpoint_url} needs allow_http=True (allow_http=true "
+                    "in a URL's query)"
+                )
         if not bucket:
             raise StorageError("an S3 storage needs a bucket name")
         if addressing_style not in (None, *_ADDRESSING_STYLES):
@@ -517,13 +519,12 @@ class S3Storage(Storage):
         try:
             self._put(key, data, create_only)
         except ObjectNotFound:
-            # S3's 404 to a write: the bucket is not there (a key cannot be missing).
-            raise StorageError(
-                f"cannot write {key}: bucket {self.bucket!r} does not exist at {self._where()}"
-            ) from None
+            raise self._no_bucket(key) from None
 
-    def _where(self) -> str:
-        return self.endpoint_url or f"AWS ({self._signing_region()})"
+    def _no_bucket(self, key: str) -> StorageError:
+        """S3's 404 to a write: the bucket is not there (a key cannot be missing)."""
+        where = self.endpoint_url or f"AWS ({self._signing_region()})"
+        return StorageError(f"cannot write {key}: bucket {self.bucket!r} does not exist at {where}")
 
     def _put(self, key: str, data: Buffer, create_only: bool) -> None:
         store = self._obstore()
@@ -610,10 +611,8 @@ class S3Storage(Storage):
                         ),
                     )
                 )
-            except ObjectNotFound:  # as put
-                raise StorageError(
-                    f"cannot write {key}: bucket {self.bucket!r} does not exist at {self._where()}"
-                ) from None
+            except ObjectNotFound:
+                raise self._no_bucket(key) from None
 
     def head(self, key: str) -> ObjectInfo | None:
         store = self._obstore()
