@@ -734,6 +734,7 @@ class Tags:
             if name not in marked
             and cache.get(info.key, (None, None))[:2] != (info.size, info.modified)
         ]
+
         def read(info: ObjectInfo) -> str | None:
             try:
                 return TagRecord.decode(self.storage.get(info.key), info.key).snapshot
