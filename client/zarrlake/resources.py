@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -120,6 +121,19 @@ def endpoint_problem(url: str) -> str | None:
     if any(c.isspace() for c in url):
         return f"{url!r} contains whitespace"
     return None
+
+
+def _valid_endpoint(url: str) -> str:
+    problem = endpoint_problem(url)
+    if problem:
+        raise ValueError(problem)
+    return url
+
+
+#: A storage endpoint's URL, checked by :func:`endpoint_problem` beyond the schema's pattern.
+EndpointURL = Annotated[
+    str, StringConstraints(pattern=r"^https?://"), AfterValidator(_valid_endpoint)
+]
 
 
 def cron_problem(schedule: str) -> str | None:
@@ -384,10 +398,9 @@ class StorageSpec(ResourceModel):
         json_schema_extra=immutable("storage.prefix"),
     )
     region: str | None = Field(default=None, description="s3: bucket region, e.g. eu-west-1.")
-    endpoint_url: str | None = Field(
+    endpoint_url: EndpointURL | None = Field(
         default=None,
         alias="endpointURL",
-        pattern=r"^https?://",
         description="s3, gcs, azure: endpoint of a non-default service (MinIO, Ceph, an "
         "emulator, another cloud).",
     )
@@ -411,14 +424,6 @@ class StorageSpec(ResourceModel):
         description="s3: create the bucket (public access blocked, encryption on, "
         "incomplete multipart uploads aborted) if it does not exist.",
     )
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        problem = None if v is None else endpoint_problem(v)
-        if problem:
-            raise ValueError(problem)
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -925,10 +930,9 @@ class MirrorDestinationSpec(ResourceModel):
         json_schema_extra=immutable("destination.prefix"),
     )
     region: str | None = Field(default=None, description="s3: bucket region, e.g. us-west-2.")
-    endpoint_url: str | None = Field(
+    endpoint_url: EndpointURL | None = Field(
         default=None,
         alias="endpointURL",
-        pattern=r"^https?://",
         description="Endpoint of a non-default service (MinIO, Ceph, an emulator, another "
         "cloud's S3 API).",
     )
@@ -944,14 +948,6 @@ class MirrorDestinationSpec(ResourceModel):
         default=False,
         description="s3: create the bucket (locked down as for a Repository) if it does not exist.",
     )
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        problem = None if v is None else endpoint_problem(v)
-        if problem:
-            raise ValueError(problem)
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
