@@ -72,7 +72,9 @@ def test_a_file_where_the_repository_folder_goes(tmp_path: Path) -> None:
     assert (tmp_path / "f").read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("endpoint", ["not a url", "ftp://host", "http://"])
+@pytest.mark.parametrize(
+    "endpoint", ["not a url", "ftp://host", "http://", "http://exa mple:9000", "http://h:99999"]
+)
 def test_an_s3_endpoint_that_is_not_a_url(endpoint: str) -> None:
     with pytest.raises(zarrlake.StorageError, match="endpoint_url"):
         zarrlake.Storage.s3("bucket", "p", endpoint_url=endpoint, allow_http=True)

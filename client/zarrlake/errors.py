@@ -195,9 +195,6 @@ class NotZarrlakeObject(CorruptObject, UnsupportedFormat):
     damaged, or written there by something else. A :class:`CorruptObject`, and an
     :class:`UnsupportedFormat` as this case always was."""
 
-    def __init__(self, key: str, reason: str) -> None:
-        CorruptObject.__init__(self, key, reason)
-
 
 class StorageError(ZarrlakeError):
     """The object store failed in a way retries did not fix."""

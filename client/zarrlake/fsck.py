@@ -100,9 +100,10 @@ def fsck(
     # Every chunk ref in an object the content check reads: chunk objects and pack ranges.
     content_refs: dict[str, set[ChunkRef]] = {}
 
-    def problem(kind: str, key: str, detail: str) -> None:
-        prefix = f"corrupt object {key}: "  # a CorruptObject's message names the key too
-        problems.append(Problem(kind, key, detail.removeprefix(prefix)))
+    def problem(kind: str, key: str, detail: str | Exception) -> None:
+        if isinstance(detail, CorruptObject) and detail.key == key:
+            detail = detail.reason  # its message names the key too: once is enough
+        problems.append(Problem(kind, key, str(detail)))
 
     # Roots: every branch head and live tag, and older journal entries (as_of reads them)
     # unless expiry took their snapshot out of history. Parents stop at expired snapshots too.
@@ -114,12 +115,12 @@ def fsck(
             try:
                 entry = core.journal.read_entry(key)
             except (CorruptObject, UnsupportedFormat) as e:
-                problem("corrupt", key, str(e))
+                problem("corrupt", key, e)
                 continue
             if entry.snapshot is not None and (i == 0 or entry.snapshot not in expired):
                 roots.append(entry.snapshot)
     # Each bad record named by its key; the good ones checked all the same.
-    tags = core.tags.all(reread=True, on_corrupt=lambda key, e: problem("corrupt", key, str(e)))
+    tags = core.tags.all(reread=True, on_corrupt=lambda key, e: problem("corrupt", key, e))
     refs += len(tags)
     roots.extend(tags.values())
     # Markers (what a listing of the refs believes) that disagree with what they name.
@@ -147,7 +148,7 @@ def fsck(
             )
             continue
         except (CorruptObject, UnsupportedFormat) as e:
-            problem("corrupt", snapshot_key(sid), str(e))
+            problem("corrupt", snapshot_key(sid), e)
             continue
         snapshots += 1
         if snap.index is not None:
@@ -157,7 +158,7 @@ def fsck(
         except RefNotFound:
             problem("missing", txlog_key(sid), "transaction log is absent")
         except (CorruptObject, UnsupportedFormat) as e:
-            problem("corrupt", txlog_key(sid), str(e))
+            problem("corrupt", txlog_key(sid), e)
         for info in snap.shards if data_roots is None or sid in data_roots else ():
             if info.digest in shard_seen:
                 continue
@@ -166,7 +167,7 @@ def fsck(
             try:
                 shard = objects.shard(info)
             except (CorruptObject, UnsupportedFormat) as e:
-                problem("corrupt", e.key if isinstance(e, CorruptObject) else info.digest, str(e))
+                problem("corrupt", e.key if isinstance(e, CorruptObject) else info.digest, e)
                 continue
             if len(shard.keys) != info.count or (
                 shard.keys and (shard.keys[0], shard.keys[-1]) != (info.first, info.last)
@@ -196,7 +197,7 @@ def fsck(
         if isinstance(error, RefNotFound):
             problem("missing", history_page_key(digest), "history page is absent")
         elif error is not None:
-            problem("corrupt", history_page_key(digest), str(error))
+            problem("corrupt", history_page_key(digest), error)
 
     if check_chunks and chunk_refs:
         present: dict[str, int] = {}

@@ -196,7 +196,13 @@ class S3Storage(Storage):
                 parsed.port  # noqa: B018 (a port out of range raises)
             except ValueError as e:
                 raise StorageError(f"endpoint_url {endpoint_url!r} is not a URL: {e}") from None
-            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            # As zarrlake.resources.endpoint_problem checks a resource's endpointURL (the two
+            # layers cannot share a function): a scheme, a host, a port in range, no spaces.
+            if (
+                parsed.scheme not in ("http", "https")
+                or not parsed.hostname
+                or any(c.isspace() for c in endpoint_url)
+            ):
                 raise StorageError(
                     f"endpoint_url must be an http:// or https:// URL, not {endpoint_url!r}"
                 )
