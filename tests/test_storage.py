@@ -1383,3 +1383,36 @@ def test_a_misspelt_or_unreadable_url_option_is_an_error(url: str, message: str)
     refused for a reason the user cannot see)."""
     with pytest.raises(zarrlake.StorageError, match=message):
         zarrlake.Storage.from_url(url)
+
+
+def test_a_create_only_write_lost_to_an_object_gone_since_is_still_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The object a create-only write lost to may be deleted (GC's sweep) before the writer
+    looks: the write still lost, and must say so (PreconditionFailed: read back, retry), not
+    fail as a storage error. A file where a folder goes is a storage error, and says so."""
+    from zarrlake.storage import local
+
+    storage = Storage.local(tmp_path / "s")
+    storage.put("chunks/ab/x", b"theirs", create_only=True)
+    publish = local._publish
+
+    def swept_right_after(op: Any, tmp: str, path: str) -> None:
+        try:
+            publish(op, tmp, path)
+        except FileExistsError:
+            os.unlink(path)  # GC deletes the object the write lost to
+            raise
+
+    monkeypatch.setattr(local, "_publish", swept_right_after)
+    with pytest.raises(PreconditionFailed):
+        storage.put("chunks/ab/x", b"mine", create_only=True)
+    monkeypatch.undo()
+    (tmp_path / "s" / "file").write_bytes(b"not a folder")
+    with pytest.raises(StorageError, match=r"Not a directory|File exists") as e:
+        storage.put("file/below", b"x", create_only=True)
+    assert not isinstance(e.value, PreconditionFailed)
+    (tmp_path / "s" / "dir").mkdir()
+    for create_only in (True, False):
+        with pytest.raises(StorageError, match="is a directory"):
+            storage.put("dir", b"x", create_only=create_only)

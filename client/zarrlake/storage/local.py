@@ -149,10 +149,14 @@ class LocalStorage(Storage):
         try:
             self._put(key, path, data, create_only)
         except (FileExistsError, IsADirectoryError) as e:
-            if os.path.isdir(path):
-                raise StorageError(f"cannot write {key!r}: {path} is a directory") from None
-            if create_only and isinstance(e, FileExistsError) and os.path.lexists(path):
-                raise PreconditionFailed(key) from None  # the create-only write lost
+            # Decided by what the failed call was about, not by looking again: the object a
+            # create-only write lost to may be gone already (GC's sweep), and that write still
+            # lost. A name taken on the way (a file where a folder goes) is no such answer.
+            if path in (e.filename, e.filename2):
+                if os.path.isdir(path):
+                    raise StorageError(f"cannot write {key!r}: {path} is a directory") from None
+                if create_only and isinstance(e, FileExistsError):
+                    raise PreconditionFailed(key) from None
             raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
         except OSError as e:
             # Not an object store's answer but the file system's (a file where a folder should
