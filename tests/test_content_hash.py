@@ -154,12 +154,17 @@ def test_fsck_verifies_content_with_the_recorded_hash(tmp_path: Path, content_ha
 
     digest = DIGEST[content_hash](block(2))
     storage.put(chunk_key(digest), block(9))  # same size, other bytes
-    assert repo.fsck().ok  # presence and size alone cannot tell
+    assert repo.fsck(sample=0).ok  # presence and size alone cannot tell
     report = zarrlake.Repository.open(storage).fsck(verify_content=True)
     assert [(p.kind, p.key) for p in report.problems] == [("corrupt", chunk_key(digest))]
     assert content_hash in report.problems[0].detail
+    # A plain fsck reads a sample of the chunks: here, with two chunks, both.
+    sampled = repo.fsck()
+    assert [(p.kind, p.key) for p in sampled.problems] == [("corrupt", chunk_key(digest))]
+    assert sampled.verified == 2
     url = storage.url
-    assert cli_main(["fsck", url]) == 0
+    assert cli_main(["fsck", url, "--sample", "0"]) == 0
+    assert cli_main(["fsck", url]) == 1
     assert cli_main(["fsck", url, "--verify-content"]) == 1
 
 

@@ -7,6 +7,7 @@ everything after them reads through real S3 servers (moto and SeaweedFS)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,18 @@ def test_single_reads_past_a_truncated_pack_or_of_a_missing_one_are_corrupt(
     assert good == held and bad == 1500 - held, (good, bad, held)
 
 
+def _packed_ref(pack: bytes, pack_id: str, offset: int, length: int) -> tuple:
+    """A packed chunk's ref as a session writes it: its digest is that of its bytes (SHA-256,
+    the hash of these tests' object stores), so that verified reads take it."""
+    return (
+        PACKED,
+        pack_id,
+        offset,
+        length,
+        hashlib.sha256(pack[offset : offset + length]).digest(),
+    )
+
+
 def test_a_failed_read_ahead_sends_its_reads_to_their_own_requests(
     s3_storage: zarrlake.Storage,
 ) -> None:
@@ -316,7 +329,7 @@ def test_a_failed_read_ahead_sends_its_reads_to_their_own_requests(
     log.fail_spans_over = 64 * 1024  # every window's request fails; chunk-sized ones do not
     objects = ObjectStore(log, LEGACY_CONTENT_HASH)
     for i in range(12):  # one read at a time, each following the one before
-        ref = (PACKED, pack_id, i * 1024, 1024, b"")
+        ref = _packed_ref(pack, pack_id, i * 1024, 1024)
         assert objects.read_chunks([(ref, None)]) == [pack[i * 1024 : (i + 1) * 1024]]
     # Every third request was a window, which failed; its read then made its own request, and
     # the stream started over.
@@ -343,13 +356,13 @@ def test_a_window_no_job_fetched_does_not_make_a_single_read_fetch_it(
     s3_storage.put(pack_key(pack_id), pack)
     log = RangeLog(s3_storage)
     objects = ObjectStore(log, LEGACY_CONTENT_HASH)
-    refs = [(PACKED, pack_id, i * 1024, 1024, b"") for i in range(STREAK + 1)]
+    refs = [_packed_ref(pack, pack_id, i * 1024, 1024) for i in range(STREAK + 1)]
     for ref in refs[:STREAK]:
         objects.read_chunks([(ref, None)])
     jobs = objects.plan_reads([(refs[STREAK], None)])  # plans a window; never run
     assert len(jobs) == 1
     log.spans.clear()
-    inside = (PACKED, pack_id, 100 * 1024, 1024, b"")
+    inside = _packed_ref(pack, pack_id, 100 * 1024, 1024)
     assert objects.read_chunk(inside) == pack[100 * 1024 : 101 * 1024]
     assert log.spans == [1024]
     # A batch does join it (its job is likely about to run), and whoever comes first fetches it.
@@ -402,7 +415,7 @@ def test_a_window_over_a_pack_shorter_than_its_refs_fails_only_the_refs_past_its
     objects = ObjectStore(s3_storage, LEGACY_CONTENT_HASH)
 
     def ref(offset: int, length: int = 1024) -> tuple:
-        return (PACKED, pack_id, offset, length, b"")
+        return _packed_ref(pack, pack_id, offset, length)
 
     for i in range(STREAK):  # a stream: the next batch reads ahead
         assert objects.read_chunks([(ref(i * 1024), None)]) == [pack[i * 1024 : (i + 1) * 1024]]

@@ -16,11 +16,13 @@ from zarrlake.changeset import Changeset
 from zarrlake.config import RepositoryConfig
 from zarrlake.conflicts import UseOurs, UseTheirs
 from zarrlake.errors import (
+    AmbiguousRef,
     BranchExists,
     ConditionalWritesUnsupported,
     Conflict,
     ConflictError,
     ConflictKind,
+    CorruptChunk,
     CorruptObject,
     GraceTooShort,
     InvalidArgument,
@@ -33,6 +35,7 @@ from zarrlake.errors import (
     LockTimeout,
     LockUnavailable,
     MergeConflictError,
+    MissingDependency,
     NothingToCommit,
     NotMirrored,
     ObjectNotFound,
@@ -101,6 +104,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AmbiguousRef",
     "BranchExists",
     "Changeset",
     "CommitInfo",
@@ -109,6 +113,7 @@ __all__ = [
     "Conflict",
     "ConflictError",
     "ConflictKind",
+    "CorruptChunk",
     "CorruptObject",
     "Diff",
     "ExpireReport",
@@ -131,6 +136,7 @@ __all__ = [
     "MergeConflictError",
     "Mirror",
     "MirrorStatus",
+    "MissingDependency",
     "NotMirrored",
     "NothingToCommit",
     "ObjectNotFound",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -85,3 +86,20 @@ def check_session_ttl(
     if not dt.timedelta(0) < ttl <= MAX_SESSION_TTL:
         raise error(f"{name} must be positive and at most 7 days")
     return ttl
+
+
+#: Turns verified chunk reads off for every repository a process opens without saying
+#: (``Repository.open(storage, verify_reads=None)``): the CLI's, a job's.
+VERIFY_READS_ENV = "ZARRLAKE_VERIFY_READS"
+
+
+def verify_reads_default() -> bool:
+    """Whether chunk reads are verified when the caller does not say: on, unless
+    ``$ZARRLAKE_VERIFY_READS`` is ``0``, ``false``, ``no`` or ``off``. Another value raises
+    :class:`InvalidConfig`, so that a typo does not silently keep it on (or off)."""
+    value = os.environ.get(VERIFY_READS_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise InvalidConfig(f"${VERIFY_READS_ENV} must be 1/true/on or 0/false/off, not {value!r}")

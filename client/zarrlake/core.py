@@ -67,7 +67,12 @@ class RepositoryCore:
 
     @classmethod
     def build(
-        cls, storage: Storage, record: RepoRecord, lock: BranchLock | None = None
+        cls,
+        storage: Storage,
+        record: RepoRecord,
+        lock: BranchLock | None = None,
+        *,
+        verify_reads: bool = True,
     ) -> RepositoryCore:
         """The core of the repository whose marker object is ``record``, at ``storage``.
 
@@ -78,7 +83,7 @@ class RepositoryCore:
         except InvalidConfig as e:  # a stored record, not the caller's input
             key = REPO_KEY if record.mirror_of is None else MIRROR_REPO_KEY
             raise CorruptObject(key, f"its settings: {e}") from None
-        objects = ObjectStore(storage, record.content_hash)
+        objects = ObjectStore(storage, record.content_hash, verify_reads=verify_reads)
         root = MIRROR_PREFIX if record.mirror_of is not None else ""
         # A mirror's refs carry no markers: the promoter starts its journals anew, under the
         # source's id, so a mirror made again in place could not tell its markers from a
@@ -123,4 +128,10 @@ class RepositoryCore:
         self.storage.check_conditional_writes(WRITE_PROBE_KEY)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RepositoryCore.build, (self.storage, self.record, self.lock))
+        return (_rebuild, (self.storage, self.record, self.lock, self.objects.verify_reads))
+
+
+def _rebuild(
+    storage: Storage, record: RepoRecord, lock: BranchLock | None, verify_reads: bool
+) -> RepositoryCore:
+    return RepositoryCore.build(storage, record, lock, verify_reads=verify_reads)

@@ -59,6 +59,26 @@ class NotMirrored(RefNotFound):
         )
 
 
+class AmbiguousRef(RefNotFound):
+    """A short snapshot id that more than one snapshot's id starts with. ``candidates``: some of
+    those ids (the first few in order); ``more``: whether there are others besides."""
+
+    def __init__(self, ref: str, candidates: list[str], more: bool = False) -> None:
+        super().__init__(ref, "snapshot id prefix")
+        self.candidates = list(candidates)
+        self.more = more
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.ref, self.candidates, self.more))
+
+    def __str__(self) -> str:
+        listed = ", ".join(self.candidates) + (", ..." if self.more else "")
+        return (
+            f"ambiguous snapshot id {self.ref!r}: it starts the ids of several snapshots "
+            f"({listed}); give more of the id"
+        )
+
+
 class InvalidName(ZarrlakeError, ValueError):
     """A branch or tag name that breaks the naming rules."""
 
@@ -196,6 +216,54 @@ class NotZarrlakeObject(CorruptObject, UnsupportedFormat):
     :class:`UnsupportedFormat` as this case always was."""
 
 
+class CorruptChunk(CorruptObject):
+    """Chunk bytes that do not hash to the digest their ref records: damaged in storage, or
+    overwritten. Raised instead of returning them. ``key`` is the object read (a chunk object,
+    or the pack holding the chunk), ``expected`` and ``actual`` the two digests (hex) under the
+    repository's content hash ``hash_name``; ``chunk`` is the Zarr key read (``array/c/0/1``)
+    and ``array`` its array's path, where the reader knows them."""
+
+    def __init__(
+        self,
+        key: str,
+        expected: str,
+        actual: str,
+        hash_name: str,
+        *,
+        chunk: str | None = None,
+        array: str | None = None,
+    ) -> None:
+        where = "a chunk" if chunk is None else f"chunk {chunk!r} of array {array or '/'!r}"
+        super().__init__(
+            key,
+            f"{where} does not match its digest ({hash_name}: expected {expected}, read "
+            f"{actual}); its bytes were not returned",
+        )
+        self.expected = expected
+        self.actual = actual
+        self.hash_name = hash_name
+        self.chunk = chunk
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_corrupt_chunk,
+            (self.key, self.expected, self.actual, self.hash_name, self.chunk, self.array),
+        )
+
+    def at(self, chunk: str, array: str) -> CorruptChunk:
+        """The same error, naming the Zarr key and array that read the chunk."""
+        return CorruptChunk(
+            self.key, self.expected, self.actual, self.hash_name, chunk=chunk, array=array
+        )
+
+
+def _rebuild_corrupt_chunk(
+    key: str, expected: str, actual: str, hash_name: str, chunk: str | None, array: str | None
+) -> CorruptChunk:
+    return CorruptChunk(key, expected, actual, hash_name, chunk=chunk, array=array)
+
+
 class StorageError(ZarrlakeError):
     """The object store failed in a way retries did not fix."""
 
@@ -317,3 +385,37 @@ class UnknownContentHash(ZarrlakeError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.name, self.known))
+
+
+class MissingDependency(ZarrlakeError, ImportError):
+    """A feature whose optional dependency is not installed: ``feature`` (what needed it, e.g.
+    "the S3 storage backend") needs the module ``module``, which the extra ``extra`` of
+    ``pip install 'zarrlake[extra]'`` brings. Also an :class:`ImportError` (``name`` is
+    ``module``), as the bare one raised before was."""
+
+    def __init__(self, module: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs {module}, which is not installed: pip install 'zarrlake[{extra}]'",
+            name=module,
+        )
+        self.module = module
+        self.extra = extra
+        self.feature = feature
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.module, self.extra, self.feature))
+
+
+class ExecutorPythonError(ZarrlakeError):
+    """Spark's executors run a Python that cannot run zarrlake: it lacks zarrlake or one of its
+    dependencies, has another zarrlake or another Python version than the driver, or does not
+    start. Raised before the job, so nothing was written. ``python`` is the interpreter they ran
+    (as they report it, else as Spark names it; "" if unknown), ``reason`` what went wrong."""
+
+    def __init__(self, message: str, *, python: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.python = python
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self),), self.__dict__)

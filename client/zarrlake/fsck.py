@@ -3,19 +3,21 @@
 Walks every branch journal and tag, every snapshot reachable from them, and checks that each
 snapshot, txlog, manifest shard (digest included), history page (digest included) and chunk object
 or pack range exists and parses. A missing or corrupt history page loses nothing (``log()`` reads
-the snapshots instead) but is reported, as any damaged object is. With ``verify_content``, it also
-reads every chunk object and packed chunk and checks its bytes against its name, with the content
-hash the repository's marker records.
+the snapshots instead) but is reported, as any damaged object is. It reads a random sample of the
+chunks (``sample``, :data:`SAMPLE` by default: each chunk read whole, pack ranges alone) and checks
+their bytes against their digests; with ``verify_content``, it reads every chunk object and pack and
+checks every chunk in them, with the content hash the repository's marker records.
 Problems are reported precisely (which object, what is wrong), never raised one at a time.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from zarrlake.core import RepositoryCore
-from zarrlake.errors import CorruptObject, RefNotFound, UnsupportedFormat
+from zarrlake.errors import CorruptChunk, CorruptObject, RefNotFound, UnsupportedFormat
 from zarrlake.format.ids import CONTENT_HASHES
 from zarrlake.format.model import (
     INLINE,
@@ -48,13 +50,15 @@ class Problem:
 
 @dataclass(frozen=True)
 class FsckReport:
-    """Every problem found, and how many refs, snapshots, shards and chunks were checked."""
+    """Every problem found, and how many refs, snapshots, shards and chunk objects were checked;
+    ``verified``: how many chunks' bytes were read and checked against their digests."""
 
     problems: list[Problem] = field(default_factory=list)
     refs: int = 0
     snapshots: int = 0
     shards: int = 0
     chunks: int = 0
+    verified: int = 0
 
     @property
     def ok(self) -> bool:
@@ -64,7 +68,7 @@ class FsckReport:
         """One line for people."""
         checked = (
             f"{self.refs} ref(s), {self.snapshots} snapshot(s), {self.shards} shard(s), "
-            f"{self.chunks} chunk object(s)"
+            f"{self.chunks} chunk object(s), the content of {self.verified} chunk(s)"
         )
         if self.ok:
             return f"ok: checked {checked}"
@@ -79,16 +83,27 @@ class FsckReport:
                 "snapshots": self.snapshots,
                 "shards": self.shards,
                 "chunks": self.chunks,
+                "verified": self.verified,
             },
             "problems": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems],
         }
 
 
+#: How many chunks a plain fsck reads and checks against their digests, chosen at random
+#: among all the chunk objects and packed chunks it finds (a different sample each run).
+SAMPLE = 100
+
+
 def fsck(
-    core: RepositoryCore, *, check_chunks: bool = True, verify_content: bool = False
+    core: RepositoryCore,
+    *,
+    check_chunks: bool = True,
+    verify_content: bool = False,
+    sample: int = SAMPLE,
 ) -> FsckReport:
     """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks,
-    ``verify_content=True`` reads every chunk and checks its bytes against its name.
+    ``verify_content=True`` reads every chunk and checks its bytes against its name, ``sample``
+    is how many chunks are read and checked without it (0: none).
 
     Never raises for what it finds: every problem is in the report (storage errors propagate).
     """
@@ -99,6 +114,10 @@ def fsck(
     objects = ObjectStore(storage, core.record.content_hash)
     # Every chunk ref in an object the content check reads: chunk objects and pack ranges.
     content_refs: dict[str, set[ChunkRef]] = {}
+    # Without it, a uniform sample of them (reservoir sampling: one pass, ``sample`` refs kept).
+    sampled: list[tuple[str, ChunkRef]] = []
+    offered = verified = 0
+    rng = random.Random()
 
     def problem(kind: str, key: str, detail: str | Exception) -> None:
         if isinstance(detail, CorruptObject) and detail.key == key:
@@ -191,6 +210,12 @@ def fsck(
                     continue
                 if verify_content:
                     content_refs.setdefault(key, set()).add(ref)
+                elif sample > 0 and (ref[0] == OBJECT or len(ref) > 4):
+                    offered += 1
+                    if len(sampled) < sample:
+                        sampled.append((key, ref))
+                    elif (j := rng.randrange(offered)) < sample:
+                        sampled[j] = (key, ref)
         stack.extend(p for p in snap.parents if p not in seen and p not in expired)
 
     for digest, _, error in index_pages(objects, page_roots, seen):
@@ -214,8 +239,30 @@ def fsck(
                 problem("corrupt", key, f"object has {size} bytes, references need {need}")
         if verify_content:
             verify = [k for k in sorted(content_refs) if present.get(k, -1) >= chunk_refs[k]]
-            _verify_content(objects, verify, content_refs, problem)
-    return FsckReport(problems, refs, snapshots, shards, chunks)
+            verified = _verify_content(objects, verify, content_refs, problem)
+        else:
+            verify_refs = [(k, r) for k, r in sampled if present.get(k, -1) >= chunk_refs[k]]
+            verified = _verify_sample(objects, verify_refs, problem)
+    return FsckReport(problems, refs, snapshots, shards, chunks, verified)
+
+
+def _verify_sample(objects: ObjectStore, refs: list[tuple[str, ChunkRef]], problem: Any) -> int:
+    """Read the chunk of each of ``refs`` (object key, ref) alone and check it against its
+    digest; the number checked."""
+    if not refs or objects.content_hash not in CONTENT_HASHES:
+        return 0  # an unknown hash: the full check reports it; a sample says nothing
+
+    def check(item: tuple[str, ChunkRef]) -> CorruptChunk | None:
+        try:
+            objects.read_chunk(item[1])
+        except CorruptChunk as e:
+            return e
+        return None
+
+    for (key, _), error in zip(refs, objects.storage.map(check, refs), strict=True):
+        if error is not None:
+            problem("corrupt", key, error)
+    return len(refs)
 
 
 def _verify_content(
@@ -223,9 +270,10 @@ def _verify_content(
     keys: list[str],
     refs: dict[str, set[ChunkRef]],
     problem: Any,
-) -> None:
+) -> int:
     """Read each object in ``keys`` and check the bytes of every chunk ``refs`` has in it against
-    the chunk's name: a chunk object's name is its digest; a packed chunk's ref keeps its digest."""
+    the chunk's name: a chunk object's name is its digest; a packed chunk's ref keeps its digest.
+    The number of chunks checked."""
     name = objects.content_hash
     if name not in CONTENT_HASHES:
         problem(
@@ -233,7 +281,7 @@ def _verify_content(
             REPO_KEY,
             f"content hash {name!r} is unknown to this zarrlake: chunk contents not verified",
         )
-        return
+        return 0
 
     def check(key: str) -> list[str]:
         data = objects.storage.get(key)
@@ -253,3 +301,4 @@ def _verify_content(
     for key, bad in zip(keys, objects.storage.map(check, keys), strict=True):
         for detail in bad:
             problem("corrupt", key, detail)
+    return sum(len(refs[key]) for key in keys)

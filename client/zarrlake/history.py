@@ -14,10 +14,22 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from typing import Any
 
-from zarrlake.errors import CorruptObject, InvalidName, RefNotFound, UnsupportedFormat
+from zarrlake.errors import (
+    AmbiguousRef,
+    CorruptObject,
+    InvalidName,
+    ListingUnsupported,
+    RefNotFound,
+    UnsupportedFormat,
+)
 from zarrlake.format import manifest
 from zarrlake.format.codec import gc_paused
-from zarrlake.format.ids import is_snapshot_id, new_snapshot_id
+from zarrlake.format.ids import (
+    canonical_id,
+    is_snapshot_id,
+    is_snapshot_id_prefix,
+    new_snapshot_id,
+)
 from zarrlake.format.model import (
     AncestorRecord,
     ExpiryRecord,
@@ -25,6 +37,7 @@ from zarrlake.format.model import (
     HistoryPage,
     Snapshot,
     expiry_key,
+    snapshot_key,
     to_micros,
 )
 from zarrlake.nodes import array_paths, meta_key_node, node_paths, split_chunk_key
@@ -334,23 +347,50 @@ class CommitGraph:
         """
         if not isinstance(ref, str) or not ref:
             raise RefNotFound(str(ref))
-        if is_snapshot_id(ref):
+        canonical = canonical_id(ref)
+        if is_snapshot_id(canonical):
             try:
-                self.objects.snapshot(ref)
-                return ref, False
+                self.objects.snapshot(canonical)
+                return canonical, False
             except RefNotFound:
                 pass
         try:
             validate_name(ref)
+            named = True
         except InvalidName:
-            raise RefNotFound(ref) from None
-        head = self.journal.head(ref)
-        if head is not None and head.snapshot is not None:
-            return head.snapshot, True
+            named = False
+        if named:
+            head = self.journal.head(ref)
+            if head is not None and head.snapshot is not None:
+                return head.snapshot, True
+            try:
+                return self.tags.get(ref), False
+            except RefNotFound:
+                pass
+        if is_snapshot_id_prefix(canonical):
+            found = self._by_prefix(ref, canonical)
+            if found is not None:
+                return found, False
+        if not named:
+            raise RefNotFound(ref)
+        raise self.journal.missing(ref, "ref")
+
+    #: How many of the snapshots a short id could name an :class:`AmbiguousRef` lists.
+    CANDIDATES = 8
+
+    def _by_prefix(self, ref: str, prefix: str) -> str | None:
+        """The one snapshot whose id starts with ``prefix`` (a short id, as ``log`` prints), or
+        None if none does. One listing; a storage that cannot list finds none. Raises
+        :class:`AmbiguousRef` if several do."""
+        folder = snapshot_key("")
         try:
-            return self.tags.get(ref), False
-        except RefNotFound:
-            raise self.journal.missing(ref, "ref") from None
+            keys = self.objects.storage.list_keys(folder + prefix, limit=self.CANDIDATES + 1)
+        except ListingUnsupported:
+            return None
+        ids = [sid for key in keys if is_snapshot_id(sid := key[len(folder) :])]
+        if len(ids) > 1:
+            raise AmbiguousRef(ref, ids[: self.CANDIDATES], more=len(ids) > self.CANDIDATES)
+        return ids[0] if ids else None
 
     def log(
         self,

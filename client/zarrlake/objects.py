@@ -5,6 +5,8 @@ Snapshots, shards and txlogs are immutable, so they are cached freely by id or d
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -14,8 +16,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
-from zarrlake.errors import CorruptObject, RefNotFound, RetryableError
-from zarrlake.format.ids import LEGACY_CONTENT_HASH, ContentHash, content_hash, content_hasher
+from zarrlake.errors import CorruptChunk, CorruptObject, RefNotFound, RetryableError
+from zarrlake.format.ids import (
+    CONTENT_HASHES,
+    LEGACY_CONTENT_HASH,
+    ContentHash,
+    content_hash,
+    content_hasher,
+)
 from zarrlake.format.manifest import ManifestUpdate
 from zarrlake.format.model import (
     INLINE,
@@ -37,6 +45,8 @@ from zarrlake.format.model import (
 )
 from zarrlake.readahead import PackReadAhead, Window
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
+
+log = logging.getLogger(__name__)
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -124,11 +134,18 @@ class ObjectStore:
     ``content_hash``: the name of the hash that names chunk and pack objects, as the repository's
     marker records it (required: a default would silently name chunks by the wrong hash). An
     unknown name (a newer version's) still reads; hashing raises :class:`UnsupportedFormat`.
+
+    ``verify_reads``: every whole chunk read from an object or a pack is hashed and compared
+    with the digest its ref records; a mismatch raises :class:`CorruptChunk` and the bytes are
+    never returned. Inline chunks live in their manifest shard, whose own digest is checked
+    when it is read. A read of part of a chunk (Zarr's sharding codec reads byte ranges) cannot
+    be checked without the rest of it and is not.
     """
 
-    def __init__(self, storage: Storage, content_hash: str) -> None:
+    def __init__(self, storage: Storage, content_hash: str, *, verify_reads: bool = True) -> None:
         self.storage = storage
         self.content_hash = content_hash
+        self.verify_reads = verify_reads
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -143,12 +160,17 @@ class ObjectStore:
         self._ahead = None if self.storage.inline_read_bytes else PackReadAhead()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage, "content_hash": self.content_hash}
+        return {
+            "storage": self.storage,
+            "content_hash": self.content_hash,
+            "verify_reads": self.verify_reads,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.storage = state["storage"]
         # Pickles from before the hash was a setting carry none: they were SHA-256.
         self.content_hash = state.get("content_hash", LEGACY_CONTENT_HASH)
+        self.verify_reads = state.get("verify_reads", True)
         self._init_caches()
 
     def stage_pack(self, pack_id: str, writer: StagedPacks) -> None:
@@ -358,11 +380,39 @@ class ObjectStore:
             hit = True
         return (OBJECT, bytes.fromhex(digest), len(data)), hit
 
+    def verified(self, ref: ChunkRef, byte_range: tuple[int, int] | None, data: bytes) -> bytes:
+        """``data``, read for ``byte_range`` of the chunk of ``ref``, once it is known to be the
+        chunk's bytes: a whole chunk of an object or a pack is hashed and checked against the
+        digest in its ref (with :attr:`verify_reads` on). Raises :class:`CorruptChunk`."""
+        if not self.verify_reads or ref[0] == INLINE:
+            return data
+        if byte_range is not None and (byte_range[0] > 0 or byte_range[1] < ref_size(ref)):
+            return data  # part of a chunk: nothing to compare it with
+        if ref[0] == OBJECT:
+            expected: bytes = ref[1]
+            key = chunk_key(expected.hex())
+        elif ref[0] == PACKED and len(ref) > 4:
+            expected, key = ref[4], pack_key(ref[1])
+        else:
+            return data
+        hasher = CONTENT_HASHES.get(self.content_hash)
+        if hasher is None:  # a newer zarrlake's hash: it still reads, as the marker promises
+            _warn_unverified(self.content_hash)
+            return data
+        actual = hasher(data)
+        if actual != expected.hex():
+            raise CorruptChunk(key, expected.hex(), actual, self.content_hash)
+        return data
+
     def read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None = None) -> bytes:
-        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk).
+        """The chunk's bytes (or ``[start, end)`` of them, offsets relative to the chunk),
+        checked as :meth:`verified` says.
 
         Raises :class:`CorruptObject` if the chunk's object is missing or a pack is shorter than
-        its refs say."""
+        its refs say, :class:`CorruptChunk` if its bytes are not the chunk's."""
+        return self.verified(ref, byte_range, self._read_chunk(ref, byte_range))
+
+    def _read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None) -> bytes:
         kind = ref[0]
         if kind == INLINE:
             data: bytes = ref[1]
@@ -392,7 +442,7 @@ class ObjectStore:
         key = chunk_key(ref[1].hex())
         with _missing_is_corrupt(key, "chunk object"):
             got = await self.storage.get_async(key)
-        return _whole(key, got, ref, None)
+        return self.verified(ref, None, _whole(key, got, ref, None))
 
     def plan_reads(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[ReadJob]:
         """The requests that read many chunks (``(ref, byte range or None)`` each, as
@@ -400,7 +450,8 @@ class ObjectStore:
         request (see :func:`coalesce`), and reads inside a window read ahead in a pack (see
         :mod:`zarrlake.readahead`) take their bytes from it; every other read is a job of its
         own. Each read is served by exactly one job; duplicates, overlaps and any order are
-        fine. A job marked ``ready`` makes no request."""
+        fine. A job marked ``ready`` makes no request. Every job's bytes are checked as
+        :meth:`verified` says."""
         jobs: list[ReadJob] = []
         wanted: list[tuple[str, int, int]] = []
         where: list[int] = []
@@ -440,7 +491,33 @@ class ObjectStore:
             else:
                 parts = list(group.parts)
                 jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, parts)))
+        if self.verify_reads:
+            jobs = [self._verifying(job, reads) for job in jobs]
         return jobs
+
+    def _verifying(
+        self, job: ReadJob, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]
+    ) -> ReadJob:
+        """``job``, its bytes checked by :meth:`verified` before anyone gets them (a job of one
+        read of its own, :meth:`read_chunk`, checks them already)."""
+        if isinstance(job.fetch, partial) and job.fetch.func is _one:
+            return job
+        mine = [reads[i] for i in job.targets]
+        fetch, fetch_async = job.fetch, job.fetch_async
+
+        def check(found: list[bytes]) -> list[bytes]:
+            return [self.verified(r, rng, d) for (r, rng), d in zip(mine, found, strict=True)]
+
+        async def checked_async() -> list[bytes]:
+            assert fetch_async is not None
+            return check(await fetch_async())
+
+        return ReadJob(
+            job.targets,
+            lambda: check(fetch()),
+            job.ready,
+            None if fetch_async is None else checked_async,
+        )
 
     def read_chunks(self, reads: Sequence[tuple[ChunkRef, tuple[int, int] | None]]) -> list[bytes]:
         """The bytes of many chunks, in order, fetched concurrently with the requests of
@@ -466,6 +543,15 @@ class ObjectStore:
                 f"{len(missing)} deduplicated chunk(s) were garbage-collected during the session "
                 f"(first: {chunk_key(missing[0].hex())}); rewrite them and commit again"
             )
+
+
+@functools.cache
+def _warn_unverified(name: str) -> None:
+    log.warning(
+        "this repository names chunks by content hash %r, which this zarrlake does not know: "
+        "chunk reads are not verified (upgrade zarrlake)",
+        name,
+    )
 
 
 #: Ranges of one pack at most this far apart are fetched in one request (the gap's bytes are

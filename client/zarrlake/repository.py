@@ -17,10 +17,11 @@ import contextlib
 import datetime as dt
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.commit import BranchLock
-from zarrlake.config import RepositoryConfig, check_session_ttl
+from zarrlake.config import RepositoryConfig, check_session_ttl, verify_reads_default
 from zarrlake.conflicts import check_strategy
 from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.durations import as_timedelta
@@ -48,6 +49,7 @@ from zarrlake.format.model import (
     JournalEntry,
     RepoRecord,
 )
+from zarrlake.fsck import SAMPLE as FSCK_SAMPLE
 from zarrlake.fsck import FsckReport, fsck
 from zarrlake.history import History
 from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, compact
@@ -115,7 +117,14 @@ def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
 class Repository:
     """A versioned Zarr repository in one storage location (see :meth:`open`, :meth:`create`)."""
 
-    def __init__(self, storage: Storage, record: RepoRecord, lock: LockSpec = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        record: RepoRecord,
+        lock: LockSpec = None,
+        *,
+        verify_reads: bool | None = None,
+    ) -> None:
         if isinstance(lock, str):
             from zarrlake.locks import lock_from_url
 
@@ -126,13 +135,24 @@ class Repository:
                 f"(redis://…, a directory), or None; not {type(lock).__name__}"
             )
         self.storage = storage
-        self._core = RepositoryCore.build(storage, record, lock)
+        verify = verify_reads_default() if verify_reads is None else bool(verify_reads)
+        self._core = RepositoryCore.build(storage, record, lock, verify_reads=verify)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage, "record": self.record, "lock": self.lock}
+        return {
+            "storage": self.storage,
+            "record": self.record,
+            "lock": self.lock,
+            "verify_reads": self.verify_reads,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"], state["record"], state["lock"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["storage"],
+            state["record"],
+            state["lock"],
+            verify_reads=state.get("verify_reads", True),
+        )
 
     def __repr__(self) -> str:
         return f"<zarrlake.Repository {self.id} at {self.storage.url}>"
@@ -147,6 +167,7 @@ class Repository:
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
+        verify_reads: bool | None = None,
     ) -> Repository:
         """Initialize a repository with an empty ``main`` branch.
 
@@ -175,7 +196,7 @@ class Repository:
             content_hash=content_hash,
             features=() if content_hash == LEGACY_CONTENT_HASH else ("content-hash",),
         )
-        repo = cls(storage, record, lock)
+        repo = cls(storage, record, lock, verify_reads=verify_reads)
         # ``main`` first, the marker last: a marker then always has a ``main`` beside it, so
         # opening a repository is one request. A creator that dies in between leaves no marker,
         # hence no repository (the next create adopts the ``main`` it left); two racing creators
@@ -193,19 +214,26 @@ class Repository:
         return repo
 
     @classmethod
-    def open(cls, storage: Storage, *, lock: LockSpec = None) -> Repository:
+    def open(
+        cls, storage: Storage, *, lock: LockSpec = None, verify_reads: bool | None = None
+    ) -> Repository:
         """Open an existing repository, or a mirror (read-only: see :mod:`zarrlake.mirror`).
         Raises :class:`RepositoryNotFound`.
+
+        ``verify_reads``: check every chunk read against the digest its ref records and raise
+        :class:`CorruptChunk` rather than return other bytes (see :attr:`verify_reads`); None
+        takes ``$ZARRLAKE_VERIFY_READS`` (``0``, ``false``, ``no`` or ``off`` turn it off), else on.
 
         The two markers are read in one round: a mirror's is under ``mirror/``, since bucket
         replication may copy its source's ``repo`` marker beside it, and wins."""
         data, mirror = storage.map_reads(_get_optional(storage), (REPO_KEY, MIRROR_REPO_KEY))
         if mirror is not None:
-            return cls(storage, RepoRecord.decode(mirror, MIRROR_REPO_KEY), lock)
+            record = RepoRecord.decode(mirror, MIRROR_REPO_KEY)
+            return cls(storage, record, lock, verify_reads=verify_reads)
         if data is None:
             raise RepositoryNotFound(f"no zarrlake repository at {storage.url}")
         record = RepoRecord.decode(data, REPO_KEY)
-        repo = cls(storage, record, lock)
+        repo = cls(storage, record, lock, verify_reads=verify_reads)
         if not record.initialized:
             repo._core.commits.initialize(MAIN)
         return repo
@@ -218,6 +246,7 @@ class Repository:
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
+        verify_reads: bool | None = None,
     ) -> Repository:
         """Open the repository at ``storage``, creating it (with ``config`` and ``content_hash``)
         if there is none. An existing repository keeps its own hash; a name zarrlake does not
@@ -228,16 +257,27 @@ class Repository:
         if isinstance(config, dict):  # a misspelt setting, likewise
             config = RepositoryConfig.from_dict(config, strict=True)
         try:
-            return cls.open(storage, lock=lock)
+            return cls.open(storage, lock=lock, verify_reads=verify_reads)
         except RepositoryNotFound:
             try:
-                return cls.create(storage, config=config, lock=lock, content_hash=content_hash)
+                return cls.create(
+                    storage,
+                    config=config,
+                    lock=lock,
+                    content_hash=content_hash,
+                    verify_reads=verify_reads,
+                )
             except RepositoryExists:
-                return cls.open(storage, lock=lock)
+                return cls.open(storage, lock=lock, verify_reads=verify_reads)
 
     @classmethod
     def from_kubernetes(
-        cls, name: str, namespace: str | None = None, *, lock_url: str | None = None
+        cls,
+        name: str,
+        namespace: str | None = None,
+        *,
+        lock_url: str | None = None,
+        verify_reads: bool | None = None,
     ) -> Repository:
         """Open the repository of the ``Repository`` resource ``name`` (``zarrlake.io``).
 
@@ -251,7 +291,7 @@ class Repository:
         from zarrlake.k8s import locate
 
         conn = locate(name, namespace)
-        return cls.open(conn.storage(), lock=conn.lock(lock_url))
+        return cls.open(conn.storage(), lock=conn.lock(lock_url), verify_reads=verify_reads)
 
     @staticmethod
     def exists(storage: Storage) -> bool:
@@ -272,6 +312,11 @@ class Repository:
     @property
     def config(self) -> RepositoryConfig:
         return self._core.config
+
+    @property
+    def verify_reads(self) -> bool:
+        """Whether chunk reads are checked against their digests (see :meth:`open`)."""
+        return self._core.objects.verify_reads
 
     @property
     def lock(self) -> BranchLock | None:
@@ -529,13 +574,20 @@ class Repository:
             spark = spark_session(f"zarrlake-{what}")
         return spark
 
-    def fsck(self, *, check_chunks: bool = True, verify_content: bool = False) -> FsckReport:
+    def fsck(
+        self, *, check_chunks: bool = True, verify_content: bool = False, sample: int = FSCK_SAMPLE
+    ) -> FsckReport:
         """Check that everything reachable from the refs exists and parses; a ``FsckReport``.
 
-        ``verify_content``: also read every chunk and check its bytes against its name (the
-        repository's content hash); slow, it reads all the data.
+        ``sample``: how many chunks, picked at random, to read and check against their digests
+        (0: none). ``verify_content``: read every chunk and check its bytes against its name
+        (the repository's content hash) instead; slow, it reads all the data.
         """
-        return fsck(self._core, check_chunks=check_chunks, verify_content=verify_content)
+        if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+            raise InvalidArgument(f"sample must be a whole number of chunks, not {sample!r}")
+        return fsck(
+            self._core, check_chunks=check_chunks, verify_content=verify_content, sample=sample
+        )
 
     # -- sessions ----------------------------------------------------------------------------------
 
@@ -602,16 +654,26 @@ class Repository:
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
+        verify_reads: bool | None = None,
     ) -> Repository:
         """Async twin of :meth:`create`."""
         return await asyncio.to_thread(
-            cls.create, storage, config=config, lock=lock, content_hash=content_hash
+            partial(
+                cls.create,
+                storage,
+                config=config,
+                lock=lock,
+                content_hash=content_hash,
+                verify_reads=verify_reads,
+            )
         )
 
     @classmethod
-    async def open_async(cls, storage: Storage, *, lock: LockSpec = None) -> Repository:
+    async def open_async(
+        cls, storage: Storage, *, lock: LockSpec = None, verify_reads: bool | None = None
+    ) -> Repository:
         """Async twin of :meth:`open`."""
-        return await asyncio.to_thread(cls.open, storage, lock=lock)
+        return await asyncio.to_thread(cls.open, storage, lock=lock, verify_reads=verify_reads)
 
     @classmethod
     async def open_or_create_async(
@@ -621,10 +683,18 @@ class Repository:
         config: RepositoryConfig | dict[str, Any] | None = None,
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
+        verify_reads: bool | None = None,
     ) -> Repository:
         """Async twin of :meth:`open_or_create`."""
         return await asyncio.to_thread(
-            cls.open_or_create, storage, config=config, lock=lock, content_hash=content_hash
+            partial(
+                cls.open_or_create,
+                storage,
+                config=config,
+                lock=lock,
+                content_hash=content_hash,
+                verify_reads=verify_reads,
+            )
         )
 
     @staticmethod
@@ -763,9 +833,11 @@ class Repository:
         )
 
     async def fsck_async(
-        self, *, check_chunks: bool = True, verify_content: bool = False
+        self, *, check_chunks: bool = True, verify_content: bool = False, sample: int = FSCK_SAMPLE
     ) -> FsckReport:
         """Async twin of :meth:`fsck`."""
         return await asyncio.to_thread(
-            self.fsck, check_chunks=check_chunks, verify_content=verify_content
+            partial(
+                self.fsck, check_chunks=check_chunks, verify_content=verify_content, sample=sample
+            )
         )

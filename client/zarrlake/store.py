@@ -23,8 +23,8 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from zarrlake.errors import ReadOnlyError
-from zarrlake.format.model import INLINE, OBJECT, ChunkRef, ref_size
+from zarrlake.errors import CorruptChunk, ReadOnlyError
+from zarrlake.format.model import INLINE, OBJECT, PACKED, ChunkRef, ref_size
 from zarrlake.objects import ObjectStore, ReadJob
 
 #: Chunks up to this size are written from the event loop (see :meth:`ZarrlakeStore.set`).
@@ -100,6 +100,15 @@ def _payload(value: Buffer) -> bytes | memoryview:
     return view.cast("B") if view.c_contiguous else value.to_bytes()
 
 
+def _digest_hex(ref: ChunkRef) -> str | None:
+    """The chunk digest ``ref`` records (hex), if any."""
+    if ref[0] == OBJECT:
+        return str(ref[1].hex())
+    if ref[0] == PACKED and len(ref) > 4:
+        return str(ref[4].hex())
+    return None
+
+
 class _PendingReads:
     """Chunk reads asked for during one turn of an event loop, planned together."""
 
@@ -160,6 +169,12 @@ class ZarrlakeStore(Store):
     supports_deletes: bool = True
     supports_listing: bool = True
     supports_partial_writes: bool = False  # type: ignore[assignment]
+    # Consolidated metadata is a copy of the tree in the root group's zarr.json, made so that
+    # opening a dataset is one read instead of a listing. A snapshot already holds every node
+    # document, read in the one request that opens it, and lists in memory; a copy would only
+    # be a second truth that goes stale, and a change of "/" in every diff. So Zarr and xarray
+    # are told there is none (they then neither write nor look for it, and warn about neither).
+    supports_consolidated_metadata: bool = False
 
     def __init__(self, session: StoreSession, *, read_only: bool | None = None) -> None:
         super().__init__(read_only=session.read_only if read_only is None else read_only)
@@ -310,7 +325,10 @@ class ZarrlakeStore(Store):
             prototype = default_buffer_prototype()
         if not self._is_open:
             await self._open()
-        data = await self._read_value(key, byte_range)
+        try:
+            data = await self._read_value(key, byte_range)
+        except CorruptChunk as e:
+            raise self._named(e, key) from None
         return None if data is None else prototype.buffer.from_bytes(data)
 
     def get_sync(
@@ -322,7 +340,10 @@ class ZarrlakeStore(Store):
     ) -> Buffer | None:
         if prototype is None:
             prototype = default_buffer_prototype()
-        data = self._get_blocking(key, byte_range)
+        try:
+            data = self._get_blocking(key, byte_range)
+        except CorruptChunk as e:
+            raise self._named(e, key) from None
         return None if data is None else prototype.buffer.from_bytes(data)
 
     def _get_many_blocking(
@@ -340,9 +361,35 @@ class ZarrlakeStore(Store):
             elif value is not None:
                 reads.append((value, _range(byte_range, ref_size(value))))
                 where.append(i)
-        for i, data in zip(where, self._session.objects.read_chunks(reads), strict=True):
+        try:
+            found = self._session.objects.read_chunks(reads)
+        except CorruptChunk as e:
+            named = next(
+                (
+                    key_ranges[i][0]
+                    for i, (ref, _) in zip(where, reads, strict=True)
+                    if _digest_hex(ref) == e.expected
+                ),
+                None,
+            )
+            raise e if named is None else self._named(e, named) from None
+        for i, data in zip(where, found, strict=True):
             out[i] = data
         return out
+
+    def _named(self, error: CorruptChunk, key: str) -> CorruptChunk:
+        """``error``, naming Zarr key ``key`` and the array it belongs to: the nearest parent
+        with an array's (or group's) ``zarr.json``."""
+        parts = key.split("/")[:-1]
+        while parts:
+            prefix = "/".join(parts)
+            try:
+                if self._session.exists(f"{prefix}/zarr.json"):
+                    break
+            except Exception:  # naming the array is a courtesy: the error stands without it
+                pass
+            parts.pop()
+        return error.at(key, "/".join(parts))
 
     async def get_partial_values(
         self,

@@ -9,6 +9,7 @@ from zarrlake.cli.args import Commands, UsageError, add_json, add_lock, add_url
 from zarrlake.cli.connect import open_lock, open_repository
 from zarrlake.cli.output import print_json, print_table, say
 from zarrlake.errors import ZarrlakeError
+from zarrlake.fsck import SAMPLE as FSCK_SAMPLE
 
 # -- fsck ----------------------------------------------------------------------------------------
 
@@ -21,7 +22,25 @@ def add_fsck(commands: Commands) -> None:
         action="store_true",
         help="read every chunk and check its bytes against its name (reads all the data)",
     )
+    p.add_argument(
+        "--sample",
+        type=_chunk_count,
+        default=FSCK_SAMPLE,
+        metavar="N",
+        help=f"without --verify-content: read N chunks picked at random and check their bytes "
+        f"(default {FSCK_SAMPLE}; 0: none)",
+    )
     add_json(p)
+
+
+def _chunk_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of chunks, not {text!r}")
+    return n
 
 
 class FsckFailed(ZarrlakeError):
@@ -32,7 +51,7 @@ def run_fsck(args: argparse.Namespace) -> None:
     """Print the report (problems one per line), then fail with :class:`FsckFailed` (exit
     status 1) if there is any problem."""
     report = open_repository(args).fsck(
-        check_chunks=not args.skip_chunks, verify_content=args.verify_content
+        check_chunks=not args.skip_chunks, verify_content=args.verify_content, sample=args.sample
     )
     if args.json:
         print_json(report.to_json())
@@ -40,7 +59,7 @@ def run_fsck(args: argparse.Namespace) -> None:
         c = report.to_json()["checked"]
         say(
             f"checked {c['refs']} refs, {c['snapshots']} snapshots, {c['shards']} shards, "
-            f"{c['chunks']} chunk objects: "
+            f"{c['chunks']} chunk objects, the content of {c['verified']} chunks: "
             + ("ok" if report.ok else f"{len(report.problems)} problem(s)")
         )
         for problem in report.problems:

@@ -50,6 +50,28 @@ def is_snapshot_id(text: str) -> bool:
     )
 
 
+#: What Crockford base32 reads as what: any case, and the letters taken for digits.
+_CANONICAL = str.maketrans("ilo", "110") | str.maketrans("ILO", "110")
+#: The shortest snapshot id prefix a ref may be (git's too): shorter ones name too many.
+MIN_ID_PREFIX = 4
+
+
+def canonical_id(text: str) -> str:
+    """``text`` as Crockford base32 reads it: upper case, with ``I``/``L`` as ``1`` and ``O`` as
+    ``0`` (the decoder's rule, so an id copied by hand or lowered by a tool still names it)."""
+    return text.translate(_CANONICAL).upper()
+
+
+def is_snapshot_id_prefix(text: str) -> bool:
+    """Whether ``text`` (canonical: :func:`canonical_id`) can be the start of a snapshot id,
+    long enough to be a short one (:data:`MIN_ID_PREFIX` characters) and shorter than a whole."""
+    return (
+        MIN_ID_PREFIX <= len(text) < SNAPSHOT_ID_LEN
+        and all(c in _DECODE for c in text)
+        and text[0] in "01234567"
+    )
+
+
 def snapshot_id_millis(snapshot_id: str) -> int:
     value = 0
     for c in snapshot_id:
