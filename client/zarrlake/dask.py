@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
 from zarrlake.errors import InvalidArgument, ReadOnlyError, ZarrlakeError
+from zarrlake.extras import require
 from zarrlake.forks import dump_fork, load_fork
 from zarrlake.session import ForkedSession, Session
 
@@ -84,8 +85,10 @@ def to_zarrlake(
 
     Raises :class:`ReadOnlyError` for a read-only or committed session, :class:`ZarrlakeError` for
     ``Storage.memory()`` under a scheduler with worker processes, and whatever xarray, Zarr or a
-    task raises (nothing of this call is merged then). See :mod:`zarrlake.dask`.
+    task raises (nothing of this call is merged then), and :class:`~zarrlake.MissingDependency`
+    without dask (``zarrlake[dask]``). See :mod:`zarrlake.dask`.
     """
+    require("dask", extra="dask", feature="zarrlake.dask.to_zarrlake")
     if not isinstance(session, Session):
         raise InvalidArgument(
             f"to_zarrlake writes into a writable zarrlake Session, not {type(session).__name__}"

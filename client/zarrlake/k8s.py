@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from zarrlake.errors import KubernetesError
+from zarrlake.extras import require
 from zarrlake.storage import Storage
 
 if TYPE_CHECKING:
@@ -309,15 +310,17 @@ def current_namespace() -> str:
         return "default"
 
 
+def _require_client() -> None:
+    """What reading resources from the cluster needs: the client, and pydantic for the specs."""
+    for module in ("kubernetes", "pydantic"):
+        require(module, extra="kubernetes", feature="Repository.from_kubernetes")
+
+
 def _api_client() -> Any:
     """An ``ApiClient`` with its own configuration (the process-wide default is left alone):
     the service account inside a pod, else ``$KUBECONFIG`` / ``~/.kube/config``."""
-    try:
-        from kubernetes import client, config
-    except ImportError:
-        raise KubernetesError(
-            "from_kubernetes needs the kubernetes client: pip install 'zarrlake[kubernetes]'"
-        ) from None
+    from kubernetes import client, config
+
     configuration = client.Configuration()
     try:
         config.load_incluster_config(client_configuration=configuration)
@@ -366,8 +369,10 @@ def locate(name: str, namespace: str | None = None) -> Connection:
     """Where the Repository resource ``name`` keeps its repository, with credentials resolved.
 
     :meth:`zarrlake.Repository.from_kubernetes` opens what this returns; this module knows the
-    cluster, not the repository, so the dependency points one way (repository -> k8s).
+    cluster, not the repository, so the dependency points one way (repository -> k8s). Raises
+    :class:`~zarrlake.MissingDependency` without the ``zarrlake[kubernetes]`` extra.
     """
+    _require_client()
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError

@@ -30,10 +30,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import quote, urlparse
 
 from zarrlake.errors import InvalidArgument, LockTimeout, LockUnavailable
+from zarrlake.extras import require
 
 log = logging.getLogger("zarrlake.locks")
 
@@ -179,6 +181,10 @@ class Lease:
             log.warning("could not release lock %s (it will expire): %s", self.key, e)
 
 
+def _require_redis() -> ModuleType:
+    return require("redis", extra="redis", feature="RedisLock")
+
+
 class RedisLock:
     """A per-(repository, branch) lease in Redis with a per-repository fencing token.
 
@@ -189,6 +195,8 @@ class RedisLock:
     Keys live under ``zarrlake:{<repository id>}:`` so many repositories can share one Redis.
     Needs Redis 6 or newer (waiters block with sub-second ``BLPOP`` timeouts). The fencing counter
     lives in Redis: run it with persistence if tokens must keep rising across a Redis restart.
+    Needs the ``redis`` client (``pip install 'zarrlake[redis]'``): without it, constructing one
+    raises :class:`~zarrlake.MissingDependency`.
     """
 
     def __init__(
@@ -207,6 +215,7 @@ class RedisLock:
         scheme = urlparse(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
             raise InvalidArgument(f"not a Redis URL: {url!r}")
+        _require_redis()  # missing, it is an error now, not at the first commit
         self.url = url
         self.lease_s = float(lease_s)
         self.wait_s = float(wait_s)
@@ -230,8 +239,7 @@ class RedisLock:
     @property
     def client(self) -> Any:
         if self._client is None:
-            import redis
-
+            redis = _require_redis()  # this lock may have been unpickled where redis is not
             self._client = redis.Redis.from_url(
                 self.url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True
             )

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import SplitResult, unquote, urlencode
 
 import zarrlake.storage.objstore as objstore
+from zarrlake.extras import require
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
@@ -39,6 +40,10 @@ T = TypeVar("T")
 
 _stores: dict[tuple[Any, ...], Any] = {}
 _stores_lock = threading.Lock()
+
+
+def _require_obstore() -> None:
+    require("obstore", extra="azure", feature="the Azure storage backend")
 
 
 #: Container names Azure accepts: 3-63 lowercase letters, digits and single hyphens, starting and
@@ -64,6 +69,7 @@ class AzureStorage(Storage):
         anonymous: bool = False,
         allow_http: bool = False,
     ) -> None:
+        _require_obstore()  # missing, it is an error now, not at the first request
         if not container:
             raise StorageError("Azure storage needs a container name")
         if not _CONTAINER.fullmatch(container):
@@ -301,3 +307,7 @@ class AzureStorage(Storage):
         state = super().__getstate__()
         state.pop("_store", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _require_obstore()  # a worker that unpickles this storage may lack the extra
+        super().__setstate__(state)

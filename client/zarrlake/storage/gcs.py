@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 from urllib.parse import SplitResult, quote, unquote, urlencode
 
+from zarrlake.extras import require
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
@@ -46,6 +47,16 @@ _LIST_FIELDS = "items(name,size,updated),prefixes,nextPageToken"
 _pools: dict[int, Any] = {}
 _tokens: dict[tuple[Any, ...], _TokenSource] = {}
 _shared_lock = threading.Lock()
+
+_FEATURE = "the GCS storage backend"
+
+
+def _require(anonymous: bool) -> None:
+    """What this backend needs: urllib3 for its requests, google-auth for its tokens (none are
+    sent with ``anonymous``)."""
+    require("urllib3", extra="gcs", feature=_FEATURE)
+    if not anonymous:
+        require("google.auth", extra="gcs", feature=_FEATURE)
 
 
 def _pool(size: int) -> Any:
@@ -118,6 +129,7 @@ class GCSStorage(Storage):
             raise StorageError(f"plain-HTTP endpoint {endpoint_url} needs allow_http=True")
         if anonymous and explicit:
             raise StorageError("anonymous=True sends unsigned requests: it takes no credentials")
+        _require(anonymous)  # missing, it is an error now, not at the first request
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url
@@ -181,15 +193,10 @@ class GCSStorage(Storage):
 
             credentials: Any = Credentials(token)  # type: ignore[no-untyped-call]
         else:
-            try:
-                import google.auth
-                import google.auth.exceptions
-                from google.oauth2 import service_account
-            except ImportError:
-                raise StorageError(
-                    "GCS credentials need google-auth (pip install 'zarrlake[gcs]'), or pass "
-                    "token= or anonymous=True"
-                ) from None
+            import google.auth
+            import google.auth.exceptions
+            from google.oauth2 import service_account
+
             try:
                 if info:
                     parse = service_account.Credentials.from_service_account_info
@@ -362,6 +369,10 @@ class GCSStorage(Storage):
         state = super().__getstate__()
         state.pop("_tokens_from", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _require(state["anonymous"])  # a worker that unpickles this storage may lack the extra
+        super().__setstate__(state)
 
 
 def _message(body: bytes) -> str:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult, quote, urlsplit
 
 from zarrlake.errors import ListingUnsupported, ReadOnlyStorage
+from zarrlake.extras import require
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
@@ -38,6 +39,10 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 _pools: dict[tuple[int, float], Any] = {}
 _pools_lock = threading.Lock()
+
+
+def _require_urllib3() -> None:
+    require("urllib3", extra="http", feature="the HTTP storage backend")
 
 
 def _pool(timeout: float) -> Any:
@@ -73,6 +78,7 @@ class HTTPStorage(Storage):
         headers: dict[str, str] | None = None,
         timeout: float = 60.0,
     ) -> None:
+        _require_urllib3()  # missing, it is an error now, not at the first request
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
             raise StorageError(f"not an http(s) URL with a host: {url!r}")
@@ -194,3 +200,7 @@ class HTTPStorage(Storage):
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         raise self._unlisted(prefix)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _require_urllib3()  # a worker that unpickles this storage may lack the extra
+        super().__setstate__(state)

@@ -25,10 +25,12 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, quote, unquote, urlencode, urlsplit
 
 import zarrlake.storage.objstore as objstore
+from zarrlake.extras import require
 from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
@@ -67,6 +69,13 @@ class _Connection:
 
 _ADDRESSING_STYLES = ("path", "virtual")
 
+
+def _boto3() -> ModuleType:
+    """boto3 (and with it botocore, which resolves credentials, signs and lists): what this
+    backend cannot do without. obstore, its fast path, is optional (urllib3 serves instead)."""
+    return require("boto3", extra="s3", feature="the S3 storage backend")
+
+
 _connections: dict[tuple[Any, ...], _Connection] = {}
 _clients_lock = threading.Lock()
 
@@ -89,7 +98,7 @@ def _shared_connection(
     with _clients_lock:
         conn = _connections.get(key)
         if conn is None:
-            import boto3
+            boto3 = _boto3()
             from botocore import UNSIGNED
             from botocore.config import Config
 
@@ -189,6 +198,7 @@ class S3Storage(Storage):
         anonymous: bool = False,
         addressing_style: str | None = None,
     ) -> None:
+        _boto3()  # missing, it is an error now, not at the first request
         endpoint_url = endpoint_url or None  # "" is no endpoint: AWS's own
         if endpoint_url is not None:
             try:
@@ -709,3 +719,7 @@ class S3Storage(Storage):
         state.pop("_obs", None)
         state.pop("_loop_slots", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _boto3()  # a worker that unpickles this storage may lack the extra the sender had
+        super().__setstate__(state)
