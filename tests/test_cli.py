@@ -178,7 +178,7 @@ def test_branch_list(story: dict[str, str], cli: Callable[..., Result]) -> None:
     assert cli("branch", url, "--json", "list").json() == expected
     r = cli("branch", url)
     assert r.code == 0
-    rows = {ln.split()[0]: ln.split()[1] for ln in r.out.splitlines()[2:] if ln.strip()}
+    rows = {ln.split()[0]: ln.split()[1] for ln in r.out.splitlines()[1:] if ln.strip()}
     assert rows == expected
 
 
@@ -286,7 +286,7 @@ def test_diff_human(story: dict[str, str], cli: Callable[..., Result]) -> None:
     write(url, "dev", "retitle", lambda s: zarr.open_group(s, mode="r+").attrs.update(title="x"))
     r = cli("diff", url, "main", "dev")
     assert r.code == 0
-    rows = [ln.split() for ln in r.out.splitlines()[2:] if ln.strip()]
+    rows = [ln.split() for ln in r.out.splitlines()[1:] if ln.strip()]
     assert rows == [
         ["changed", "/"],
         ["data", "/climate/daily/temp", "1", "chunk:", "[0,0]"],
@@ -316,7 +316,7 @@ def test_merge(story: dict[str, str], cli: Callable[..., Result]) -> None:
     assert r.code == 0 and "already contains" in r.out
     assert open_repo(url).lookup_branch("main") == doc["snapshot"]
     r = cli("log", url)
-    assert "(merge)" in r.out.splitlines()[2]
+    assert "(merge)" in r.out.splitlines()[1]
 
 
 def test_merge_human(story: dict[str, str], cli: Callable[..., Result]) -> None:
@@ -439,7 +439,7 @@ def test_ls_human(url: str, cli: Callable[..., Result]) -> None:
     assert r.code == 0
     lines = r.out.splitlines()
     assert lines[0].split() == ["PATH", "TYPE", "SHAPE", "DTYPE", "CHUNKS", "SHARDS"]
-    rows = {ln.split()[0]: ln for ln in lines[2:] if ln.strip()}
+    rows = {ln.split()[0]: ln for ln in lines[1:] if ln.strip()}
     assert rows["/climate/daily/temp"].split() == [
         "/climate/daily/temp",
         "array",

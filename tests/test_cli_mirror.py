@@ -222,7 +222,7 @@ def test_once_copies_promotes_and_the_mirror_reads_the_same(source: Path, tmp_pa
         "MISSING",
         "ERROR",
     ]
-    rows = [line.split() for line in lines[3:]]
+    rows = [line.split() for line in lines[2:]]
     assert rows == [
         ["branch", "main", head[:12], head[:12], "0", "0.0s", "0"],
         ["tag", "v1", head[:12], head[:12], "0", "0.0s", "0"],
@@ -319,7 +319,7 @@ def test_status_before_and_after(
     assert ref["seconds_behind"] >= 0
     human = zl_cli("mirror", "status", source, dest)
     assert human.code == 0 and "1 of 2 ref(s) behind" in human.out.splitlines()[0]
-    assert ["branch", "main", second[:12], first[:12], "1"] == human.out.splitlines()[3].split()[:5]
+    assert ["branch", "main", second[:12], first[:12], "1"] == human.out.splitlines()[2].split()[:5]
     assert files(dest) == before  # status never writes to the destination
 
     assert zl_cli("mirror", "run", source, dest, "--once").code == 0

@@ -4,7 +4,7 @@ shell or a CronJob.
 Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain path, ``memory://``,
 ``s3://bucket/prefix?endpoint_url=...&region=...``)::
 
-    zarrlake init URL [--content-hash blake3|sha256]
+    zarrlake init URL [--content-hash blake3|sha256] [--force]
     zarrlake log URL [--ref main] [-n N] [--json]
     zarrlake branch URL [list [--json] | create NAME [--from REF] | delete NAME
                          | reset NAME REF [--expected SNAPSHOT]]
@@ -25,6 +25,9 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
 
+``init`` refuses a location that already holds objects but no repository (a directory of your
+files, say); ``--force`` creates the repository there anyway.
+
 Commands that move refs (``branch create|delete|reset``, ``tag create|delete``, ``merge``,
 ``expire``, ``gc``, ``compact``, ``mirror run``) take ``--lock URL`` (also accepted before the
 command name, where it applies to those commands only): the branch lock is built with
@@ -39,7 +42,8 @@ password, kept out of command lines), ``ZARRLAKE_REPORT_FILE`` (where ``expire``
 Exit status: 0 on success; 1 when the operation failed (no repository, unknown ref, merge
 conflict, storage failure, fsck found problems, ...); 2 for bad input (unknown option, invalid
 branch or tag name, unsupported URL scheme, bad ``--strategy``, bad duration or retention rules,
-locks unavailable, ``--metrics-port`` without ``zarrlake[mirror]``). ``mirror run --once`` and
+locks unavailable, ``--metrics-port`` without ``zarrlake[mirror]``, a storage or lock whose extra
+is not installed: the message names the ``pip install`` that brings it). ``mirror run --once`` and
 ``mirror status`` print their status and then exit 1 if any ref reported an error; ``mirror run``
 without ``--once`` runs until SIGTERM or SIGINT, finishes the pass under way and exits 0. Every
 failure prints exactly one line, ``zarrlake: error: <message>``, to
@@ -72,7 +76,8 @@ stderr, and nothing to stdout. Set ``ZARRLAKE_DEBUG=1`` to get the traceback of 
   ``"branch dev (deleted)"``. ``mirror status``: one (indented) document of the same shape, with
   nothing copied or promoted.
 
-Human output uses rich tables when ``rich`` is installed and aligned plain text otherwise.
+Human output is aligned plain text (a header row, columns aligned, no trailing spaces), the same
+bytes whatever is installed and wherever stdout goes; only progress on a terminal's stderr is rich.
 
 One module per command group: :mod:`~zarrlake.cli.history` (init, log, diff, merge),
 :mod:`~zarrlake.cli.refs` (branch, tag), :mod:`~zarrlake.cli.browse` (ls),
@@ -92,7 +97,7 @@ from collections.abc import Sequence
 from zarrlake.cli import browse, health, history, maintenance, mirror, refs
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
-from zarrlake.errors import InvalidArgument, InvalidName, ZarrlakeError
+from zarrlake.errors import InvalidArgument, InvalidName, MissingDependency, ZarrlakeError
 from zarrlake.maintenance import GraceTooShort, InvalidRetentionRules
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -111,7 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
         sys.stdout.flush()
-    except (UsageError, InvalidName, InvalidArgument, InvalidRetentionRules, GraceTooShort) as e:
+    except (
+        UsageError,
+        InvalidName,
+        InvalidArgument,
+        InvalidRetentionRules,
+        GraceTooShort,
+        MissingDependency,  # the installation is the input to fix: as --metrics-port without it
+    ) as e:
         return fail(str(e), 2)
     except BrokenPipeError:
         # The reader went away (`zarrlake log URL | head`): stop quietly, as Python's docs advise.

@@ -10,10 +10,12 @@ from typing import Any
 from zarrlake.cli.args import MAIN, Commands, add_json, add_lock, count
 from zarrlake.cli.connect import open_repository, open_storage
 from zarrlake.cli.output import print_json, print_table, say, short_time
-from zarrlake.errors import MergeConflictError
+from zarrlake.errors import MergeConflictError, StorageError, ZarrlakeError
 from zarrlake.format.ids import CONTENT_HASHES, DEFAULT_CONTENT_HASH
+from zarrlake.format.model import LAYOUT_KEY
 from zarrlake.listing import commit_to_json, tree_key
 from zarrlake.repository import Repository
+from zarrlake.storage import Storage
 from zarrlake.types import Diff
 
 STRATEGIES = ("source-wins", "dest-wins")
@@ -32,11 +34,53 @@ def add_init(commands: Commands) -> None:
             "the repository writable by zarrlake versions before this setting"
         ),
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="create the repository even where other objects (files) already are",
+    )
 
 
 def run_init(args: argparse.Namespace) -> None:
-    repo = Repository.create(open_storage(args.url), content_hash=args.content_hash)
+    storage = open_storage(args.url)
+    if not args.force:
+        _refuse_foreign_objects(storage)
+    repo = Repository.create(storage, content_hash=args.content_hash)
     say(repo.id)
+
+
+#: How many keys ``init`` looks at for objects that are not a repository's: one listing
+#: request's worth (a page of S3's ``ListObjectsV2``).
+FOREIGN_CHECK_KEYS = 1000
+
+
+def _refuse_foreign_objects(storage: Storage) -> None:
+    """Raise :class:`ZarrlakeError` when ``storage`` holds objects that are not a repository's
+    (or cannot be listed to tell): a repository created there would mix its objects into
+    someone's files (``zarrlake init ~``). One list request.
+
+    Objects of zarrlake's own layout are no reason to refuse: they are a repository (which
+    ``Repository.create`` refuses itself) or what a create that died before its marker left
+    (which the next create adopts). A storage that cannot list (read-only HTTP) or answers no
+    listing (a missing bucket) is left to ``Repository.create``, whose error says why better.
+    """
+    if not storage.supports_listing:
+        return
+    try:
+        keys = storage.list_keys(limit=FOREIGN_CHECK_KEYS)
+    except StorageError:
+        return
+    except OSError as e:  # a folder inside that cannot be read: something is there
+        raise ZarrlakeError(
+            f"cannot tell whether {storage.url} is empty: {e.strerror or e} "
+            "(--force creates a repository there anyway)"
+        ) from None
+    foreign = next((k for k in keys if not LAYOUT_KEY.match(k)), None)
+    if foreign is not None and not Repository.exists(storage):
+        raise ZarrlakeError(
+            f"{storage.url} is not empty (it holds {foreign}) and is not a zarrlake repository: "
+            "--force creates one there anyway"
+        )
 
 
 # -- log -----------------------------------------------------------------------------------------

@@ -1,17 +1,19 @@
 """What the ``zarrlake`` command writes: JSON documents and tables on stdout, one-line errors and
 a progress display on stderr.
 
-Tables are rich tables when ``rich`` is installed and aligned plain text otherwise; piped, they
-are as wide as their content, without colour or trailing spaces, so scripts can read them.
+Tables are aligned plain text, whatever is installed and wherever stdout goes: a header row, then
+one row per line, columns two spaces apart and aligned by display width, no trailing spaces. The
+same bytes on a terminal and in a pipe, with or without ``rich``, so that ``grep``, ``awk`` and
+scripts read them as people do. Only the progress display on stderr is rich (on a terminal).
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
-import io
 import json
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,32 +44,38 @@ def _json_default(value: Any) -> Any:
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A table on stdout: rich when installed, aligned plain text otherwise."""
-    try:
-        from rich import box
-        from rich.console import Console
-        from rich.table import Table
-        from rich.text import Text
-    except ImportError:
-        widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-        for line in [headers, *rows]:
-            sys.stdout.write(
-                "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-            )
-            sys.stdout.write("\n")
-        return
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    for h in headers:
-        table.add_column(h, overflow="fold")
-    for r in rows:
-        table.add_row(*(Text(c) for c in r))  # Text: user strings are never parsed as markup
-    if sys.stdout.isatty():
-        Console(file=sys.stdout, highlight=False).print(table)
-        return
-    # Piped: full width instead of wrapping at 80 columns, no colour, no trailing padding.
-    buf = io.StringIO()
-    Console(file=buf, width=100_000, highlight=False, color_system=None).print(table)
-    sys.stdout.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+    """A table on stdout: the header row, then one line per row, each column padded to its widest
+    cell (in terminal columns) and the last one not padded at all.
+
+    Control characters in a cell (user data: an author, a path) are shown escaped (``\\n``,
+    ``\\x1b``), so that a row stays one line and a terminal never acts on them.
+    """
+    lines = [[_cell_text(c) for c in line] for line in [headers, *rows]]
+    widths = [max(_display_width(line[i]) for line in lines) for i in range(len(headers))]
+    for line in lines:
+        cells = [c + " " * (w - _display_width(c)) for c, w in zip(line, widths, strict=True)]
+        sys.stdout.write("  ".join(cells).rstrip() + "\n")
+
+
+def _display_width(text: str) -> int:
+    """How many terminal columns ``text`` takes: East Asian wide and full-width characters two,
+    combining marks and other zero-width characters none, the rest one."""
+    return sum(_char_width(ch) for ch in text)
+
+
+def _char_width(ch: str) -> int:
+    if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def _cell_text(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) == "Cc" else ch
+        for ch in text
+    )
 
 
 # -- values in tables ----------------------------------------------------------------------------

@@ -161,7 +161,19 @@ class LocalStorage(Storage):
         except OSError as e:
             # Not an object store's answer but the file system's (a file where a folder should
             # be, permissions, a full disk): say where.
-            raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
+            raise self._write_failed(key, e) from e
+
+    def _write_failed(self, key: str, e: OSError) -> StorageError:
+        """The error for a write the file system refused, naming what a person can act on: the
+        directory itself when it could not be created or takes no files (the first write of
+        ``Repository.create`` into ``/proc/x`` or a read-only folder), else the object."""
+        reason = e.strerror or str(e)
+        if not self.root.is_dir():
+            return StorageError(f"cannot create directory {self.root}: {reason}")
+        if isinstance(e.filename, str) and e.filename.startswith(self._root_slash + _TMP):
+            # Every write starts as a temporary file here: the directory takes no writes.
+            return StorageError(f"cannot write to directory {self.root}: {reason}")
+        return StorageError(f"cannot write {key!r} under {self.root}: {reason}")
 
     def _put(self, key: str, path: str, data: Buffer, create_only: bool) -> None:
         tmp = self._write_temp(data)
