@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from zarrlake.errors import CorruptChunk, CorruptObject, RefNotFound, RetryableError
 from zarrlake.format.ids import (
-    CONTENT_HASHES,
+    CONTENT_DIGESTS,
     LEGACY_CONTENT_HASH,
     ContentHash,
     content_hash,
@@ -390,18 +390,18 @@ class ObjectStore:
             return data  # part of a chunk: nothing to compare it with
         if ref[0] == OBJECT:
             expected: bytes = ref[1]
-            key = chunk_key(expected.hex())
         elif ref[0] == PACKED and len(ref) > 4:
-            expected, key = ref[4], pack_key(ref[1])
+            expected = ref[4]
         else:
             return data
-        hasher = CONTENT_HASHES.get(self.content_hash)
-        if hasher is None:  # a newer zarrlake's hash: it still reads, as the marker promises
+        digest = CONTENT_DIGESTS.get(self.content_hash)
+        if digest is None:  # a newer zarrlake's hash: it still reads, as the marker promises
             _warn_unverified(self.content_hash)
             return data
-        actual = hasher(data)
-        if actual != expected.hex():
-            raise CorruptChunk(key, expected.hex(), actual, self.content_hash)
+        actual = digest(data)
+        if actual != expected:
+            key = chunk_key(expected.hex()) if ref[0] == OBJECT else pack_key(ref[1])
+            raise CorruptChunk(key, expected.hex(), actual.hex(), self.content_hash)
         return data
 
     def read_chunk(self, ref: ChunkRef, byte_range: tuple[int, int] | None = None) -> bytes:

@@ -103,6 +103,14 @@ DEFAULT_CONTENT_HASH = "blake3"
 LEGACY_CONTENT_HASH = "sha256"
 
 
+#: The same hashes as raw 32-byte digests, as chunk refs hold them (what a verified read
+#: compares: no hex on the hot path).
+CONTENT_DIGESTS: dict[str, Callable[[Bytes], bytes]] = {
+    "blake3": lambda data: blake3.blake3(data).digest(),
+    "sha256": lambda data: hashlib.sha256(data).digest(),
+}
+
+
 def content_hasher(name: str) -> ContentHash:
     """The hash function recorded as ``name``. Raises :class:`UnsupportedFormat` for a name this
     version does not know (a repository made by a newer one)."""
