@@ -58,6 +58,13 @@ consecutive chunks (``num_partitions``). Row order is unspecified. Two modes:
   dtype string, e.g. ``"<f8"``). Rebuild a block with
   ``np.frombuffer(row.data, np.dtype(row.dtype)).reshape(row.shape)``. Fixed-width dtypes only.
 
+Executors' Python: both functions first run a one-task job that imports zarrlake on an executor
+(once per SparkContext and interpreter) and raise :class:`ExecutorPythonError` if it cannot, in
+seconds and before anything is written. On a local master where no ``PYSPARK_PYTHON`` or
+``spark.pyspark.python`` names the workers' Python, they run the driver's interpreter, not the
+bare ``python3`` PySpark would start (see
+:func:`~zarrlake.maintenance.spark_jobs.workers_python`).
+
 pyspark is imported lazily: this module imports without it.
 """
 
@@ -67,6 +74,9 @@ import contextlib
 import decimal
 import pickle
 import re
+import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,24 +84,34 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zarrlake.changeset import Changeset
-from zarrlake.errors import InvalidArgument, SparkWriteError, ZarrlakeError
+from zarrlake.errors import ExecutorPythonError, InvalidArgument, SparkWriteError, ZarrlakeError
+from zarrlake.extras import require
 from zarrlake.forks import dump_fork, load_fork, shared_instance
+from zarrlake.maintenance.spark_jobs import workers_python
 from zarrlake.repository import Repository
 
 if TYPE_CHECKING:
     import zarr
-    from pyspark import RDD
+    from pyspark import RDD, SparkContext
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
     "BlockWriter",
+    "ExecutorPythonError",
     "SparkWriteError",
+    "check_executors_python",
     "open_array",
     "read_array",
     "write_partitions",
 ]
 
 _READ_THREADS = 8
+
+
+def _require_pyspark(feature: str) -> None:
+    require("pyspark", extra="spark", feature=feature)
+
+
 Writer = Callable[[Any, Iterator[Any]], Any]
 
 _MARK = "[zarrlake-spark]"
@@ -160,6 +180,95 @@ def _reuse_repository(repo: Repository) -> Repository:
     return shared_instance(key, lambda: repo)
 
 
+# -- the executors' Python -------------------------------------------------------------------
+
+# Per SparkContext, the interpreters (``pythonExec``) whose executors imported zarrlake.
+_probed: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_probed_lock = threading.Lock()
+# Why a worker did not start, in the JVM's words or PySpark's.
+_WORKER_START_RE = re.compile(
+    r'Cannot run program "[^"\n]*": [^\n]*|\[PYTHON_VERSION_MISMATCH\] [^\n]*'
+)
+
+
+def _probe_task() -> Callable[[Iterable[Any]], Iterator[dict[str, Any]]]:
+    # A nested function: cloudpickle ships it by value, so it unpickles in a Python without
+    # zarrlake (a module-level one would be imported, and fail, before it could say what is
+    # missing). Import errors are returned, not raised: a failed task is retried on a cluster.
+    def probe(_: Iterable[Any]) -> Iterator[dict[str, Any]]:
+        import importlib
+        import sys
+
+        found: dict[str, Any] = {"python": sys.executable, "version": list(sys.version_info[:2])}
+        try:
+            importlib.import_module("zarr")
+            # The package root, as the executor has it: it imports the core and its dependencies.
+            found["zarrlake"] = importlib.import_module("zarrlake").__version__
+        except Exception as e:
+            found["error"] = f"{type(e).__name__}: {e}"
+        yield found
+
+    return probe
+
+
+def _driver_zarrlake() -> str:
+    # The package root is imported before any of its modules; importing it here would point
+    # this layer at the layers above it.
+    return str(sys.modules["zarrlake"].__version__)
+
+
+def _python_error(python: str, spark_python: str, problem: str, reason: str) -> ExecutorPythonError:
+    ran = repr(python or spark_python)
+    if python and python != spark_python:
+        ran += f" (started as {spark_python!r})"
+    wanted = (
+        f"Python {sys.version_info[0]}.{sys.version_info[1]} with zarrlake {_driver_zarrlake()}"
+    )
+    return ExecutorPythonError(
+        f"Spark's executors' Python {ran} {problem}: set PYSPARK_PYTHON or spark.pyspark.python "
+        f"to a {wanted} "
+        "installed, or ship such an environment to the executors (spark.archives)",
+        python=python or spark_python,
+        reason=reason,
+    )
+
+
+def check_executors_python(sc: SparkContext) -> None:
+    """Check that ``sc``'s executors run a Python that imports zarrlake, before a job needs it.
+
+    Chooses their interpreter first (:func:`~zarrlake.maintenance.spark_jobs.workers_python`),
+    then runs a one-task job that imports zarr and zarrlake there and reports the Python version
+    and zarrlake version; it must match the driver's. Once per SparkContext and interpreter.
+    Raises :class:`ExecutorPythonError`, naming the interpreter they ran, in seconds (an import
+    error fails no task, so nothing is retried).
+    """
+    spark_python = workers_python(sc)
+    with _probed_lock:
+        if spark_python in _probed.get(sc, ()):
+            return
+    try:
+        found = sc.parallelize([0], 1).mapPartitions(_probe_task()).collect()[0]
+    except Exception as e:  # the worker did not start: no such interpreter, another Python
+        started = _WORKER_START_RE.search(str(e))
+        reason = started.group(0) if started else _spark_reason(str(e))
+        raise _python_error("", spark_python, f"cannot run zarrlake ({reason})", reason) from None
+    python = str(found["python"] or "")
+    driver = list(sys.version_info[:2])
+    if "error" in found:
+        reason = found["error"]
+        raise _python_error(python, spark_python, f"cannot import zarrlake ({reason})", reason)
+    version = _driver_zarrlake()
+    if found["version"] != driver or found["zarrlake"] != version:
+        reason = (
+            f"executors: Python {'.'.join(map(str, found['version']))}, zarrlake "
+            f"{found['zarrlake']}; driver: Python {'.'.join(map(str, driver))}, zarrlake "
+            f"{version}"
+        )
+        raise _python_error(python, spark_python, f"is not the driver's ({reason})", reason)
+    with _probed_lock:
+        _probed.setdefault(sc, set()).add(spark_python)
+
+
 # -- writing ---------------------------------------------------------------------------------------
 
 
@@ -207,6 +316,18 @@ def _partition_task(
     return run
 
 
+def _spark_reason(text: str) -> str:
+    """The first Python exception in a (Java-wrapped) Spark traceback text, else its first line."""
+    return next(
+        (
+            x.group(0).strip()
+            for x in _PY_EXC_RE.finditer(text)
+            if not x.group(1).startswith(("org.", "java.", "scala.", "py4j.", "pyspark.errors"))
+        ),
+        next((line.strip() for line in text.splitlines() if line.strip()), ""),
+    )[:500]
+
+
 def _job_error(exc: BaseException) -> SparkWriteError:
     text = str(exc)
     m = _MARK_RE.search(text)
@@ -219,14 +340,7 @@ def _job_error(exc: BaseException) -> SparkWriteError:
             reason=reason,
         )
     # Not the writer: name the first Python exception in the (Java-wrapped) traceback text.
-    reason = next(
-        (
-            x.group(0).strip()
-            for x in _PY_EXC_RE.finditer(text)
-            if not x.group(1).startswith(("org.", "java.", "scala.", "py4j.", "pyspark.errors"))
-        ),
-        next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__),
-    )[:500]
+    reason = _spark_reason(text) or type(exc).__name__
     return SparkWriteError(
         f"write_partitions: Spark job failed: {reason} (nothing was committed)", reason=reason
     )
@@ -252,15 +366,20 @@ def write_partitions(
 
     Raises :class:`SparkWriteError` if a writer raises or the job fails,
     :class:`~zarrlake.ConflictError` if partitions wrote different data to the same chunk or the
-    commit conflicts with concurrent commits, and :class:`~zarrlake.NothingToCommit` if nothing
-    was written (unless ``allow_empty``). In every error case nothing is committed.
+    commit conflicts with concurrent commits, :class:`~zarrlake.NothingToCommit` if nothing
+    was written (unless ``allow_empty``), and :class:`ExecutorPythonError`, before ``setup``
+    runs, if the executors' Python cannot import zarrlake (:func:`check_executors_python`). In
+    every error case nothing is committed. Without pyspark, raises
+    :class:`~zarrlake.MissingDependency` (``zarrlake[spark]``).
     """
+    _require_pyspark("zarrlake.spark.write_partitions")
     if not callable(writer):
         raise InvalidArgument("writer must be a callable writer(store, partition_iterator)")
     if not isinstance(message, str):
         raise InvalidArgument("message must be a string")
     rdd = _as_rdd(rdd_or_df)
     _check_writable_storage(repo)
+    check_executors_python(rdd.context)
 
     session = repo.writable_session(branch)
     if setup is not None:
@@ -336,10 +455,13 @@ def read_array(
 ) -> DataFrame:
     """The array at ``path`` as of ``ref``, as a DataFrame (see the module docstring for the modes).
 
-    ``ref`` is resolved to a snapshot id now, on the driver. ``num_partitions`` is the number of
-    Spark tasks (each reads a group of consecutive chunks); by default one task per chunk, at most
-    four per core.
+    ``ref`` is resolved to a snapshot id now, on the driver, and the executors' Python is checked
+    (:func:`check_executors_python`: :class:`ExecutorPythonError` if it cannot import zarrlake).
+    ``num_partitions`` is the number of Spark tasks (each reads a group of consecutive chunks); by
+    default one task per chunk, at most four per core. Without pyspark, raises
+    :class:`~zarrlake.MissingDependency` (``zarrlake[spark]``).
     """
+    _require_pyspark("zarrlake.spark.read_array")
     import zarr
     from pyspark.sql import types as T
 
@@ -358,6 +480,7 @@ def read_array(
     # Executors only read: ship the repository without its lock (which may hold connections).
     reader_repo = Repository(repo.storage, repo.record) if repo.lock is not None else repo
     sc = spark.sparkContext
+    check_executors_python(sc)  # before the DataFrame fixes which Python its tasks run
     if num_partitions is None:
         num_partitions = min(len(grid), 4 * max(1, sc.defaultParallelism))
     num_partitions = max(1, min(int(num_partitions), max(1, len(grid))))

@@ -53,7 +53,8 @@ from typing import Any, TypeVar
 
 from zarrlake.commit import BranchLock
 from zarrlake.core import RepositoryCore
-from zarrlake.errors import ZarrlakeError
+from zarrlake.errors import ExecutorPythonError, ZarrlakeError
+from zarrlake.extras import require
 from zarrlake.format.model import OBJECT, RepoRecord, ShardInfo
 from zarrlake.maintenance.compact import (
     DEFAULT_PACK_BELOW,
@@ -79,7 +80,7 @@ from zarrlake.maintenance.gc import (
 )
 from zarrlake.storage.base import ObjectInfo, Storage
 
-__all__ = ["compact_spark", "gc_spark", "spark_session"]
+__all__ = ["compact_spark", "gc_spark", "spark_session", "workers_python"]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -104,32 +105,49 @@ def _core(shipped: _Shipped) -> RepositoryCore:
 
 def spark_session(app: str, master: str | None = None) -> Any:
     """The SparkSession a maintenance job runs on: the active one, or the one ``spark-submit``
-    configured, or one on ``master``. When it starts a context on a ``local`` master (named, or
-    Spark's default where nothing names one), its workers run this Python unless
-    ``PYSPARK_PYTHON`` names another. Raises :class:`ImportError` (saying what to install)
-    without pyspark."""
-    try:
-        import pyspark
-        from pyspark.sql import SparkSession
-    except ImportError:
-        raise ImportError("the spark engine needs pyspark: pip install 'zarrlake[spark]'") from None
+    configured, or one on ``master``. Its Python workers run what :func:`workers_python`
+    chooses: on a ``local`` master (named, or Spark's default where nothing names one), this
+    Python unless ``PYSPARK_PYTHON`` names another. Raises :class:`~zarrlake.MissingDependency`
+    (an :class:`ImportError` saying what to install) without pyspark."""
+    require("pyspark", extra="spark", feature="the spark engine")
+    from pyspark.sql import SparkSession
+
     builder = SparkSession.builder.appName(app)
     if master:
         builder = builder.master(master)
-        local = master.startswith("local")
-    else:
-        local = spark_defaults_to_local(os.environ, os.path.dirname(pyspark.__file__))
-    if not local or os.environ.get("PYSPARK_PYTHON"):
-        return builder.getOrCreate()
-    # Local workers are processes of this machine: they run this interpreter, the one zarrlake
-    # is installed in, not whichever ``python3`` comes first on PATH. PySpark reads the variable
-    # once, when a context starts (an active one keeps its own); it is not left behind for the
-    # processes this one starts later, which may submit elsewhere.
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    try:
-        return builder.getOrCreate()
-    finally:
-        os.environ.pop("PYSPARK_PYTHON", None)
+    session = builder.getOrCreate()
+    workers_python(session.sparkContext)
+    return session
+
+
+# The masters whose executors are processes of this machine (``local-cluster`` starts executor
+# JVMs here too): a Python path of the driver's is valid for them.
+_LOCAL_MASTER = re.compile(r"local(\[[^\]]*\])?|local-cluster\[[^\]]*\]")
+# What a SparkContext's workers run when PYSPARK_PYTHON was unset as it started.
+_PYSPARK_DEFAULT_PYTHON = "python3"
+
+
+def workers_python(sc: Any) -> str:
+    """The Python that ``sc``'s Python workers run for the jobs submitted from now on (Spark's
+    ``pythonExec``), chosen first where Spark's settings name one and PySpark left it at its
+    default: ``spark.pyspark.python``, else ``PYSPARK_PYTHON``, else, on a local master
+    (``local``, ``local[N]``, ``local[*]``, ``local-cluster[...]``), this interpreter.
+
+    PySpark reads ``PYSPARK_PYTHON`` only as a context starts and honours
+    ``spark.pyspark.python`` only where ``spark-submit`` started the driver; otherwise its workers
+    run a bare ``python3``, on a local master whichever comes first on PATH, seldom one with
+    zarrlake. Each job's functions carry the interpreter to run them with and Spark starts
+    workers per interpreter, lazily, so the change holds for a context that already ran Python
+    jobs; workers already running, and RDDs or DataFrames already built, keep theirs. Setting
+    ``PYSPARK_PYTHON`` itself in a running driver would change nothing, and is not left behind
+    for the processes it starts later, which may submit elsewhere."""
+    named = sc.getConf().get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON")
+    if sc.pythonExec == _PYSPARK_DEFAULT_PYTHON:
+        if named:
+            sc.pythonExec = named
+        elif _LOCAL_MASTER.fullmatch(sc.master or ""):
+            sc.pythonExec = sys.executable
+    return str(sc.pythonExec)
 
 
 def spark_defaults_to_local(environ: Mapping[str, str], pyspark_home: str) -> bool:
@@ -160,14 +178,16 @@ Job = TypeVar("Job", bound=Callable[..., Any])
 
 
 def _explained(job: Job) -> Job:
-    """``job``, whose failure because Spark's Python workers cannot import zarrlake (an executor
-    image or a ``PYSPARK_PYTHON`` without it) is a :class:`ZarrlakeError` that says so, not a
-    worker traceback. Such a job fails before it commits anything."""
+    """``job(core, spark, ...)``, its workers' Python chosen by :func:`workers_python`, whose
+    failure because they cannot import zarrlake (an executor image or a ``PYSPARK_PYTHON``
+    without it) is an :class:`ExecutorPythonError` that says so, not a worker traceback. Such a
+    job fails before it commits anything."""
 
     @functools.wraps(job)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(core: RepositoryCore, spark: Any, *args: Any, **kwargs: Any) -> Any:
+        python = workers_python(spark.sparkContext)
         try:
-            return job(*args, **kwargs)
+            return job(core, spark, *args, **kwargs)
         except ZarrlakeError:
             raise
         except Exception as e:
@@ -176,11 +196,12 @@ def _explained(job: Job) -> Job:
             missing = re.search(r"No module named '(zarrlake[\w.]*)'", str(e))
             if missing is None:
                 raise
-            python = os.environ.get("PYSPARK_PYTHON", "python3")
-            raise ZarrlakeError(
+            raise ExecutorPythonError(
                 f"Spark's Python workers cannot import {missing.group(1)} (they run {python!r} "
                 "unless the cluster says otherwise): install this zarrlake where the executors "
-                "run, or point PYSPARK_PYTHON (spark.pyspark.python) at a Python that has it"
+                "run, or point PYSPARK_PYTHON (spark.pyspark.python) at a Python that has it",
+                python=python,
+                reason=missing.group(0),
             ) from None
 
     return run  # type: ignore[return-value]
