@@ -5,32 +5,39 @@
 #   jobs:      zarrlake gc ... / zarrlake compact ...
 # No special entrypoint; the chart and the operator's CronJobs give the command.
 #
-#   docker build -t ghcr.io/zarrlake/zarrlake:0.1.0 .
+#   make image        (docker build with the base image's recorded digest; see below)
 
-# A pinned base (a patch release on a Debian release; pass PYTHON_IMAGE=python@sha256:... to pin the
-# digest your registry serves). requirements/image.txt is locked for CPython 3.11 on linux/amd64.
+# The base, pinned by digest: a tag can be moved to other bytes, a digest cannot. The tag and its
+# digest are recorded in requirements/base-image.env (`make lock-base`, on a machine that can
+# reach the registry); `make image` passes both. There is no default digest: without
+# --build-arg PYTHON_IMAGE_DIGEST=sha256:... the reference below is not a valid image name, and
+# the build stops at its first FROM. requirements/image.txt is locked for CPython 3.11 on
+# linux/amd64.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+ARG PYTHON_IMAGE_DIGEST
 
 # -- build: wheels of zarrlake and of everything it needs -------------------------------------------
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST} AS build
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
 WORKDIR /src
-COPY requirements/image.txt requirements/image.txt
+COPY requirements/image.txt requirements/build.txt requirements/
 # Every dependency exactly as locked (version and sha256 of each file: `make lock` writes the
-# lock), then the project's own wheel: the final stage installs offline from /wheels and carries
-# no build tooling.
-RUN pip wheel --wheel-dir /wheels --require-hashes --only-binary=:all: -r requirements/image.txt
+# locks), then the project's own wheel, built by the locked setuptools (no build isolation: pip
+# would fetch an unpinned one): the final stage installs offline from /wheels and carries no
+# build tooling.
+RUN pip wheel --wheel-dir /wheels --require-hashes --only-binary=:all: -r requirements/image.txt \
+ && pip install --require-hashes --only-binary=:all: -r requirements/build.txt
 COPY pyproject.toml README.md ./
 COPY client/ client/
 COPY operator/ operator/
-RUN pip wheel --wheel-dir /wheels --no-deps .
+RUN pip wheel --wheel-dir /wheels --no-deps --no-build-isolation .
 
 # -- runtime ----------------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST}
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="zarrlake" \

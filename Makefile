@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image lock clean \
+.PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image lock lock-base sbom clean \
         redis-server-available kubectl-available azurite-available
 
 $(BIN)/python:
@@ -103,8 +103,9 @@ lint: $(VENV)/.dev-installed
 	@if [ -f ../shared/tools/arch_check.py ]; then $(BIN)/python ../shared/tools/arch_check.py .; fi
 
 ## crds: regenerate the CustomResourceDefinitions from operator/zarrlake_operator/models.py
+## (crds/ and the chart's copy, files/crds/, which templates/crds.yaml applies on install and upgrade)
 crds: $(VENV)/.dev-installed
-	$(BIN)/python -m zarrlake_operator.crds crds charts/zarrlake-operator/crds
+	$(BIN)/python -m zarrlake_operator.crds crds charts/zarrlake-operator/files/crds
 
 ## e2e: the operator scenario against an emulated Kubernetes API (no cluster or Docker needed)
 e2e: $(VENV)/.dev-installed redis-server-available kubectl-available
@@ -112,16 +113,37 @@ e2e: $(VENV)/.dev-installed redis-server-available kubectl-available
 
 ## image: the operator/jobs image and the Spark jobs' image the chart defaults to (needs Docker);
 ## IMAGE_REGISTRY=registry.example.com/team to build for your registry, then docker push them
+# The base image by digest (requirements/base-image.env; `make lock-base` records it): refused
+# without one, so that two builds of one commit start from the same bytes.
 VERSION        := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/zarrlake-operator/Chart.yaml)
 IMAGE_REGISTRY ?= ghcr.io/zarrlake
+BASE_IMAGE_ENV := requirements/base-image.env
+PYTHON_IMAGE        ?= $(shell sed -n 's/^PYTHON_IMAGE=//p' $(BASE_IMAGE_ENV))
+PYTHON_IMAGE_DIGEST ?= $(shell sed -n 's/^PYTHON_IMAGE_DIGEST=//p' $(BASE_IMAGE_ENV))
 image:
-	docker build -t $(IMAGE_REGISTRY)/zarrlake:$(VERSION) .
+	@echo "$(PYTHON_IMAGE_DIGEST)" | grep -Eqx 'sha256:[0-9a-f]{64}' \
+	  || { echo "make image: no digest for $(PYTHON_IMAGE) in $(BASE_IMAGE_ENV): run 'make lock-base'" \
+	            "(needs Docker and the registry) or pass PYTHON_IMAGE_DIGEST=sha256:..." >&2; exit 1; }
+	docker build --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) --build-arg PYTHON_IMAGE_DIGEST=$(PYTHON_IMAGE_DIGEST) \
+	  --build-arg VERSION=$(VERSION) -t $(IMAGE_REGISTRY)/zarrlake:$(VERSION) .
 	docker build -f examples/spark/Dockerfile -t $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION) .
 	@echo "built $(IMAGE_REGISTRY)/zarrlake:$(VERSION) and $(IMAGE_REGISTRY)/zarrlake-spark:$(VERSION)"
 
-## lock: pin the image's dependencies with hashes (requirements/image.txt; needs the package index)
+## lock: pin the image's dependencies with hashes (requirements/image.txt and build.txt; needs the package index)
 lock: $(VENV)/.dev-installed
 	$(BIN)/python requirements/lock.py
+
+## lock-base: record the digest the registry serves for the base image's tag (needs Docker)
+lock-base:
+	docker pull -q $(PYTHON_IMAGE) >/dev/null
+	@digest=$$(docker image inspect --format '{{index .RepoDigests 0}}' $(PYTHON_IMAGE) | sed 's/.*@//'); \
+	  echo "$$digest" | grep -Eqx 'sha256:[0-9a-f]{64}' || { echo "no digest for $(PYTHON_IMAGE)" >&2; exit 1; }; \
+	  sed -i "s/^PYTHON_IMAGE_DIGEST=.*/PYTHON_IMAGE_DIGEST=$$digest/" $(BASE_IMAGE_ENV); \
+	  echo "$(PYTHON_IMAGE)@$$digest recorded in $(BASE_IMAGE_ENV)"
+
+## sbom: a CycloneDX SBOM of the image's Python packages, from the locks (dist/sbom/zarrlake-image.cdx.json)
+sbom: $(VENV)/.dev-installed
+	$(BIN)/python requirements/sbom.py --output dist/sbom/zarrlake-image.cdx.json
 
 ## e2e-kind: the same scenario on a real kind cluster (needs Docker, kind, kubectl, helm)
 e2e-kind:

@@ -9,11 +9,15 @@ thing: kubectl, the operator process, PySpark ``local[2]``, and the zarrlake cli
 ``Repository.from_kubernetes``.
 
 Steps:
- 1. install the CRDs and apply ``examples/kubernetes`` with ``kubectl apply -k`` (a kustomize
-    overlay points the repository at moto and makes retention aggressive enough to free data);
+ 1. install the CRDs (as the chart renders them) and apply ``examples/kubernetes`` with
+    ``kubectl apply -k`` (a kustomize overlay points the repository at moto and makes retention
+    aggressive enough to free data);
  2. wait for the Repository to become Ready (bucket provisioned, Redis up, repository created);
  3. write and commit an array from a PySpark job through ``Repository.from_kubernetes``;
- 4. create a Branch and a Tag with ``kubectl apply`` and wait for their statuses;
+ 4. create a Branch and a Tag with ``kubectl apply`` and wait for their statuses; re-apply the
+    whole tree ten times (client-side and server-side apply, as Argo CD and Flux do) and check
+    that the operator sent no write meanwhile (the API server's audit log tells its requests
+    from kubectl's);
  5. apply ``examples/kubernetes/mirror.yaml`` (destination: a second S3 server), play its
     replicator Deployment, and watch the Mirror's status catch up; read the data at the mirror;
  6. run the GC CronJob now (a Job from its template, with kubectl) and check the policy's status;
@@ -130,6 +134,26 @@ patches:
     return out
 
 
+def chart_crds(workdir: Path) -> Path:
+    """The CustomResourceDefinitions of ``helm template`` (Helm's own engine), as one file."""
+    import helm_python as helm
+    import yaml
+
+    with helm.Chart.load(ROOT / "charts" / "zarrlake-operator") as chart:
+        manifests = chart.render(None, name="zarrlake-operator", namespace="zarrlake-system")
+    crds = [
+        doc
+        for path, text in manifests.items()
+        if path.endswith(".yaml")  # not NOTES.txt
+        for doc in yaml.safe_load_all(text)
+        if doc and doc.get("kind") == "CustomResourceDefinition"
+    ]
+    assert len(crds) == 5, [c["metadata"]["name"] for c in crds]
+    out = workdir / "crds.yaml"
+    out.write_text(yaml.safe_dump_all(crds))
+    return out
+
+
 def mirror_manifest(workdir: Path, s3_endpoint: str) -> Path:
     """examples/kubernetes/mirror.yaml pointed at this run's second S3 server, passing often."""
     import yaml
@@ -193,6 +217,33 @@ def spark_write(repo: Any, lock_note: str) -> str:
         spark.stop()
 
 
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def quiet_reapplies(k: Scenario, api: Any, tree: Path, times: int = 10) -> list[dict[str, Any]]:
+    """Wait until the operator has rested (no write for three resyncs), re-apply the overlay,
+    the Branch and the Tag ``times`` times, alternately client-side and server-side, and return
+    the writes the operator sent meanwhile (and for three resyncs after)."""
+
+    def operator_writes(since: float) -> list[dict[str, Any]]:
+        return [
+            r
+            for r in api.audit()
+            if r["user"] == "operator" and r["verb"] in WRITES and r["time"] >= since
+        ]
+
+    k.wait("the operator at rest", lambda: not operator_writes(time.time() - 6), timeout=120)
+    started = time.time()
+    examples = ROOT / "examples" / "kubernetes"
+    for i in range(times):
+        mode = ["--server-side", "--force-conflicts"] if i % 2 else []
+        k.kubectl("apply", *mode, "-k", str(tree), show=i == 0)
+        for name in ("branch.yaml", "tag.yaml"):
+            k.kubectl("apply", *mode, "-n", NS, "-f", str(examples / name), show=i == 0)
+    time.sleep(6)
+    return operator_writes(started)
+
+
 def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -217,26 +268,29 @@ def main() -> int:
         say("starting moto_server (S3) and the Kubernetes API emulator")
         moto, s3 = start_moto()
         procs.append(moto)
-        api = KubeAPI().start()
+        api = KubeAPI(audit_log=workdir / "audit.jsonl").start()
         kubeconfig = api.write_kubeconfig(workdir / "kubeconfig")
         os.environ["KUBECONFIG"] = str(kubeconfig)
         kube.use_kubeconfig(str(kubeconfig))
         k = Scenario(workdir, kubeconfig)
         print(f"S3 at {s3}, Kubernetes API at {api.url}, kubeconfig {kubeconfig}")
 
-        say("installing the CRDs (the Helm chart's crds/ directory)")
-        k.kubectl("apply", "-f", str(ROOT / "charts" / "zarrlake-operator" / "crds"))
+        say("installing the CRDs (as the Helm chart renders them on install and upgrade)")
+        k.kubectl("apply", "-f", str(chart_crds(workdir)))
         k.kubectl("get", "crds")
 
         say("starting the operator and the local cluster (lock Deployments, Jobs)")
+        # Its own token: the audit log tells the operator's requests from everyone else's.
+        operator_kubeconfig = api.write_kubeconfig(workdir / "operator.kubeconfig", "operator")
         operator, _liveness, metrics_port = start_operator(
-            kubeconfig, log_path=workdir / "operator.log", resync_seconds=2
+            operator_kubeconfig, log_path=workdir / "operator.log", resync_seconds=2
         )
         procs.append(operator)
         cluster = LocalCluster(workdir, [NS]).start()
 
         say("kubectl apply -k (examples/kubernetes + this run's overlay)")
-        k.kubectl("apply", "-k", str(overlay(workdir, s3)))
+        tree = overlay(workdir, s3)
+        k.kubectl("apply", "-k", str(tree))
         # Ready as soon as bucket and repository are; its Redis may still be starting (Degraded).
         repo_obj = k.wait(
             "Repository Ready, Redis up", lambda: k.ready("repository", REPO, "LockServiceReady")
@@ -279,6 +333,11 @@ def main() -> int:
             "Repository counts",
             lambda: (s := k.get("repository", REPO)["status"])["branches"] == 2 and s["tags"] == 1,
         )
+
+        say("re-apply the unchanged tree ten times: the operator writes nothing")
+        writes = quiet_reapplies(k, api, tree)
+        print(f"operator writes during 10 re-applies: {len(writes)}")
+        assert not writes, json.dumps(writes, indent=1)
 
         say("kubectl apply a Mirror (examples/kubernetes/mirror.yaml) on a second S3 server")
         west_proc, west = start_moto()

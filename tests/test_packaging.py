@@ -17,6 +17,7 @@ import sys
 import zipfile
 from email.parser import Parser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,136 @@ def test_the_image_installs_exactly_its_locked_dependencies() -> None:
         name = canonicalize_name(req.name)
         assert name in pins, f"{text} is not in requirements/image.txt (run make lock)"
         assert req.specifier.contains(pins[name][0], prereleases=True), (text, pins[name][0])
+
+
+# -- a reproducible image: the base by digest, the build tools locked, an SBOM from the locks -----
+
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _base_image_record() -> dict[str, str]:
+    lines = (ROOT / "requirements" / "base-image.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
+def test_the_image_starts_from_a_base_pinned_by_digest() -> None:
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    args = dict(
+        [*line.split()[1].split("=", 1), ""][:2] for line in lines if line.startswith("ARG ")
+    )
+    stages: set[str] = set()
+    for line in lines:
+        if not line.startswith("FROM "):
+            continue
+        words = line.split()
+        # Every base that is not an earlier stage is the tag *and* the digest.
+        assert words[1] in stages or words[1] == "${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST}", line
+        if len(words) == 4 and words[2].upper() == "AS":
+            stages.add(words[3])
+    assert stages == {"build"}
+    # No digest by default: a build without one has no valid image reference and stops there.
+    assert args["PYTHON_IMAGE_DIGEST"] == ""
+    assert "@" not in args["PYTHON_IMAGE"] and re.fullmatch(
+        r"python:3\.11\.\d+-slim-bookworm", args["PYTHON_IMAGE"]
+    )
+    record = _base_image_record()
+    assert record["PYTHON_IMAGE"] == args["PYTHON_IMAGE"]
+    # Either recorded by `make lock-base`, or not yet: never anything else.
+    assert record["PYTHON_IMAGE_DIGEST"] == "" or DIGEST.fullmatch(record["PYTHON_IMAGE_DIGEST"])
+
+
+def _make_image(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_image_refuses_a_base_without_a_digest_and_passes_a_digest_on() -> None:
+    for bad in ("", "latest", "sha256:1234", "sha256:" + "A" * 64):
+        done = _make_image("image", f"PYTHON_IMAGE_DIGEST={bad}")
+        assert done.returncode != 0, bad
+        assert "make image: no digest for python:3.11" in done.stderr, (bad, done.stderr)
+        assert "docker build" not in done.stdout, bad  # refused before Docker is asked
+    digest = "sha256:" + "0123456789abcdef" * 4
+    planned = _make_image("-n", "image", f"PYTHON_IMAGE_DIGEST={digest}").stdout
+    (build, *_) = [line for line in planned.splitlines() if line.startswith("docker build")]
+    assert f"--build-arg PYTHON_IMAGE_DIGEST={digest}" in build
+    assert f"--build-arg PYTHON_IMAGE={_base_image_record()['PYTHON_IMAGE']}" in build
+
+
+def test_the_wheel_is_built_by_locked_build_tools() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    assert "--require-hashes --only-binary=:all: -r requirements/build.txt" in dockerfile
+    # Built without isolation, so pip never fetches an unpinned setuptools on the way.
+    assert "pip wheel --wheel-dir /wheels --no-deps --no-build-isolation ." in dockerfile
+    import tomllib
+
+    pins = _sbom_module().locked(ROOT / "requirements" / "build.txt")
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    for text in requires:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{text} is not in requirements/build.txt (run make lock)"
+        assert req.specifier.contains(pins[name][0], prereleases=True), (text, pins[name][0])
+    for name, (_, hashes) in pins.items():
+        assert hashes and all(DIGEST.fullmatch(f"sha256:{h}") for h in hashes), name
+
+
+def _sbom_module() -> Any:
+    sys.path.insert(0, str(ROOT / "requirements"))
+    try:
+        import sbom
+    finally:
+        sys.path.pop(0)
+    return sbom
+
+
+def test_the_sbom_lists_exactly_what_the_locks_pin(tmp_path: Path) -> None:
+    sbom = _sbom_module()
+    out = tmp_path / "a.json"
+    assert sbom.main(["--output", str(out)]) == 0
+    again = tmp_path / "b.json"
+    sbom.main(["--output", str(again)])
+    assert out.read_bytes() == again.read_bytes()  # reproducible: no clock, no randomness
+    import json
+
+    doc = json.loads(out.read_text())
+    assert (doc["bomFormat"], doc["specVersion"]) == ("CycloneDX", "1.5")
+    assert re.fullmatch(r"urn:uuid:[0-9a-f-]{36}", doc["serialNumber"])
+    _, image_pins = _locked()
+    build_pins = sbom.locked(ROOT / "requirements" / "build.txt")
+    packages = {(c["name"], c["scope"]): c for c in doc["components"] if c["type"] == "library"}
+    assert {n for n, s in packages if s == "required"} == set(image_pins)
+    build_only = {n for n, (v, _) in build_pins.items() if image_pins.get(n, ("",))[0] != v}
+    assert {n for n, s in packages if s == "excluded"} == build_only
+    assert build_only and build_only < set(build_pins)  # packaging is in both, at one version
+    for (name, scope), component in packages.items():
+        version, hashes = (image_pins if scope == "required" else build_pins)[name]
+        assert component["version"] == version
+        assert component["purl"] == f"pkg:pypi/{name}@{version}"
+        assert [h["content"] for h in component["hashes"]] == hashes
+    (base,) = [c for c in doc["components"] if c["type"] == "container"]
+    record = _base_image_record()
+    assert f"{base['name']}:{base['version']}" == record["PYTHON_IMAGE"]
+    if record["PYTHON_IMAGE_DIGEST"]:
+        assert base["hashes"][0]["content"] == record["PYTHON_IMAGE_DIGEST"].split(":")[1]
+    else:
+        assert "hashes" not in base and "make lock-base" in base["description"]
+    refs = {c["bom-ref"] for c in doc["components"]} | {doc["metadata"]["component"]["bom-ref"]}
+    assert len(refs) == len(doc["components"]) + 1  # unique
+    for dependency in doc["dependencies"]:
+        assert {dependency["ref"], *dependency["dependsOn"]} <= refs
+
+
+def test_the_sbom_refuses_a_lock_entry_without_hashes(tmp_path: Path) -> None:
+    sbom = _sbom_module()
+    lock = tmp_path / "image.txt"
+    lock.write_text("# a lock\nzarr==3.0.0 \\\n    --hash=sha256:" + "0" * 64 + "\nnumpy==2.0\n")
+    with pytest.raises(ValueError, match=re.escape("numpy==2.0")):
+        sbom.locked(lock)
+    lock.write_text(lock.read_text().replace("numpy==2.0\n", ""))
+    assert sbom.locked(lock) == {"zarr": ("3.0.0", ["0" * 64])}

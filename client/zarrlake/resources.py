@@ -505,6 +505,18 @@ class LockServiceSpec(ResourceModel):
         "name>; {}: every pod of the namespace. The pods the operator runs for the repository "
         "(maintenance jobs, Spark, replicators) are always let in.",
     )
+    # Scheduling of the managed Redis pod: Kubernetes objects passed through as they are.
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="managed mode: the Redis pod's affinity (a Kubernetes Affinity). Absent: "
+        "prefer a node without another lock service of the namespace; {}: none.",
+    )
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None,
+        alias="topologySpreadConstraints",
+        description="managed mode: the Redis pod's topologySpreadConstraints. Absent: spread "
+        "the namespace's lock services over zones (ScheduleAnyway); []: none.",
+    )
 
 
 class EngineConfigSpec(ResourceModel):

@@ -14,16 +14,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Literal, NamedTuple
 
+from pydantic import BaseModel, ValidationError
+
+from zarrlake.config import MAX_SESSION_TTL, RepositoryConfig
 from zarrlake.durations import parse_duration
+from zarrlake.errors import InvalidDuration, InvalidName, InvalidRetentionRules
 from zarrlake.jobreport import JobReport
-from zarrlake.refs import branch_glob_problem
+from zarrlake.maintenance.retention import RetentionRules
+from zarrlake.refs import branch_glob_problem, validate_name
 from zarrlake.resources import (
     API_VERSION,
+    BranchSpec,
     Condition,
     ConditionStatus,
     CredentialsSecretRef,
     JobRun,
     JobSchedule,
+    LockServiceSpec,
     MirrorDestinationSpec,
     MirrorRefStatus,
     MirrorSpec,
@@ -31,6 +38,8 @@ from zarrlake.resources import (
     RepositorySpec,
     RetentionPolicySpec,
     StorageSpec,
+    TagSpec,
+    problems,
 )
 
 MANAGED_BY = "zarrlake-operator"
@@ -154,6 +163,201 @@ def condition(conditions: Iterable[Condition], type_: str) -> Condition | None:
 def is_true(conditions: Iterable[Condition], type_: str) -> bool:
     c = condition(conditions, type_)
     return c is not None and c.status == "True"
+
+
+# -- readiness: Ready, and what GitOps tools read beside it (Reconciling, Stalled) --
+
+#: Ready=False reasons that mean the operator is still on its way and needs nobody's help: a
+#: Repository's bucket or lock service being set up, a dependent waiting for its Repository, a
+#: Mirror waiting for its replicator's first pass. The resource is ``Reconciling``. Any other
+#: reason of a Ready=False is something a person must fix (a spec, a Secret, a bucket, a
+#: conflict): the resource is ``Stalled``, so that Flux (kstatus) sees Failed, not InProgress.
+WAITING_REASONS = frozenset(
+    {
+        "Pending",
+        "WaitingForBucket",
+        "Unavailable",  # a managed lock service whose pod is starting
+        "RepositoryNotFound",
+        "RepositoryNotReady",
+        "RepositoryDeleting",
+        "WaitingForReplicator",
+    }
+)
+
+
+def set_ready(
+    conditions: Sequence[Condition],
+    ready: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None = None,
+    reconciling: bool | None = None,
+    keep_stalled: bool = False,
+    now: dt.datetime | None = None,
+) -> list[Condition]:
+    """Ready, with ``Reconciling`` and ``Stalled`` beside it, the kstatus conventions Flux and
+    other GitOps tools read (an Argo CD health check reads them too).
+
+    ``Reconciling`` is True while the operator works towards the spec without anyone's help
+    (by default: Ready=False for one of :data:`WAITING_REASONS`; a Ready resource may say so
+    too, as a Repository whose lock service is starting does); ``Stalled`` is True when it
+    cannot get there alone (any other Ready=False). Both are always written, so every resource
+    shows the same three; a False one has the reason ``Ready``, or Ready's own reason.
+    ``keep_stalled``: leave ``Stalled`` as the caller set it (a Mirror's own measure of
+    progress) while Ready is True. Conditions keep their ``lastTransitionTime`` unless their
+    status changes (:func:`set_condition`), so an unchanged readiness rewrites nothing.
+    """
+    waiting = (not ready and reason in WAITING_REASONS) if reconciling is None else reconciling
+    stalled = not ready and not waiting
+    quiet = "Ready" if ready else reason  # the reason of a False Reconciling or Stalled
+
+    def put(out: Sequence[Condition], type_: str, on: bool, why: str, text: str) -> list[Condition]:
+        return set_condition(out, type_, on, why, text, generation=generation, now=now)
+
+    if waiting:
+        out = put(conditions, "Reconciling", True, reason, message)
+    else:
+        out = put(conditions, "Reconciling", False, quiet, "")
+    if stalled:
+        out = put(out, "Stalled", True, reason, message)
+    elif not (keep_stalled and ready and condition(out, "Stalled") is not None):
+        out = put(out, "Stalled", False, quiet, "")
+    return put(out, "Ready", ready, reason, message)
+
+
+# -- spec checks: what the CRD schema cannot say --
+
+
+class SpecProblem(NamedTuple):
+    """Why a spec cannot be acted on: the Ready condition's reason and message (the message
+    names the field, never its value: a wrong field could hold anything, a credential too)."""
+
+    reason: str
+    message: str
+
+
+def engine_config(spec: RepositorySpec) -> RepositoryConfig:
+    """The engine settings a Repository's ``spec.config`` asks for. Raises the engine's
+    ``InvalidConfig`` (a ``ValueError``) for a value it refuses."""
+    c = spec.config
+    values: dict[str, Any] = {}
+    if c.inline_threshold_bytes is not None:
+        values["inline_threshold_bytes"] = c.inline_threshold_bytes
+    if c.shard_max_refs is not None:
+        values["shard_max_refs"] = c.shard_max_refs
+    if c.session_ttl is not None:
+        values["session_ttl"] = parse_duration(c.session_ttl)
+    if c.pack_chunks_below_bytes is not None:
+        values["pack_chunks_below_bytes"] = c.pack_chunks_below_bytes
+    return RepositoryConfig(**values)
+
+
+MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a session
+
+_SPEC_MODELS: dict[str, type[BaseModel]] = {
+    "Repository": RepositorySpec,
+    "Branch": BranchSpec,
+    "Tag": TagSpec,
+    "RetentionPolicy": RetentionPolicySpec,
+    "Mirror": MirrorSpec,
+}
+
+
+def spec_problem(body: Mapping[str, Any]) -> SpecProblem | None:
+    """What stops the operator from acting on a resource's spec, or None when nothing does.
+
+    The CRD's schema and rules refuse most bad specs, but not all of them reach an API server
+    that checks: a server before Kubernetes 1.25 ignores the CEL rules, and some checks only the
+    engine can make (retention rules, a duration's range, a branch glob, a ref name). Whatever
+    this returns, the resource gets Ready=False with it (``InvalidSpec`` unless a more precise
+    reason says more), never silence. Raises nothing for any body of a known kind."""
+    kind = str(body.get("kind"))
+    try:
+        spec = _SPEC_MODELS[kind].model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        return SpecProblem("InvalidSpec", problems(e, prefix="spec."))
+    if isinstance(spec, RepositorySpec):
+        return _repository_spec_problem(spec)
+    if isinstance(spec, BranchSpec | TagSpec):
+        ref = ref_name(body)
+        field = "spec.name" if (body.get("spec") or {}).get("name") else "metadata.name"
+        try:
+            validate_name(ref)
+        except InvalidName as e:
+            return SpecProblem("InvalidName", f"{field}: {e}")
+        return None
+    if isinstance(spec, RetentionPolicySpec):
+        return _retention_spec_problem(spec)
+    if isinstance(spec, MirrorSpec):
+        return _secret_keys_problem(spec.destination, "spec.destination") or mirror_spec_problem(
+            spec
+        )
+    return None
+
+
+#: What a key of a Secret's data may be (Kubernetes refuses any other): a name that does not
+#: fit can never be found, so it is a spec to fix, not a Secret to wait for.
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_KEY_FIELDS = (
+    ("access_key_id_key", "accessKeyIDKey"),
+    ("secret_access_key_key", "secretAccessKeyKey"),
+    ("session_token_key", "sessionTokenKey"),
+    ("account_key_key", "accountKeyKey"),
+    ("sas_token_key", "sasTokenKey"),
+    ("service_account_json_key", "serviceAccountJSONKey"),
+    ("authorization_key", "authorizationKey"),
+)
+
+
+def _secret_keys_problem(
+    storage: StorageSpec | MirrorDestinationSpec, where: str
+) -> SpecProblem | None:
+    creds = storage.credentials_secret
+    if creds is None:
+        return None
+    for attribute, field in _KEY_FIELDS:
+        key = getattr(creds, attribute)
+        if key is not None and not SECRET_KEY.match(key):
+            return SpecProblem(
+                "InvalidSpec",
+                f"{where}.credentialsSecret.{field}: not a possible key of a Secret "
+                "(letters, digits, '-', '_' and '.')",
+            )
+    return None
+
+
+def _repository_spec_problem(spec: RepositorySpec) -> SpecProblem | None:
+    keys = _secret_keys_problem(spec.storage, "spec.storage")
+    if keys is not None:
+        return keys
+    try:
+        engine_config(spec)
+    except ValueError as e:
+        return SpecProblem("InvalidSpec", f"spec.config: {e}")
+    lock = spec.lock_service
+    if lock.mode == "external" and not lock.url and not spec.storage.read_only:
+        return SpecProblem(
+            "InvalidSpec",
+            "spec.lockService.url is required in external mode (a redis:// or rediss:// URL; "
+            "or set spec.lockService.mode to managed or none)",
+        )
+    return None
+
+
+def _retention_spec_problem(spec: RetentionPolicySpec) -> SpecProblem | None:
+    try:
+        RetentionRules.from_dict(spec.rules.to_engine())
+        grace = parse_duration(spec.gc.grace)
+    except (InvalidRetentionRules, InvalidDuration) as e:
+        return SpecProblem("InvalidSpec", str(e))
+    if grace < MIN_GRACE and not spec.gc.force:
+        return SpecProblem(
+            "InvalidSpec",
+            f"spec.gc.grace {spec.gc.grace} is below 7d: a writer session could still need "
+            "objects that young (set spec.gc.force: true if none can)",
+        )
+    return None
 
 
 REPOSITORY_CONDITIONS = ("BucketReady", "LockServiceReady", "Initialized")
@@ -300,6 +504,65 @@ def password_hash(secret: Mapping[str, Any]) -> str:
     return hashlib.sha256(str(value).encode()).hexdigest()[:16]
 
 
+def lock_scheduling(lock: LockServiceSpec) -> dict[str, Any]:
+    """Where the managed Redis pod goes: the pod-spec fields ``affinity`` and
+    ``topologySpreadConstraints``.
+
+    Each Repository has one Redis, so the defaults spread the lock services of a namespace, not
+    the replicas of one: a preferred anti-affinity to nodes already running one (by the labels
+    every managed Redis pod carries) and a zone spread that only scores (ScheduleAnyway), so
+    that one node or zone going down takes few lock services with it and a small or zone-less
+    cluster still schedules them all. ``lockService.affinity`` and
+    ``lockService.topologySpreadConstraints`` replace a default as given; an empty one turns it
+    off. The operator corrects drift with merge patches, which merge maps and keep keys a patch
+    leaves out: so each field is given whole, null where nothing is wanted (a patch's null
+    removes the key; the API server stores no null, and none reads as drift)."""
+    every_lock_service = {
+        "app.kubernetes.io/component": "lock-service",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    affinity = lock.affinity
+    if affinity is None:
+        term = {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": every_lock_service},
+        }
+        affinity = {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 100, "podAffinityTerm": term}
+                ]
+            }
+        }
+    spread = lock.topology_spread_constraints
+    if spread is None:
+        spread = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": every_lock_service},
+            }
+        ]
+    return {
+        "affinity": _whole_affinity(affinity) if affinity else None,
+        "topologySpreadConstraints": spread or None,
+    }
+
+
+def _whole_affinity(affinity: Mapping[str, Any]) -> dict[str, Any]:
+    """An Affinity with each of its kinds and rule lists named, null where absent."""
+    rules = (
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "preferredDuringSchedulingIgnoredDuringExecution",
+    )
+    out: dict[str, Any] = dict(affinity)
+    for kind in ("nodeAffinity", "podAffinity", "podAntiAffinity"):
+        given = affinity.get(kind)
+        out[kind] = {rule: None for rule in rules} | dict(given) if given else None
+    return out
+
+
 def lock_deployment(
     body: Mapping[str, Any], spec: RepositorySpec, password_digest: str = ""
 ) -> dict[str, Any]:
@@ -338,6 +601,7 @@ def lock_deployment(
                 },
                 "spec": {
                     "automountServiceAccountToken": False,
+                    **lock_scheduling(lock),
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": 999,
@@ -1208,20 +1472,13 @@ DEFAULT_REPLICATOR_RESOURCES = {
 }
 
 
-class MirrorSpecProblem(NamedTuple):
-    """Why a Mirror's spec cannot be acted on: the Ready condition's reason and message."""
-
-    reason: str
-    message: str
-
-
-def mirror_spec_problem(spec: MirrorSpec) -> MirrorSpecProblem | None:
+def mirror_spec_problem(spec: MirrorSpec) -> SpecProblem | None:
     """What the schema cannot say about a Mirror spec: globs that match nothing as written
     (an unclosed ``[``), durations the engine refuses. None when it is fine."""
     for glob in spec.branches:
         problem = branch_glob_problem(glob)
         if problem is not None:
-            return MirrorSpecProblem("InvalidBranchGlob", f"spec.branches: {problem}")
+            return SpecProblem("InvalidBranchGlob", f"spec.branches: {problem}")
     durations = [("interval", spec.interval), ("stalledAfter", spec.stalled_after)]
     if spec.gc is not None:
         durations += [("gc.every", spec.gc.every), ("gc.grace", spec.gc.grace)]
@@ -1229,9 +1486,9 @@ def mirror_spec_problem(spec: MirrorSpec) -> MirrorSpecProblem | None:
         try:
             seconds = parse_duration(text).total_seconds()
         except ValueError as e:
-            return MirrorSpecProblem("InvalidDuration", f"spec.{field}: {e}")
+            return SpecProblem("InvalidDuration", f"spec.{field}: {e}")
         if seconds <= 0:
-            return MirrorSpecProblem("InvalidDuration", f"spec.{field}: {text!r} is not positive")
+            return SpecProblem("InvalidDuration", f"spec.{field}: {text!r} is not positive")
     return None
 
 

@@ -23,22 +23,17 @@ from pydantic import BaseModel, ValidationError
 from zarrlake import (
     BranchExists,
     InvalidName,
-    InvalidRetentionRules,
     KubernetesError,
     RefNotFound,
     Repository,
-    RepositoryConfig,
     RepositoryExists,
     RepositoryNotFound,
-    RetentionRules,
     Storage,
     StorageError,
     TagExists,
     ZarrlakeError,
 )
-from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.durations import parse_duration
-from zarrlake.errors import InvalidDuration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
 from zarrlake.refs import Refs, validate_name
@@ -62,7 +57,6 @@ from zarrlake.resources import (
 from zarrlake_operator import buckets, desired, kube, metrics
 
 MAIN = "main"
-MIN_GRACE = MAX_SESSION_TTL  # one floor, the engine's: GC may not outrun a session
 
 
 # -- shared --
@@ -120,10 +114,15 @@ def _already(current: Any, patch: Any) -> bool:
 
 
 def parse_spec(model: type[SpecT], body: Mapping[str, Any]) -> SpecT:
-    """The spec as a model, or a readable ``kopf.PermanentError`` (after writing the condition)."""
+    """The spec as a model, or a readable ``kopf.PermanentError`` after writing the condition
+    (:func:`refuse`) when it is one the operator cannot act on (:func:`desired.spec_problem`:
+    the schema's errors and what only the operator can check)."""
+    problem = desired.spec_problem(body)
+    if problem is not None:
+        raise refuse(body, problem.message, problem.reason)
     try:
         return model.model_validate(body.get("spec") or {})
-    except ValidationError as e:
+    except ValidationError as e:  # spec_problem parsed it: only if the two models disagree
         raise refuse(body, problems(e, prefix="spec.")) from None
 
 
@@ -164,7 +163,7 @@ def _report(
     conds = before.conditions
     for c in also:
         conds = desired.set_condition(conds, c.type, c.status, c.reason, c.message, generation=gen)
-    conds = desired.set_condition(conds, "Ready", ready, reason, message, generation=gen)
+    conds = desired.set_ready(conds, ready, reason, message, generation=gen)
     status = (fields or model()).model_copy(
         update={
             "conditions": conds,
@@ -420,20 +419,6 @@ def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -
 # -- Repository --
 
 
-def engine_config(spec: RepositorySpec) -> RepositoryConfig:
-    c = spec.config
-    values: dict[str, Any] = {}
-    if c.inline_threshold_bytes is not None:
-        values["inline_threshold_bytes"] = c.inline_threshold_bytes
-    if c.shard_max_refs is not None:
-        values["shard_max_refs"] = c.shard_max_refs
-    if c.session_ttl is not None:
-        values["session_ttl"] = parse_duration(c.session_ttl)
-    if c.pack_chunks_below_bytes is not None:
-        values["pack_chunks_below_bytes"] = c.pack_chunks_below_bytes
-    return RepositoryConfig(**values)
-
-
 def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
     """Bucket, lock service and repository for one Repository resource; returns the new status.
 
@@ -441,10 +426,7 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     ns, name, gen = _meta(body)
     _seen_refs.pop((ns, name), None)
     spec = parse_spec(RepositorySpec, body)
-    try:
-        config = engine_config(spec)
-    except Exception as e:
-        raise refuse(body, f"spec.config: {e}") from None
+    config = desired.engine_config(spec)  # parse_spec refused a config the engine refuses
     previous = observed(RepositoryStatus, body)
     conds = previous.conditions
     owner = _location_owner(body, resync=resync)
@@ -588,8 +570,15 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     phase = desired.repository_phase(
         conds, lock_required=spec.lock_service.on_unavailable == "fail"
     )
-    conds = desired.set_condition(
-        conds, "Ready", phase.ready, phase.reason, phase.message, generation=gen
+    # A lock service that has never been up is starting: the operator is still at work.
+    starting = lock.reason == "Unavailable" and not lost
+    conds = desired.set_ready(
+        conds,
+        phase.ready,
+        phase.reason,
+        phase.message,
+        generation=gen,
+        reconciling=(not phase.ready and phase.reason in desired.WAITING_REASONS) or starting,
     )
     status = status.model_copy(
         update={"phase": phase.phase, "conditions": conds, "observed_generation": gen}
@@ -1177,18 +1166,7 @@ def retention_policy(
     """CronJobs or Spark applications for a RetentionPolicy; returns the new status. A ``resync``
     (a timer tick, nothing changed) removes only what the status says the policy made."""
     ns = body["metadata"]["namespace"]
-    spec = parse_spec(RetentionPolicySpec, body)
-    try:
-        RetentionRules.from_dict(spec.rules.to_engine())
-        grace = parse_duration(spec.gc.grace)
-    except (InvalidRetentionRules, InvalidDuration) as e:
-        raise refuse(body, str(e)) from None
-    if grace < MIN_GRACE and not spec.gc.force:
-        message = (
-            f"spec.gc.grace {spec.gc.grace} is below 7d: a writer session could still need "
-            "objects that young (set spec.gc.force: true if none can)"
-        )
-        raise refuse(body, message)
+    spec = parse_spec(RetentionPolicySpec, body)  # rules and grace checked there
     _gauge_runs(ns, body["metadata"]["name"], observed(RetentionPolicyStatus, body))
     found = kube.cached("Repository", ns, spec.repository)
     if found is None:
@@ -1466,13 +1444,7 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     the replicator's promotions. It is written only when it changed.
     """
     ns, name, _ = _meta(body)
-    try:
-        spec = MirrorSpec.model_validate(body.get("spec") or {})
-    except ValidationError as e:
-        raise refuse(body, problems(e, prefix="spec.")) from None
-    problem = desired.mirror_spec_problem(spec)
-    if problem is not None:
-        raise refuse(body, problem.message, problem.reason)
+    spec = parse_spec(MirrorSpec, body)  # globs and durations checked there
     repo_body = kube.cached("Repository", ns, spec.repository)
     if repo_body is None:
         message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"
@@ -1595,7 +1567,8 @@ def _mirror_status(
             f"replicator {replicator}; {len(refs)} ref(s), {state}"
             + (f"; errors: {'; '.join(errors)[:300]}" if errors else ""),
         )
-    conds = desired.set_condition(conds, "Ready", *ready, generation=gen)
+    # Stalled is the mirror's own while Ready (no progress for stalledAfter).
+    conds = desired.set_ready(conds, *ready, generation=gen, keep_stalled=True)
     status = fields.model_copy(
         update={
             "conditions": conds,

@@ -33,7 +33,8 @@ real patch semantics, status subresources, selectors, finalizers or discovery of
   pruning and defaults, the OpenAPI v3 schema, the CEL rules of ``x-kubernetes-validations``
   (transition rules on updates), a DNS-subdomain name, ``fieldValidation`` for unknown fields;
   a refusal is 422 Invalid with one cause per problem, worded as the real server words it. A CRD
-  whose rules do not compile is refused. Built-in kinds are not validated;
+  whose rules do not compile is refused, and so is an update of a CRD that drops a version still
+  in its ``status.storedVersions``. Built-in kinds are not validated;
 * bounded memory: the request log, the event history and each watch queue are capped.
 
 :class:`KubeAPI` runs the server in a child process (``python -m zarrlake_testkit.kubeapi``)
@@ -2030,7 +2031,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._normalize(res, new)
         if res.key == CRD_KEY:
             self._validate_crd(new)
-            new["status"] = self._crd_status(res, new)
+            # Status is the server's: an update (a PUT without it, too) keeps what it recorded.
+            new["status"] = self._crd_status(res, {**new, "status": old.get("status")})
         if res.crd is not None:
             self._validate_custom(res, new, old)
         ignored = ("metadata", "status") if res.status else ("metadata",)
@@ -2221,6 +2223,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
         storage = next(v["name"] for v in spec["versions"] if v.get("storage"))
         old = crd.get("status") or {}
         stored = list(old.get("storedVersions") or [])
+        # A version objects may still be stored in cannot go until they are migrated and the
+        # status says so (kube-apiserver refuses the update the same way).
+        declared = {v["name"] for v in spec["versions"]}
+        gone = [
+            FieldError(
+                "FieldValueInvalid",
+                f"status.storedVersions[{i}]",
+                v,
+                "must appear in spec.versions",
+            )
+            for i, v in enumerate(stored)
+            if v not in declared
+        ]
+        if gone:
+            raise _refused(res, _meta(crd).get("name", ""), gone)
         if storage not in stored:
             stored.append(storage)
         since = {

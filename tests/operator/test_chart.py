@@ -34,7 +34,8 @@ from zarrlake_operator.models import GROUP, KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "zarrlake-operator"
-CRD_DIRS = {"crds": ROOT / "crds", "chart-crds": CHART / "crds"}
+# The chart's copy of crds/ (`make crds` writes both), rendered by templates/crds.yaml.
+CRD_DIRS = {"crds": ROOT / "crds", "chart-crds": CHART / "files" / "crds"}
 EXAMPLES = ROOT / "examples"
 
 RELEASE = "zl"
@@ -171,7 +172,7 @@ def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
 def chart_crds() -> dict[tuple[str, str], dict[str, Any]]:
     """(group, kind) -> CRD, for every CRD the chart installs."""
     found = {}
-    for path in sorted((CHART / "crds").glob("*.yaml")):
+    for path in sorted(CRD_DIRS["chart-crds"].glob("*.yaml")):
         for crd in load_yaml_docs(path):
             found[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = crd
     return found
@@ -319,9 +320,23 @@ def test_chart_metadata_and_crds_seen_by_helm(chart):
         "0.1.0",
     )
     assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0"  # what the objects are validated for
-    names = {c["name"] for c in chart.crds}
+    # The CRDs are templates (applied on install and on every upgrade), not Helm's crds/ folder:
+    # a CRD in both would be created by the first and then refused by the second (not owned).
+    assert chart.crds == []
     expected = {f"{KINDS[k]['plural']}.{GROUP}" for k in KINDS}
-    assert {yaml.safe_load(c["data"])["metadata"]["name"] for c in chart.crds} == expected, names
+    for upgrade in (False, True):
+        manifests = chart.render(
+            None, name=RELEASE, namespace=NAMESPACE, is_install=not upgrade, is_upgrade=upgrade
+        )
+        rendered = [
+            doc
+            for path, text in manifests.items()
+            if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text)
+            if doc
+        ]
+        names = {c["metadata"]["name"] for c in of_kind(rendered, "CustomResourceDefinition")}
+        assert names == expected, (upgrade, names)
 
 
 # -- RBAC ------------------------------------------------------------------------------------------
