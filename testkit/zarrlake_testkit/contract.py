@@ -31,6 +31,8 @@ class ContractOnlyStorage(MemoryStorage):
     # As on S3: the server keeps create-only writes, and the engine asks it (a memory store
     # keeps them, so the check passes, through the same code as on S3).
     conditional_writes_by_server: ClassVar[bool] = True
+    # Likewise compare-and-set: the engine's check runs through the same code as on S3.
+    compare_and_set_by_server: ClassVar[bool] = True
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
@@ -44,6 +46,14 @@ class ContractOnlyStorage(MemoryStorage):
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         super().put(key, data, create_only=create_only)
+        self._remember_folders(key)
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        written = super().put_if_version(key, data, version)
+        self._remember_folders(key)
+        return written
+
+    def _remember_folders(self, key: str) -> None:
         parts = key.split("/")[:-1]
         with self._lock:
             self._folders.update("/".join(parts[: i + 1]) + "/" for i in range(len(parts)))

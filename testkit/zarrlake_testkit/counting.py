@@ -2,7 +2,8 @@
 
 :class:`CountingStorage` wraps any :class:`zarrlake.storage.Storage` and forwards every call to it,
 counting each protocol call as one request under a name (``get``, ``get_range``, ``put``,
-``put_create_only``, ``head``, ``list``, ``list_dirs``, ``delete_many``). A ``list`` counts once
+``put_create_only``, ``head``, ``list``, ``list_dirs``, ``delete_many``, ``get_versioned``,
+``put_if_version``). A ``list`` counts once
 however many pages the backend fetches: these are storage operations as the engine issues them,
 which on S3 are one HTTP request each except for long listings and large deletes.
 
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import SplitResult
 
-from zarrlake.storage.base import Buffer, ObjectInfo, Storage, StorageError
+from zarrlake.storage.base import Buffer, ObjectInfo, Storage, StorageError, Versioned
 
 __all__ = ["CountingStorage", "Counts"]
 
@@ -89,6 +90,8 @@ class CountingStorage(Storage):
             "shared_across_processes",
             "supports_conditional_writes",
             "conditional_writes_by_server",
+            "supports_compare_and_set",
+            "compare_and_set_by_server",
             "supports_byte_ranges",
             "supports_writes",
             "supports_listing",
@@ -121,6 +124,18 @@ class CountingStorage(Storage):
     async def put_async(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
         self.counts.add("put_create_only" if create_only else "put", key)
         await self.inner.put_async(key, data, create_only=create_only)
+
+    def get_versioned(self, key: str) -> Versioned:
+        self.counts.add("get_versioned", key)
+        return self.inner.get_versioned(key)
+
+    async def get_versioned_async(self, key: str) -> Versioned:
+        self.counts.add("get_versioned", key)
+        return await self.inner.get_versioned_async(key)
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        self.counts.add("put_if_version", key)
+        return self.inner.put_if_version(key, data, version)
 
     def head(self, key: str) -> ObjectInfo | None:
         self.counts.add("head", key)

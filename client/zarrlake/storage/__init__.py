@@ -10,7 +10,9 @@ What the engine needs of a backend's listings is the listing contract in
 :mod:`zarrlake.storage.base`: every object under a plain prefix exactly once; no order, except
 that keys of one length directly in one folder come in ascending order (the branch journal finds
 its newest entry so); folders named by ``list_dirs`` may be empty. Atomic create-only writes are
-verified on S3 before the first write (:meth:`Storage.check_conditional_writes`).
+verified on S3 before the first write (:meth:`Storage.check_conditional_writes`), compare-and-set
+(:meth:`Storage.get_versioned`, :meth:`Storage.put_if_version`) before the engine relies on it
+(:meth:`Storage.check_compare_and_set`).
 """
 
 from zarrlake.errors import ListingUnsupported, ReadOnlyStorage
@@ -23,6 +25,7 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    Versioned,
     from_url,
 )
 
@@ -36,5 +39,6 @@ __all__ = [
     "Storage",
     "StorageError",
     "TransientStorageError",
+    "Versioned",
     "from_url",
 ]

@@ -48,6 +48,18 @@ than were asked for (S3 returns "some or all" of them): backends follow continua
 they have what was asked. The other property the engine cannot do without is atomic
 create-only writes; see :attr:`Storage.supports_conditional_writes` and
 :meth:`Storage.check_conditional_writes`.
+
+Compare-and-set
+---------------
+One kind of object is replaced in place rather than written once: a repository's published
+``root``. It is read with :meth:`Storage.get_versioned`, which returns its bytes and an opaque
+*version* (S3's and Azure's ETag, GCS's generation, a token on a local file system or in
+memory), and replaced with :meth:`Storage.put_if_version`, which writes only if the object is
+still at that version: of two writers swapping from one version, exactly one succeeds. Where
+the backend has it (:attr:`Storage.supports_compare_and_set`) but a server must keep it (any
+S3-compatible server; :attr:`Storage.compare_and_set_by_server`), the engine asks
+:meth:`Storage.check_compare_and_set` before it relies on it, and keeps the journal-only
+protocol where the answer is no.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ import asyncio
 import builtins
 import datetime as dt
 import functools
+import logging
 import os
 import random
 import threading
@@ -89,6 +102,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "UrlOptions",
+    "Versioned",
     "backend_for_scheme",
     "from_url",
     "on_io_pool",
@@ -97,6 +111,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 #: Set in the threads of the I/O pools (see :meth:`Storage.map`).
 _POOL_THREAD = threading.local()
@@ -120,6 +136,19 @@ class ObjectInfo:
     key: str
     size: int
     modified: dt.datetime  # timezone-aware
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned:
+    """An object's bytes and the version they are (see :meth:`Storage.get_versioned`).
+
+    ``version`` is opaque and means something only to the storage that returned it, for the
+    key it was read from: S3's and Azure's ETag, GCS's generation, a token on a local file
+    system or in memory. Compare versions for equality, never order.
+    """
+
+    data: bytes
+    version: str
 
 
 def with_retries(fn: Callable[[], T], *, attempts: int = 6, base_delay: float = 0.05) -> T:
@@ -149,6 +178,13 @@ async def with_retries_async(
                 raise
             await asyncio.sleep(random.uniform(0, base_delay * (2**attempt)))
     raise AssertionError("unreachable")
+
+
+def _probe_bytes() -> bytes:
+    """What :meth:`Storage.check_compare_and_set` writes: new bytes each time, so that every
+    write of the check makes a new version on any backend (S3's ETag of a plain PUT is the MD5
+    of its bytes)."""
+    return b"compare-and-set check " + os.urandom(16).hex().encode()
 
 
 # -- the backend registry -----------------------------------------------------------------------
@@ -248,10 +284,12 @@ class Storage(abc.ABC):
 
     What a backend can do is declared by class attributes, never discovered by trial: see
     :attr:`durable`, :attr:`shared_across_processes`, :attr:`supports_conditional_writes`,
-    :attr:`supports_byte_ranges`, :attr:`supports_writes`, :attr:`supports_listing`,
-    :attr:`concurrency`, :attr:`inline_read_bytes` and :attr:`inline_write_bytes`. The one
-    exception is a promise a backend makes on a server's behalf (S3's conditional writes):
-    :meth:`check_conditional_writes` verifies it before the first write.
+    :attr:`supports_compare_and_set`, :attr:`supports_byte_ranges`, :attr:`supports_writes`,
+    :attr:`supports_listing`, :attr:`concurrency`, :attr:`inline_read_bytes` and
+    :attr:`inline_write_bytes`. The one exception is a promise a backend makes on a server's
+    behalf (S3's conditional writes, compare-and-set on S3, GCS and Azure):
+    :meth:`check_conditional_writes` and :meth:`check_compare_and_set` verify it before the
+    first write that relies on it.
 
     Listings keep the listing contract of the module docstring, no more: the engine never
     assumes an order across folders, nor that a folder :meth:`list_dirs` names holds objects.
@@ -271,6 +309,15 @@ class Storage(abc.ABC):
     #: S3-compatible server; some ignore ``If-None-Match``): :meth:`check_conditional_writes`
     #: verifies it. False where the backend itself makes them atomic (a directory, memory).
     conditional_writes_by_server: ClassVar[bool] = False
+    #: :meth:`put_if_version` replaces an object atomically if it is still at the version the
+    #: caller read (:meth:`get_versioned`): of two writers swapping from one version exactly one
+    #: succeeds. The published ``root`` relies on it; a backend without it (plain HTTP) keeps
+    #: the journal-only protocol.
+    supports_compare_and_set: ClassVar[bool] = False
+    #: Whether compare-and-set is a server's promise rather than this backend's own (an
+    #: S3-compatible server may ignore ``If-Match``): :meth:`check_compare_and_set` asks it.
+    #: False where the backend itself makes the swap atomic (a directory, memory).
+    compare_and_set_by_server: ClassVar[bool] = False
     #: ``get(key, byte_range)`` fetches only the range (packed chunks are read this way).
     supports_byte_ranges: ClassVar[bool] = True
     #: ``put`` and ``delete_many`` work. False for plain HTTP, where they raise
@@ -547,6 +594,140 @@ class Storage(abc.ABC):
                     self.url, key, f"a second create-only write of {key} succeeded"
                 )
         self.__dict__["_conditional_writes_kept"] = True
+
+    # -- compare-and-set --------------------------------------------------------------------------
+
+    def get_versioned(self, key: str) -> Versioned:
+        """The object's bytes and their version, read together (one state of the object, never
+        the bytes of one write with the version of another).
+
+        Raises :class:`ObjectNotFound`; :class:`StorageError` where the backend has no
+        compare-and-set (:attr:`supports_compare_and_set` false), as this default does.
+        """
+        raise self._no_compare_and_set(key)
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        """Replace ``key`` with ``data`` only if it is still at ``version`` (as
+        :meth:`get_versioned` or a previous swap returned it); with ``version=None``, only if it
+        does not exist (create-only). Atomic: of two writers swapping from one version, exactly
+        one succeeds. Returns the new version, the one :meth:`get_versioned` then reads.
+
+        Raises :class:`PreconditionFailed` when the object is at another version (or absent),
+        or, for ``None``, exists. That answer is never retried here, and it is not always
+        another writer's doing: when a request is retried after its response was lost (a
+        timeout, a dropped connection), the retry may find the version this very write made.
+        A caller that must know re-reads the object (:meth:`get_versioned`) and compares its
+        bytes with what it wrote; one whose swap raised a :class:`TransientStorageError` does
+        the same, since the write may have landed. Raises :class:`StorageError` where the
+        backend has no compare-and-set, as this default does.
+
+        Only swaps are ordered against swaps: a plain :meth:`put` or a delete of the same key
+        is not guaranteed to be (on S3, GCS and Azure it is; locally and in memory see the
+        backend). Objects replaced by compare-and-set should be written by it alone.
+        """
+        raise self._no_compare_and_set(key)
+
+    async def get_versioned_async(self, key: str) -> Versioned:
+        """:meth:`get_versioned` for a caller on an event loop (on the I/O pool)."""
+        return await self.run_async(self.get_versioned, key)
+
+    def _no_compare_and_set(self, key: str) -> StorageError:
+        return StorageError(f"{self.url} offers no compare-and-set (asked for {key})")
+
+    def check_compare_and_set(self, key: str) -> bool:
+        """Whether :meth:`put_if_version` is kept, asked before the first write that relies on
+        it; ``key`` is an object the caller reserves for this check (left in place, holding a
+        few random bytes).
+
+        False without a request where the backend has no compare-and-set; True without one
+        where the backend makes the swap atomic itself (a directory, memory). Where it is a
+        server's promise (:attr:`compare_and_set_by_server`), the server is asked once per
+        storage object (a pickled copy keeps the answer): a swap from the version just read
+        must succeed, a swap from the version it replaced must be refused, and the object must
+        then hold the first swap's bytes at the version that swap returned. Four requests (five
+        the first time, which creates ``key``). A server that fails any of them, such as one
+        that ignores ``If-Match``, gets False and one WARNING in the log: the repository keeps
+        the journal-only protocol there.
+
+        Never raises for a server that lacks the feature. Raises :class:`StorageError` as the
+        requests do (not cached: the next call asks again), and
+        :class:`TransientStorageError` if other clients kept creating or deleting ``key``
+        under every attempt. Clients checking at the same moment do not make each other fail
+        (see :meth:`_probe_compare_and_set`).
+        """
+        if not self.supports_compare_and_set:
+            return False
+        if not self.compare_and_set_by_server:
+            return True
+        known = self.__dict__.get("_compare_and_set_kept")
+        if known is not None:
+            return bool(known)
+        found = self._probe_compare_and_set(key)
+        if found is not None:
+            log.warning(
+                "%s does not keep compare-and-set writes (%s): the repository keeps the "
+                "journal-only protocol",
+                self.url,
+                found,
+            )
+        self.__dict__["_compare_and_set_kept"] = found is None
+        return found is None
+
+    def _probe_compare_and_set(self, key: str, attempts: int = 4) -> str | None:
+        """What the server did wrong in :meth:`check_compare_and_set`'s requests, or None if it
+        did everything right.
+
+        Other clients may be asking at the same moment (each worker of a job, at its first
+        write), and a write of theirs between two of these requests starts the attempt over.
+        When every attempt is disturbed so, the answer is what the attempts saw: a server that
+        refused swaps from versions that had gone stale (every disturbed attempt sees one) keeps
+        what safety needs. A returned version it never got to read back costs at worst a
+        refused swap, which a caller answers by reading again.
+        """
+        stale_refused = False
+        for _ in range(attempts):
+            try:
+                before = self.get_versioned(key).version
+            except ObjectNotFound:
+                try:
+                    before = self.put_if_version(key, _probe_bytes(), None)
+                except PreconditionFailed:
+                    continue  # another client created it first: read it
+            mine = _probe_bytes()
+            try:
+                after = self.put_if_version(key, mine, before)
+            except PreconditionFailed:
+                try:
+                    now = self.get_versioned(key).version
+                except ObjectNotFound:
+                    continue  # deleted meanwhile: start over
+                if now == before:  # nobody else wrote it: the server refused its own version
+                    return f"a write of {key} at its current version was refused"
+                stale_refused = True  # another client's write came first, and won
+                continue
+            if after == before:
+                return f"a write of new bytes to {key} left its version {before!r} unchanged"
+            try:
+                self.put_if_version(key, _probe_bytes(), before)
+            except PreconditionFailed:
+                stale_refused = True
+            else:
+                return f"a write of {key} at a version it no longer had succeeded"
+            try:
+                got = self.get_versioned(key)
+            except ObjectNotFound:
+                continue  # deleted meanwhile: start over
+            if got.data != mine:
+                continue  # another client wrote it since: its bytes, not the refused write's
+            if got.version != after:
+                return f"a write of {key} returned version {after!r}, but it reads {got.version!r}"
+            return None
+        if stale_refused:
+            return None
+        raise TransientStorageError(
+            f"{self.url}: {key} was created or deleted under every attempt of the "
+            f"compare-and-set check ({attempts}): try again"
+        )
 
     # -- concurrency ------------------------------------------------------------------------------
 

@@ -10,6 +10,11 @@ generation exists, so of two racing writers exactly one succeeds and the other g
 (:class:`PreconditionFailed`). Uploads are ``multipart`` (metadata and bytes in one request),
 which every emulator we know honours preconditions on. GCS lists objects in key order.
 
+Compare-and-set (:meth:`GCSStorage.put_if_version`) uploads with ``ifGenerationMatch=<generation>``
+(``0`` to create): the version is the object's generation, which every write makes anew, even
+of the same bytes. A download carries its generation (``x-goog-generation``), so
+:meth:`GCSStorage.get_versioned` is one request.
+
 ``anonymous=True`` sends no credentials (public buckets, emulators); ``STORAGE_EMULATOR_HOST``
 (the variable Google's own clients honour) points an unconfigured storage at an emulator.
 """
@@ -36,6 +41,7 @@ from zarrlake.storage.base import (
     StorageError,
     TransientStorageError,
     UrlOptions,
+    Versioned,
     register_backend,
     with_retries,
 )
@@ -101,6 +107,9 @@ class GCSStorage(Storage):
     """A bucket (and a prefix in it) of Google Cloud Storage. Durable and shared."""
 
     concurrency: ClassVar[int] = 32
+    supports_compare_and_set: ClassVar[bool] = True
+    # GCS keeps generation preconditions; an emulator might not: checked before it is relied on.
+    compare_and_set_by_server: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -278,6 +287,11 @@ class GCSStorage(Storage):
         return data
 
     def put(self, key: str, data: Buffer, *, create_only: bool = False) -> None:
+        self._upload(key, data, "0" if create_only else None)
+
+    def _upload(self, key: str, data: Buffer, generation: str | None) -> Any:
+        """One multipart upload, only over ``generation`` if given (``"0"``: only if absent).
+        Returns the response, whose JSON holds the new object's generation."""
         boundary = uuid.uuid4().hex
         meta = json.dumps({"name": self.prefix + key}).encode()
         body = b"".join(
@@ -290,10 +304,10 @@ class GCSStorage(Storage):
             ]
         )
         query = {"uploadType": "multipart", "fields": "generation"}
-        if create_only:
-            query["ifGenerationMatch"] = "0"
+        if generation is not None:
+            query["ifGenerationMatch"] = generation
         try:
-            self._request(
+            return self._request(
                 "POST",
                 f"/upload/storage/v1/b/{quote(self.bucket, safe='')}/o",
                 key,
@@ -303,6 +317,32 @@ class GCSStorage(Storage):
             )
         except ObjectNotFound:  # a put finds no object missing: the bucket is
             raise StorageError(f"GCS bucket {self.bucket!r} not found (writing {key})") from None
+
+    # -- compare-and-set: the generation is the version ---------------------------------------
+
+    def get_versioned(self, key: str) -> Versioned:
+        r = self._request(
+            "GET",
+            self._object_path(key),
+            key,
+            query={"alt": "media"},
+            headers={"Accept-Encoding": "identity"},
+        )
+        generation = r.headers.get("x-goog-generation")
+        if not generation:
+            raise StorageError(f"GCS get {key}: the download carries no generation to compare")
+        return Versioned(bytes(r.data), generation)
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        # A version is a generation, never "0" (which would mean "only if absent"): GCS numbers
+        # generations from the time of the write, in microseconds.
+        r = self._upload(key, data, "0" if version is None else version)
+        try:
+            return str(json.loads(r.data)["generation"])
+        except (ValueError, KeyError, TypeError):
+            raise StorageError(
+                f"GCS put {key}: the answer carries no generation to compare"
+            ) from None
 
     def head(self, key: str) -> ObjectInfo | None:
         try:

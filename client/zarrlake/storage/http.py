@@ -31,6 +31,7 @@ from zarrlake.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    Versioned,
     register_backend,
     with_retries,
 )
@@ -68,6 +69,7 @@ class HTTPStorage(Storage):
 
     supports_writes: ClassVar[bool] = False
     supports_conditional_writes: ClassVar[bool] = False
+    supports_compare_and_set: ClassVar[bool] = False
     supports_listing: ClassVar[bool] = False
     concurrency: ClassVar[int] = 32
 
@@ -180,6 +182,14 @@ class HTTPStorage(Storage):
 
     def delete_many(self, keys: Iterable[str]) -> int:
         raise self._read_only("delete objects")
+
+    # A version is only ever asked for to swap an object, which no reader of a published copy
+    # does: both halves of compare-and-set are writes' business here.
+    def get_versioned(self, key: str) -> Versioned:
+        raise self._read_only(f"compare-and-set {key}")
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        raise self._read_only(f"compare-and-set {key}")
 
     def delete_stale(
         self, keys: Iterable[str], cutoff: dt.datetime

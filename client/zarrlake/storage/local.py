@@ -3,6 +3,16 @@
 Create-only writes are atomic: data goes to a temporary file first, and ``os.link`` publishes it
 under the final name, which fails if the name exists (``O_EXCL`` semantics without exposing a
 half-written file). Plain writes use ``os.replace``, also atomic. Readers never see torn objects.
+
+Compare-and-set (:meth:`LocalStorage.put_if_version`) reads, compares and renames while holding
+an exclusive ``flock`` on a lock file of that key, ``.tmp/locks/<sha256 of the key>``: hidden
+from listings as temporary files are, made on first use and never deleted (deleting a lock file
+another process has open would let a third lock a new file of the same name). ``flock`` is
+released when its process dies, so a killed writer leaves no lock behind. Each call opens the
+file anew, so threads of one process exclude each other too. On NFS, ``flock`` is only as good
+as the server's lock manager (Linux maps it onto NFS byte-range locks; a mount with
+``local_lock`` keeps it to one machine): a repository there that several machines write should
+not rely on it.
 """
 
 from __future__ import annotations
@@ -11,8 +21,11 @@ import builtins
 import contextlib
 import datetime as dt
 import errno
+import fcntl
+import hashlib
 import operator
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -26,10 +39,13 @@ from zarrlake.storage.base import (
     PreconditionFailed,
     Storage,
     StorageError,
+    Versioned,
     register_backend,
 )
 
 _TMP = ".tmp"
+#: Below :data:`_TMP`: the lock files of compare-and-set, one per key ever swapped.
+_LOCKS = "locks"
 
 
 _sort_key = operator.itemgetter(0)
@@ -62,6 +78,28 @@ def _read_rest(fd: int) -> bytes:
     return b"".join(parts)
 
 
+def _version(data: Buffer, st: os.stat_result) -> str:
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    return f"{digest}-{st.st_ino:x}-{st.st_mtime_ns:x}"
+
+
+def _read_versioned(path: str) -> Versioned | None:
+    """The file's bytes and their version, from one open file (a rename of a newer one onto
+    the name meanwhile changes neither); None if there is no file (or a folder) there."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        data = _read_all(fd)
+    finally:
+        os.close(fd)
+    return Versioned(data, _version(data, st))
+
+
 @register_backend("file")
 class LocalStorage(Storage):
     """Durable; shared with every process that sees the same directory (on one machine, or on a
@@ -73,6 +111,7 @@ class LocalStorage(Storage):
     #: page cache and linking it into place cost less than waking a pool thread for each.
     inline_write_bytes: ClassVar[int] = 256 * 1024
     atomic_stale_delete: ClassVar[bool] = True
+    supports_compare_and_set: ClassVar[bool] = True
     #: fsync every object before publishing it (durability across power loss, at a cost). A
     #: subclass that turns it on sets :attr:`inline_write_bytes` to 0 too: a round of writes
     #: that each wait on the disk is faster overlapped on the I/O pool.
@@ -199,6 +238,83 @@ class LocalStorage(Storage):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # FileExistsError: put
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+
+    # -- compare-and-set --------------------------------------------------------------------------
+    # A version is "<BLAKE2b-128 of the bytes>-<inode>-<mtime_ns>", all read from one open file.
+    # What holds: equal versions mean equal bytes (the digest); every swap publishes a new file,
+    # whose inode and modification time make its version new even when its bytes are the same
+    # (the file it replaces still holds its inode number when the new one is made). A version
+    # can come back only as an A-B-A: a later file that gets the inode number an earlier one
+    # freed, within one tick of a coarse file-system clock, holding that file's very bytes. A
+    # swap from that old version then succeeds against an object that is exactly what its
+    # caller read (the ETag of an S3 PUT, the MD5 of the bytes, behaves so every time). Swaps
+    # are ordered against swaps, not against a plain put or a delete of the key (no lock).
+
+    def get_versioned(self, key: str) -> Versioned:
+        self._check_key(key)
+        found = _read_versioned(self._root_slash + key)
+        if found is None:
+            raise ObjectNotFound(key)
+        return found
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        self._check_key(key)
+        path = self._root_slash + key
+        try:
+            with self._swap_lock(key):
+                found = _read_versioned(path)
+                if (None if found is None else found.version) != version:
+                    raise PreconditionFailed(key)
+                return self._swap(path, data, create=version is None)
+        except (FileExistsError, IsADirectoryError) as e:
+            # As in put: decided by what the failed call was about (a create that lost to a
+            # create-only put that took no lock), not by looking again.
+            if path in (e.filename, e.filename2):
+                if os.path.isdir(path):
+                    raise StorageError(f"cannot write {key!r}: {path} is a directory") from None
+                if version is None and isinstance(e, FileExistsError):
+                    raise PreconditionFailed(key) from None
+            raise StorageError(f"cannot write {key!r} under {self.root}: {e.strerror or e}") from e
+        except OSError as e:
+            raise self._write_failed(key, e) from e
+
+    def _swap(self, path: str, data: Buffer, *, create: bool) -> str:
+        """Publish ``data`` at ``path`` (under the key's lock); returns its version."""
+        view = memoryview(data)
+        tmp = self._write_temp(view)
+        try:
+            st = os.stat(tmp)  # the object's inode and time: a rename or link keeps both
+            if not create:
+                _publish(os.replace, tmp, path)
+                return _version(view, st)
+            # A create links, so that it also loses to a create-only put (which takes no lock).
+            try:
+                _publish(os.link, tmp, path)  # FileExistsError: see put_if_version
+            except OSError as e:  # file systems without hard links, as in _put
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                    raise
+                self._create_exclusive(path, view)
+                st = os.stat(path)
+            return _version(view, st)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a link's other name; gone already after a rename
+
+    @contextlib.contextmanager
+    def _swap_lock(self, key: str) -> Iterator[None]:
+        """Hold the key's lock file exclusively (see the module docstring)."""
+        folder = f"{self._root_slash}{_TMP}/{_LOCKS}"
+        path = f"{folder}/{hashlib.sha256(key.encode()).hexdigest()}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def head(self, key: str) -> ObjectInfo | None:
         try:

@@ -1,5 +1,11 @@
 """A process-local backend: a dict behind a lock. Create-only is a compare-and-set.
 
+Every write stamps its object with the next number of a per-storage counter: that is the
+version :meth:`MemoryStorage.get_versioned` returns, and :meth:`MemoryStorage.put_if_version`
+compares it under the same lock as every write, so swaps are atomic against plain writes and
+deletes too. A number is never handed out twice by one storage, so a version never comes back
+(no ABA, even when the same bytes are written again).
+
 Not durable and not shared across processes: a pickled copy carries a snapshot of the contents
 (handy for forks that run in the same process), and ``memory://`` always opens a fresh, empty store.
 """
@@ -20,6 +26,7 @@ from zarrlake.storage.base import (
     ObjectNotFound,
     PreconditionFailed,
     Storage,
+    Versioned,
     register_backend,
 )
 
@@ -32,9 +39,13 @@ class MemoryStorage(Storage):
     inline_read_bytes: ClassVar[int] = sys.maxsize  # a dict lookup and a slice
     inline_write_bytes: ClassVar[int] = sys.maxsize  # a dict assignment under a lock
     atomic_stale_delete: ClassVar[bool] = True
+    supports_compare_and_set: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._objects: dict[str, tuple[bytes, dt.datetime]] = {}
+        #: The number of the write that made each object: its version.
+        self._versions: dict[str, int] = {}
+        self._writes = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -59,7 +70,29 @@ class MemoryStorage(Storage):
         with self._lock:
             if create_only and key in self._objects:
                 raise PreconditionFailed(key)
-            self._objects[key] = (bytes(data), now)
+            self._store(key, bytes(data), now)
+
+    def _store(self, key: str, data: bytes, when: dt.datetime) -> int:
+        """Write ``key`` under the lock (held by the caller); returns its new version."""
+        self._writes += 1
+        self._objects[key] = (data, when)
+        self._versions[key] = self._writes
+        return self._writes
+
+    def get_versioned(self, key: str) -> Versioned:
+        with self._lock:  # the bytes and the number of one write, not of two
+            entry = self._objects.get(key)
+            if entry is None:
+                raise ObjectNotFound(key)
+            return Versioned(entry[0], str(self._versions[key]))
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        copy, now = bytes(data), dt.datetime.now(dt.UTC)
+        with self._lock:
+            current = self._versions.get(key) if key in self._objects else None
+            if (None if current is None else str(current)) != version:
+                raise PreconditionFailed(key)
+            return str(self._store(key, copy, now))
 
     def head(self, key: str) -> ObjectInfo | None:
         entry = self._objects.get(key)
@@ -87,6 +120,7 @@ class MemoryStorage(Storage):
                 info = ObjectInfo(key, len(entry[0]), entry[1])
                 if info.modified <= cutoff:
                     del self._objects[key]
+                    self._versions.pop(key, None)
                     deleted.append(info)
                 else:
                     kept.append(info)
@@ -97,6 +131,7 @@ class MemoryStorage(Storage):
         with self._lock:
             for key in keys:
                 self._objects.pop(key, None)
+                self._versions.pop(key, None)
                 n += 1
         return n
 
@@ -108,10 +143,18 @@ class MemoryStorage(Storage):
 
     # A memory store is identified by its object; pickling copies the contents (useful for forks
     # that run in the same process, as Spark's local mode does for Python workers it reuses).
+    # Versions travel with the copy: it goes on from the same state, and its own writes count on
+    # from the same number.
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:
-            return {"_objects": dict(self._objects)}
+            return {
+                "_objects": dict(self._objects),
+                "_versions": dict(self._versions),
+                "_writes": self._writes,
+            }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._objects = state["_objects"]
+        self._versions = state["_versions"]
+        self._writes = state["_writes"]
         self._lock = threading.Lock()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from zarrlake.storage.base import (
     ObjectNotFound,
@@ -19,6 +19,9 @@ from zarrlake.storage.base import (
     StorageError,
     TransientStorageError,
 )
+
+if TYPE_CHECKING:
+    from obstore import PutMode
 
 T = TypeVar("T")
 
@@ -36,6 +39,22 @@ def runtime_pid() -> int | None:
 def runtime_started() -> None:
     """Record that this process uses obstore's runtime (call when building a store)."""
     _runtime[:] = [os.getpid()]
+
+
+def swap_mode(version: str | None) -> PutMode:
+    """obstore's put mode for a compare-and-set from ``version`` (an ETag): ``If-Match`` on it,
+    or create-only (``If-None-Match: *``) for None."""
+    if version is None:
+        return "create"
+    return {"e_tag": version}
+
+
+def version_of(e_tag: str | None, what: str, key: str) -> str:
+    """The version a compare-and-set compares: the ETag a response carried. A server that sends
+    none offers nothing to compare, which is an error, not an empty version."""
+    if not e_tag:
+        raise StorageError(f"{what} {key}: the server's answer carries no ETag to compare")
+    return e_tag
 
 
 def status_of(message: str) -> int | None:

@@ -5,7 +5,11 @@ requests where obstore cannot serve.
 botocore is thread-safe per client, so one client with a large connection pool serves the engine's
 I/O thread pool: many requests in flight from one Python process. Create-only writes use
 ``If-None-Match: *`` (S3 conditional writes); a 412 — or a 409 from a concurrent conditional write —
-is a :class:`PreconditionFailed`, never retried.
+is a :class:`PreconditionFailed`, never retried. Compare-and-set (:meth:`S3Storage.put_if_version`)
+sends ``If-Match: <ETag>`` (``If-None-Match: *`` to create): its version is the ETag, which for a
+plain PUT is the MD5 of the bytes, so a swap that writes the bytes already there keeps the
+version. Whether a server keeps ``If-Match`` is its affair (moto and SeaweedFS do, and AWS since
+2024-11): :meth:`Storage.check_compare_and_set` asks before the engine relies on it.
 
 ``anonymous=True`` sends unsigned requests (botocore's ``UNSIGNED``): public buckets, read by
 anyone without credentials. ``addressing_style`` chooses between ``path`` URLs
@@ -40,6 +44,7 @@ from zarrlake.storage.base import (
     StorageError,
     TransientStorageError,
     UrlOptions,
+    Versioned,
     register_backend,
     with_retries,
     with_retries_async,
@@ -183,6 +188,9 @@ class S3Storage(Storage):
     concurrency: ClassVar[int] = 32
     # Whether the server keeps If-None-Match is the server's affair: checked before writing.
     conditional_writes_by_server: ClassVar[bool] = True
+    # Likewise If-Match (compare-and-set): checked before the engine relies on it.
+    supports_compare_and_set: ClassVar[bool] = True
+    compare_and_set_by_server: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -561,6 +569,54 @@ class S3Storage(Storage):
             with_retries(once)
             return
         self._send("PUT", key, bytes(data), {"If-None-Match": "*"} if create_only else None)
+
+    # -- compare-and-set: the ETag is the version ------------------------------------------------
+
+    def get_versioned(self, key: str) -> Versioned:
+        store = self._obstore()
+        if store is not None:
+            import obstore
+
+            path = self._k(key)
+
+            def fetch() -> Versioned:
+                got = obstore.get(store, path)  # one response: the bytes and their ETag
+                data = bytes(got.bytes())
+                return Versioned(data, objstore.version_of(got.meta["e_tag"], "get", key))
+
+            return with_retries(lambda: objstore.call("get", key, fetch))
+        r = self._send("GET", key)
+        return Versioned(bytes(r.data), objstore.version_of(r.headers.get("ETag"), "get", key))
+
+    def put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        try:
+            return self._put_if_version(key, data, version)
+        except ObjectNotFound:
+            if version is not None:
+                # If-Match on an absent key: 404 NoSuchKey from AWS and moto (412 from SeaweedFS).
+                # The object is not at that version: the same answer from every server.
+                raise PreconditionFailed(key) from None
+            raise self._no_bucket(key) from None
+
+    def _put_if_version(self, key: str, data: Buffer, version: str | None) -> str:
+        store = self._obstore()
+        if store is not None:
+            import obstore
+
+            path, body, mode = self._k(key), memoryview(data), objstore.swap_mode(version)
+
+            def once() -> str:
+                put = objstore.call(
+                    "put",
+                    key,
+                    lambda: obstore.put(store, path, body, mode=mode, use_multipart=False),
+                )
+                return objstore.version_of(put["e_tag"], "put", key)
+
+            return with_retries(once)
+        condition = {"If-None-Match": "*"} if version is None else {"If-Match": version}
+        r = self._send("PUT", key, bytes(data), condition)
+        return objstore.version_of(r.headers.get("ETag"), "put", key)
 
     def _slots(self) -> asyncio.Semaphore:
         """What bounds the requests this storage awaits on the running event loop: at most
