@@ -324,6 +324,14 @@ def chunk_objects(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def journal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repositories created in this test keep the journal-only protocol (no published root),
+    as a repository made before it, a SHA-256 one, or one on a server without compare-and-set
+    does: for the tests of that protocol's own requests and markers."""
+    monkeypatch.setattr(zarrlake.repository, "PUBLISH_ROOT_BY_DEFAULT", False)
+
+
+@pytest.fixture
 def repo(storage: zarrlake.Storage) -> zarrlake.Repository:
     return zarrlake.Repository.create(storage)
 

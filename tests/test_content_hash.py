@@ -27,6 +27,7 @@ from zarrlake.cli import main as cli_main
 from zarrlake.format import manifest
 from zarrlake.format.codec import MAGIC, ObjectType
 from zarrlake.format.model import OBJECT, REPO_KEY, RepoRecord, chunk_key, to_micros
+from zarrlake.format.root import ROOT_KEY, RootRecord
 
 # Chunks as objects of their own: what these tests count and collect (see conftest).
 pytestmark = pytest.mark.usefixtures("chunk_objects")
@@ -264,6 +265,11 @@ def test_a_newer_marker_reads_but_refuses_every_write(
         change.get("features", record.features),
     )
     storage.put(REPO_KEY, newer.encode())  # what a newer zarrlake would have written
+    # ... and into the published root, which carries the marker's record.
+    root = RootRecord.decode(storage.get(ROOT_KEY))
+    changed = root.with_repo(newer)
+    assert changed is not None
+    storage.put(ROOT_KEY, changed.encode())
     before = sorted(o.key for o in storage.list(""))
 
     old = zarrlake.Repository.open(storage)  # reads keep working

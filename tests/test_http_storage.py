@@ -221,10 +221,30 @@ def test_every_write_is_refused_before_it_starts(
     assert local.resolve("main") == remote.resolve("main")
 
 
-def test_what_needs_a_listing_says_so(
+def test_a_published_root_lists_the_refs_without_a_listing(
     published: tuple[zarrlake.Repository, zarrlake.Repository, StaticHTTPServer],
 ) -> None:
-    _, remote, _ = published
+    local, remote, _ = published
+    # Every head and tag is in the root, which a plain web server serves like any object.
+    assert remote.list_branches() == local.list_branches()
+    assert remote.list_tags() == local.list_tags() == {"v1": local.lookup_branch("main")}
+    assert [c.id for c in remote.log("feature/x%y")] == [c.id for c in local.log("feature/x%y")]
+    with pytest.raises(zarrlake.RefNotFound):
+        remote.lookup_branch("nope")
+    with pytest.raises(zarrlake.RefNotFound):
+        remote.lookup_tag("nope")
+
+
+def test_what_needs_a_listing_says_so(
+    served: tuple[Path, StaticHTTPServer], journal_only: None
+) -> None:
+    root, server = served
+    # A repository without a published root (made before it, or by a server without
+    # compare-and-set): its refs are found by listing, which plain HTTP cannot.
+    local = zarrlake.Repository.create(Storage.local(root / "journal"))
+    local.create_tag("v1", "main")
+    remote = zarrlake.Repository.open(Storage.from_url(server.url + "/journal"))
+    assert remote.lookup_tag("v1") == local.lookup_branch("main")
     with pytest.raises(ListingUnsupported, match="cannot be listed"):
         remote.list_branches()
     with pytest.raises(ListingUnsupported):

@@ -47,6 +47,9 @@ from zarrlake.refs import (
 from zarrlake.storage.base import Buffer
 from zarrlake_testkit.counting import CountingStorage, Counts
 
+# Markers are the journal-only protocol's listing aid: repositories without a published root.
+pytestmark = pytest.mark.usefixtures("journal_only")
+
 
 def _markers(storage: zarrlake.Storage) -> list[Marker]:
     found = (parse_marker_key(i.key) for i in storage.list("refs/"))

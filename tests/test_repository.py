@@ -511,6 +511,11 @@ def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:
     storage.put(snapshot_key(c), good)
     assert read(zarrlake.Repository.open(storage), "main")[0, 0] == 1
 
+    # A newer format's marker, or root (which holds the marker's record), is refused.
+    storage.put("root", b"ZLAK\x09\x0cgarbage")
+    with pytest.raises(zarrlake.UnsupportedFormat):
+        zarrlake.Repository.open(storage)
+    storage.delete_many(["root"])
     storage.put("repo", b"ZLAK\x09\x01garbage")
     with pytest.raises(zarrlake.UnsupportedFormat):
         zarrlake.Repository.open(storage)

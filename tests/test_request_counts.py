@@ -40,6 +40,12 @@ from zarrlake.refs import BRANCH_KEYS, BranchJournal, newest_entries
 from zarrlake_testkit.counting import CountingStorage, Counts
 from zarrlake_testkit.servers import start_moto, stop
 
+# The journal-only protocol's requests (repositories without a published root: made before it,
+# SHA-256 ones, or on servers without compare-and-set). tests/test_published_root.py counts a
+# published root's.
+pytestmark = pytest.mark.usefixtures("journal_only")
+
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 
@@ -47,6 +53,10 @@ BENCH = ROOT / "bench"
 def _ops(counts: Counts) -> list[str]:
     return [op for op, _ in counts.calls()]
 
+
+#: What opening a journal-only repository reads: the root it does not have and the mirror
+#: marker in one round, then its marker.
+JOURNAL_ONLY_OPEN = ["get_versioned", "get", "get"]
 
 #: What ``list_branches()`` lists, in one concurrent round: every journal, every head marker.
 BRANCH_LISTINGS = [("list", "refs/branch."), ("list", "refs/head.")]
@@ -162,9 +172,12 @@ def test_open_and_read_one_chunk_of_the_branch_head(counted: Callable[[], Counti
     counts.reset()
 
     repo = zarrlake.Repository.open(counted())
-    # The repository record and, in the same round, the mirror marker a mirror would have
-    # (see zarrlake.mirror: replication may copy a source's record into a mirror).
-    assert _ops(counts) == ["get", "get"]
+    # The published root (absent: a journal-only repository) and, in the same round, the mirror
+    # marker a mirror would have (see zarrlake.mirror: replication may copy a source's record
+    # into a mirror); then the repository record. (A repository that publishes a root is open
+    # after the first round: tests/test_published_root.py. An older one pays for the look at
+    # its root with a round until `zarrlake upgrade`.)
+    assert _ops(counts) == JOURNAL_ONLY_OPEN
     counts.reset()
     store = repo.readonly_session("main").store
     # The branch head (list + get): its journal entry carries the snapshot.
@@ -196,9 +209,8 @@ def test_a_new_or_reset_branch_reads_like_a_committed_one(
     counts.reset()
 
     store = zarrlake.Repository.open(counted()).readonly_session("dev").store
-    # The repository record and the mirror marker; the head (list + get), whose entry carries
-    # the tagged snapshot.
-    assert _ops(counts) == ["get", "get", "list", "get"]
+    # Open (JOURNAL_ONLY_OPEN); the head (list + get), whose entry carries the tagged snapshot.
+    assert _ops(counts) == [*JOURNAL_ONLY_OPEN, "list", "get"]
     counts.reset()
     arr = zarr.open_array(store, path="data", mode="r")
     np.testing.assert_array_equal(arr[0:C], 1)

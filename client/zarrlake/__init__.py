@@ -63,6 +63,7 @@ from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession, Session
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
+from zarrlake.upgrade import UpgradeReport
 
 if TYPE_CHECKING:
     from zarrlake.dask import to_zarrlake
@@ -162,6 +163,7 @@ __all__ = [
     "TransientStorageError",
     "UnknownContentHash",
     "UnsupportedFormat",
+    "UpgradeReport",
     "UseOurs",
     "UseTheirs",
     "WritableSessionPickled",

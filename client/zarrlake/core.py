@@ -9,6 +9,7 @@ façade depends on it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,17 @@ from zarrlake.format.model import (
     WRITE_PROBE_KEY,
     RepoRecord,
 )
+from zarrlake.format.root import (
+    EXPIRED_MAX,
+    MIRROR_ROOT_KEY,
+    PUBLISHED_ROOT,
+    ROOT_KEY,
+    BranchHead,
+    RootRecord,
+)
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
+from zarrlake.published import PublishedRoot
 from zarrlake.refs import BranchJournal, Tags
 from zarrlake.storage.base import Storage
 
@@ -89,9 +99,17 @@ class RepositoryCore:
         # source's id, so a mirror made again in place could not tell its markers from a
         # deleted one's. Its readers read each head, as without markers.
         guard = None if root else record.id
-        journal = BranchJournal(storage, adopt=objects.adopt_snapshot, root=root, guard=guard)
-        tags = Tags(storage, root=root, guard=guard)
-        expiry = ExpiryLog(storage)
+        published = None
+        if PUBLISHED_ROOT in record.features:
+            published = PublishedRoot(storage, record, MIRROR_ROOT_KEY if root else ROOT_KEY)
+        journal = BranchJournal(
+            storage, adopt=objects.adopt_snapshot, root=root, guard=guard, published=published
+        )
+        tags = Tags(storage, root=root, guard=guard, published=published)
+        # A mirror's expiry records are its source's, replicated: not what its own root holds.
+        expiry = ExpiryLog(storage, None if root else published)
+        if published is not None:
+            published.rebuild = functools.partial(rebuild_root, journal, tags, expiry, record)
         graph = CommitGraph(objects, journal, tags, expiry)
         commits = CommitEngine(record.id, config, objects, journal, graph, lock)
         return cls(storage, record, config, lock, objects, journal, tags, expiry, graph, commits)
@@ -127,6 +145,16 @@ class RepositoryCore:
             )
         self.storage.check_conditional_writes(WRITE_PROBE_KEY)
 
+    def republish(self) -> RootRecord:
+        """Bring the published root up to the journals, tag and expiry records (what
+        ``upgrade`` ends with and ``fsck --repair`` does): the root as published. Only for a
+        repository that publishes one."""
+        published = self.journal.published
+        if published is None:
+            raise ValueError(f"the repository at {self.storage.url} publishes no root")
+        truth = rebuild_root(self.journal, self.tags, self.expiry, self.record)
+        return published.publish(lambda r: r.with_journals(truth))
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.storage, self.record, self.lock, self.objects.verify_reads))
 
@@ -135,3 +163,31 @@ def _rebuild(
     storage: Storage, record: RepoRecord, lock: BranchLock | None, verify_reads: bool
 ) -> RepositoryCore:
     return RepositoryCore.build(storage, record, lock, verify_reads=verify_reads)
+
+
+def rebuild_root(
+    journal: BranchJournal, tags: Tags, expiry: ExpiryLog, record: RepoRecord
+) -> RootRecord:
+    """The published root as the journals, tag records and expiry records say it is now (the
+    truth ``root`` publishes): what a repository's first publish writes, ``upgrade`` and
+    ``fsck --repair`` publish, and fsck compares ``root`` with. Reads every branch's head entry
+    (one listing and a read each), the tag records and the expiry records."""
+    names = sorted(journal.names())
+    heads = journal.storage.map(journal.head, names)
+    branches = {
+        name: BranchHead(entry.seq, entry.snapshot, entry.encode())
+        for name, entry in zip(names, heads, strict=True)
+        if entry is not None
+    }
+    records = expiry.records()
+    expired: frozenset[str] | None = frozenset().union(*records.values())
+    if expired is not None and len(expired) > EXPIRED_MAX:
+        expired = None
+    return RootRecord(
+        record,
+        0,
+        branches,
+        tags.all(records_only=True),
+        expired,
+        frozenset(records),
+    )

@@ -290,6 +290,13 @@ class PreconditionFailed(StorageError):
         return f"object already exists: {self.key}"
 
 
+class RootUnpublished(StorageError):
+    """A change the journal decided (a commit is in, a tag made) that could not be published to
+    the repository's ``root`` yet. Nothing is lost: the journal holds it, readers see it once the
+    next publish on the repository (a commit, a ref move) or ``zarrlake fsck --repair`` carries
+    it into ``root``. Do not redo the change."""
+
+
 class TransientStorageError(StorageError):
     """Throttling, a 5xx, a timeout: worth retrying with backoff."""
 

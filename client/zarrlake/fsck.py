@@ -16,8 +16,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from zarrlake.core import RepositoryCore
-from zarrlake.errors import CorruptChunk, CorruptObject, RefNotFound, UnsupportedFormat
+from zarrlake.core import RepositoryCore, rebuild_root
+from zarrlake.errors import (
+    CorruptChunk,
+    CorruptObject,
+    ObjectNotFound,
+    RefNotFound,
+    UnsupportedFormat,
+)
 from zarrlake.format.ids import CONTENT_HASHES
 from zarrlake.format.model import (
     INLINE,
@@ -31,6 +37,7 @@ from zarrlake.format.model import (
     snapshot_key,
     txlog_key,
 )
+from zarrlake.format.root import RootRecord
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import marker_disagreements
@@ -40,7 +47,7 @@ from zarrlake.refs import marker_disagreements
 class Problem:
     """One thing wrong with one object."""
 
-    kind: str  # missing | corrupt | unsupported | dangling-ref
+    kind: str  # missing | corrupt | unsupported | dangling-ref | stale (a root behind)
     key: str
     detail: str
 
@@ -59,6 +66,8 @@ class FsckReport:
     shards: int = 0
     chunks: int = 0
     verified: int = 0
+    #: Objects ``repair`` rewrote (the published root, brought up to the journals).
+    repaired: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -86,6 +95,7 @@ class FsckReport:
                 "verified": self.verified,
             },
             "problems": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems],
+            "repaired": list(self.repaired),
         }
 
 
@@ -100,10 +110,13 @@ def fsck(
     check_chunks: bool = True,
     verify_content: bool = False,
     sample: int = SAMPLE,
+    repair: bool = False,
 ) -> FsckReport:
     """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks,
     ``verify_content=True`` reads every chunk and checks its bytes against its name, ``sample``
-    is how many chunks are read and checked without it (0: none).
+    is how many chunks are read and checked without it (0: none). ``repair``: publish the
+    journals' heads, tags and expiry records to a published root that is missing, damaged or
+    behind them (the problems are still reported; ``repaired`` names what was rewritten).
 
     Never raises for what it finds: every problem is in the report (storage errors propagate).
     """
@@ -243,7 +256,38 @@ def fsck(
         else:
             verify_refs = [(k, r) for k, r in sampled if present.get(k, -1) >= chunk_refs[k]]
             verified = _verify_sample(objects, verify_refs, problem)
-    return FsckReport(problems, refs, snapshots, shards, chunks, verified)
+    repaired: tuple[str, ...] = ()
+    if core.journal.published is not None:
+        repaired = _check_root(core, problem, repair)
+    return FsckReport(problems, refs, snapshots, shards, chunks, verified, repaired)
+
+
+def _check_root(core: RepositoryCore, problem: Any, repair: bool) -> tuple[str, ...]:
+    """Compare the published root with the journals, tag and expiry records (read before it:
+    a head the root names ahead of them is a commit in between, not a problem; one behind is
+    a commit whose writer has not swapped the root yet, or died before it did); with
+    ``repair``, publish what they say. The keys repaired."""
+    published = core.journal.published
+    assert published is not None
+    key = published.key
+    truth = rebuild_root(core.journal, core.tags, core.expiry, core.record)
+    stored: RootRecord | None = None
+    try:
+        stored = RootRecord.decode(core.storage.get(key), key)
+    except ObjectNotFound:
+        problem("missing", key, "the published root is absent: readers read the journals")
+    except (CorruptObject, UnsupportedFormat) as e:
+        problem("corrupt", key, e)
+    if stored is not None:
+        found = stored.disagreements(truth)
+        for detail in found:
+            problem("stale", key, detail)
+        if not found:
+            return ()
+    if not repair:
+        return ()
+    core.republish()
+    return (key,)
 
 
 def _verify_sample(objects: ObjectStore, refs: list[tuple[str, ChunkRef]], problem: Any) -> int:

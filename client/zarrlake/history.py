@@ -42,6 +42,7 @@ from zarrlake.format.model import (
 )
 from zarrlake.nodes import array_paths, meta_key_node, node_paths, split_chunk_key
 from zarrlake.objects import ObjectStore
+from zarrlake.published import PublishedRoot
 from zarrlake.refs import BranchJournal, Tags, validate_name
 from zarrlake.storage.base import Storage
 from zarrlake.types import CommitInfo, Diff
@@ -85,19 +86,31 @@ class ExpiryLog:
     """Which snapshots expiry took out of history. Records are immutable, so they are cached;
     :meth:`expired` with ``refresh=True`` lists the records again to see new ones."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, published: PublishedRoot | None = None) -> None:
         self.storage = storage
+        # A repository's published root, which holds the expired ids while they are few.
+        self.published = published
         self._records: dict[str, frozenset[str]] = {}
         self._expired: frozenset[str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage}
+        return {"storage": self.storage, "published": self.published}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"])  # type: ignore[misc]
+        self.__init__(state["storage"], state.get("published"))  # type: ignore[misc]
 
-    def expired(self, *, refresh: bool = False) -> frozenset[str]:
-        """Ids of every expired snapshot (as of the last refresh; the first call refreshes)."""
+    def expired(self, *, refresh: bool = False, records: bool = False) -> frozenset[str]:
+        """Ids of every expired snapshot (as of the last refresh; the first call refreshes).
+
+        In a repository with a published root that holds them, the root answers (one read,
+        ``log()``'s first); ``records``: the expiry records always (fsck, GC, expiry)."""
+        if self.published is not None and not records:
+            root = self.published.read() if refresh else self.published.cached()
+            if root is None and self._expired is None:
+                root = self.published.read()
+            if root is not None and root.expired is not None:
+                self._expired = root.expired
+                return root.expired
         if not self.storage.supports_listing:
             # Records cannot be found without a listing (plain HTTP): a log then walks on
             # until a snapshot is missing, which garbage collection makes of expired ones.
@@ -112,10 +125,20 @@ class ExpiryLog:
             self._expired = frozenset().union(*(self._records[k] for k in keys))
         return self._expired
 
+    def records(self) -> dict[str, frozenset[str]]:
+        """Every expiry record: key -> the snapshot ids it expired (a listing, then a read of
+        each record not read before)."""
+        self.expired(refresh=True, records=True)
+        return dict(self._records)
+
     def record(self, when: dt.datetime, snapshot_ids: tuple[str, ...]) -> None:
         """Write one expiry record taking ``snapshot_ids`` out of history (create-only)."""
         record = ExpiryRecord(when, snapshot_ids)
-        self.storage.put(expiry_key(new_snapshot_id()), record.encode(), create_only=True)
+        key = expiry_key(new_snapshot_id())
+        self.storage.put(key, record.encode(), create_only=True)
+        self._records[key] = frozenset(snapshot_ids)
+        if self.published is not None:
+            self.published.publish(lambda r: r.with_expired({key: frozenset(snapshot_ids)}))
         self.expired(refresh=True)
 
 
@@ -360,7 +383,7 @@ class CommitGraph:
         except InvalidName:
             named = False
         if named:
-            head = self.journal.head(ref)
+            head = self.journal.published_head(ref)
             if head is not None and head.snapshot is not None:
                 return head.snapshot, True
             try:
@@ -411,6 +434,14 @@ class CommitGraph:
         """:meth:`log` of what ``ref`` resolves to. A walk that will go past the head needs the
         expiry marks: where reads are slow (S3), their listing starts now and runs while the
         head is found, instead of after it (the same requests, a round trip less of waiting)."""
+        published = self.journal.published
+        if published is not None:
+            # One read of the root: the head, the snapshot it carries, the expired snapshots.
+            with published.pinned() as root:
+                if root is not None:
+                    sid = self.resolve(ref)
+                    expired = self.expiry.expired()
+                    return self.log(sid, limit=limit, marks=lambda: expired)
         marks = None
         if limit is None or limit > 1:
             marks = self.objects.storage.start_read(

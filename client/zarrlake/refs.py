@@ -52,6 +52,7 @@ from zarrlake.format.model import (
     tag_marker_key,
     tag_tombstone_key,
 )
+from zarrlake.published import PublishedRoot
 from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
 
 log = logging.getLogger("zarrlake")
@@ -185,10 +186,14 @@ class BranchJournal:
         *,
         root: str = "",
         guard: str | None = None,
+        published: PublishedRoot | None = None,
     ) -> None:
         self.storage = storage
         # Prepended to every key: "" for a repository, ``mirror/`` for a mirror's own refs.
         self.root = root
+        # Where every head the journal decides is published, in a repository that has the
+        # published root (readers then read it, not the journal); None: journal only.
+        self.published = published
         # The repository id that this journal's head markers carry, and the only one it trusts
         # in markers it lists; None: it writes none and trusts none (see :meth:`heads_listed`).
         self.guard = marker_guard(guard)
@@ -214,11 +219,16 @@ class BranchJournal:
             "adopt": self._adopt,
             "root": self.root,
             "guard": self.guard,
+            "published": self.published,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(  # type: ignore[misc]
-            state["storage"], state["adopt"], root=state["root"], guard=state.get("guard")
+            state["storage"],
+            state["adopt"],
+            root=state["root"],
+            guard=state.get("guard"),
+            published=state.get("published"),
         )
 
     def entry_key(self, name: str, seq: int) -> str:
@@ -304,6 +314,24 @@ class BranchJournal:
         data = self.storage.get(newest)
         entry = self._parse(newest, data)
         self._learn(name, entry, asked, data)
+        return entry
+
+    def published_head(self, name: str) -> JournalEntry | None:
+        """The branch's head as a reader sees it: from the published root (one read, which also
+        finds every other head), where the repository has one; else :meth:`head`. What the
+        root says may trail the journal by a commit whose writer died between its append and
+        its swap (never acknowledged; the next commit on the branch builds on it)."""
+        root = None if self.published is None else self.published.read()
+        if root is None:
+            return self.head(name)
+        held = root.branches.get(name)
+        if held is None:
+            return None
+        key = self.entry_key(name, held.seq)
+        entry = self._parse(key, held.entry)
+        known = self.known(name)
+        if known is None or known.seq <= entry.seq:
+            self._learn(name, entry, time.monotonic(), None)
         return entry
 
     def _probe_head_key(self, name: str) -> str | None:
@@ -420,6 +448,16 @@ class BranchJournal:
             raise RefNotFound(name, "branch")
         return entry
 
+    def published_current(self, name: str) -> JournalEntry:
+        """:meth:`current` as a reader sees it (:meth:`published_head`). Raises
+        :class:`RefNotFound`."""
+        entry = self.published_head(name)
+        if entry is None:
+            raise self.missing(name)
+        if entry.snapshot is None:
+            raise RefNotFound(name, "branch")
+        return entry
+
     def history(self, name: str) -> list[JournalEntry]:
         """Every retained entry, newest first (without a listing: back from the head to the
         first entry missing)."""
@@ -447,6 +485,9 @@ class BranchJournal:
         :data:`HEADS_FROM_ONE_LISTING` entries together are read a branch at a time: a listing
         of the branch folders, then each one's head (:meth:`head`), as without a listing.
         (Markers past that many are not listed: their heads are read.)"""
+        root = None if self.published is None else self.published.read()
+        if root is not None:
+            return root.heads()
         if self.storage.supports_listing:
             asked = time.monotonic()
             prefixes = [BRANCH_KEYS] + ([HEAD_MARKER_KEYS] if self.guard is not None else [])
@@ -626,6 +667,10 @@ class BranchJournal:
             data = None  # stored by an earlier try of ours: its bytes may differ (its time)
         self._learn(name, entry, asked, data)
         self._mark(name, entry, None if seen is None else seen[0])
+        if self.published is not None:
+            # Decided: now published, before the caller is told (a reader of the root then
+            # sees it). Our bytes, if the stored ones are an earlier try's: the same entry.
+            self.published.publish(lambda r: r.with_head(name, entry, encoded))
         return True
 
     def names(self) -> list[str]:
@@ -644,9 +689,17 @@ class BranchJournal:
 class Tags:
     """Create-only tags; a deleted tag leaves a tombstone and its name is never reused."""
 
-    def __init__(self, storage: Storage, *, root: str = "", guard: str | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        root: str = "",
+        guard: str | None = None,
+        published: PublishedRoot | None = None,
+    ) -> None:
         self.storage = storage
         self.root = root  # prepended to every key, as BranchJournal.root
+        self.published = published  # as BranchJournal.published
         self.guard = marker_guard(guard)  # as BranchJournal.guard, for tag markers
         # Tag records read by :func:`read_refs` (key -> size, time, snapshot), as the journal's.
         self._listed: dict[str, tuple[int, dt.datetime, str]] = {}
@@ -654,7 +707,13 @@ class Tags:
     def get(self, name: str) -> str:
         """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag).
 
-        The record and its tombstone are read in one concurrent round."""
+        The record and its tombstone are read in one concurrent round; in a repository with a
+        published root, the root alone is read."""
+        root = None if self.published is None else self.published.read()
+        if root is not None:
+            if name not in root.tags:
+                raise RefNotFound(name, "tag")
+            return root.tags[name]
 
         def read(i: int) -> bytes | None:
             if i == 0:
@@ -684,6 +743,8 @@ class Tags:
                 mine = False
             if not mine:
                 raise TagExists(f"tag {name!r} already exists") from None
+        if self.published is not None:
+            self.published.publish(lambda r: r.with_tag(name, snapshot_id))
         if self.guard is not None:
             # Only now, the record known to be this writer's: a marker never names a loser's.
             write_marker(self.storage, self.root + tag_marker_key(name, snapshot_id, self.guard))
@@ -698,6 +759,8 @@ class Tags:
             )
         except PreconditionFailed:
             raise RefNotFound(name, "tag") from None
+        if self.published is not None:
+            self.published.publish(lambda r: r.with_tag(name, None))
         if self.guard is not None:
             # A deleted tag's marker is never trusted (the tombstone rules): out of the listings.
             stale = [self.root + tag_marker_key(name, snapshot, self.guard)]
@@ -770,7 +833,12 @@ class Tags:
         every live record): one request when every tag has its marker or none changed, 1 + N
         for N tags at most. With ``records_only``, markers are not trusted: every answer is a
         record this object read (GC, expiry and mirrors rest on records, never on markers).
-        ``on_corrupt``: as for :meth:`listed`."""
+        ``on_corrupt``: as for :meth:`listed`. Without ``reread`` or ``records_only``, a
+        repository's published root answers, in one read."""
+        if not (reread or records_only) and self.published is not None:
+            root = self.published.read()
+            if root is not None:
+                return dict(sorted(root.tags.items()))
         listed = list(self.storage.list(self.root + TAG_KEYS))
         records = live_tag_records(self.root, listed)
         markers = None if records_only else listed_markers(self.root, listed)
@@ -799,6 +867,9 @@ def read_refs(journal: BranchJournal, tags: Tags) -> Refs:
     if journal.storage is not tags.storage or journal.root != tags.root:
         raise ValueError("read_refs needs the journal and the tags of one repository")
     storage = journal.storage
+    root = None if journal.published is None else journal.published.read()
+    if root is not None:
+        return Refs(root.heads(), dict(sorted(root.tags.items())))
     if not storage.supports_listing:
         return Refs(journal.heads(), dict(sorted(tags.all().items())))
     asked = time.monotonic()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -27,6 +28,7 @@ from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.durations import as_timedelta
 from zarrlake.errors import (
     BranchExists,
+    CorruptObject,
     InvalidArgument,
     InvalidName,
     NotMirrored,
@@ -44,11 +46,13 @@ from zarrlake.format.ids import (
 )
 from zarrlake.format.model import (
     MIRROR_REPO_KEY,
+    PUBLISHED_ROOT,
     REPO_KEY,
     WRITE_PROBE_KEY,
     JournalEntry,
     RepoRecord,
 )
+from zarrlake.format.root import CAS_PROBE_KEY, ROOT_KEY, RootRecord
 from zarrlake.fsck import SAMPLE as FSCK_SAMPLE
 from zarrlake.fsck import FsckReport, fsck
 from zarrlake.history import History
@@ -56,10 +60,12 @@ from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, comp
 from zarrlake.maintenance.expire import ExpireReport, expire
 from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.maintenance.retention import RetentionRules
+from zarrlake.published import read_root
 from zarrlake.refs import Refs, new_writer_id, read_refs, validate_name
 from zarrlake.session import Session
-from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
+from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage, Versioned
 from zarrlake.types import CommitInfo, Diff
+from zarrlake.upgrade import UpgradeReport, upgrade
 
 if TYPE_CHECKING:
     from zarrlake.store import ZarrlakeStore
@@ -67,6 +73,13 @@ if TYPE_CHECKING:
 __all__ = ["MAIN", "History", "Repository"]
 
 MAIN = "main"
+
+log = logging.getLogger(__name__)
+
+#: Whether :meth:`Repository.create` publishes a root unless told (read at each call: the tests of
+#: the journal-only protocol, which servers without compare-and-set and older repositories keep,
+#: turn it off for their module).
+PUBLISH_ROOT_BY_DEFAULT = True
 
 #: A lock service, its URL (``redis://…``, ``file:///dir``), or None for optimistic commits.
 LockSpec = BranchLock | str | None
@@ -168,8 +181,16 @@ class Repository:
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
+        published_root: bool | None = None,
     ) -> Repository:
         """Initialize a repository with an empty ``main`` branch.
+
+        ``published_root``: publish every change of the refs to one ``root`` object by
+        compare-and-set, so that opening, listing refs and recent history are one read each (a
+        format feature: zarrlake versions before it read such a repository but refuse to write
+        to it). None: on where the storage keeps compare-and-set writes (asked before anything
+        is written; a server that does not keeps the journal-only protocol, with a warning),
+        except for a SHA-256 repository, which is made for older zarrlake versions to write.
 
         ``content_hash``: the hash that names chunk objects, recorded for the repository's life:
         ``"blake3"`` (the default, fastest) or ``"sha256"`` (what every earlier version used; such a
@@ -188,20 +209,34 @@ class Repository:
         if any(storage.map(storage.exists, (REPO_KEY, MIRROR_REPO_KEY))):
             raise RepositoryExists(f"a repository already exists at {storage.url}")
         storage.check_conditional_writes(WRITE_PROBE_KEY)
+        if published_root is None:
+            published_root = PUBLISH_ROOT_BY_DEFAULT and content_hash != LEGACY_CONTENT_HASH
+        if published_root:
+            published_root = storage.check_compare_and_set(CAS_PROBE_KEY)
+        features = [] if content_hash == LEGACY_CONTENT_HASH else ["content-hash"]
+        if published_root:
+            features.append(PUBLISHED_ROOT)
         record = RepoRecord(
             str(uuid.uuid4()),
             _now(),
             config.to_dict(),
             initialized=True,
             content_hash=content_hash,
-            features=() if content_hash == LEGACY_CONTENT_HASH else ("content-hash",),
+            features=tuple(features),
         )
         repo = cls(storage, record, lock, verify_reads=verify_reads)
-        # ``main`` first, the marker last: a marker then always has a ``main`` beside it, so
-        # opening a repository is one request. A creator that dies in between leaves no marker,
-        # hence no repository (the next create adopts the ``main`` it left); two racing creators
-        # both find one ``main``, and the create-only marker decides between them.
-        repo._core.commits.initialize(MAIN)
+        # ``main`` first, then the marker, then the root: a marker then always has a ``main``
+        # beside it, and a root a marker, so opening a repository is one request. A creator that
+        # dies in between leaves no marker, hence no repository (the next create adopts the
+        # ``main`` it left), or a marker without a root (its readers read the journals until
+        # the first publish writes it); two racing creators both find one ``main``, and the
+        # create-only marker decides between them.
+        journal = repo._core.journal
+        published, journal.published = journal.published, None
+        try:
+            repo._core.commits.initialize(MAIN)
+        finally:
+            journal.published = published
         try:
             storage.put(REPO_KEY, record.encode(), create_only=True)
         except PreconditionFailed:
@@ -211,6 +246,8 @@ class Repository:
                 mine = False
             if not mine:
                 raise RepositoryExists(f"a repository already exists at {storage.url}") from None
+        if published is not None:
+            published.publish(lambda r: r.with_repo(record))
         return repo
 
     @classmethod
@@ -224,12 +261,36 @@ class Repository:
         :class:`CorruptChunk` rather than return other bytes (see :attr:`verify_reads`); None
         takes ``$ZARRLAKE_VERIFY_READS`` (``0``, ``false``, ``no`` or ``off`` turn it off), else on.
 
-        The two markers are read in one round: a mirror's is under ``mirror/``, since bucket
-        replication may copy its source's ``repo`` marker beside it, and wins."""
-        data, mirror = storage.map_reads(_get_optional(storage), (REPO_KEY, MIRROR_REPO_KEY))
+        The published root and a mirror's marker are read in one round: a mirror's is under
+        ``mirror/``, since bucket replication may copy its source's ``repo`` and ``root``
+        beside it, and wins. A root holds the repository's marker record and every head, so a
+        repository that has one is open after that round, its refs read; one without (made
+        before the published root, or by ``published_root=False``) is read from its marker
+        ``repo`` in a second round."""
+
+        def first(key: str) -> Versioned | bytes | None:
+            if key == ROOT_KEY:
+                return read_root(storage)
+            return _get_optional(storage)(key)
+
+        found, mirror = storage.map_reads(first, (ROOT_KEY, MIRROR_REPO_KEY))
         if mirror is not None:
+            assert isinstance(mirror, bytes)
             record = RepoRecord.decode(mirror, MIRROR_REPO_KEY)
             return cls(storage, record, lock, verify_reads=verify_reads)
+        if isinstance(found, Versioned):
+            try:
+                root = RootRecord.decode(found.data, ROOT_KEY)
+            except CorruptObject as e:  # damaged: the marker and the journals still say it all
+                log.warning(
+                    "%s: %s cannot be read (%s): opening from the marker", storage.url, ROOT_KEY, e
+                )
+            else:
+                repo = cls(storage, root.repo, lock, verify_reads=verify_reads)
+                if repo._core.journal.published is not None:
+                    repo._core.journal.published.adopt(found)
+                return repo
+        data = _get_optional(storage)(REPO_KEY)
         if data is None:
             raise RepositoryNotFound(f"no zarrlake repository at {storage.url}")
         record = RepoRecord.decode(data, REPO_KEY)
@@ -342,7 +403,7 @@ class Repository:
     def lookup_branch(self, name: str) -> str:
         """The head snapshot id of branch ``name``. Raises :class:`RefNotFound`."""
         validate_name(name)
-        head = self._core.journal.current(name).snapshot
+        head = self._core.journal.published_current(name).snapshot
         assert head is not None
         return head
 
@@ -574,19 +635,49 @@ class Repository:
             spark = spark_session(f"zarrlake-{what}")
         return spark
 
+    def upgrade(self) -> UpgradeReport:
+        """Give the repository the published root (one object, ``root``, that every change of
+        the refs is published to by compare-and-set, so that opening, listing refs and recent
+        history are one read each): safe while writers are active, and idempotent. See
+        :mod:`zarrlake.upgrade` for the steps, and for writers that opened the repository
+        before it. This handle publishes from then on.
+
+        Raises :class:`ReadOnlyError` for a mirror; :class:`UnsupportedFormat` for a
+        repository of a newer zarrlake. On a storage without compare-and-set the report says
+        so, and nothing changes."""
+        report, record = upgrade(self._core)
+        if record != self._core.record:
+            self._core = RepositoryCore.build(
+                self.storage, record, self._core.lock, verify_reads=self.verify_reads
+            )
+        return report
+
     def fsck(
-        self, *, check_chunks: bool = True, verify_content: bool = False, sample: int = FSCK_SAMPLE
+        self,
+        *,
+        check_chunks: bool = True,
+        verify_content: bool = False,
+        sample: int = FSCK_SAMPLE,
+        repair: bool = False,
     ) -> FsckReport:
         """Check that everything reachable from the refs exists and parses; a ``FsckReport``.
 
         ``sample``: how many chunks, picked at random, to read and check against their digests
         (0: none). ``verify_content``: read every chunk and check its bytes against its name
-        (the repository's content hash) instead; slow, it reads all the data.
+        (the repository's content hash) instead; slow, it reads all the data. In a repository
+        that publishes a root, fsck also checks that the root agrees with the journals;
+        ``repair`` republishes it from them where it does not (it changes nothing else).
         """
         if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
             raise InvalidArgument(f"sample must be a whole number of chunks, not {sample!r}")
+        if repair:
+            self._core.check_writable()
         return fsck(
-            self._core, check_chunks=check_chunks, verify_content=verify_content, sample=sample
+            self._core,
+            check_chunks=check_chunks,
+            verify_content=verify_content,
+            sample=sample,
+            repair=repair,
         )
 
     # -- sessions ----------------------------------------------------------------------------------
@@ -623,7 +714,9 @@ class Repository:
         if ttl is not None:
             check_session_ttl(ttl, InvalidArgument, "ttl")
         self._core.check_writable()
-        head = self._core.journal.current(branch).snapshot
+        # The head readers see (the published root, where there is one): if the journal is a
+        # commit ahead (its writer died before publishing), the commit rebases onto it.
+        head = self._core.journal.published_current(branch).snapshot
         assert head is not None
         return Session(self._core, head, branch=branch, read_only=False, ttl=ttl)
 
@@ -655,6 +748,7 @@ class Repository:
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
+        published_root: bool | None = None,
     ) -> Repository:
         """Async twin of :meth:`create`."""
         return await asyncio.to_thread(
@@ -665,6 +759,7 @@ class Repository:
                 lock=lock,
                 content_hash=content_hash,
                 verify_reads=verify_reads,
+                published_root=published_root,
             )
         )
 
@@ -832,12 +927,25 @@ class Repository:
             spark=spark,
         )
 
+    async def upgrade_async(self) -> UpgradeReport:
+        """Async twin of :meth:`upgrade`."""
+        return await asyncio.to_thread(self.upgrade)
+
     async def fsck_async(
-        self, *, check_chunks: bool = True, verify_content: bool = False, sample: int = FSCK_SAMPLE
+        self,
+        *,
+        check_chunks: bool = True,
+        verify_content: bool = False,
+        sample: int = FSCK_SAMPLE,
+        repair: bool = False,
     ) -> FsckReport:
         """Async twin of :meth:`fsck`."""
         return await asyncio.to_thread(
             partial(
-                self.fsck, check_chunks=check_chunks, verify_content=verify_content, sample=sample
+                self.fsck,
+                check_chunks=check_chunks,
+                verify_content=verify_content,
+                sample=sample,
+                repair=repair,
             )
         )

@@ -18,7 +18,8 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                     [--engine local|spark] [--spark-master URL]
     zarrlake compact URL [--branch main] [--pack-below BYTES] [--keep-journal 7d] [--dry-run]
                          [--json] [--engine local|spark] [--spark-master URL]
-    zarrlake fsck URL [--skip-chunks] [--verify-content] [--json]
+    zarrlake fsck URL [--skip-chunks] [--verify-content] [--sample N] [--repair] [--json]
+    zarrlake upgrade URL [--json]
     zarrlake lock status URL --lock URL [--json]
     zarrlake mirror run SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--copy|--external]
                         [--interval 10] [--once] [--json] [--metrics-port P] [--metrics-addr A]
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     maintenance.add_gc(commands)
     maintenance.add_compact(commands)
     health.add_fsck(commands)
+    health.add_upgrade(commands)
     health.add_lock_status(commands)
     mirror.add_mirror(commands)
     return parser

@@ -30,7 +30,25 @@ def add_fsck(commands: Commands) -> None:
         help=f"without --verify-content: read N chunks picked at random and check their bytes "
         f"(default {FSCK_SAMPLE}; 0: none)",
     )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="publish the journals' heads and tags to a published root that is behind them",
+    )
     add_json(p)
+
+
+def add_upgrade(commands: Commands) -> None:
+    p = commands.add("upgrade", run_upgrade, "give the repository the published root (safe online)")
+    add_json(p)
+
+
+def run_upgrade(args: argparse.Namespace) -> None:
+    report = open_repository(args).upgrade()
+    if args.json:
+        print_json(report.to_json())
+    else:
+        say(report.summary())
 
 
 def _chunk_count(text: str) -> int:
@@ -51,7 +69,10 @@ def run_fsck(args: argparse.Namespace) -> None:
     """Print the report (problems one per line), then fail with :class:`FsckFailed` (exit
     status 1) if there is any problem."""
     report = open_repository(args).fsck(
-        check_chunks=not args.skip_chunks, verify_content=args.verify_content, sample=args.sample
+        check_chunks=not args.skip_chunks,
+        verify_content=args.verify_content,
+        sample=args.sample,
+        repair=args.repair,
     )
     if args.json:
         print_json(report.to_json())
@@ -64,6 +85,8 @@ def run_fsck(args: argparse.Namespace) -> None:
         )
         for problem in report.problems:
             say(f"  {problem}")
+        for key in report.repaired:
+            say(f"repaired {key}: republished from the journals")
     if not report.ok:
         raise FsckFailed(f"fsck found {len(report.problems)} problem(s)")
 

@@ -42,6 +42,7 @@ class ObjectType(enum.IntEnum):
     HISTORY_PAGE = 9
     MIRROR_PRESENCE = 10
     MIRROR_LEASE = 11
+    ROOT = 12
 
 
 #: The newest version this code reads, per object type (FORMAT_VERSION for the others).

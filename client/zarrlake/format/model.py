@@ -61,7 +61,7 @@ _ID = "[0-9A-HJKMNP-TV-Z]{26}"
 _HEX = "[0-9a-f]{64}"
 _GUARD = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 LAYOUT_KEY = re.compile(
-    rf"^(repo|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
+    rf"^(repo|root|mirror/root|(mirror/)?refs/probe-cas|chunks/[0-9a-f]{{2}}/{_HEX}|manifests/{_HEX}|packs/{_HEX}|history/{_HEX}"
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
     r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+|(mirror/)?refs/probe"
     rf"|refs/head\.[^/]+/[0-9a-f]{{16}}\.({_ID}|-)\.{_GUARD}|refs/tagid\.[^/]+\.{_ID}\.{_GUARD}"
@@ -911,7 +911,10 @@ class LeaseRecord:
 #:
 #: ``content-hash``: chunk and pack objects are named by the hash the marker records
 #: (``content_hash``), not always SHA-256.
-KNOWN_FEATURES = frozenset({"content-hash"})
+#: :data:`PUBLISHED_ROOT`: every change of the refs is published to ``root`` by
+#: compare-and-set after the journal decides it (:mod:`zarrlake.format.root`); readers read it.
+PUBLISHED_ROOT = "published-root (zarrlake >= 0.2)"
+KNOWN_FEATURES = frozenset({"content-hash", PUBLISHED_ROOT})
 
 
 @dataclass(frozen=True, slots=True)

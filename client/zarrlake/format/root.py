@@ -1,0 +1,278 @@
+"""The published root: one object that holds what a fresh reader needs (DESIGN.md, "The
+published root"; ``docs/design/refs-root.md``).
+
+``root`` (a mirror's: ``mirror/root``) is the one object of a repository that is replaced, and
+only by compare-and-set. It is never the truth: the branch journals and the tag records decide
+every race, and ``root`` publishes what they decided, so that opening a repository, listing its
+refs and the recent history of a branch are one read. It holds:
+
+- the repository's marker record (format, features, content hash, config, id), so that opening
+  needs no read of ``repo``;
+- every branch's head: its journal sequence number, snapshot id and the head entry's stored
+  bytes (which may carry the snapshot itself, so resolving a branch reads nothing else);
+- the live tags (name -> snapshot id);
+- the snapshots expiry took out of history (``log()`` stops at them), while they are few
+  (:data:`EXPIRED_MAX`; more, and readers list ``expired/`` as before);
+- ``generation``: how many times it was published; a client never takes a root older than
+  one it has seen.
+
+Its size is bounded (:data:`CARRY_BUDGET`): snapshot bytes carried in head entries stop at the
+budget (those heads cost their reader one read of the snapshot object). See the design note for
+what is left: tables of many thousands of refs still live inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from zarrlake.errors import CorruptObject
+from zarrlake.format.codec import ObjectType, decode, encode
+from zarrlake.format.model import MIRROR_PREFIX, PUBLISHED_ROOT, JournalEntry, RepoRecord
+
+__all__ = [
+    "CAS_PROBE_KEY",
+    "MIRROR_ROOT_KEY",
+    "PUBLISHED_ROOT",
+    "ROOT_KEY",
+    "BranchHead",
+    "RootRecord",
+]
+
+ROOT_KEY = "root"
+MIRROR_ROOT_KEY = MIRROR_PREFIX + ROOT_KEY
+#: Reserved for the compare-and-set probe of a server (``Storage.check_compare_and_set``).
+CAS_PROBE_KEY = "refs/probe-cas"
+
+#: The format feature of a repository that publishes ``root`` (:data:`PUBLISHED_ROOT`, in
+#: ``format.model``): its marker lists it, and a zarrlake that does not know it refuses to write
+#: there, naming it. The name carries the first version that implements it, since the name is all
+#: an older zarrlake can print.
+
+#: Snapshot bytes carried inline, over all head entries, at most (the rest are carried without).
+CARRY_BUDGET = 1 << 20
+#: Expired snapshot ids held inline at most; beyond, readers list the expiry records.
+EXPIRED_MAX = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class BranchHead:
+    """A branch's head as its journal decided it: entry ``seq``'s snapshot (None: deleted) and
+    the entry's bytes (what a reader parses instead of reading the entry)."""
+
+    seq: int
+    snapshot: str | None
+    entry: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RootRecord:
+    repo: RepoRecord
+    generation: int = 0
+    branches: Mapping[str, BranchHead] = field(default_factory=dict)
+    tags: Mapping[str, str] = field(default_factory=dict)
+    #: Expired snapshot ids, or None when there are more than :data:`EXPIRED_MAX` (then read
+    #: the records); ``expiry_records``: the keys of the expiry records they come from.
+    expired: frozenset[str] | None = frozenset()
+    expiry_records: frozenset[str] = frozenset()
+
+    # -- the updates writers publish (pure: a record in, a record out, or None: nothing new) ----
+
+    def with_head(self, name: str, entry: JournalEntry, data: bytes) -> RootRecord | None:
+        """This root with branch ``name`` at journal ``entry`` (stored as ``data``), if that is
+        newer than what it holds: heads only ever move forward here, whatever order two
+        publishers' swaps land in."""
+        held = self.branches.get(name)
+        if held is not None and held.seq >= entry.seq:
+            return None
+        branches = dict(self.branches)
+        branches[name] = BranchHead(entry.seq, entry.snapshot, data)
+        return replace(self, generation=self.generation + 1, branches=branches)
+
+    def with_tag(self, name: str, snapshot_id: str | None) -> RootRecord | None:
+        """This root with tag ``name`` at ``snapshot_id`` (None: deleted), unless it already is."""
+        if self.tags.get(name) == snapshot_id:
+            return None
+        tags = dict(self.tags)
+        if snapshot_id is None:
+            del tags[name]
+        else:
+            tags[name] = snapshot_id
+        return replace(self, generation=self.generation + 1, tags=tags)
+
+    def with_expired(self, records: Mapping[str, frozenset[str]]) -> RootRecord | None:
+        """This root with the expiry ``records`` (key -> snapshot ids) folded in."""
+        new = {k: v for k, v in records.items() if k not in self.expiry_records}
+        if not new:
+            return None
+        expired = self.expired
+        if expired is not None:
+            expired = expired.union(*new.values())
+            if len(expired) > EXPIRED_MAX:
+                expired = None
+        return replace(
+            self,
+            generation=self.generation + 1,
+            expired=expired,
+            expiry_records=self.expiry_records | new.keys(),
+        )
+
+    def with_journals(self, truth: RootRecord) -> RootRecord | None:
+        """This root brought up to ``truth`` (what the journals, tag and expiry records say,
+        read after this root): every head of ``truth`` newer than this root's, its tags exactly
+        (they are created and deleted once each), its expiry records. A head this root holds
+        newer than ``truth``'s stays: the journal moved on since ``truth`` was read."""
+        branches = dict(self.branches)
+        for name, head in truth.branches.items():
+            held = branches.get(name)
+            if held is None or held.seq < head.seq:
+                branches[name] = head
+        expired = self.expired
+        if expired is not None and truth.expired is not None:
+            expired = expired | truth.expired
+            if len(expired) > EXPIRED_MAX:
+                expired = None
+        else:
+            expired = None
+        new = replace(
+            self,
+            branches=branches,
+            tags=dict(truth.tags),
+            expired=expired,
+            expiry_records=self.expiry_records | truth.expiry_records,
+        )
+        if (new.branches, dict(new.tags), new.expired, new.expiry_records) == (
+            dict(self.branches),
+            dict(self.tags),
+            self.expired,
+            self.expiry_records,
+        ):
+            return None
+        return replace(new, generation=self.generation + 1)
+
+    def disagreements(self, truth: RootRecord) -> list[str]:
+        """What this root says that ``truth`` (the journals and records, read after it) does
+        not: heads behind their journal, heads or tags the journals do not have, tags missing."""
+        out = []
+        for name in sorted(set(self.branches) | set(truth.branches)):
+            held, head = self.branches.get(name), truth.branches.get(name)
+            if head is None:
+                out.append(f"branch {name!r} is in the root but has no journal")
+            elif held is None:
+                out.append(f"branch {name!r} (journal entry {head.seq}) is not in the root")
+            elif held.seq < head.seq:
+                out.append(
+                    f"branch {name!r}: the root names entry {held.seq} ({held.snapshot}), "
+                    f"the journal's head is entry {head.seq} ({head.snapshot})"
+                )
+            elif held.seq == head.seq and held.snapshot != head.snapshot:
+                out.append(
+                    f"branch {name!r}: the root's entry {held.seq} names {held.snapshot}, the "
+                    f"journal's {head.snapshot}"
+                )
+        for name in sorted(set(self.tags) | set(truth.tags)):
+            mine, theirs = self.tags.get(name), truth.tags.get(name)
+            if mine != theirs:
+                out.append(
+                    f"tag {name!r}: the root says {mine or 'absent'}, its record "
+                    f"{theirs or 'absent (or deleted)'}"
+                )
+        if self.expired is not None and truth.expired is not None:
+            missing = truth.expired - self.expired
+            if missing:
+                out.append(f"{len(missing)} expired snapshot(s) the root does not name")
+        return out
+
+    def with_repo(self, repo: RepoRecord) -> RootRecord | None:
+        if repo == self.repo:
+            return None
+        return replace(self, generation=self.generation + 1, repo=repo)
+
+    # -- what readers take from it ----------------------------------------------------------------
+
+    def heads(self) -> dict[str, str]:
+        """Every live branch: name -> head snapshot id, sorted by name."""
+        return {n: h.snapshot for n, h in sorted(self.branches.items()) if h.snapshot is not None}
+
+    # -- the object -------------------------------------------------------------------------------
+
+    def encode(self) -> bytes:
+        budget = CARRY_BUDGET
+        branches = []
+        # The most recently moved heads keep their snapshot bytes first (the ones being read).
+        for name, head in sorted(self.branches.items(), key=lambda kv: -kv[1].seq):
+            data = head.entry
+            if len(data) > budget:
+                data = _without_snapshot(name, head)
+            budget -= len(data)
+            branches.append([name, head.seq, head.snapshot, data])
+        body: dict[str, Any] = {
+            "repo": self.repo.encode(),
+            "generation": self.generation,
+            "branches": branches,
+            "tags": sorted(self.tags.items()),
+            "expired": None if self.expired is None else sorted(self.expired),
+            "expiry_records": sorted(self.expiry_records),
+        }
+        return encode(ObjectType.ROOT, body)
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = ROOT_KEY) -> RootRecord:
+        obj = decode(data, ObjectType.ROOT, key)
+        repo = RepoRecord.decode(_typed(_need(obj, "repo", key), bytes, key, "repo"), key)
+        generation = _typed(_need(obj, "generation", key), int, key, "generation")
+        branches: dict[str, BranchHead] = {}
+        for item in _typed(_need(obj, "branches", key), list, key, "branches"):
+            if not (isinstance(item, list) and len(item) == 4):
+                raise CorruptObject(key, f"bad branch head {item!r}")
+            name, seq, snapshot, entry = item
+            if not (
+                isinstance(name, str)
+                and isinstance(seq, int)
+                and (snapshot is None or isinstance(snapshot, str))
+                and isinstance(entry, bytes)
+            ):
+                raise CorruptObject(key, f"bad branch head for {name!r}")
+            branches[name] = BranchHead(seq, snapshot, entry)
+        tags: dict[str, str] = {}
+        for item in _typed(_need(obj, "tags", key), list, key, "tags"):
+            if not (
+                isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+            ):
+                raise CorruptObject(key, f"bad tag {item!r}")
+            tags[item[0]] = item[1]
+        raw_expired = obj.get("expired")
+        expired = None
+        if raw_expired is not None:
+            expired = frozenset(_strings(raw_expired, key, "expired"))
+        records = frozenset(_strings(obj.get("expiry_records") or [], key, "expiry_records"))
+        return cls(repo, generation, branches, tags, expired, records)
+
+
+def _need(obj: Any, name: str, key: str) -> Any:
+    if not isinstance(obj, dict) or name not in obj:
+        raise CorruptObject(key, f"missing {name!r}")
+    return obj[name]
+
+
+def _typed(value: Any, kind: type, key: str, name: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise CorruptObject(key, f"{name} must be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _strings(value: Any, key: str, name: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise CorruptObject(key, f"{name} must be a list of strings")
+    return value
+
+
+def _without_snapshot(name: str, head: BranchHead) -> bytes:
+    """The head entry's bytes without the snapshot it carries (over the root's budget)."""
+    entry = JournalEntry.decode(head.entry, f"<root head of {name}>")
+    return replace(entry, snapshot_data=None).encode()
+
+
+def initial_root(repo: RepoRecord) -> RootRecord:
+    return RootRecord(repo)

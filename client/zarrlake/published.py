@@ -1,0 +1,199 @@
+"""The published root of one repository (or one mirror): read it, publish to it.
+
+The journals and tag records decide; this object only publishes what they decided (see
+:mod:`zarrlake.format.root`). Every update is a pure function of the current root (a head that
+only moves forward, a tag added or removed), applied by compare-and-set: a writer that loses
+the swap rereads the root and applies its update again, which then finds its change already
+there or applies it on top of the other's. A swap whose response was lost is the same case: the
+reread finds the change in, and the update says there is nothing more to do.
+
+A client never goes back: of the roots it has read or written, it keeps the newest
+(``generation``), so no reader of one client is shown a head older than one it was shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from zarrlake.errors import (
+    CorruptObject,
+    ObjectNotFound,
+    PreconditionFailed,
+    RootUnpublished,
+    StorageError,
+    UnsupportedFormat,
+)
+from zarrlake.format.model import RepoRecord
+from zarrlake.format.root import ROOT_KEY, RootRecord
+from zarrlake.storage.base import Storage, Versioned
+
+log = logging.getLogger(__name__)
+
+#: Swaps lost in a row before a publisher gives up (each loser backs off a little, at random).
+MAX_SWAPS = 64
+
+Update = Callable[[RootRecord], RootRecord | None]
+
+
+class PublishedRoot:
+    """``root`` (or ``mirror/root``) at ``storage``, of the repository whose marker is
+    ``record``. ``rebuild``: the root as the journals and tag records say it is now (set by
+    whoever holds them: :class:`zarrlake.core.RepositoryCore`), what a publish starts from
+    where there is no root (a repository being created) or only a corrupt one."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        record: RepoRecord,
+        key: str = ROOT_KEY,
+        rebuild: Callable[[], RootRecord] | None = None,
+    ) -> None:
+        self.storage = storage
+        self.record = record
+        self.key = key
+        self.rebuild = rebuild
+        self._guard = threading.Lock()
+        self._pins = threading.local()
+        # Whether the last :meth:`_fresh` found a root that parses (else a publish writes one).
+        self._usable = True
+        # The newest root this client has read or written, and its version (None: none yet).
+        self._seen: tuple[RootRecord, str] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        # Not the rebuild: it holds the journals that hold this object. A copy without it
+        # refuses to publish where there is no root, rather than publish one without them.
+        return {"storage": self.storage, "record": self.record, "key": self.key}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["storage"], state["record"], state["key"])  # type: ignore[misc]
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def adopt(self, found: Versioned) -> RootRecord:
+        """Take ``found`` (this root's bytes and version, read by someone else: the open)."""
+        return self._keep(RootRecord.decode(found.data, self.key), found.version)
+
+    def _keep(self, record: RootRecord, version: str) -> RootRecord:
+        with self._guard:
+            if self._seen is None or record.generation >= self._seen[0].generation:
+                self._seen = (record, version)
+            return self._seen[0]
+
+    def cached(self) -> RootRecord | None:
+        """The newest root this client has seen, without a request (None: none yet)."""
+        seen = self._seen
+        return None if seen is None else seen[0]
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[RootRecord | None]:
+        """Within it, on this thread, every :meth:`read` answers with the one root read as it
+        begins: one operation (``log()``: its ref, then the expired snapshots), one read and one
+        view of the refs."""
+        root = self.read()
+        previous = getattr(self._pins, "root", None)
+        self._pins.root = root
+        try:
+            yield root
+        finally:
+            self._pins.root = previous
+
+    def read(self) -> RootRecord | None:
+        """The root as it is now (one read), or as this client last saw it if that is newer;
+        None if there is none, or none that parses (a repository whose root was lost or
+        damaged: its readers read the journals, as without a root, and its next publish writes
+        it again from them). Inside :meth:`pinned`, the root it read."""
+        pinned: RootRecord | None = getattr(self._pins, "root", None)
+        if pinned is not None:
+            return pinned
+        try:
+            found = self._get()
+        except ObjectNotFound:
+            return self.cached()
+        try:
+            return self.adopt(found)
+        except (CorruptObject, UnsupportedFormat) as e:
+            log.warning("%s cannot be read (%s): reading the journals instead", self.key, e)
+            return self.cached()
+
+    def _get(self) -> Versioned:
+        if self.storage.supports_compare_and_set:
+            return self.storage.get_versioned(self.key)
+        # A read-only copy (plain HTTP) has no versions to swap with, but its root reads.
+        return Versioned(self.storage.get(self.key), "")
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    def publish(self, update: Update) -> RootRecord:
+        """Apply ``update`` to the root by compare-and-set until it holds (see the module
+        docstring); the root as published. The first try starts from the newest root this
+        client has seen (one request: the swap), a lost one from a fresh read.
+
+        Raises :class:`RootUnpublished` if the storage keeps failing (the change itself is
+        decided and safe: whoever publishes next carries it) or the swaps keep losing."""
+        seen = self._seen
+        for attempt in range(MAX_SWAPS):
+            if seen is None:
+                try:
+                    current, version = self._fresh()
+                except StorageError as e:
+                    raise RootUnpublished(f"{self.key} could not be read: {e}") from e
+            else:
+                current, version = seen
+            new = update(current)
+            if new is None and seen is None and not self._usable:
+                new = current  # nothing to add, but no root stored, or none that parses: write
+            if new is None:
+                if version is not None:
+                    self._keep(current, version)
+                return current
+            try:
+                written = self.storage.put_if_version(self.key, new.encode(), version)
+            except PreconditionFailed:
+                seen = None  # another publisher swapped first (or our lost swap landed)
+                time.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(attempt, 6))))
+                continue
+            except StorageError as e:
+                raise RootUnpublished(f"{self.key} could not be written: {e}") from e
+            return self._keep(new, written)
+        raise RootUnpublished(f"{self.key}: {MAX_SWAPS} swaps in a row lost to other publishers")
+
+    def _fresh(self) -> tuple[RootRecord, str | None]:
+        """The root as stored now and its version; where there is none, or none that parses,
+        the journals' root (:attr:`rebuild`) and the version to swap it in with."""
+        version: str | None = None
+        self._usable = False
+        try:
+            got = self.storage.get_versioned(self.key)
+            version = got.version
+            record = RootRecord.decode(got.data, self.key)
+            self._usable = True
+            return record, version
+        except ObjectNotFound:
+            pass
+        except (CorruptObject, UnsupportedFormat) as e:
+            if isinstance(e, UnsupportedFormat) and not isinstance(e, CorruptObject):
+                raise  # a newer zarrlake's root: not ours to overwrite
+            log.warning("%s is damaged (%s): publishing it anew from the journals", self.key, e)
+        if self.rebuild is None:
+            raise RootUnpublished(
+                f"{self.key} is missing or damaged, and this copy of the repository cannot "
+                "rebuild it: open the repository again, or run `zarrlake fsck --repair`"
+            )
+        return self.rebuild(), version
+
+
+def read_root(storage: Storage, key: str = ROOT_KEY) -> Versioned | None:
+    """The stored root at ``key`` and its version, or None if there is none (one read). On a
+    storage without compare-and-set (plain HTTP) the version is empty: it reads, never swaps."""
+    try:
+        if storage.supports_compare_and_set:
+            return storage.get_versioned(key)
+        return Versioned(storage.get(key), "")
+    except ObjectNotFound:
+        return None

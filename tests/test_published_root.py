@@ -1,0 +1,532 @@
+"""The published root (issue 39; DESIGN.md "The published root"): one object, replaced only by
+compare-and-set, that opening a repository, listing its refs and ``log()`` read instead of the
+journals; the journals still decide every race.
+
+Request counts of a fresh client (counted at the storage wrapper: one per protocol call, the
+same as at the wire), and the faults the design names: a crash between the append and the swap,
+a lost swap response, racing swaps for different branches, a stale root read by a writer that
+then appends, an old client against an upgraded repository, an upgrade racing commits. In every
+case: no acknowledged commit lost, no reader shown a head older than one it was shown.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from tests.cli_helpers import Result
+
+import zarrlake
+from zarrlake.errors import PreconditionFailed, RootUnpublished, StorageError
+from zarrlake.format.model import PUBLISHED_ROOT, REPO_KEY, RepoRecord
+from zarrlake.format.root import ROOT_KEY, RootRecord
+from zarrlake_testkit.counting import CountingStorage, Counts
+
+C = 128  # int64 elements per chunk: 1 KiB, above the inline threshold
+
+
+def _ops(counts: Counts) -> list[str]:
+    return [op for op, _ in counts.calls()]
+
+
+def _root(storage: zarrlake.Storage) -> RootRecord:
+    return RootRecord.decode(storage.get(ROOT_KEY))
+
+
+def _commit(repo: zarrlake.Repository, branch: str, i: int) -> str:
+    s = repo.writable_session(branch)
+    try:
+        a = zarr.open_array(s.store, path="data", mode="r+")
+    except FileNotFoundError:
+        a = zarr.create_array(
+            s.store, name="data", shape=(64 * C,), chunks=(C,), dtype="i8", compressors=None
+        )
+    a[(i % 64) * C : (i % 64 + 1) * C] = i
+    return s.commit(f"{branch} {i}")
+
+
+@pytest.fixture(params=["local", "s3"])
+def counted(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], CountingStorage]:
+    """Fresh clients' storages on one repository location, counted together."""
+    counts = Counts(record_keys=True)
+    if request.param == "local":
+        return lambda: CountingStorage(zarrlake.Storage.local(tmp_path / "r"), counts)
+    moto_s3 = request.getfixturevalue("moto_s3")
+    prefix = f"root-{tmp_path.name}"
+    return lambda: CountingStorage(moto_s3.storage(prefix), counts)
+
+
+# -- what a fresh reader pays --------------------------------------------------------------------
+
+
+def test_a_new_repository_publishes_its_root(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    assert PUBLISHED_ROOT in repo.record.features
+    root = _root(storage)
+    assert root.repo == repo.record
+    assert root.heads() == {"main": repo.lookup_branch("main")}
+    # A SHA-256 repository is made for older zarrlake versions to write: journal-only.
+    other = zarrlake.Storage.memory()
+    old_style = zarrlake.Repository.create(other, content_hash="sha256")
+    assert PUBLISHED_ROOT not in old_style.record.features and not other.exists(ROOT_KEY)
+
+
+def test_open_and_read_one_chunk_is_four_requests_in_three_rounds(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    writer = zarrlake.Repository.create(counted())
+    for i in range(3):
+        _commit(writer, "main", i)
+    counts = counted().counts
+    counts.reset()
+    repo = zarrlake.Repository.open(counted())
+    # One round: the root (which holds the marker's record and every head) and the marker a
+    # mirror would have.
+    assert sorted(_ops(counts)) == ["get", "get_versioned"]
+    counts.reset()
+    store = repo.readonly_session("main").store
+    assert _ops(counts) == ["get_versioned"]  # the head: the root read again (no listing)
+    counts.reset()
+    arr = zarr.open_array(store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[2 * C : 3 * C], 2)
+    assert _ops(counts) == ["get", "get_range"]  # the manifest, the chunk (in its pack)
+
+
+def test_listing_refs_is_one_read_whatever_their_number(
+    counted: Callable[[], CountingStorage],
+) -> None:
+    writer = zarrlake.Repository.create(counted())
+    head = _commit(writer, "main", 0)
+    for i in range(30):
+        writer.create_branch(f"b{i}", head)
+        writer.create_tag(f"t{i}", head)
+    counts = counted().counts
+    repo = zarrlake.Repository.open(counted())
+    for call in (repo.list_branches, repo.list_tags, repo.refs):
+        counts.reset()
+        got = call()
+        assert _ops(counts) == ["get_versioned"], call
+    assert len(repo.list_branches()) == 31 and len(repo.list_tags()) == 30
+    refs = repo.refs()
+    assert refs.branches == repo.list_branches() and refs.tags == repo.list_tags()
+    assert got == refs  # the last call: refs()
+
+
+def test_log_is_the_root_and_one_history_page(counted: Callable[[], CountingStorage]) -> None:
+    writer = zarrlake.Repository.create(counted())
+    ids = [_commit(writer, "main", i) for i in range(150)]
+    counts = counted().counts
+    repo = zarrlake.Repository.open(counted())
+    counts.reset()
+    # The newest 64 commits are in the head snapshot, which the root carries: one read.
+    assert [c.id for c in repo.log(limit=60)] == ids[::-1][:60]
+    assert _ops(counts) == ["get_versioned"]
+    counts.reset()
+    # All 151 commits: the root and one round of history pages.
+    everything = [c.id for c in zarrlake.Repository.open(counted()).log()]
+    assert everything[:150] == ids[::-1] and len(everything) == 151
+    ops = _ops(counts)
+    assert ops[:2] in (["get_versioned", "get"], ["get", "get_versioned"])  # the open's round
+    assert ops[2] == "get_versioned" and ops[3:] == ["get"] * (len(ops) - 3)
+    assert len(ops) - 3 <= 2, ops  # pages: 150 records fit in at most two
+
+
+def test_a_commit_costs_one_request_more_at_most(counted: Callable[[], CountingStorage]) -> None:
+    repo = zarrlake.Repository.create(counted())
+    _commit(repo, "main", 0)
+    counts = counted().counts
+    counts.reset()
+    _commit(repo, "main", 1)
+    ops = _ops(counts)
+    assert ops.count("put_if_version") == 1 and ops.count("get_versioned") <= 1, ops
+
+
+# -- the journal decides, the root publishes ------------------------------------------------------
+
+
+def test_every_ref_change_is_published(storage: zarrlake.Storage) -> None:
+    repo = zarrlake.Repository.create(storage)
+    first = _commit(repo, "main", 0)
+    repo.create_branch("dev", first)
+    second = _commit(repo, "dev", 1)
+    repo.create_tag("v1", second)
+    merged = repo.merge("dev", "main")
+    repo.reset_branch("dev", first)
+    repo.create_branch("gone", first)
+    repo.delete_branch("gone")
+    repo.create_tag("old", first)
+    repo.delete_tag("old")
+    root = _root(storage)
+    assert root.heads() == {"main": merged, "dev": first}
+    assert root.tags == {"v1": second}
+    assert root.branches["gone"].snapshot is None
+    assert zarrlake.Repository.open(storage).fsck().ok
+    # Expiry and compaction: published, and the root still agrees with the journals.
+    report = repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=1)))
+    assert report.expired and _root(storage).expired >= set(report.expired)
+    fresh = zarrlake.Repository.open(storage)
+    assert [c.id for c in fresh.log("main")][0] == merged
+    repo.compact(branch="main")
+    assert zarrlake.Repository.open(storage).fsck().ok
+
+
+def test_a_writer_killed_between_append_and_swap_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    acknowledged = _commit(repo, "main", 0)
+    # A child process appends its commit to the journal and dies (SIGKILL) before the swap.
+    code = f"""
+import os, signal, zarr, zarrlake
+import zarrlake.published
+def die(self, update):
+    os.kill(os.getpid(), signal.SIGKILL)
+zarrlake.published.PublishedRoot.publish = die
+repo = zarrlake.Repository.open(zarrlake.Storage.local({str(tmp_path / "r")!r}))
+s = repo.writable_session("main")
+zarr.open_array(s.store, path="data", mode="r+")[{C}:{2 * C}] = 77
+s.commit("killed before its swap")
+"""
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
+    assert done.returncode == -9, done.stderr.decode()
+    assert _root(storage).heads()["main"] == acknowledged  # never acknowledged: not shown
+    fresh = zarrlake.Repository.open(storage)
+    assert fresh.lookup_branch("main") == acknowledged
+    stale = [p for p in fresh.fsck().problems if p.kind == "stale"]
+    assert len(stale) == 1 and "entry 2" in stale[0].detail
+    # The next commit (from a client that read the stale root) builds on the orphan entry.
+    after = _commit(fresh, "main", 2)
+    log = [c.message for c in zarrlake.Repository.open(storage).log()]
+    assert log[:3] == ["main 2", "killed before its swap", "main 0"]
+    assert _root(storage).heads()["main"] == after
+    got = zarr.open_array(
+        zarrlake.Repository.open(storage).readonly_session().store, path="data", mode="r"
+    )[C : 2 * C]
+    np.testing.assert_array_equal(got, 77)
+    assert zarrlake.Repository.open(storage).fsck().ok
+
+
+def _losing_responses(storage: zarrlake.Storage, lose: int) -> Callable[[], None]:
+    """Make ``storage``'s next ``lose`` swaps land but fail as a reset connection would (their
+    answers lost); returns what undoes it."""
+    swap = storage.put_if_version
+    left = [lose]
+
+    def put_if_version(key: str, data: Any, version: str | None) -> str:
+        written = swap(key, data, version)
+        if left[0] > 0:
+            left[0] -= 1
+            raise StorageError(f"connection reset after the swap of {key} landed")
+        return written
+
+    storage.__dict__["put_if_version"] = put_if_version
+    return lambda: storage.__dict__.pop("put_if_version")
+
+
+def test_a_lost_swap_response_is_found_landed(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    first = _commit(repo, "main", 0)
+    published = repo.core.journal.published
+    assert published is not None
+    undo = _losing_responses(storage, lose=1)
+    # The commit is in the journal and its swap landed: the error says nothing is lost.
+    with pytest.raises(RootUnpublished, match="could not be written"):
+        _commit(repo, "main", 1)
+    undo()
+    head = zarrlake.Repository.open(storage).lookup_branch("main")
+    assert head != first
+    assert [c.message for c in zarrlake.Repository.open(storage).log()][:2] == ["main 1", "main 0"]
+    # A swap that is retried finds its change already in and writes nothing more.
+    before = _root(storage).generation
+    assert published.publish(lambda r: r.with_head("main", *_head(storage))) is not None
+    assert _root(storage).generation == before
+
+
+def _head(storage: zarrlake.Storage) -> tuple[Any, bytes]:
+    from zarrlake.format.model import JournalEntry
+
+    held = _root(storage).branches["main"]
+    return JournalEntry.decode(held.entry), held.entry
+
+
+def _racing(storage_url: str, branch: str, n: int, seen_file: str) -> None:
+    """A writer process: ``n`` commits to ``branch``; after each, the heads it reads."""
+    repo = zarrlake.Repository.open(zarrlake.Storage.from_url(storage_url))
+    with open(seen_file, "w") as out:
+        for i in range(n):
+            sid = _commit(repo, branch, 100 + i)
+            heads = zarrlake.Repository.open(zarrlake.Storage.from_url(storage_url)).refs()
+            out.write(f"{sid} {heads.branches[branch]} {_root(repo.storage).generation}\n")
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_racing_swaps_for_different_branches_never_regress_a_head(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if kind == "local":
+        storage = zarrlake.Storage.local(tmp_path / "r")
+    else:
+        storage = request.getfixturevalue("moto_s3").storage(f"race-{tmp_path.name}")
+    repo = zarrlake.Repository.create(storage)
+    head = _commit(repo, "main", 0)
+    writers, n = 4, 12
+    for w in range(writers):
+        repo.create_branch(f"w{w}", head)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_racing, args=(storage.url, f"w{w}", n, str(tmp_path / f"seen{w}.txt")))
+        for w in range(writers)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    final = zarrlake.Repository.open(storage)
+    for w in range(writers):
+        lines = (tmp_path / f"seen{w}.txt").read_text().split()
+        committed = lines[0::3]
+        # Each commit, once acknowledged, is what a fresh reader sees (no one else writes
+        # the branch), and the root's generation only grows.
+        assert committed == lines[1::3]
+        generations = [int(g) for g in lines[2::3]]
+        assert generations == sorted(generations)
+        log = [c.id for c in final.log(f"w{w}")]
+        assert log[:n] == committed[::-1]  # every commit in its branch's log, in order
+        assert final.lookup_branch(f"w{w}") == committed[-1]
+    assert final.fsck().ok
+
+
+def test_a_client_never_sees_the_root_go_back(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    _commit(repo, "main", 0)
+    newer = _commit(repo, "main", 1)
+    reader = zarrlake.Repository.open(storage)
+    assert reader.lookup_branch("main") == newer
+    # An older root put back in place (a restored backup, say): this client keeps the newer.
+    published = repo.core.journal.published
+    assert published is not None
+    older = _root(storage)
+    storage.put(ROOT_KEY, RootRecord(older.repo, 0, {}, {}).encode())
+    assert reader.lookup_branch("main") == newer
+
+
+def test_a_damaged_or_missing_root_is_read_past_and_repaired(
+    tmp_path: Path, cli: Callable[..., Result]
+) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+    head = _commit(repo, "main", 0)
+    repo.create_tag("v1", head)
+    for damage in (b"not an object at all", None):
+        if damage is None:
+            storage.delete_many([ROOT_KEY])
+        else:
+            storage.put(ROOT_KEY, damage)
+        fresh = zarrlake.Repository.open(storage)  # from the marker
+        assert fresh.list_branches() == {"main": head} and fresh.list_tags() == {"v1": head}
+        assert [c.id for c in fresh.log()][0] == head
+        report = fresh.fsck()
+        assert [p.key for p in report.problems] == [ROOT_KEY]
+        assert cli("fsck", str(tmp_path / "r")).code == 1
+        r = cli("fsck", str(tmp_path / "r"), "--repair")
+        assert "repaired root" in r.out
+        assert _root(storage).heads() == {"main": head} and _root(storage).tags == {"v1": head}
+        assert zarrlake.Repository.open(storage).fsck().ok
+    # A writer whose root is gone writes it again from the journals, whole, with its change.
+    storage.delete_many([ROOT_KEY])
+    repo.create_branch("dev", head)
+    after = _commit(zarrlake.Repository.open(storage), "main", 1)
+    assert _root(storage).heads() == {"main": after, "dev": head}
+    assert _root(storage).tags == {"v1": head}
+
+
+def test_a_pickled_copy_publishes_too(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = pickle.loads(pickle.dumps(zarrlake.Repository.create(storage)))
+    head = _commit(repo, "main", 0)
+    assert _root(storage).heads()["main"] == head
+
+
+# -- upgrade -------------------------------------------------------------------------------------
+
+
+def test_upgrade_an_existing_repository(
+    storage: zarrlake.Storage, journal_only: None, cli: Callable[..., Result]
+) -> None:
+    repo = zarrlake.Repository.create(storage)
+    head = _commit(repo, "main", 0)
+    repo.create_branch("dev", head)
+    repo.create_tag("v1", head)
+    repo.expire(zarrlake.RetentionRules(default=zarrlake.Keep(last=1)))
+    assert not storage.exists(ROOT_KEY)
+    report = repo.upgrade()
+    assert report.published_root and report.added == (PUBLISHED_ROOT,)
+    assert (report.branches, report.tags) == (2, 1)
+    assert "added published-root" in report.summary()
+    assert PUBLISHED_ROOT in RepoRecord.decode(storage.get(REPO_KEY)).features
+    root = _root(storage)
+    assert root.heads() == {"main": head, "dev": head} and root.tags == {"v1": head}
+    # This handle publishes from now on; a second upgrade changes nothing.
+    after = _commit(repo, "dev", 1)
+    assert _root(storage).heads()["dev"] == after
+    again = zarrlake.Repository.open(storage).upgrade()
+    assert again.published_root and again.added == ()
+    assert zarrlake.Repository.open(storage).fsck().ok
+    if not storage.url.startswith("memory:"):
+        r = cli("upgrade", storage.url)
+        assert r.code == 0 and "already up to date" in r.out
+
+
+#: The last commit before the published root: its client is a zarrlake that predates it.
+BEFORE_ROOT = "091a2cb"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _older_client(tmp_path: Path) -> Path:
+    """The client of :data:`BEFORE_ROOT`, from this checkout's history (skips where the
+    history is not there: a shallow clone)."""
+    out = tmp_path / "older"
+    out.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", BEFORE_ROOT, "client"],
+        capture_output=True,
+        timeout=120,
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"no {BEFORE_ROOT} in this checkout's history: {archive.stderr.decode()}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out / "client"
+
+
+def test_an_older_zarrlake_reads_an_upgraded_repository_but_refuses_to_write(
+    tmp_path: Path, journal_only: None
+) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    _commit(zarrlake.Repository.create(storage), "main", 0)
+    zarrlake.Repository.open(storage).upgrade()
+    head = _commit(zarrlake.Repository.open(storage), "main", 1)
+    before = sorted(o.key for o in storage.list(""))
+    code = f"""
+import zarrlake
+repo = zarrlake.Repository.open(zarrlake.Storage.local({str(tmp_path / "r")!r}))
+print(repo.lookup_branch("main"))
+try:
+    repo.writable_session("main")
+except zarrlake.UnsupportedFormat as e:
+    print("refused:", e)
+"""
+    env = {**os.environ, "PYTHONPATH": str(_older_client(tmp_path))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # It reads the journals, which stay the truth, and refuses to write, naming the version.
+    assert lines[0] == head
+    assert lines[1].startswith("refused:") and "zarrlake >= 0.2" in lines[1], lines
+    assert sorted(o.key for o in storage.list("")) == before
+
+
+def test_upgrade_racing_commits_loses_no_commit(tmp_path: Path, journal_only: None) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    _commit(zarrlake.Repository.create(storage), "main", 0)
+    stop, started = threading.Event(), threading.Event()
+    committed: list[str] = []
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            i = 1
+            while not stop.is_set() or i < 6:
+                # Each commit opens the repository anew, as a job would: before the upgrade it
+                # commits through the journal alone, after it publishes.
+                committed.append(_commit(zarrlake.Repository.open(storage), "main", i))
+                if i == 2:
+                    started.set()
+                i += 1
+        except BaseException as e:
+            errors.append(e)
+            started.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert started.wait(timeout=300)
+    report = zarrlake.Repository.open(storage).upgrade()
+    stop.set()
+    thread.join(timeout=300)
+    assert not errors, errors
+    assert report.published_root
+    # Every acknowledged commit is in the log, and the root names the last one: writers that
+    # opened before the marker changed published nothing, and the next published commit (or
+    # the upgrade's last step) carried them.
+    log = [c.id for c in zarrlake.Repository.open(storage).log()]
+    assert log[0] == committed[-1] == _root(storage).heads()["main"]
+    assert set(committed) <= set(log)
+    assert zarrlake.Repository.open(storage).fsck().ok
+
+
+def test_upgrade_on_a_server_without_compare_and_set_changes_nothing(
+    request: pytest.FixtureRequest, tmp_path: Path, journal_only: None
+) -> None:
+    from zarrlake_testkit.s3proxy import HeaderStrippingProxy
+
+    moto = request.getfixturevalue("moto_s3")
+    # A server that keeps create-only writes but ignores If-Match.
+    with HeaderStrippingProxy(moto.endpoint, drop=("If-Match",)) as proxy:
+        storage = zarrlake.Storage.s3(
+            moto.bucket,
+            f"nocas-{tmp_path.name}",
+            endpoint_url=proxy.endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key="testing",
+            allow_http=True,
+        )
+        repo = zarrlake.Repository.create(storage)
+        report = repo.upgrade()
+        assert not report.published_root and "compare-and-set" in report.reason
+        assert not storage.exists(ROOT_KEY)
+        assert PUBLISHED_ROOT not in RepoRecord.decode(storage.get(REPO_KEY)).features
+        assert "not upgraded" in report.summary()
+        # New repositories there keep the journal-only protocol too, with a warning.
+        other = zarrlake.Storage.s3(
+            moto.bucket,
+            f"nocas2-{tmp_path.name}",
+            endpoint_url=proxy.endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key="testing",
+            allow_http=True,
+        )
+        made = zarrlake.Repository.create(other, published_root=None)
+        assert PUBLISHED_ROOT not in made.record.features
+
+
+def test_a_swap_that_keeps_losing_says_the_commit_is_in(tmp_path: Path) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    repo = zarrlake.Repository.create(storage)
+
+    def always_loses(key: str, data: Any, version: str | None) -> str:
+        raise PreconditionFailed(key)
+
+    storage.__dict__["put_if_version"] = always_loses
+    with pytest.raises(RootUnpublished, match="swaps in a row"):
+        _commit(repo, "main", 0)
+    storage.__dict__.pop("put_if_version")
+    assert zarrlake.Repository.open(storage).fsck(repair=True).repaired == (ROOT_KEY,)
+    assert [c.message for c in zarrlake.Repository.open(storage).log()][0] == "main 0"
+    assert os.path.exists(tmp_path / "r" / ROOT_KEY)
