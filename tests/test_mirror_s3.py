@@ -93,8 +93,11 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 def _objects(storage: zl.Storage) -> set[str]:
-    """A source's immutable objects (what a mirror must hold): all but its refs and marker."""
-    return {k for k in storage.list_keys("") if not k.startswith("refs/") and k != "repo"}
+    """A source's immutable objects (what a mirror must hold): all but its refs, its marker
+    and its published root (a mirror publishes its own, under ``mirror/``)."""
+    return {
+        k for k in storage.list_keys("") if not k.startswith("refs/") and k not in ("repo", "root")
+    }
 
 
 # -- mirroring across regions ---------------------------------------------------------------------

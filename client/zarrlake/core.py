@@ -40,7 +40,7 @@ from zarrlake.format.root import (
 from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.published import PublishedRoot
-from zarrlake.refs import BranchJournal, Tags
+from zarrlake.refs import BranchJournal, Refs, Tags
 from zarrlake.storage.base import Storage
 
 
@@ -145,6 +145,16 @@ class RepositoryCore:
             )
         self.storage.check_conditional_writes(WRITE_PROBE_KEY)
 
+    def last_refs(self) -> Refs | None:
+        """Every live branch and tag as the root this core last read or wrote says them (no
+        request; as of that read: :meth:`Repository.open`'s, for a core just opened), or None
+        without one. For a poller that has just opened the repository anyway (the operator's
+        resync): its refs cost nothing more."""
+        root = None if self.journal.published is None else self.journal.published.cached()
+        if root is None:
+            return None
+        return Refs(root.heads(), dict(sorted(root.tags.items())))
+
     def republish(self) -> RootRecord:
         """Bring the published root up to the journals, tag and expiry records (what
         ``upgrade`` ends with and ``fsck --repair`` does): the root as published. Only for a
@@ -179,9 +189,11 @@ def rebuild_root(
         for name, entry in zip(names, heads, strict=True)
         if entry is not None
     }
-    records = expiry.records()
+    # A mirror's root holds no expiry: its expiry records are its source's, replicated, and
+    # its readers list them (None: "read the records").
+    records = {} if journal.root else expiry.records()
     expired: frozenset[str] | None = frozenset().union(*records.values())
-    if expired is not None and len(expired) > EXPIRED_MAX:
+    if journal.root or len(expired or ()) > EXPIRED_MAX:
         expired = None
     return RootRecord(
         record,

@@ -76,7 +76,9 @@ class PublishedRoot:
     # -- reading ----------------------------------------------------------------------------------
 
     def adopt(self, found: Versioned) -> RootRecord:
-        """Take ``found`` (this root's bytes and version, read by someone else: the open)."""
+        """Take ``found`` (this root's bytes and version, read by someone else: the open). Not
+        an answer to later reads: each reads the root as it is then (a ref another client
+        moves just after this one opened is seen), so it only saves a publisher's first read."""
         return self._keep(RootRecord.decode(found.data, self.key), found.version)
 
     def _keep(self, record: RootRecord, version: str) -> RootRecord:

@@ -258,8 +258,9 @@ def delete_repository_objects(
     Only keys of zarrlake's exact layout under the prefix are deleted, so other data sharing the
     bucket or prefix survives, even a second repository nested under a layout prefix. The
     ``repo`` marker is checked first (it must carry ``repository_id``, the id the resource
-    reported: a resource never deletes a repository it did not see) and deleted first, so
-    nobody opens the repository half-deleted. A bucket that is gone holds nothing to delete.
+    reported: a resource never deletes a repository it did not see) and deleted first, after
+    the published ``root`` that opening reads before it, so nobody opens the repository
+    half-deleted. A bucket that is gone holds nothing to delete.
     ``mirror``: the location is a mirror of repository ``repository_id``: its own marker
     (``mirror/repo``) is checked and deleted first, and a source marker that bucket replication
     brought beside it must name the same repository.
@@ -274,6 +275,7 @@ def delete_repository_objects(
         REPO_KEY,
         RepoRecord,
     )
+    from zarrlake.format.root import ROOT_KEY
 
     if not bucket_exists(conn):
         return 0
@@ -296,6 +298,9 @@ def delete_repository_objects(
                     + (repository_id or "one this resource recorded")
                 )
         if found:
+            # The published root before the markers: opening reads it first, and a root alone
+            # would open as the repository.
+            deleted += storage.delete_many([ROOT_KEY])
             deleted += storage.delete_many(list(found))
         for prefix in LAYOUT_PREFIXES:
             batch: list[str] = []

@@ -538,7 +538,9 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
             else:
                 counts: dict[str, int] = {}
                 if not conn.read_only:  # HTTP cannot list: a published repository's refs are
-                    refs = _kept(conn, repo).refs()  # opened by name
+                    # opened by name. The root the open just read holds them all (one request
+                    # per resync); a journal-only repository lists them.
+                    refs = repo.core.last_refs() or _kept(conn, repo).refs()
                     _seen_refs[ns, name] = SeenRefs(repo.id, refs)
                     counts = {"branches": len(refs.branches), "tags": len(refs.tags)}
                 status = status.model_copy(

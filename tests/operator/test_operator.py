@@ -784,12 +784,12 @@ def _series(k8s: Env, name: str) -> dict[tuple[str, ...], float]:
     return out
 
 
-def test_a_resting_repository_costs_one_listing_of_its_refs_per_resync(k8s: Env) -> None:
+def test_a_resting_repository_costs_one_read_of_its_root_per_resync(k8s: Env) -> None:
     """At rest, a resync of a Repository and of everything that names it asks S3 for the
-    repository's record and one listing of its refs, however many Branches and Tags there are:
-    their statuses are checked against that listing, and no branch head or tag is read. A
-    branch moved behind the operator's back costs one read of its new head entry. (S3 requests
-    counted by a proxy between the operator and the S3 server.)"""
+    repository's published root (which holds its record, every head and every tag) and the
+    marker a mirror would have, however many Branches and Tags there are: no listing, and no
+    branch head or tag record is read. (S3 requests counted by a proxy between the operator
+    and the S3 server.)"""
     from zarrlake_testkit.s3proxy import HeaderStrippingProxy
 
     with HeaderStrippingProxy(k8s.s3_endpoint, drop=()) as proxy:
@@ -819,14 +819,17 @@ def test_a_resting_repository_costs_one_listing_of_its_refs_per_resync(k8s: Env)
         delta = {k: v - checked0.get(k, 0) for k, v in checked.items()}
 
         mine = [(m, p) for m, p in requests if p.split("?")[0].startswith(f"/{bucket}")]
-        listings = [p for m, p in mine if m == "GET" and "list-type=2" in p]
-        resyncs = len(listings)
+        opens = [p for m, p in mine if m == "GET" and p.split("?")[0].endswith("/mirror/repo")]
+        roots = [p for m, p in mine if m == "GET" and p.split("?")[0].endswith("/repo/root")]
+        resyncs = len(opens)
         assert resyncs >= 2, requests  # several resyncs in the window ...
-        # ... each a listing of refs/, and no read of a journal entry or tag record.
-        assert all("refs%2F" in p for p in listings), listings
+        # ... each one read of the root (with the mirror marker), no listing, and no read of
+        # a journal entry or tag record.
+        assert len(roots) <= resyncs + 2, roots
+        assert not [p for m, p in mine if m == "GET" and "list-type=2" in p], mine
         assert not [p for _, p in mine if "/refs/" in p.split("?")[0]], mine
-        # What else a resync asks: the bucket (HEAD) and the repository's record (two GETs).
-        assert len(mine) <= 4 * resyncs + 4, mine
+        # What else a resync asks: the bucket (HEAD).
+        assert len(mine) <= 3 * resyncs + 4, mine
         # Every Branch and Tag was checked by those resyncs, and confirmed.
         assert delta.get(("Branch", "confirmed"), 0) >= 3 * (resyncs - 1), delta
         assert delta.get(("Tag", "confirmed"), 0) >= resyncs - 1, delta

@@ -38,12 +38,14 @@ from zarrlake.errors import (
 from zarrlake.format.model import (
     MIRROR_PREFIX,
     MIRROR_REPO_KEY,
+    PUBLISHED_ROOT,
     REPO_KEY,
     WRITE_PROBE_KEY,
     JournalEntry,
     RepoRecord,
     expiry_key,
 )
+from zarrlake.format.root import CAS_PROBE_KEY
 from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.mirror.closure import Needs, closure
 from zarrlake.mirror.lease import DestinationLease
@@ -273,16 +275,23 @@ class Mirror:
         if mirror is None:
             # No marker, or the source's own brought by replication: make the destination a
             # mirror. Its marker is the source's, plus where the source is.
+            self._check_destination_keeps_create_only_writes()
+            features = source.features
+            if PUBLISHED_ROOT in features and not dest.check_compare_and_set(
+                MIRROR_PREFIX + CAS_PROBE_KEY
+            ):
+                # Its promoter then publishes heads through the journal alone (as a mirror
+                # made before the published root does); readers read the journals.
+                features = tuple(f for f in features if f != PUBLISHED_ROOT)
             record = RepoRecord(
                 source.id,
                 _now(),
                 dict(source.config),
                 initialized=True,
                 content_hash=source.content_hash,
-                features=source.features,
+                features=features,
                 mirror_of=self.source.storage.url,
             )
-            self._check_destination_keeps_create_only_writes()
             try:
                 dest.put(MIRROR_REPO_KEY, record.encode(), create_only=True)
             except PreconditionFailed:
