@@ -39,7 +39,7 @@ RUN pip wheel --wheel-dir /wheels --no-deps --no-build-isolation .
 # -- runtime ----------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST}
 
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 LABEL org.opencontainers.image.title="zarrlake" \
       org.opencontainers.image.description="zarrlake operator and maintenance jobs" \
       org.opencontainers.image.version="${VERSION}" \

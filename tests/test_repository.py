@@ -522,8 +522,10 @@ def test_corrupt_and_foreign_objects(storage: zarrlake.Storage) -> None:
 
 
 def test_head_entry_carries_its_snapshot_and_a_wrong_copy_is_corrupt(
-    storage: zarrlake.Storage,
+    storage: zarrlake.Storage, journal_only: None
 ) -> None:
+    # The journal's entries (a published root carries copies of its heads' entries, checked
+    # alike: tests/test_published_root.py).
     repo = zarrlake.Repository.create(storage)
     s = repo.writable_session()
     write_array(s)

@@ -101,6 +101,9 @@ class RepositoryCore:
         guard = None if root else record.id
         published = None
         if PUBLISHED_ROOT in record.features:
+            # Nor do a published root's: its readers list nothing (markers are the listing's
+            # shortcut), so a commit saves the marker's write and its predecessor's delete.
+            guard = None
             published = PublishedRoot(storage, record, MIRROR_ROOT_KEY if root else ROOT_KEY)
         journal = BranchJournal(
             storage, adopt=objects.adopt_snapshot, root=root, guard=guard, published=published
@@ -199,7 +202,8 @@ def rebuild_root(
         record,
         0,
         branches,
-        tags.all(records_only=True),
+        # A tag record that does not parse is fsck's to report: the root publishes the rest.
+        tags.all(records_only=True, on_corrupt=lambda key, e: None),
         expired,
         frozenset(records),
     )

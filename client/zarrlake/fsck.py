@@ -13,6 +13,7 @@ Problems are reported precisely (which object, what is wrong), never raised one 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ from zarrlake.refs import marker_disagreements
 class Problem:
     """One thing wrong with one object."""
 
-    kind: str  # missing | corrupt | unsupported | dangling-ref | stale (a root behind)
+    kind: str  # missing | corrupt | unsupported | dangling-ref; notes: unpublished
     key: str
     detail: str
 
@@ -68,6 +69,10 @@ class FsckReport:
     verified: int = 0
     #: Objects ``repair`` rewrote (the published root, brought up to the journals).
     repaired: tuple[str, ...] = ()
+    #: What is not wrong but worth knowing: a published root behind its journals
+    #: (``unpublished``: a writer between its two writes, or one that died there; the next
+    #: publish on the branch, or ``repair``, carries it). ``ok`` does not count them.
+    notes: list[Problem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +101,7 @@ class FsckReport:
             },
             "problems": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems],
             "repaired": list(self.repaired),
+            "notes": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.notes],
         }
 
 
@@ -257,12 +263,15 @@ def fsck(
             verify_refs = [(k, r) for k, r in sampled if present.get(k, -1) >= chunk_refs[k]]
             verified = _verify_sample(objects, verify_refs, problem)
     repaired: tuple[str, ...] = ()
+    notes: list[Problem] = []
     if core.journal.published is not None:
-        repaired = _check_root(core, problem, repair)
-    return FsckReport(problems, refs, snapshots, shards, chunks, verified, repaired)
+        repaired = _check_root(core, problem, notes.append, repair)
+    return FsckReport(problems, refs, snapshots, shards, chunks, verified, repaired, notes)
 
 
-def _check_root(core: RepositoryCore, problem: Any, repair: bool) -> tuple[str, ...]:
+def _check_root(
+    core: RepositoryCore, problem: Any, note: Callable[[Problem], None], repair: bool
+) -> tuple[str, ...]:
     """Compare the published root with the journals, tag and expiry records (read before it:
     a head the root names ahead of them is a commit in between, not a problem; one behind is
     a commit whose writer has not swapped the root yet, or died before it did); with
@@ -280,8 +289,11 @@ def _check_root(core: RepositoryCore, problem: Any, repair: bool) -> tuple[str, 
         problem("corrupt", key, e)
     if stored is not None:
         found = stored.disagreements(truth)
-        for detail in found:
-            problem("stale", key, detail)
+        for behind, detail in found:
+            if behind:
+                note(Problem("unpublished", key, detail))
+            else:
+                problem("corrupt", key, detail)
         if not found:
             return ()
     if not repair:

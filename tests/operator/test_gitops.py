@@ -241,7 +241,16 @@ def _all_ready(env: GitOps) -> list[dict[str, Any]]:
             == (BRANCHES_PER_REPOSITORY + 1, TAGS_PER_REPOSITORY)
             for o in repos
         )
-        return found if counted else None
+        # At rest means the Mirrors up to date too: one still behind its source would, in
+        # time, rightly turn Stalled (a write that is no re-apply's). A pass more catches up.
+        behind = [
+            o["metadata"]["name"]
+            for o in found
+            if o["kind"] == "Mirror" and (o["status"].get("commitsBehind") or 0) > 0
+        ]
+        for name in behind:
+            run_replicator_pass(kube.get("Deployment", NS, f"zl-{name}-mirror"))
+        return found if counted and not behind else None
 
     try:
         found: list[dict[str, Any]] = wait_for("the whole tree Ready", check, timeout=180)

@@ -85,6 +85,8 @@ def run_fsck(args: argparse.Namespace) -> None:
         )
         for problem in report.problems:
             say(f"  {problem}")
+        for item in report.notes:
+            say(f"  note: {item}")
         for key in report.repaired:
             say(f"repaired {key}: republished from the journals")
     if not report.ok:

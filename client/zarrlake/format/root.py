@@ -151,37 +151,56 @@ class RootRecord:
             return None
         return replace(new, generation=self.generation + 1)
 
-    def disagreements(self, truth: RootRecord) -> list[str]:
-        """What this root says that ``truth`` (the journals and records, read after it) does
-        not: heads behind their journal, heads or tags the journals do not have, tags missing."""
-        out = []
+    def disagreements(self, truth: RootRecord) -> list[tuple[bool, str]]:
+        """What this root says that ``truth`` (the journals and records, read before it) does
+        not, each as (behind, detail). ``behind``: the root lacks what the journals decided
+        later, a writer that has not published yet, or died before it did (never acknowledged:
+        the next publish carries it); otherwise the root is wrong (a head or tag the journals
+        do not have)."""
+        out: list[tuple[bool, str]] = []
         for name in sorted(set(self.branches) | set(truth.branches)):
             held, head = self.branches.get(name), truth.branches.get(name)
             if head is None:
-                out.append(f"branch {name!r} is in the root but has no journal")
+                out.append((False, f"branch {name!r} is in the root but has no journal"))
             elif held is None:
-                out.append(f"branch {name!r} (journal entry {head.seq}) is not in the root")
+                out.append(
+                    (True, f"branch {name!r} (journal entry {head.seq}) is not in the root yet")
+                )
             elif held.seq < head.seq:
                 out.append(
-                    f"branch {name!r}: the root names entry {held.seq} ({held.snapshot}), "
-                    f"the journal's head is entry {head.seq} ({head.snapshot})"
+                    (
+                        True,
+                        f"branch {name!r}: the root names entry {held.seq} ({held.snapshot}), "
+                        f"the journal's head is entry {head.seq} ({head.snapshot})",
+                    )
                 )
             elif held.seq == head.seq and held.snapshot != head.snapshot:
                 out.append(
-                    f"branch {name!r}: the root's entry {held.seq} names {held.snapshot}, the "
-                    f"journal's {head.snapshot}"
+                    (
+                        False,
+                        f"branch {name!r}: the root's entry {held.seq} names {held.snapshot}, "
+                        f"the journal's {head.snapshot}",
+                    )
                 )
         for name in sorted(set(self.tags) | set(truth.tags)):
             mine, theirs = self.tags.get(name), truth.tags.get(name)
-            if mine != theirs:
+            if mine == theirs:
+                continue
+            if mine is None:
+                out.append((True, f"tag {name!r} ({theirs}) is not in the root yet"))
+            else:
+                # Deleted after the root was published (its tombstone decided), or wrong.
                 out.append(
-                    f"tag {name!r}: the root says {mine or 'absent'}, its record "
-                    f"{theirs or 'absent (or deleted)'}"
+                    (
+                        theirs is None,
+                        f"tag {name!r}: the root says {mine}, its record "
+                        f"{theirs or 'is gone or deleted'}",
+                    )
                 )
         if self.expired is not None and truth.expired is not None:
             missing = truth.expired - self.expired
             if missing:
-                out.append(f"{len(missing)} expired snapshot(s) the root does not name")
+                out.append((True, f"{len(missing)} expired snapshot(s) are not in the root yet"))
         return out
 
     def with_repo(self, repo: RepoRecord) -> RootRecord | None:
