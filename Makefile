@@ -82,6 +82,8 @@ test-stress: $(VENV)/.dev-installed redis-server-available kubectl-available azu
 bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/latest.md
 	$(BIN)/python bench/contention.py --markdown bench/results/contention.md
+	$(BIN)/python bench/verify_cost.py --markdown bench/results/verify_cost.md
+	$(BIN)/python bench/root_contention.py --markdown bench/results/root_contention.md
 	$(BIN)/python bench/maintenance.py --markdown bench/results/maintenance.md
 	$(BIN)/python bench/mirror.py --markdown bench/results/mirror.md
 	$(BIN)/python bench/dask_write.py --peers-python $(PEERS_VENV)/bin/python --markdown bench/results/dask_write.md
@@ -91,6 +93,8 @@ bench: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 bench-quick: $(VENV)/.bench-installed $(PEERS_VENV)/.installed redis-server-available
 	$(BIN)/python bench/run.py --quick --peers-python $(PEERS_VENV)/bin/python
 	$(BIN)/python bench/contention.py --quick
+	$(BIN)/python bench/verify_cost.py --quick
+	$(BIN)/python bench/root_contention.py --quick
 	$(BIN)/python bench/maintenance.py --quick
 	$(BIN)/python bench/mirror.py --quick
 

@@ -1459,25 +1459,35 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
         )
         _report_mirror(body, reason="ReadOnlyRepository", message=message, phase="Failed")
         raise kopf.PermanentError(message)
+    dest_spec = spec.destination
+
+    def refuse_own_location(source: Connection) -> None:
+        same = (
+            source.provider == dest_spec.provider
+            and (source.endpoint_url or "").rstrip("/")
+            == (dest_spec.endpoint_url or "").rstrip("/")
+            and (source.account_name or "") == (dest_spec.account_name or "")
+            and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
+        )
+        if same:
+            message = (
+                f"spec.destination is Repository {spec.repository!r}'s own location "
+                f"({source.storage_url}): a mirror needs another bucket or prefix"
+            )
+            _report_mirror(body, reason="DestinationIsSource", message=message, phase="Failed")
+            raise kopf.PermanentError(message)
+
+    # From the Repository's spec, at once: waiting for it to be Ready changes nothing here.
+    try:
+        refuse_own_location(_connection(repo_body, require_ready=False))
+    except KubernetesError:
+        pass  # its Secret is not there yet: asked again below, once it is Ready
     try:
         source = _connection(repo_body, require_ready=True)
     except KubernetesError as e:
         _report_mirror(body, reason="RepositoryNotReady", message=str(e))
         raise kopf.TemporaryError(str(e), delay=10) from None
-    dest_spec = spec.destination
-    same = (
-        source.provider == dest_spec.provider
-        and (source.endpoint_url or "").rstrip("/") == (dest_spec.endpoint_url or "").rstrip("/")
-        and (source.account_name or "") == (dest_spec.account_name or "")
-        and (source.bucket, source.prefix) == (dest_spec.bucket, dest_spec.prefix)
-    )
-    if same:
-        message = (
-            f"spec.destination is Repository {spec.repository!r}'s own location "
-            f"({source.storage_url}): a mirror needs another bucket or prefix"
-        )
-        _report_mirror(body, reason="DestinationIsSource", message=message, phase="Failed")
-        raise kopf.PermanentError(message)
+    refuse_own_location(source)
     try:
         dest = storage_connection(dest_spec, kube.secrets(ns), f"Mirror {name!r}")
     except KubernetesError as e:

@@ -340,6 +340,33 @@ def test_a_destination_equal_to_the_source_is_refused(k8s: Env, west: str) -> No
     assert k8s.get("Deployment", "zl-self-mirror") is None
 
 
+def test_a_destination_equal_to_a_source_that_is_not_ready_is_refused_at_once(
+    k8s: Env, west: str
+) -> None:
+    """The Repository's own spec says it: waiting for it to be Ready (here it never is: its
+    bucket is missing and not to be provisioned) would change nothing."""
+    k8s.secret()
+    bucket = k8s.repository("stuck", bucket=f"zl-{k8s.namespace}-absent", provision=False)
+    k8s.custom(
+        "Mirror",
+        "onto-itself",
+        {
+            "repository": "stuck",
+            "destination": {
+                "bucket": bucket,
+                "prefix": "repos/stuck",
+                "endpointURL": k8s.s3_endpoint,
+                "credentialsSecret": {"name": "s3-creds"},
+            },
+        },
+    )
+    obj = k8s.wait_condition("Mirror", "onto-itself", status="False")
+    ready = condition(obj, "Ready")
+    assert ready["reason"] == "DestinationIsSource", ready
+    assert condition(k8s.get("Repository", "stuck"), "Ready").get("status") != "True"
+    assert k8s.get("Deployment", "zl-onto-itself-mirror") is None
+
+
 # -- deletion --------------------------------------------------------------------------------------
 
 
