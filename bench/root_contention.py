@@ -55,10 +55,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from contention import (
+    ARRAY,
+    CHUNK_BYTES,
+    array_doc,
+    chunk_bytes,
+    chunk_key,
+    percentile,
+)
 from harness import REGION, S3Server, progress
 
-ARRAY = "a"
-CHUNK_BYTES = 1024  # above the default inline threshold: every chunk is its own object
 BACKENDS = ("local", "moto", "seaweedfs")
 
 
@@ -93,15 +99,6 @@ class WriterResult:
 
 def branch(writer: int) -> str:
     return f"w{writer}"
-
-
-def chunk_key(index: int) -> str:
-    return f"{ARRAY}/c/{index}"
-
-
-def chunk_bytes(config: str, index: int) -> bytes:
-    head = f"{config}:{index}:".encode()
-    return (head * (CHUNK_BYTES // len(head) + 1))[:CHUNK_BYTES]
 
 
 def writer_loop(tasks: Any, results: Any, barrier: Any) -> None:
@@ -214,30 +211,6 @@ class Row:
     generation_backwards: int  # root on: a generation lower than the one before
     problems: list[str]
     latencies_ms: list[float] = field(default_factory=list)
-
-
-def array_doc(size: int) -> bytes:
-    doc = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [size * CHUNK_BYTES],
-        "data_type": "uint8",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [CHUNK_BYTES]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0,
-        "codecs": [{"name": "bytes"}],
-        "attributes": {},
-    }
-    return json.dumps(doc).encode()
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank (as ``bench/contention.py``)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def verify(

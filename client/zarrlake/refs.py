@@ -441,7 +441,9 @@ class BranchJournal:
 
     def current(self, name: str) -> JournalEntry:
         """The head entry of a live branch. Raises :class:`RefNotFound`."""
-        entry = self.head(name)
+        return self._live(name, self.head(name))
+
+    def _live(self, name: str, entry: JournalEntry | None) -> JournalEntry:
         if entry is None:
             raise self.missing(name)
         if entry.snapshot is None:
@@ -451,12 +453,7 @@ class BranchJournal:
     def published_current(self, name: str) -> JournalEntry:
         """:meth:`current` as a reader sees it (:meth:`published_head`). Raises
         :class:`RefNotFound`."""
-        entry = self.published_head(name)
-        if entry is None:
-            raise self.missing(name)
-        if entry.snapshot is None:
-            raise RefNotFound(name, "branch")
-        return entry
+        return self._live(name, self.published_head(name))
 
     def history(self, name: str) -> list[JournalEntry]:
         """Every retained entry, newest first (without a listing: back from the head to the
