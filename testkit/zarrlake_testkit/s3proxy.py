@@ -116,9 +116,19 @@ def _handler_for(proxy: HeaderStrippingProxy) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             proxy.started()
+            self.answered = False
             try:
                 self._forward_one()
             finally:
+                if not self.answered:
+                    proxy.finished()
+
+        def _answer(self) -> None:
+            """Count the request answered before its answer leaves: the client may send its
+            next request the moment the answer arrives, and must not find this one still
+            counted in flight (a thread descheduled between the write and the count)."""
+            if not self.answered:
+                self.answered = True
                 proxy.finished()
 
         def _forward_one(self) -> None:
@@ -142,6 +152,7 @@ def _handler_for(proxy: HeaderStrippingProxy) -> type[BaseHTTPRequestHandler]:
             # A HEAD answer carries the length of the body it leaves out.
             length = response.getheader("Content-Length") if self.command == "HEAD" else None
             self.send_header("Content-Length", length or str(len(data)))
+            self._answer()
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
