@@ -99,17 +99,20 @@ class ExpiryLog:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["storage"], state.get("published"))  # type: ignore[misc]
 
-    def expired(self, *, refresh: bool = False, records: bool = False) -> frozenset[str]:
-        """Ids of every expired snapshot (as of the last refresh; the first call refreshes).
+    def expired(self, *, refresh: bool = False, published: bool = False) -> frozenset[str]:
+        """Ids of every expired snapshot, from the expiry records (as of the last refresh; the
+        first call refreshes): what fsck, GC, expiry and compaction rest on.
 
-        In a repository with a published root that holds them, the root answers (one read,
-        ``log()``'s first); ``records``: the expiry records always (fsck, GC, expiry)."""
-        if self.published is not None and not records:
+        ``published``: where the repository's published root holds them, from the root instead
+        (no listing: ``log()``, in the same read as its ref; the newest root this client has
+        seen, or one read of it with ``refresh``). A root behind the records (an expiry whose
+        writer died before publishing) shows fewer: a log then walks on to the expired parent
+        and ends there as it ends at a missing one."""
+        if published and self.published is not None:
             root = self.published.read() if refresh else self.published.cached()
-            if root is None and self._expired is None:
+            if root is None and not refresh:
                 root = self.published.read()
             if root is not None and root.expired is not None:
-                self._expired = root.expired
                 return root.expired
         if not self.storage.supports_listing:
             # Records cannot be found without a listing (plain HTTP): a log then walks on
@@ -128,7 +131,7 @@ class ExpiryLog:
     def records(self) -> dict[str, frozenset[str]]:
         """Every expiry record: key -> the snapshot ids it expired (a listing, then a read of
         each record not read before)."""
-        self.expired(refresh=True, records=True)
+        self.expired(refresh=True)
         return dict(self._records)
 
     def record(self, when: dt.datetime, snapshot_ids: tuple[str, ...]) -> None:
@@ -440,7 +443,7 @@ class CommitGraph:
             with published.pinned() as root:
                 if root is not None:
                     sid = self.resolve(ref)
-                    expired = self.expiry.expired()
+                    expired = self.expiry.expired(published=True)
                     return self.log(sid, limit=limit, marks=lambda: expired)
         marks = None
         if limit is None or limit > 1:

@@ -23,6 +23,7 @@ what is left: tables of many thousands of refs still live inline.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,8 +51,10 @@ CAS_PROBE_KEY = "refs/probe-cas"
 #: there, naming it. The name carries the first version that implements it, since the name is all
 #: an older zarrlake can print.
 
-#: Snapshot bytes carried inline, over all head entries, at most (the rest are carried without).
-CARRY_BUDGET = 1 << 20
+#: Snapshot bytes carried inline, over all head entries, at most (the rest are carried without:
+#: their readers read the snapshot object). Every publish rewrites the root, so this bounds
+#: what a commit uploads beside its own objects.
+CARRY_BUDGET = 256 * 1024
 #: Expired snapshot ids held inline at most; beyond, readers list the expiry records.
 EXPIRED_MAX = 20_000
 
@@ -289,8 +292,13 @@ def _strings(value: Any, key: str, name: str) -> list[str]:
 
 def _without_snapshot(name: str, head: BranchHead) -> bytes:
     """The head entry's bytes without the snapshot it carries (over the root's budget)."""
-    entry = JournalEntry.decode(head.entry, f"<root head of {name}>")
-    return replace(entry, snapshot_data=None).encode()
+    return _stripped(head.entry)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stripped(entry: bytes) -> bytes:
+    # Cached: the heads that stay over the budget are the same entries publish after publish.
+    return replace(JournalEntry.decode(entry, "<root head>"), snapshot_data=None).encode()
 
 
 def initial_root(repo: RepoRecord) -> RootRecord:
