@@ -36,6 +36,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,18 +120,28 @@ def writer_loop(tasks: Any, results: Any) -> None:
 
 
 class WriterPool:
-    def __init__(self, size: int) -> None:
+    """``size`` writer processes, started once and reused round after round: each runs
+    ``target(its task queue, the results queue[, a barrier all of them share])``."""
+
+    def __init__(
+        self, size: int, target: Callable[..., None] | None = None, *, barrier: bool = False
+    ) -> None:
         ctx = mp.get_context("spawn")
+        self.size = size
         self.results = ctx.Queue()
+        self.barrier = ctx.Barrier(size) if barrier else None
+        extra = () if self.barrier is None else (self.barrier,)
         self.queues = [ctx.Queue() for _ in range(size)]
         self.procs = [
-            ctx.Process(target=writer_loop, args=(q, self.results), daemon=True)
+            ctx.Process(target=target or writer_loop, args=(q, self.results, *extra), daemon=True)
             for q in self.queues
         ]
         for p in self.procs:
             p.start()
 
-    def run(self, tasks: list[Task], timeout: float = 600) -> list[WriterResult]:
+    def run(self, tasks: list[Any], timeout: float = 600) -> list[Any]:
+        if self.barrier is not None:
+            assert len(tasks) == self.size, "every writer takes part in every round (barrier)"
         for q, task in zip(self.queues, tasks, strict=False):
             q.put(task)
         out = []

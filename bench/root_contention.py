@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -58,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from contention import (
     ARRAY,
     CHUNK_BYTES,
+    WriterPool,
     array_doc,
     chunk_bytes,
     chunk_key,
@@ -151,37 +150,6 @@ def writer_loop(tasks: Any, results: Any, barrier: Any) -> None:
             except Exception:
                 out.error = traceback.format_exc()
         results.put(out)
-
-
-class WriterPool:
-    def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.size = size
-        self.results = ctx.Queue()
-        self.barrier = ctx.Barrier(size)
-        self.queues = [ctx.Queue() for _ in range(size)]
-        self.procs = [
-            ctx.Process(target=writer_loop, args=(q, self.results, self.barrier), daemon=True)
-            for q in self.queues
-        ]
-        for p in self.procs:
-            p.start()
-
-    def run(self, tasks: list[Task], timeout: float = 1800) -> list[WriterResult]:
-        assert len(tasks) == self.size, "every writer takes part in every round (the barrier)"
-        for q, task in zip(self.queues, tasks, strict=True):
-            q.put(task)
-        out = [self.results.get(timeout=timeout) for _ in tasks]
-        return sorted(out, key=lambda r: r.writer)
-
-    def close(self) -> None:
-        for q in self.queues:
-            q.put(None)
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
 
 
 # -- one configuration ----------------------------------------------------------------------------
@@ -455,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, server in servers.items():
             pid = server.process.pid if server.process else "?"
             progress(f"{name}: {server.name} pid {pid} at {server.endpoint}")
-        pool = WriterPool(args.writers)
+        pool = WriterPool(args.writers, writer_loop, barrier=True)
         progress(
             f"{args.writers} writer processes, {os.cpu_count()} CPUs, {commits} commits per "
             f"writer, backends {','.join(backends)}, root {args.modes}"

@@ -378,6 +378,19 @@ def test_a_root_whose_head_carries_another_snapshot_is_corrupt(tmp_path: Path) -
         zarrlake.Repository.open(storage).readonly_session("main")
 
 
+@pytest.mark.parametrize("kw", [{"published_root": "no"}, {"verify_reads": "false"}])
+def test_a_flag_that_is_no_bool_is_refused_before_anything_is_written(
+    tmp_path: Path, kw: dict[str, Any]
+) -> None:
+    storage = zarrlake.Storage.local(tmp_path / "r")
+    with pytest.raises(zarrlake.InvalidArgument, match=next(iter(kw))):
+        zarrlake.Repository.create(storage, **kw)  # "no" would have been true
+    assert not (tmp_path / "r").exists() or not list(storage.list(""))
+    zarrlake.Repository.create(storage)
+    with pytest.raises(zarrlake.InvalidArgument, match="verify_reads"):
+        zarrlake.Repository.open(storage, verify_reads="false")  # type: ignore[arg-type]
+
+
 def test_a_pickled_copy_publishes_too(tmp_path: Path) -> None:
     storage = zarrlake.Storage.local(tmp_path / "r")
     repo = pickle.loads(pickle.dumps(zarrlake.Repository.create(storage)))

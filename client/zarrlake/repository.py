@@ -117,6 +117,12 @@ def _new_ref_name(name: object, kind: str) -> None:
         )
 
 
+def _check_flag(value: object, name: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``value`` is a bool: ``"false"`` would be true."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be True, False or None, not {value!r}")
+
+
 def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
     def get(key: str) -> bytes | None:
         try:
@@ -148,7 +154,8 @@ class Repository:
                 f"(redis://…, a directory), or None; not {type(lock).__name__}"
             )
         self.storage = storage
-        verify = verify_reads_default() if verify_reads is None else bool(verify_reads)
+        verify = verify_reads_default() if verify_reads is None else verify_reads
+        _check_flag(verify, "verify_reads")
         self._core = RepositoryCore.build(storage, record, lock, verify_reads=verify)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -202,6 +209,10 @@ class Repository:
         """
         if content_hash not in CONTENT_HASHES:
             raise UnknownContentHash(content_hash, sorted(CONTENT_HASHES))
+        if published_root is not None:
+            _check_flag(published_root, "published_root")
+        if verify_reads is not None:
+            _check_flag(verify_reads, "verify_reads")
         check_storage_writable(storage)
         if isinstance(config, dict):
             config = RepositoryConfig.from_dict(config, strict=True)
