@@ -247,8 +247,9 @@ class CommitEngine:
 
     # -- branches ----------------------------------------------------------------------------------
 
-    def initialize(self, branch: str) -> None:
-        """Give ``branch`` an empty root commit if it has no journal yet (a new repository)."""
+    def initialize(self, branch: str, *, publish: bool = True) -> None:
+        """Give ``branch`` an empty root commit if it has no journal yet (a new repository);
+        ``publish``: as :meth:`BranchJournal.append`'s."""
         if self.journal.head(branch) is not None:
             return
         snap = Snapshot(
@@ -267,6 +268,7 @@ class CommitEngine:
         self.journal.append(
             branch,
             JournalEntry(0, snap.id, None, _now(), new_writer_id(), snapshot_data=commit.encoded),
+            publish=publish,
         )
 
     def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:

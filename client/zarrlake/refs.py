@@ -637,8 +637,10 @@ class BranchJournal:
             return
         self._marking[name] = (os.getpid(), future)
 
-    def append(self, name: str, entry: JournalEntry) -> bool:
-        """Create-only write of ``entry``. True if it is now the branch's newest entry.
+    def append(self, name: str, entry: JournalEntry, *, publish: bool = True) -> bool:
+        """Create-only write of ``entry``. True if it is now the branch's newest entry, then
+        published to the root where there is one (unless ``publish`` is off: a repository
+        being created, whose root is written after its marker).
 
         False means another writer took that sequence number (the caller re-reads and retries).
         """
@@ -664,7 +666,7 @@ class BranchJournal:
             data = None  # stored by an earlier try of ours: its bytes may differ (its time)
         self._learn(name, entry, asked, data)
         self._mark(name, entry, None if seen is None else seen[0])
-        if self.published is not None:
+        if self.published is not None and publish:
             # Decided: now published, before the caller is told (a reader of the root then
             # sees it). Our bytes, if the stored ones are an earlier try's: the same entry.
             self.published.publish(lambda r: r.with_head(name, entry, encoded))

@@ -242,12 +242,8 @@ class Repository:
         # ``main`` it left), or a marker without a root (its readers read the journals until
         # the first publish writes it); two racing creators both find one ``main``, and the
         # create-only marker decides between them.
-        journal = repo._core.journal
-        published, journal.published = journal.published, None
-        try:
-            repo._core.commits.initialize(MAIN)
-        finally:
-            journal.published = published
+        published = repo._core.journal.published
+        repo._core.commits.initialize(MAIN, publish=False)
         try:
             storage.put(REPO_KEY, record.encode(), create_only=True)
         except PreconditionFailed:
