@@ -143,6 +143,70 @@ def test_log_is_the_root_and_one_history_page(counted: Callable[[], CountingStor
     assert len(ops) - 3 <= 2, ops  # pages: 150 records fit in at most two
 
 
+def test_log_of_100_is_the_root_alone(counted: Callable[[], CountingStorage]) -> None:
+    writer = zarrlake.Repository.create(counted())
+    ids = [_commit(writer, "main", i) for i in range(150)]
+    writer.create_branch("side", "main")  # a new branch starts from the recent history it forks
+    side = [_commit(writer, "side", i) for i in range(3)]
+    counts = counted().counts
+    repo = zarrlake.Repository.open(counted())
+    for branch, expected in (("main", ids[::-1][:100]), ("side", (ids + side)[::-1][:100])):
+        counts.reset()
+        # The head snapshot carries its newest 64 ancestors, the root the rest of the 100.
+        assert [c.id for c in repo.log(branch, limit=100)] == expected, branch
+        assert _ops(counts) == ["get_versioned"], branch
+    # Past the recent history: the pages, as before, the same commits in the same order.
+    counts.reset()
+    assert [c.id for c in repo.log(limit=140)] == ids[::-1][:140]
+    assert _ops(counts)[0] == "get_versioned" and "get" in _ops(counts)
+    root = _root(counted())
+    assert set(root.recent) == {"main", "side"}
+
+
+def test_the_most_recently_moved_heads_carry_their_snapshots(storage: zarrlake.Storage) -> None:
+    from zarrlake.format.model import JournalEntry
+    from zarrlake.format.root import CARRY_HEADS
+
+    repo = zarrlake.Repository.create(storage)
+    head = _commit(repo, "main", 0)
+    names = [f"b{i:02d}" for i in range(CARRY_HEADS + 4)]
+    for name in names:  # b00 first: the oldest move when they are all made
+        repo.create_branch(name, head)
+    _commit(repo, "b00", 1)  # ...until it moves again: now the newest
+
+    def carried(root: RootRecord) -> set[str]:
+        return {
+            n
+            for n, h in root.branches.items()
+            if JournalEntry.decode(h.entry).snapshot_data is not None
+        }
+
+    root = _root(storage)
+    expected = {"b00", *names[-(CARRY_HEADS - 1) :]}
+    assert carried(root) == expected and next(iter(root.branches)) == "b00"
+    assert "main" not in carried(root) and "b01" not in carried(root)
+    # A reader of a head that carries none reads the snapshot object: the same answer.
+    fresh = zarrlake.Repository.open(storage)
+    assert fresh.lookup_branch("main") == head
+    assert zarr.open_array(fresh.readonly_session("main").store, path="data")[0] == 0
+
+
+def test_recent_history_is_an_index_a_damaged_one_costs_reads_not_answers(
+    storage: zarrlake.Storage,
+) -> None:
+    repo = zarrlake.Repository.create(storage)
+    ids = [_commit(repo, "main", i) for i in range(120)]
+    found = storage.get_versioned(ROOT_KEY)
+    root = RootRecord.decode(found.data)
+    damaged = replace(root, recent={"main": b"ZLAK\x01\x09 not a page"})
+    storage.put_if_version(ROOT_KEY, damaged.encode(), found.version)
+    fresh = zarrlake.Repository.open(storage)
+    assert [c.id for c in fresh.log(limit=100)] == ids[::-1][:100]
+    # A commit replaces it from what the root carries (its head's records only, here).
+    _commit(repo, "main", 120)
+    assert [c.id for c in zarrlake.Repository.open(storage).log(limit=100)][1:] == ids[::-1][:99]
+
+
 def test_a_commit_costs_one_request_more_at_most(counted: Callable[[], CountingStorage]) -> None:
     repo = zarrlake.Repository.create(counted())
     _commit(repo, "main", 0)

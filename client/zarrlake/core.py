@@ -187,11 +187,9 @@ def rebuild_root(
     (one listing and a read each), the tag records and the expiry records."""
     names = sorted(journal.names())
     heads = journal.storage.map(journal.head, names)
-    branches = {
-        name: BranchHead(entry.seq, entry.snapshot, entry.encode())
-        for name, entry in zip(names, heads, strict=True)
-        if entry is not None
-    }
+    found = [(name, entry) for name, entry in zip(names, heads, strict=True) if entry is not None]
+    found.sort(key=lambda pair: pair[1].time, reverse=True)  # the root's order: newest move first
+    branches = {n: BranchHead(entry.seq, entry.snapshot, entry.encode()) for n, entry in found}
     # A mirror's root holds no expiry: its expiry records are its source's, replicated, and
     # its readers list them (None: "read the records").
     records = {} if journal.root else expiry.records()

@@ -159,14 +159,16 @@ class History(Iterator[CommitInfo]):
         first: Snapshot,
         limit: int | None,
         marks: Callable[[], frozenset[str]] | None = None,
+        recent: HistoryPage | None = None,
     ) -> None:
         """``marks`` gives the ids of expired snapshots when the walk first looks past ``first``
-        (a read already started, say); by default, ``expiry`` lists them then."""
+        (a read already started, say); by default, ``expiry`` lists them then. ``recent``:
+        records of ``first``'s ancestors known already (the published root's recent history)."""
         self.truncated: list[tuple[str, str]] = []
         self._objects = objects
         if marks is None:
             marks = functools.partial(expiry.expired, refresh=True)
-        self._it = self._walk(marks, first, limit)
+        self._it = self._walk(marks, first, limit, recent)
 
     def __iter__(self) -> History:
         return self
@@ -179,10 +181,16 @@ class History(Iterator[CommitInfo]):
         log.info("history ends at %s: its parent %s was expired", child, parent)
 
     def _walk(
-        self, marks: Callable[[], frozenset[str]], first: Snapshot, limit: int | None
+        self,
+        marks: Callable[[], frozenset[str]],
+        first: Snapshot,
+        limit: int | None,
+        recent: HistoryPage | None,
     ) -> Iterator[CommitInfo]:
         records = CommitRecords(self._objects)
         records.learn(first)
+        if recent is not None:
+            records.take(recent)
         # The expiry marks and, unless the head's own records cover the limit, the newest history
         # pages: one concurrent round, when the walk first looks past the head (the head's own
         # record is known: ``log(limit=1)``, taken alone, reads nothing more).
@@ -243,6 +251,10 @@ class CommitRecords:
         self._add(snap.ancestry, snap.history)
         if snap.index is not None:
             self._queue(snap.index.pages)
+
+    def take(self, page: HistoryPage) -> None:
+        """Take the records of ``page`` (without following the pages it names)."""
+        self._add(page.ids, page.records)
 
     def complete(self) -> bool:
         """Whether every parent of every known record is known (a short history read whole)."""
@@ -424,14 +436,15 @@ class CommitGraph:
         *,
         limit: int | None = None,
         marks: Callable[[], frozenset[str]] | None = None,
+        recent: HistoryPage | None = None,
     ) -> History:
         """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots
-        (``marks``: see :class:`History`).
+        (``marks``, ``recent``: see :class:`History`).
 
         Raises :class:`RefNotFound` if the snapshot itself is missing.
         """
         first = self.objects.snapshot(snapshot_id)
-        return History(self.objects, self.expiry, first, limit, marks)
+        return History(self.objects, self.expiry, first, limit, marks, recent)
 
     def log_ref(self, ref: str, *, limit: int | None = None) -> History:
         """:meth:`log` of what ``ref`` resolves to. A walk that will go past the head needs the
@@ -444,7 +457,11 @@ class CommitGraph:
                 if root is not None:
                     sid = self.resolve(ref)
                     expired = self.expiry.expired(published=True)
-                    return self.log(sid, limit=limit, marks=lambda: expired)
+                    held = root.branches.get(ref)
+                    recent = None
+                    if held is not None and held.snapshot == sid:
+                        recent = root.recent_history(ref)
+                    return self.log(sid, limit=limit, marks=lambda: expired, recent=recent)
         marks = None
         if limit is None or limit > 1:
             marks = self.objects.storage.start_read(

@@ -13,11 +13,14 @@ refs and the recent history of a branch are one read. It holds:
 - the live tags (name -> snapshot id);
 - the snapshots expiry took out of history (``log()`` stops at them), while they are few
   (:data:`EXPIRED_MAX`; more, and readers list ``expired/`` as before);
+- the newest stretch of each recently moved branch's history past what its head snapshot
+  carries (:data:`RECENT` commits with them), so that ``log(limit=100)`` reads nothing else;
 - ``generation``: how many times it was published; a client never takes a root older than
   one it has seen.
 
-Its size is bounded (:data:`CARRY_BUDGET`): snapshot bytes carried in head entries stop at the
-budget (those heads cost their reader one read of the snapshot object). See the design note for
+Its size is bounded (:data:`CARRY_BUDGET`): snapshot bytes and recent history carried for
+heads stop at the budget (those heads cost their reader one read of the snapshot object, or of
+a history page). See the design note for
 what is left: tables of many thousands of refs still live inline.
 """
 
@@ -28,9 +31,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from zarrlake.errors import CorruptObject
+from zarrlake.errors import CorruptObject, UnsupportedFormat
 from zarrlake.format.codec import ObjectType, decode, encode
-from zarrlake.format.model import MIRROR_PREFIX, PUBLISHED_ROOT, JournalEntry, RepoRecord
+from zarrlake.format.model import (
+    MIRROR_PREFIX,
+    PUBLISHED_ROOT,
+    AncestorRecord,
+    HistoryPage,
+    JournalEntry,
+    RepoRecord,
+    Snapshot,
+)
 
 __all__ = [
     "CAS_PROBE_KEY",
@@ -55,8 +66,16 @@ CAS_PROBE_KEY = "refs/probe-cas"
 #: their readers read the snapshot object). Every publish rewrites the root, so this bounds
 #: what a commit uploads beside its own objects.
 CARRY_BUDGET = 256 * 1024
+#: Heads that carry their snapshot (and recent history) at most: the most recently moved ones,
+#: which are the ones read. Every reader of the root decodes all of it (listing refs, ``log()``,
+#: a session's head), so a hundred old branches carrying theirs would cost every one of them.
+CARRY_HEADS = 16
 #: Expired snapshot ids held inline at most; beyond, readers list the expiry records.
 EXPIRED_MAX = 20_000
+#: Commit records of a branch's history the root lets a reader have without another read: the
+#: head's own, those its snapshot carries, and (``RootRecord.recent``) the rest. ``log(limit=100)``
+#: reads nothing else: it looks at the parents of the 100th commit too (where history ends).
+RECENT = 101
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +98,11 @@ class RootRecord:
     #: the records); ``expiry_records``: the keys of the expiry records they come from.
     expired: frozenset[str] | None = frozenset()
     expiry_records: frozenset[str] = frozenset()
+    #: Branch -> a :class:`HistoryPage` (encoded, ``older`` empty) of the first-parent ancestors
+    #: of its head past the records the head snapshot carries, up to :data:`RECENT` commits in
+    #: all. An index like any history page: its records are copies of immutable snapshots'
+    #: headers, so a stale or missing one costs reads, never a wrong answer.
+    recent: Mapping[str, bytes] = field(default_factory=dict)
 
     # -- the updates writers publish (pure: a record in, a record out, or None: nothing new) ----
 
@@ -89,9 +113,56 @@ class RootRecord:
         held = self.branches.get(name)
         if held is not None and held.seq >= entry.seq:
             return None
-        branches = dict(self.branches)
-        branches[name] = BranchHead(entry.seq, entry.snapshot, data)
-        return replace(self, generation=self.generation + 1, branches=branches)
+        # The most recently moved first: the order the root keeps (and carries snapshots in).
+        branches = {name: BranchHead(entry.seq, entry.snapshot, data)}
+        branches.update((n, h) for n, h in self.branches.items() if n != name)
+        recent = dict(self.recent)
+        page = self._recent_after(name, entry)
+        if page is None:
+            recent.pop(name, None)
+        else:
+            recent[name] = page
+        return replace(self, generation=self.generation + 1, branches=branches, recent=recent)
+
+    def _recent_after(self, name: str, entry: JournalEntry) -> bytes | None:
+        """The recent history of branch ``name`` once its head is ``entry``: the first-parent
+        line past the records the new head snapshot carries, taken from what this root already
+        carries for the branch (its head's records and recent page), or, for a branch new here,
+        for a branch whose head the new one is or descends from (a branch created from it)."""
+        line = _lineage(entry.snapshot_data) if entry.snapshot_data is not None else None
+        if not line or len(line) >= RECENT:
+            return None
+        pool: dict[str, AncestorRecord] = {}
+        sources = [name] if name in self.branches else []
+        if not sources:
+            wanted = {line[0][0], *line[0][1].parents}
+            sources = [n for n, h in self.branches.items() if h.snapshot in wanted][:1]
+        for source in sources:
+            pool.update(_head_lineage(self.branches[source].entry))
+            page = self.recent.get(source)
+            if page is not None:
+                pool.update(_page_lineage(page))
+        ids: list[str] = []
+        records: list[AncestorRecord] = []
+        parents = line[-1][1].parents
+        while len(line) + len(ids) < RECENT and parents and parents[0] in pool:
+            ids.append(parents[0])
+            records.append(pool[parents[0]])
+            parents = records[-1].parents
+        if not ids:
+            return None
+        return HistoryPage(tuple(ids), tuple(records), ()).encode()
+
+    def recent_history(self, name: str) -> HistoryPage | None:
+        """The recent history the root carries for branch ``name`` (None: none, or none that
+        parses: the reader reads history pages instead)."""
+        page = self.recent.get(name)
+        if page is None:
+            return None
+        try:
+            return HistoryPage.decode(page, f"{ROOT_KEY} (recent history of {name!r})")
+        except (CorruptObject, UnsupportedFormat):
+            return None
 
     def with_tag(self, name: str, snapshot_id: str | None) -> RootRecord | None:
         """This root with tag ``name`` at ``snapshot_id`` (None: deleted), unless it already is."""
@@ -126,11 +197,14 @@ class RootRecord:
         read after this root): every head of ``truth`` newer than this root's, its tags exactly
         (they are created and deleted once each), its expiry records. A head this root holds
         newer than ``truth``'s stays: the journal moved on since ``truth`` was read."""
-        branches = dict(self.branches)
+        moved: dict[str, BranchHead] = {}
+        recent = dict(self.recent)
         for name, head in truth.branches.items():
-            held = branches.get(name)
+            held = self.branches.get(name)
             if held is None or held.seq < head.seq:
-                branches[name] = head
+                moved[name] = head
+                recent.pop(name, None)
+        branches = {**moved, **{n: h for n, h in self.branches.items() if n not in moved}}
         expired = self.expired
         if expired is not None and truth.expired is not None:
             expired = expired | truth.expired
@@ -144,6 +218,7 @@ class RootRecord:
             tags=dict(truth.tags),
             expired=expired,
             expiry_records=self.expiry_records | truth.expiry_records,
+            recent=recent,
         )
         if (new.branches, dict(new.tags), new.expired, new.expiry_records) == (
             dict(self.branches),
@@ -222,13 +297,19 @@ class RootRecord:
     def encode(self) -> bytes:
         budget = CARRY_BUDGET
         branches = []
-        # The most recently moved heads keep their snapshot bytes first (the ones being read).
-        for name, head in sorted(self.branches.items(), key=lambda kv: -kv[1].seq):
+        recent = []
+        # The most recently moved heads (the table's order) keep their snapshot bytes, then
+        # their recent history, first: they are the ones being read.
+        for rank, (name, head) in enumerate(self.branches.items()):
             data = head.entry
-            if len(data) > budget:
+            if len(data) > budget or rank >= CARRY_HEADS:
                 data = _without_snapshot(name, head)
             budget -= len(data)
             branches.append([name, head.seq, head.snapshot, data])
+            page = self.recent.get(name)
+            if page is not None and len(page) <= budget and data is head.entry:
+                budget -= len(page)
+                recent.append([name, page])
         body: dict[str, Any] = {
             "repo": self.repo.encode(),
             "generation": self.generation,
@@ -236,6 +317,8 @@ class RootRecord:
             "tags": sorted(self.tags.items()),
             "expired": None if self.expired is None else sorted(self.expired),
             "expiry_records": sorted(self.expiry_records),
+            # Its own key: a zarrlake 0.2.0 reads past it (and, publishing, leaves it out).
+            "recent": sorted(recent),
         }
         return encode(ObjectType.ROOT, body)
 
@@ -269,7 +352,17 @@ class RootRecord:
         if raw_expired is not None:
             expired = frozenset(_strings(raw_expired, key, "expired"))
         records = frozenset(_strings(obj.get("expiry_records") or [], key, "expiry_records"))
-        return cls(repo, generation, branches, tags, expired, records)
+        recent: dict[str, bytes] = {}
+        for item in _typed(obj.get("recent") or [], list, key, "recent"):
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], bytes)
+            ):
+                raise CorruptObject(key, f"bad recent history {item!r:.80}")
+            recent[item[0]] = item[1]
+        return cls(repo, generation, branches, tags, expired, records, recent)
 
 
 def _need(obj: Any, name: str, key: str) -> Any:
@@ -295,10 +388,43 @@ def _without_snapshot(name: str, head: BranchHead) -> bytes:
     return _stripped(head.entry)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=16384)
 def _stripped(entry: bytes) -> bytes:
     # Cached: the heads that stay over the budget are the same entries publish after publish.
     return replace(JournalEntry.decode(entry, "<root head>"), snapshot_data=None).encode()
+
+
+Lineage = tuple[tuple[str, AncestorRecord], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _lineage(snapshot_data: bytes) -> Lineage:
+    """A snapshot's own commit record and those it carries of its ancestors, newest first
+    (empty if the bytes do not decode). Cached: a publish that loses its swap applies its
+    update again, and the next commit on the branch reads the same head."""
+    try:
+        snap = Snapshot.decode(snapshot_data, "<root head>")
+    except (CorruptObject, UnsupportedFormat):
+        return ()
+    own = AncestorRecord(snap.parents, snap.time, snap.author, snap.message, snap.metadata)
+    return ((snap.id, own), *zip(snap.ancestry, snap.history, strict=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _head_lineage(entry: bytes) -> Lineage:
+    try:
+        data = JournalEntry.decode(entry, "<root head>").snapshot_data
+    except (CorruptObject, UnsupportedFormat):
+        return ()
+    return () if data is None else _lineage(data)
+
+
+def _page_lineage(page: bytes) -> Lineage:
+    try:
+        decoded = HistoryPage.decode(page, "<root recent history>")
+    except (CorruptObject, UnsupportedFormat):
+        return ()
+    return tuple(zip(decoded.ids, decoded.records, strict=True))
 
 
 def initial_root(repo: RepoRecord) -> RootRecord:
