@@ -578,6 +578,66 @@ def test_upgrade_racing_commits_loses_no_commit(tmp_path: Path, journal_only: No
     assert zarrlake.Repository.open(storage).fsck().ok
 
 
+def test_a_mirror_promoted_while_its_source_upgrades_shows_every_commit_in_order(
+    tmp_path: Path, journal_only: None
+) -> None:
+    from zarrlake.mirror import Mirror
+
+    source_storage = zarrlake.Storage.local(tmp_path / "source")
+    destination = zarrlake.Storage.local(tmp_path / "mirror")
+    committed = [_commit(zarrlake.Repository.create(source_storage), "main", 0)]
+    mirror = Mirror(zarrlake.Repository.open(source_storage), destination, tags=False)
+    mirror.step()
+    reader = zarrlake.Repository.open(destination)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    shown: list[str] = []
+
+    def writer() -> None:
+        try:
+            i = 1
+            while not stop.is_set() or i < 8:
+                committed.append(_commit(zarrlake.Repository.open(source_storage), "main", i))
+                i += 1
+        except BaseException as e:
+            errors.append(e)
+
+    def promoter() -> None:
+        try:
+            while not stop.is_set():
+                mirror.step()
+                shown.append(reader.lookup_branch("main"))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=promoter)]
+    for t in threads:
+        t.start()
+    while len(committed) < 4 and not errors:
+        threading.Event().wait(0.01)
+    report = zarrlake.Repository.open(source_storage).upgrade()
+    while len(committed) < 8 and not errors:
+        threading.Event().wait(0.01)
+    stop.set()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert report.published_root
+    mirror.step()
+    source = zarrlake.Repository.open(source_storage)
+    head = source.lookup_branch("main")
+    assert head == committed[-1]
+    # The mirror ends where the source is, with every acknowledged commit, in order...
+    assert reader.lookup_branch("main") == head
+    assert [c.id for c in reader.log()] == [c.id for c in source.log()]
+    assert set(committed) <= {c.id for c in reader.log()}
+    # ...and its one reader never saw main go back, before, during or after the upgrade.
+    order = {sid: i for i, sid in enumerate(committed)}
+    seen = [order[sid] for sid in shown]
+    assert seen == sorted(seen), seen
+    assert zarrlake.Repository.open(source_storage).fsck().ok
+
+
 def test_upgrade_on_a_server_without_compare_and_set_changes_nothing(
     request: pytest.FixtureRequest, tmp_path: Path, journal_only: None
 ) -> None:
