@@ -62,13 +62,15 @@ CAS_PROBE_KEY = "refs/probe-cas"
 #: there, naming it. The name carries the first version that implements it, since the name is all
 #: an older zarrlake can print.
 
+#: The default branch (never deleted), which always carries its snapshot when it can.
+MAIN = "main"
 #: Snapshot bytes carried inline, over all head entries, at most (the rest are carried without:
 #: their readers read the snapshot object). Every publish rewrites the root, so this bounds
 #: what a commit uploads beside its own objects.
 CARRY_BUDGET = 256 * 1024
-#: Heads that carry their snapshot (and recent history) at most: the most recently moved ones,
-#: which are the ones read. Every reader of the root decodes all of it (listing refs, ``log()``,
-#: a session's head), so a hundred old branches carrying theirs would cost every one of them.
+#: Heads that carry their snapshot (and recent history) at most: ``main`` and the most recently
+#: moved others, which are the ones read. Every reader of the root decodes all of it (listing
+#: refs, ``log()``, a session's head): a hundred old branches carrying theirs cost every one.
 CARRY_HEADS = 16
 #: Expired snapshot ids held inline at most; beyond, readers list the expiry records.
 EXPIRED_MAX = 20_000
@@ -300,9 +302,13 @@ class RootRecord:
         recent = []
         # The most recently moved heads (the table's order) keep their snapshot bytes, then
         # their recent history, first: they are the ones being read.
-        for rank, (name, head) in enumerate(self.branches.items()):
+        rank = 0
+        for name, head in self.branches.items():
             data = head.entry
-            if len(data) > budget or rank >= CARRY_HEADS:
+            # ``main`` always carries its snapshot (it is the one most read), whenever it moved.
+            if name != MAIN:
+                rank += 1
+            if len(data) > budget or (rank >= CARRY_HEADS and name != MAIN):
                 data = _without_snapshot(name, head)
             budget -= len(data)
             branches.append([name, head.seq, head.snapshot, data])
