@@ -106,7 +106,12 @@ class RepositoryCore:
             guard = None
             published = PublishedRoot(storage, record, MIRROR_ROOT_KEY if root else ROOT_KEY)
         journal = BranchJournal(
-            storage, adopt=objects.adopt_snapshot, root=root, guard=guard, published=published
+            storage,
+            adopt=objects.adopt_snapshot,
+            root=root,
+            guard=guard,
+            published=published,
+            pages=objects.written_page,
         )
         tags = Tags(storage, root=root, guard=guard, published=published)
         # A mirror's expiry records are its source's, replicated: not what its own root holds.

@@ -26,6 +26,7 @@ from zarrlake.format import manifest
 from zarrlake.format.codec import gc_paused
 from zarrlake.format.ids import (
     canonical_id,
+    content_hash,
     is_snapshot_id,
     is_snapshot_id_prefix,
     new_snapshot_id,
@@ -37,6 +38,7 @@ from zarrlake.format.model import (
     HistoryPage,
     Snapshot,
     expiry_key,
+    history_page_key,
     snapshot_key,
     to_micros,
 )
@@ -160,12 +162,15 @@ class History(Iterator[CommitInfo]):
         limit: int | None,
         marks: Callable[[], frozenset[str]] | None = None,
         recent: HistoryPage | None = None,
+        carried: Mapping[str, bytes] | None = None,
     ) -> None:
         """``marks`` gives the ids of expired snapshots when the walk first looks past ``first``
         (a read already started, say); by default, ``expiry`` lists them then. ``recent``:
-        records of ``first``'s ancestors known already (the published root's recent history)."""
+        records of ``first``'s ancestors known already (the published root's recent history);
+        ``carried``: history pages at hand (digest -> bytes, the root's), read instead."""
         self.truncated: list[tuple[str, str]] = []
         self._objects = objects
+        self._carried = carried or {}
         if marks is None:
             marks = functools.partial(expiry.expired, refresh=True)
         self._it = self._walk(marks, first, limit, recent)
@@ -187,7 +192,7 @@ class History(Iterator[CommitInfo]):
         limit: int | None,
         recent: HistoryPage | None,
     ) -> Iterator[CommitInfo]:
-        records = CommitRecords(self._objects)
+        records = CommitRecords(self._objects, self._carried)
         records.learn(first)
         if recent is not None:
             records.take(recent)
@@ -239,8 +244,9 @@ class CommitRecords:
     snapshot, exactly as a walk without an index would, so the answer never depends on the index.
     """
 
-    def __init__(self, objects: ObjectStore) -> None:
+    def __init__(self, objects: ObjectStore, carried: Mapping[str, bytes] | None = None) -> None:
         self.objects = objects
+        self._carried = carried or {}
         self.known: dict[str, CommitInfo] = {}
         self._pending: list[str] = []  # page digests named but not read yet, newest first
         self._asked: set[str] = set()
@@ -275,6 +281,15 @@ class CommitRecords:
                 self._pending.append(digest)
 
     def _page(self, digest: str) -> HistoryPage | None:
+        page = self._carried.get(digest)
+        if page is not None:
+            # The root carried it: good if it is the page its digest names, as a read checks.
+            try:
+                if content_hash(page) == digest:
+                    return HistoryPage.decode(page, history_page_key(digest))
+            except (CorruptObject, UnsupportedFormat):
+                pass
+            log.warning("the root's copy of history page %s is damaged: reading it", digest)
         try:
             return self.objects.history_page(digest)
         except RefNotFound:
@@ -437,14 +452,15 @@ class CommitGraph:
         limit: int | None = None,
         marks: Callable[[], frozenset[str]] | None = None,
         recent: HistoryPage | None = None,
+        carried: Mapping[str, bytes] | None = None,
     ) -> History:
         """Commits reachable from ``snapshot_id``, newest first; stops at expired snapshots
-        (``marks``, ``recent``: see :class:`History`).
+        (``marks``, ``recent``, ``carried``: see :class:`History`).
 
         Raises :class:`RefNotFound` if the snapshot itself is missing.
         """
         first = self.objects.snapshot(snapshot_id)
-        return History(self.objects, self.expiry, first, limit, marks, recent)
+        return History(self.objects, self.expiry, first, limit, marks, recent, carried)
 
     def log_ref(self, ref: str, *, limit: int | None = None) -> History:
         """:meth:`log` of what ``ref`` resolves to. A walk that will go past the head needs the
@@ -461,7 +477,9 @@ class CommitGraph:
                     recent = None
                     if held is not None and held.snapshot == sid:
                         recent = root.recent_history(ref)
-                    return self.log(sid, limit=limit, marks=lambda: expired, recent=recent)
+                    return self.log(
+                        sid, limit=limit, marks=lambda: expired, recent=recent, carried=root.pages
+                    )
         marks = None
         if limit is None or limit > 1:
             marks = self.objects.storage.start_read(

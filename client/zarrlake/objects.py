@@ -157,6 +157,9 @@ class ObjectStore:
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
         self._pages: LRU[str, HistoryPage] = LRU(1024)
+        #: The history pages this client sealed last, as written (what the published root
+        #: carries for ``main``: :meth:`written_page`).
+        self._written: LRU[str, bytes] = LRU(4)
         #: Windows read ahead in packs, where a request costs far more than its bytes (not on
         #: local files or memory, whose small reads run in place: see ``inline_read_bytes``).
         self._ahead = None if self.storage.inline_read_bytes else PackReadAhead()
@@ -285,6 +288,10 @@ class ObjectStore:
 
         return self._cached(self._pages, history_page_key(digest), digest, parse, "history page")
 
+    def written_page(self, digest: str) -> bytes | None:
+        """The bytes of history page ``digest`` if this client sealed it lately (no I/O)."""
+        return self._written.get(digest)
+
     def forget(self, snapshot_id: str) -> None:
         """Drop a snapshot and its txlog from the caches (garbage collection deleted them)."""
         self._snapshots.discard(snapshot_id)
@@ -324,6 +331,7 @@ class ObjectStore:
         if commit.history_page is not None:
             digest, page = commit.history_page
             writes.append((history_page_key(digest), page, False))
+            self._written.put(digest, page)
         writes.append((snapshot_key(snap.id), commit.encoded, True))
 
         def step(i: int) -> bytes | None:

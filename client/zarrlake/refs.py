@@ -187,8 +187,12 @@ class BranchJournal:
         root: str = "",
         guard: str | None = None,
         published: PublishedRoot | None = None,
+        pages: Callable[[str], bytes | None] | None = None,
     ) -> None:
         self.storage = storage
+        # History pages this client sealed, by digest (the object store's): what the published
+        # root carries of ``main``'s history comes from them.
+        self._pages = pages
         # Prepended to every key: "" for a repository, ``mirror/`` for a mirror's own refs.
         self.root = root
         # Where every head the journal decides is published, in a repository that has the
@@ -220,6 +224,7 @@ class BranchJournal:
             "root": self.root,
             "guard": self.guard,
             "published": self.published,
+            "pages": self._pages,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,6 +234,7 @@ class BranchJournal:
             root=state["root"],
             guard=state.get("guard"),
             published=state.get("published"),
+            pages=state.get("pages"),
         )
 
     def entry_key(self, name: str, seq: int) -> str:
@@ -669,7 +675,7 @@ class BranchJournal:
         if self.published is not None and publish:
             # Decided: now published, before the caller is told (a reader of the root then
             # sees it). Our bytes, if the stored ones are an earlier try's: the same entry.
-            self.published.publish(lambda r: r.with_head(name, entry, encoded))
+            self.published.publish(lambda r: r.with_head(name, entry, encoded, self._pages))
         return True
 
     def names(self) -> list[str]:

@@ -170,6 +170,15 @@ def decode(
 ) -> Any:
     """Parse an object written by :func:`encode`, checking its header. ``use_list=False``:
     arrays come back as tuples (msgpack builds them so, at no extra cost)."""
+    body = decode_body(data, expected, key)
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=use_list)
+    except Exception as e:  # msgpack raises many types on garbage
+        raise CorruptObject(key, f"{type(e).__name__}: {e}") from None
+
+
+def decode_body(data: bytes, expected: ObjectType, key: str = "<object>") -> bytes:
+    """The msgpack body of an object written by :func:`encode`, its header checked."""
     if len(data) < HEADER_LEN:
         raise CorruptObject(key, f"truncated ({len(data)} bytes)")
     if data[:4] != MAGIC:
@@ -183,7 +192,7 @@ def decode(
     if kind != int(expected):
         raise CorruptObject(key, f"expected a {expected.name.lower()} object, found type {kind}")
     try:
-        body = _zc()[1].decompress(data[HEADER_LEN:], allow_extra_data=False)
-        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=use_list)
-    except Exception as e:  # zstd and msgpack raise many types on garbage
+        body: bytes = _zc()[1].decompress(data[HEADER_LEN:], allow_extra_data=False)
+    except Exception as e:  # zstd raises many types on garbage
         raise CorruptObject(key, f"{type(e).__name__}: {e}") from None
+    return body

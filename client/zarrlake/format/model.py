@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 from urllib.parse import quote, unquote
 
+import msgpack
+
 from zarrlake.errors import CorruptObject
 from zarrlake.format.codec import (
     FORMAT_VERSION,
     ObjectType,
     array_header,
     decode,
+    decode_body,
     encode,
     encode_body,
     encode_parts,
@@ -569,6 +572,20 @@ class HistoryPage:
     def decode(cls, data: bytes, key: str = "<history page>") -> HistoryPage:
         with gc_paused():
             return cls._decode(data, key)
+
+    @staticmethod
+    def count(data: bytes) -> int:
+        """How many records the encoded page ``data`` holds, read off its header without
+        decoding them (0 if it is not a page that says)."""
+        try:
+            body = decode_body(data, ObjectType.HISTORY_PAGE)
+            unpacker = msgpack.Unpacker(raw=False)
+            unpacker.feed(body)
+            if unpacker.read_map_header() and unpacker.unpack() == "ids":
+                return int(unpacker.read_array_header())
+        except Exception:  # garbage in, "says nothing" out
+            pass
+        return 0
 
     @classmethod
     def _decode(cls, data: bytes, key: str) -> HistoryPage:

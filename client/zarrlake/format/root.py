@@ -27,7 +27,7 @@ what is left: tables of many thousands of refs still live inline.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,8 +62,11 @@ CAS_PROBE_KEY = "refs/probe-cas"
 #: there, naming it. The name carries the first version that implements it, since the name is all
 #: an older zarrlake can print.
 
-#: The default branch (never deleted), which always carries its snapshot when it can.
+#: The default branch (never deleted), which always carries its snapshot when it can, and its
+#: newest history pages (``RootRecord.pages``): ``log()`` of its last LOG_RECORDS commits is the
+#: root alone.
 MAIN = "main"
+LOG_RECORDS = 1000
 #: Snapshot bytes carried inline, over all head entries, at most (the rest are carried without:
 #: their readers read the snapshot object). Every publish rewrites the root, so this bounds
 #: what a commit uploads beside its own objects.
@@ -105,10 +108,20 @@ class RootRecord:
     #: all. An index like any history page: its records are copies of immutable snapshots'
     #: headers, so a stale or missing one costs reads, never a wrong answer.
     recent: Mapping[str, bytes] = field(default_factory=dict)
+    #: History pages of ``main``'s head (digest -> the page's bytes, as stored at
+    #: ``history/<digest>``): its newest, and the one before while the two hold fewer than
+    #: :data:`LOG_RECORDS`. Readers check each against its digest before they use it.
+    pages: Mapping[str, bytes] = field(default_factory=dict)
 
     # -- the updates writers publish (pure: a record in, a record out, or None: nothing new) ----
 
-    def with_head(self, name: str, entry: JournalEntry, data: bytes) -> RootRecord | None:
+    def with_head(
+        self,
+        name: str,
+        entry: JournalEntry,
+        data: bytes,
+        sealed: Callable[[str], bytes | None] | None = None,
+    ) -> RootRecord | None:
         """This root with branch ``name`` at journal ``entry`` (stored as ``data``), if that is
         newer than what it holds: heads only ever move forward here, whatever order two
         publishers' swaps land in."""
@@ -124,7 +137,33 @@ class RootRecord:
             recent.pop(name, None)
         else:
             recent[name] = page
-        return replace(self, generation=self.generation + 1, branches=branches, recent=recent)
+        pages = self.pages if name != MAIN else self._pages_of(entry, sealed)
+        return replace(
+            self,
+            generation=self.generation + 1,
+            branches=branches,
+            recent=recent,
+            pages=pages,
+        )
+
+    def _pages_of(
+        self, entry: JournalEntry, sealed: Callable[[str], bytes | None] | None
+    ) -> dict[str, bytes]:
+        """The pages to carry with head ``entry`` of main: those its snapshot's index names
+        first, from what this root carries already or, for a page just sealed, from its writer
+        (``sealed``: digest -> bytes, or None), until they hold :data:`LOG_RECORDS` records."""
+        index = _index_pages(entry.snapshot_data) if entry.snapshot_data is not None else ()
+        pages: dict[str, bytes] = {}
+        held = RECENT  # about what the head snapshot carries itself
+        for digest in index[:2]:
+            page = self.pages.get(digest) or (sealed(digest) if sealed is not None else None)
+            if page is None:
+                break
+            pages[digest] = page
+            held += HistoryPage.count(page)
+            if held >= LOG_RECORDS:
+                break
+        return pages
 
     def _recent_after(self, name: str, entry: JournalEntry) -> bytes | None:
         """The recent history of branch ``name`` once its head is ``entry``: the first-parent
@@ -207,6 +246,7 @@ class RootRecord:
                 moved[name] = head
                 recent.pop(name, None)
         branches = {**moved, **{n: h for n, h in self.branches.items() if n not in moved}}
+        pages = {} if MAIN in moved else self.pages
         expired = self.expired
         if expired is not None and truth.expired is not None:
             expired = expired | truth.expired
@@ -221,6 +261,7 @@ class RootRecord:
             expired=expired,
             expiry_records=self.expiry_records | truth.expiry_records,
             recent=recent,
+            pages=pages,
         )
         if (new.branches, dict(new.tags), new.expired, new.expiry_records) == (
             dict(self.branches),
@@ -300,6 +341,7 @@ class RootRecord:
         budget = CARRY_BUDGET
         branches = []
         recent = []
+        pages: list[list[Any]] = []
         # The most recently moved heads (the table's order) keep their snapshot bytes, then
         # their recent history, first: they are the ones being read.
         rank = 0
@@ -316,6 +358,12 @@ class RootRecord:
             if page is not None and len(page) <= budget and data is head.entry:
                 budget -= len(page)
                 recent.append([name, page])
+            if name == MAIN and data is head.entry:
+                for digest, page in self.pages.items():
+                    if len(page) > budget:
+                        break
+                    budget -= len(page)
+                    pages.append([digest, page])
         body: dict[str, Any] = {
             "repo": self.repo.encode(),
             "generation": self.generation,
@@ -325,6 +373,7 @@ class RootRecord:
             "expiry_records": sorted(self.expiry_records),
             # Its own key: a zarrlake 0.2.0 reads past it (and, publishing, leaves it out).
             "recent": sorted(recent),
+            "pages": pages,
         }
         return encode(ObjectType.ROOT, body)
 
@@ -368,7 +417,17 @@ class RootRecord:
             ):
                 raise CorruptObject(key, f"bad recent history {item!r:.80}")
             recent[item[0]] = item[1]
-        return cls(repo, generation, branches, tags, expired, records, recent)
+        pages: dict[str, bytes] = {}
+        for item in _typed(obj.get("pages") or [], list, key, "pages"):
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], bytes)
+            ):
+                raise CorruptObject(key, f"bad history page {item!r:.80}")
+            pages[item[0]] = item[1]
+        return cls(repo, generation, branches, tags, expired, records, recent, pages)
 
 
 def _need(obj: Any, name: str, key: str) -> Any:
@@ -404,16 +463,31 @@ Lineage = tuple[tuple[str, AncestorRecord], ...]
 
 
 @functools.lru_cache(maxsize=64)
+def _snapshot(snapshot_data: bytes) -> Snapshot | None:
+    """A head's snapshot (None if the bytes do not decode). Cached: a publish that loses its
+    swap applies its update again, and the next commit on the branch reads the same head."""
+    try:
+        return Snapshot.decode(snapshot_data, "<root head>")
+    except (CorruptObject, UnsupportedFormat):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
 def _lineage(snapshot_data: bytes) -> Lineage:
     """A snapshot's own commit record and those it carries of its ancestors, newest first
-    (empty if the bytes do not decode). Cached: a publish that loses its swap applies its
-    update again, and the next commit on the branch reads the same head."""
-    try:
-        snap = Snapshot.decode(snapshot_data, "<root head>")
-    except (CorruptObject, UnsupportedFormat):
+    (empty if the bytes do not decode)."""
+    snap = _snapshot(snapshot_data)
+    if snap is None:
         return ()
     own = AncestorRecord(snap.parents, snap.time, snap.author, snap.message, snap.metadata)
     return ((snap.id, own), *zip(snap.ancestry, snap.history, strict=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _index_pages(snapshot_data: bytes) -> tuple[str, ...]:
+    """The history pages a snapshot's index names, newest first (none if it does not decode)."""
+    snap = _snapshot(snapshot_data)
+    return () if snap is None or snap.index is None else snap.index.pages
 
 
 @functools.lru_cache(maxsize=64)
