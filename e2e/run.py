@@ -9,15 +9,19 @@ thing: kubectl, the operator process, PySpark ``local[2]``, and the zarrlake cli
 ``Repository.from_kubernetes``.
 
 Steps:
- 1. install the CRDs (as the chart renders them) and apply ``examples/kubernetes`` with
-    ``kubectl apply -k`` (a kustomize overlay points the repository at moto and makes retention
-    aggressive enough to free data);
- 2. wait for the Repository to become Ready (bucket provisioned, Redis up, repository created);
+ 1. the upgrade: install the previous release's CRDs (``tests/operator/previous_release``, as its
+    chart's ``crds/`` folder did) and apply ``examples/kubernetes`` with ``kubectl apply -k`` (a
+    kustomize overlay points the repository at moto and makes retention aggressive enough to
+    free data); then upgrade the CRDs to what this chart renders (as ``helm upgrade`` applies
+    them), check that every stored object is still there, the same, and start this operator;
+ 2. wait for the Repository to become Ready (bucket provisioned, Redis up, repository created),
+    and judge it as Argo CD (the chart's Lua health checks) and Flux (kstatus) do: Healthy and
+    Current; a Repository whose spec cannot be acted on: Degraded and Failed, with one Warning;
  3. write and commit an array from a PySpark job through ``Repository.from_kubernetes``;
- 4. create a Branch and a Tag with ``kubectl apply`` and wait for their statuses; re-apply the
-    whole tree ten times (client-side and server-side apply, as Argo CD and Flux do) and check
-    that the operator sent no write meanwhile (the API server's audit log tells its requests
-    from kubectl's);
+ 4. create a Branch and a Tag with ``kubectl apply`` and wait for their statuses (and health);
+    re-apply the whole tree ten times (client-side and server-side apply, as Argo CD and Flux
+    do) and check that the operator sent no write meanwhile (the API server's audit log tells
+    its requests from kubectl's);
  5. apply ``examples/kubernetes/mirror.yaml`` (destination: a second S3 server), play its
     replicator Deployment, and watch the Mirror's status catch up; read the data at the mirror;
  6. run the GC CronJob now (a Job from its template, with kubectl) and check the policy's status;
@@ -41,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The GitOps judges (Argo CD's Lua health checks in a real Lua, kstatus) the operator tests use.
+sys.path.insert(0, str(ROOT / "tests" / "operator"))
 NS = "default"
 REPO = "climate"
 POLICY = "climate-retention"
@@ -99,6 +105,44 @@ class Scenario:
             if c.get("status") == "True"
         }
         return obj if {"Ready", *also} <= true else None
+
+
+#: The release whose CRDs the upgrade starts from (its chart's crds/, kept in the tests).
+PREVIOUS = "0.1.0"
+
+#: A spec the schema accepts and the operator cannot act on: sessions of 30 days (the engine's
+#: limit is 7, which GC's grace relies on; the schema only sees a duration).
+BROKEN_REPOSITORY = f"""apiVersion: zarrlake.io/v1alpha1
+kind: Repository
+metadata:
+  name: broken
+  namespace: {NS}
+spec:
+  storage:
+    provider: s3
+    bucket: zarrlake-broken
+  lockService:
+    mode: none
+  config:
+    sessionTTL: 30d
+"""
+
+
+def _judged(obj: dict[str, Any]) -> tuple[dict[str, str], tuple[str, str]] | None:
+    """(Argo CD's health, kstatus's reading) of ``obj``, once its status says anything."""
+    from gitops_checks import argo_health, kstatus
+
+    if not (obj.get("status") or {}).get("conditions"):
+        return None
+    return argo_health(obj), kstatus(obj)
+
+
+def healthy(k: Scenario, kind: str, name: str) -> None:
+    """``kind/name`` as Argo CD and Flux see it now: Healthy and Current, or fail."""
+    judged = _judged(k.get(kind, name))
+    print(f"{kind}/{name}: Argo CD {judged and judged[0]}, Flux {judged and judged[1]}")
+    assert judged is not None and judged[0]["status"] == "Healthy", judged
+    assert judged[1][0] == "Current", judged
 
 
 def overlay(workdir: Path, s3_endpoint: str) -> Path:
@@ -275,11 +319,33 @@ def main() -> int:
         k = Scenario(workdir, kubeconfig)
         print(f"S3 at {s3}, Kubernetes API at {api.url}, kubeconfig {kubeconfig}")
 
-        say("installing the CRDs (as the Helm chart renders them on install and upgrade)")
+        say(f"helm install of the previous release ({PREVIOUS}): its CRDs, then the tree")
+        k.kubectl(
+            "create",
+            "-f",
+            str(ROOT / "tests" / "operator" / "previous_release" / PREVIOUS / "crds"),
+        )
+        tree = overlay(workdir, s3)
+        k.kubectl("apply", "-k", str(tree))
+        stored = {
+            (o["kind"], o["metadata"]["name"]): o
+            for o in json.loads(k.kubectl("get", "zarrlake", "-o", "json", show=False))["items"]
+        }
+        assert {kind for kind, _ in stored} == {"Repository", "RetentionPolicy"}, sorted(stored)
+
+        say("helm upgrade: the CRDs as this chart renders them, over the live ones")
         k.kubectl("apply", "-f", str(chart_crds(workdir)))
         k.kubectl("get", "crds")
+        for crd in json.loads(k.kubectl("get", "crds", "-o", "json", show=False))["items"]:
+            assert crd["status"]["storedVersions"] == ["v1alpha1"], crd["metadata"]["name"]
+        for (kind, name), old in stored.items():
+            now = k.get(kind, name)
+            for key in ("uid", "creationTimestamp", "generation"):
+                assert now["metadata"][key] == old["metadata"][key], (kind, name, key)
+            assert now["spec"] == old["spec"], (kind, name)
+        print(f"{len(stored)} objects stored by {PREVIOUS}'s CRDs: unchanged by the upgrade")
 
-        say("starting the operator and the local cluster (lock Deployments, Jobs)")
+        say("starting this release's operator and the local cluster (lock Deployments, Jobs)")
         # Its own token: the audit log tells the operator's requests from everyone else's.
         operator_kubeconfig = api.write_kubeconfig(workdir / "operator.kubeconfig", "operator")
         operator, _liveness, metrics_port = start_operator(
@@ -288,8 +354,7 @@ def main() -> int:
         procs.append(operator)
         cluster = LocalCluster(workdir, [NS]).start()
 
-        say("kubectl apply -k (examples/kubernetes + this run's overlay)")
-        tree = overlay(workdir, s3)
+        say("kubectl apply -k again, as GitOps syncs after an upgrade")
         k.kubectl("apply", "-k", str(tree))
         # Ready as soon as bucket and repository are; its Redis may still be starting (Degraded).
         repo_obj = k.wait(
@@ -302,6 +367,26 @@ def main() -> int:
         assert status["lockEndpoint"].startswith("redis://zl-climate-lock.default.svc"), status
         k.wait("CronJobs", lambda: k.kubectl("get", "cronjobs", "-o", "name", show=False).split())
         k.kubectl("get", "cronjobs")
+        healthy(k, "repository", REPO)
+
+        say("a Repository the operator cannot act on: Degraded for Argo CD, Failed for Flux")
+        broken = workdir / "broken.yaml"
+        broken.write_text(BROKEN_REPOSITORY)
+        k.kubectl("apply", "-n", NS, "-f", str(broken))
+        judged = k.wait("its status", lambda: _judged(k.get("repository", "broken")))
+        print(f"Argo CD: {judged[0]}; Flux (kstatus): {judged[1]}")
+        assert judged[0]["status"] == "Degraded" and judged[1][0] == "Failed", judged
+        warnings = k.wait(
+            "its Warning event",
+            lambda: [
+                e
+                for e in json.loads(k.kubectl("get", "events", "-o", "json", show=False))["items"]
+                if e["involvedObject"]["name"] == "broken" and e["type"] == "Warning"
+            ],
+        )
+        assert len(warnings) == 1, warnings
+        print(f"event: {warnings[0]['reason']}: {warnings[0]['message']}")
+        k.kubectl("delete", "-n", NS, "-f", str(broken))
 
         say("a PySpark local[2] job writes through Repository.from_kubernetes")
         import zarrlake
@@ -327,6 +412,9 @@ def main() -> int:
         k.kubectl("get", "branches,tags", "-o", "wide")
         assert branch["status"]["head"] == second, branch["status"]
         assert tag["status"]["snapshot"] == second, tag["status"]
+        healthy(k, "branch", "experiment-1")
+        healthy(k, "tag", "v1")
+        healthy(k, "retentionpolicy", POLICY)
         assert repo.list_branches()["experiment-1"] == second
         assert repo.list_tags()["v1"] == second
         k.wait(
@@ -369,6 +457,7 @@ def main() -> int:
             ),
         )
         k.kubectl("get", "mirror", MIRROR, "-o", "wide")
+        healthy(k, "mirror", MIRROR)
         refs = {(r["kind"], r["name"]): r for r in mirrored["status"]["refs"]}
         assert refs[("tag", "v1")]["mirroredHead"] == second, refs
         assert ("branch", "experiment-1") not in refs, refs  # not in spec.branches
