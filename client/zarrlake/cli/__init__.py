@@ -25,6 +25,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--interval 10] [--once] [--json] [--metrics-port P] [--metrics-addr A]
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
+    zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F]
 
 ``init`` refuses a location that already holds objects but no repository (a directory of your
 files, say); ``--force`` creates the repository there anyway.
@@ -95,7 +96,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from zarrlake.cli import browse, health, history, maintenance, mirror, refs
+from zarrlake.cli import browse, health, history, maintenance, mirror, refs, serve
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidArgument, InvalidName, MissingDependency, ZarrlakeError
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_upgrade(commands)
     health.add_lock_status(commands)
     mirror.add_mirror(commands)
+    serve.add_serve(commands)
     return parser
 
 

@@ -1,0 +1,150 @@
+"""``/api/v1/``: what the pages show, as JSON, for scripts and for pages' own scripts.
+
+=====================================  ==========================================================
+``GET /api/v1/refs``                   :func:`zarrlake.serve.model.overview`
+``GET /api/v1/log/<ref>``              :func:`~zarrlake.serve.model.log_page`; ``?limit=`` (at
+                                       most :attr:`Limits.max_log_limit`), ``?cursor=`` (the
+                                       ``next`` of the page before)
+``GET /api/v1/commit/<id>``            :func:`~zarrlake.serve.model.commit`
+``GET /api/v1/diff/<base>...<head>``   :func:`~zarrlake.serve.model.compare`
+``GET /api/v1/tree/<ref>[/<path>]``    :func:`~zarrlake.serve.model.tree`
+=====================================  ==========================================================
+
+A ref that ends the URL (log, commit, diff) is written as it is (``log/release/v1``); in
+``tree``, where a node path follows, it is one segment, ``/`` written ``%2F``
+(``tree/release%2Fv1/temperature``). Errors are ``{"error": "<one line>"}`` with a 4xx (a 5xx
+for a storage failure), from :func:`zarrlake.serve.errors.http_error`. Answers are
+``Cache-Control: no-cache``: most name a branch, which moves.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from zarrlake.serve.errors import BadRequest, http_error, log_line
+from zarrlake.serve.model import LOG_PAGE, commit, compare, log_page, overview, tree
+from zarrlake.serve.security import PrefixRoute, path_below, split_path
+
+if TYPE_CHECKING:
+    from zarrlake.serve.context import ServeContext
+
+__all__ = ["JsonApi", "json_response"]
+
+PREFIX = "/api/v1/"
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+class JsonApi:
+    """The ``/api/v1/`` routes of one server."""
+
+    def __init__(self, ctx: ServeContext) -> None:
+        self.ctx = ctx
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route(PREFIX + "refs", self._endpoint(self._refs), methods=["GET"]),
+            PrefixRoute(PREFIX + "log/", self._endpoint(self._log)),
+            PrefixRoute(PREFIX + "commit/", self._endpoint(self._commit)),
+            PrefixRoute(PREFIX + "diff/", self._endpoint(self._diff)),
+            PrefixRoute(PREFIX + "tree/", self._endpoint(self._tree)),
+        ]
+
+    def _endpoint(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return json_response(await handler(request))
+            except Exception as e:
+                status, reason = http_error(e)
+                if status >= 500:
+                    log_line(e, f"{request.method} {request.url.path}")
+                return json_response({"error": reason}, status)
+
+        return endpoint
+
+    async def _refs(self, request: Request) -> Any:
+        return await self.ctx.run(overview, self.ctx.repo)
+
+    async def _log(self, request: Request) -> Any:
+        ref = self._whole_ref(request, "log/")
+        limit = _int_param(request, "limit", LOG_PAGE)
+        limit = min(limit, self.ctx.limits.max_log_limit)
+        cursor = request.query_params.get("cursor") or None
+        return await self.ctx.run(log_page, self.ctx.repo, ref, cursor=cursor, limit=limit)
+
+    async def _commit(self, request: Request) -> Any:
+        ref = self._whole_ref(request, "commit/")
+        return await self.ctx.run(commit, self.ctx.repo, ref)
+
+    async def _diff(self, request: Request) -> Any:
+        spec = self._whole_ref(request, "diff/")
+        base, sep, head = spec.partition("...")
+        if not sep or not base or not head:
+            raise BadRequest("compare two refs as diff/<base>...<head>")
+        return await self.ctx.run(compare, self.ctx.repo, base, head)
+
+    async def _tree(self, request: Request) -> Any:
+        rest = path_below(request.scope, PREFIX + "tree/")
+        path = split_path(rest, max_length=self.ctx.limits.max_key_length, slash_in_first=True)
+        if not path.segments:
+            raise BadRequest("give a ref: tree/<ref>[/<path>]")
+        ref, node = path.segments[0], "/".join(path.segments[1:])
+        return await self.ctx.run(tree, self.ctx.repo, ref, node)
+
+    def _whole_ref(self, request: Request, route: str) -> str:
+        """The ref that makes up the rest of the URL path (its ``/`` plain or as ``%2F``)."""
+        rest = path_below(request.scope, PREFIX + route)
+        path = split_path(rest, max_length=self.ctx.limits.max_key_length, slash_in_first=True)
+        if not path.segments:
+            raise BadRequest(f"give a ref: {route}<ref>")
+        return "/".join(path.segments)
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    text = request.query_params.get(name)
+    if text is None or text == "":
+        return default
+    if not text.isdigit() or len(text) > 9:
+        raise BadRequest(f"{name} must be a whole number, not {text[:30]!r}")
+    return int(text)
+
+
+def json_response(doc: Any, status: int = 200) -> Response:
+    """``doc`` as a JSON response. User data (attributes, commit metadata) may hold what JSON
+    cannot: NaN and infinities become the strings Zarr v3 writes for them, other values their
+    ISO 8601, base64 or string forms."""
+    try:
+        text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=_json_default)
+    except ValueError:
+        text = json.dumps(_finite(doc), ensure_ascii=False, default=_json_default)
+    headers = {"cache-control": "no-cache" if status < 400 else "no-store"}
+    return Response(text, status, headers=headers, media_type="application/json")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
