@@ -1,9 +1,10 @@
 # syntax=docker/dockerfile:1
 #
-# One image for the zarrlake operator and the maintenance jobs it schedules:
+# One image for the zarrlake operator and the workloads it runs:
 #   operator:  python -m zarrlake_operator run --all-namespaces
 #   jobs:      zarrlake gc ... / zarrlake compact ...
-# No special entrypoint; the chart and the operator's CronJobs give the command.
+#   servers:   zarrlake serve URL --host 0.0.0.0 --port 8700   (a Repository's spec.serve)
+# No special entrypoint; the chart and the objects the operator makes give the command.
 #
 #   make image        (docker build with the base image's recorded digest; see below)
 
@@ -41,7 +42,7 @@ FROM ${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST}
 
 ARG VERSION=0.2.0
 LABEL org.opencontainers.image.title="zarrlake" \
-      org.opencontainers.image.description="zarrlake operator and maintenance jobs" \
+      org.opencontainers.image.description="zarrlake operator, maintenance jobs and server" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 
@@ -59,13 +60,15 @@ RUN groupadd --system --gid 10001 zarrlake \
 
 # The wheels are bind-mounted from the build stage, so they never become a layer of this image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels "zarrlake[s3,gcs,azure,http,operator]" \
+    pip install --no-index --find-links /wheels "zarrlake[s3,gcs,azure,http,operator,serve]" \
  && python -c "import zarrlake, zarrlake_operator, boto3, obstore, google.auth, urllib3" \
+ && python -c "import starlette, uvicorn, jinja2" \
  && zarrlake --help > /dev/null
 
 WORKDIR /home/zarrlake
 # Numeric, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 
-EXPOSE 8080 9090
+# 8080/9090: the operator's probes and metrics; 8700: zarrlake serve's default port.
+EXPOSE 8080 9090 8700
 CMD ["zarrlake", "--help"]

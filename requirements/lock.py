@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "image.txt"
 BUILD_LOCK = ROOT / "requirements" / "build.txt"
-#: The extras the image installs: the operator and every storage provider its jobs may meet.
-EXTRAS = ("s3", "gcs", "azure", "http", "operator")
+#: The extras the image installs: the operator, every storage provider its jobs may meet, and
+#: the HTTP server a Repository's spec.serve runs (zarrlake serve).
+EXTRAS = ("s3", "gcs", "azure", "http", "operator", "serve")
 PYTHON = "3.11"
 PLATFORMS = {
     "amd64": ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"),

@@ -65,6 +65,7 @@ SLOW_MODULES = {
     "test_chart",
     "test_stateful",
     "test_mirror_resource",
+    "test_serve_operator",
 }
 SLOW_TESTS = {
     "test_a_standby_stops_on_sigterm_too",

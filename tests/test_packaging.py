@@ -185,11 +185,12 @@ def test_the_image_installs_exactly_its_locked_dependencies() -> None:
     extras, pins = _locked()
     dockerfile = (ROOT / "Dockerfile").read_text()
     # The build stage takes every dependency from the lock, hash-checked, and the final stage
-    # installs the extras the lock was made for (the operator and every storage provider).
+    # installs the extras the lock was made for (the operator, every storage provider, and the
+    # HTTP server a Repository's spec.serve runs from this image).
     assert "--require-hashes" in dockerfile and "-r requirements/image.txt" in dockerfile
     (installed,) = re.findall(r'"zarrlake\[([a-z0-9,]+)\]"', dockerfile)
     assert installed.split(",") == extras
-    assert {"s3", "gcs", "azure", "http", "operator"} <= set(extras)
+    assert {"s3", "gcs", "azure", "http", "operator", "serve"} <= set(extras)
     for name, (version, hashes) in pins.items():
         assert name == canonicalize_name(name) and re.fullmatch(r"[0-9][0-9A-Za-z.+!]*", version)
         assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), name

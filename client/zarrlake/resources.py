@@ -535,15 +535,91 @@ class EngineConfigSpec(ResourceModel):
     )
 
 
+#: The port ``zarrlake serve`` listens on when ``spec.serve.port`` says nothing (the CLI's own).
+SERVE_PORT = 8700
+
+
+class ServeSpec(ResourceModel):
+    """zarrlake serve for this repository, run by the operator: a Deployment and a ClusterIP
+    Service in the Repository's namespace that serve every version as plain Zarr over HTTP, a
+    JSON API and web pages, read-only."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Run the server (false: none; a Deployment and Service made before go).",
+    )
+    replicas: int = Field(
+        default=1, ge=0, le=100, description="Server pods (0: none run; the Service stays)."
+    )
+    port: int = Field(
+        default=SERVE_PORT,
+        ge=1024,
+        le=65535,
+        description="Port of the server and its Service (1024 or above: the server runs as a "
+        "non-root user without capabilities).",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        alias="tokenSecretRef",
+        description="Secret key holding a bearer token: every route but the probes then asks "
+        "for 'Authorization: Bearer <token>'. Absent: no token (anyone who reaches the Service "
+        "reads the repository).",
+    )
+    credentials_secret_ref: CredentialsSecretRef | None = Field(
+        default=None,
+        alias="credentialsSecretRef",
+        description="Secret with read-only storage credentials for the server (keys as for "
+        "spec.storage.credentialsSecret), e.g. an S3 or MinIO key allowed only to get and list. "
+        "Absent: the Repository's own credentials.",
+    )
+    resources: Resources | None = Field(
+        default=None, description="Server resources (default: the operator's serve defaults)."
+    )
+    image: str | None = Field(
+        default=None, description="Server image (default: the operator's serve image)."
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the server pods (e.g. for IRSA or workload identity with "
+        "a read-only role); without one no API token is mounted.",
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        description="Secrets for pulling the server image from a private registry.",
+    )
+
+
+#: Cross-field rules of a Repository's spec: (CEL rule for the CRD, the same in Python, message).
+_REPOSITORY_RULES: tuple[tuple[str, Any, str], ...] = (
+    (
+        "self.storage.provider != 'http' || self.reclaimPolicy == 'Retain'",
+        lambda s: not (s.storage.read_only and s.reclaim_policy == "Delete"),
+        "spec.reclaimPolicy Delete needs writable storage (http is read-only)",
+    ),
+    (
+        "self.storage.provider != 'http' || !has(self.serve) || !self.serve.enabled"
+        " || (!has(self.storage.credentialsSecret) && !has(self.serve.credentialsSecretRef))",
+        lambda s: (
+            not (
+                s.storage.read_only
+                and s.serve.enabled
+                and (s.storage.credentials_secret or s.serve.credentials_secret_ref)
+            )
+        ),
+        "spec.serve cannot send an Authorization header to provider http: serve a published "
+        "repository that needs no credentials",
+    ),
+)
+
+
 class RepositorySpec(ResourceModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {
-                    "rule": "self.storage.provider != 'http' || self.reclaimPolicy == 'Retain'",
-                    "message": "spec.reclaimPolicy Delete needs writable storage "
-                    "(http is read-only)",
-                }
+                {"rule": rule, "message": message} for rule, _, message in _REPOSITORY_RULES
             ]
         }
     )
@@ -556,12 +632,31 @@ class RepositorySpec(ResourceModel):
         alias="reclaimPolicy",
         description="On deletion: Retain keeps the data; Delete removes the repository's objects.",
     )
+    serve: ServeSpec = Field(
+        default_factory=ServeSpec,
+        description="Serve the repository over HTTP inside the cluster (zarrlake serve): plain "
+        "Zarr of any version, a JSON API and web pages, read-only.",
+    )
 
     @model_validator(mode="after")
-    def _deletable(self) -> Self:
-        if self.storage.read_only and self.reclaim_policy == "Delete":
-            raise ValueError("spec.reclaimPolicy Delete needs writable storage (http is read-only)")
+    def _consistent(self) -> Self:
+        for _, holds, message in _REPOSITORY_RULES:
+            if not holds(self):
+                raise ValueError(message)
         return self
+
+
+class ServeStatus(ResourceModel):
+    """Where spec.serve's server answers, and how many of its pods do."""
+
+    url: str | None = Field(
+        default=None,
+        description="The server's address inside the cluster: "
+        "http://<service>.<namespace>.svc:<port>.",
+    )
+    ready_replicas: int | None = Field(
+        default=None, alias="readyReplicas", ge=0, description="Server pods passing /readyz."
+    )
 
 
 class RepositoryStatus(ResourceStatus):
@@ -575,6 +670,9 @@ class RepositoryStatus(ResourceStatus):
     )
     branches: int | None = None
     tags: int | None = None
+    serve: ServeStatus | None = Field(
+        default=None, description="The HTTP server of spec.serve, while it is enabled."
+    )
 
 
 class Repository(CustomResource):

@@ -290,9 +290,10 @@ def spec_problem(body: Mapping[str, Any]) -> SpecProblem | None:
     if isinstance(spec, RetentionPolicySpec):
         return _retention_spec_problem(spec)
     if isinstance(spec, MirrorSpec):
-        return _secret_keys_problem(spec.destination, "spec.destination") or mirror_spec_problem(
-            spec
+        keys = _secret_keys_problem(
+            spec.destination.credentials_secret, "spec.destination.credentialsSecret"
         )
+        return keys or mirror_spec_problem(spec)
     return None
 
 
@@ -310,27 +311,33 @@ _KEY_FIELDS = (
 )
 
 
-def _secret_keys_problem(
-    storage: StorageSpec | MirrorDestinationSpec, where: str
-) -> SpecProblem | None:
-    creds = storage.credentials_secret
+def _secret_keys_problem(creds: CredentialsSecretRef | None, where: str) -> SpecProblem | None:
+    """A key name of the credentials Secret reference at ``where`` that no Secret can have."""
     if creds is None:
         return None
     for attribute, field in _KEY_FIELDS:
         key = getattr(creds, attribute)
         if key is not None and not SECRET_KEY.match(key):
-            return SpecProblem(
-                "InvalidSpec",
-                f"{where}.credentialsSecret.{field}: not a possible key of a Secret "
-                "(letters, digits, '-', '_' and '.')",
-            )
+            return _bad_secret_key(f"{where}.{field}")
     return None
 
 
+def _bad_secret_key(field: str) -> SpecProblem:
+    return SpecProblem(
+        "InvalidSpec",
+        f"{field}: not a possible key of a Secret (letters, digits, '-', '_' and '.')",
+    )
+
+
 def _repository_spec_problem(spec: RepositorySpec) -> SpecProblem | None:
-    keys = _secret_keys_problem(spec.storage, "spec.storage")
+    serve = spec.serve
+    keys = _secret_keys_problem(
+        spec.storage.credentials_secret, "spec.storage.credentialsSecret"
+    ) or _secret_keys_problem(serve.credentials_secret_ref, "spec.serve.credentialsSecretRef")
     if keys is not None:
         return keys
+    if serve.token_secret_ref is not None and not SECRET_KEY.match(serve.token_secret_ref.key):
+        return _bad_secret_key("spec.serve.tokenSecretRef.key")
     try:
         engine_config(spec)
     except ValueError as e:
@@ -377,6 +384,12 @@ class Phase(NamedTuple):
 LOCK_OUTAGES = ("Unavailable", "Unreachable")
 
 
+#: ServeReady reasons that say spec.serve's server is down or cannot start, and will not come
+#: up by waiting: its pods fail their readiness probe, its rollout ran out of time, a Secret it
+#: mounts is missing. (``Starting`` is a wait; ``ScaledToZero`` was asked for.)
+SERVE_FAULTS = ("Unavailable", "RolloutFailed", "SecretNotFound")
+
+
 def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = True) -> Phase:
     """The phase and Ready condition from the three component conditions.
 
@@ -384,7 +397,10 @@ def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = T
     without it (``onUnavailable: fail``): with ``lock_required`` False, a lock service that is
     down (unreachable or unavailable, not misconfigured: clients can still connect) leaves the
     repository Ready, in phase Degraded — writers commit optimistically meanwhile, and nobody
-    waits for it.
+    waits for it. The HTTP server of ``spec.serve`` is an add-on in the same way: one that is
+    down (a ``ServeReady`` condition with a reason of :data:`SERVE_FAULTS`) leaves an otherwise
+    ready repository Ready, in phase Degraded, so that a person looking (or Argo CD) sees it;
+    without ``spec.serve`` there is no ``ServeReady`` and nothing changes.
     """
     missing = [t for t in REPOSITORY_CONDITIONS if not is_true(conditions, t)]
     lock = condition(conditions, "LockServiceReady")
@@ -402,6 +418,14 @@ def repository_phase(conditions: Sequence[Condition], *, lock_required: bool = T
             "optimistically until it is back",
         )
     if not missing:
+        serve = condition(conditions, "ServeReady")
+        if serve is not None and serve.status != "True" and serve.reason in SERVE_FAULTS:
+            return Phase(
+                "Degraded",
+                True,
+                "ServeUnavailable",
+                f"{serve.message}; the repository itself is ready",
+            )
         return Phase("Ready", True, "Ready", "bucket, lock service and repository are ready")
     first = condition(conditions, missing[0])
     failed = any(
@@ -521,32 +545,41 @@ def lock_scheduling(lock: LockServiceSpec) -> dict[str, Any]:
         "app.kubernetes.io/component": "lock-service",
         "app.kubernetes.io/managed-by": MANAGED_BY,
     }
-    affinity = lock.affinity
-    if affinity is None:
-        term = {
-            "topologyKey": "kubernetes.io/hostname",
-            "labelSelector": {"matchLabels": every_lock_service},
-        }
-        affinity = {
+    defaults = preferred_spread(every_lock_service)
+    affinity = lock.affinity if lock.affinity is not None else defaults["affinity"]
+    spread = lock.topology_spread_constraints
+    if spread is None:
+        spread = defaults["topologySpreadConstraints"]
+    return {
+        "affinity": _whole_affinity(affinity) if affinity else None,
+        "topologySpreadConstraints": spread or None,
+    }
+
+
+def preferred_spread(match_labels: Mapping[str, str]) -> dict[str, Any]:
+    """The pod-spec fields ``affinity`` and ``topologySpreadConstraints`` that keep the pods
+    ``match_labels`` selects apart: a preferred anti-affinity to nodes already running one, and
+    a zone spread that only scores (ScheduleAnyway). Preferences only, so that one node or zone
+    going down takes few of them with it while a small or zone-less cluster still schedules
+    them all."""
+    selector = {"matchLabels": dict(match_labels)}
+    term = {"topologyKey": "kubernetes.io/hostname", "labelSelector": selector}
+    return {
+        "affinity": {
             "podAntiAffinity": {
                 "preferredDuringSchedulingIgnoredDuringExecution": [
                     {"weight": 100, "podAffinityTerm": term}
                 ]
             }
-        }
-    spread = lock.topology_spread_constraints
-    if spread is None:
-        spread = [
+        },
+        "topologySpreadConstraints": [
             {
                 "maxSkew": 1,
                 "topologyKey": "topology.kubernetes.io/zone",
                 "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": every_lock_service},
+                "labelSelector": selector,
             }
-        ]
-    return {
-        "affinity": _whole_affinity(affinity) if affinity else None,
-        "topologySpreadConstraints": spread or None,
+        ],
     }
 
 
@@ -962,15 +995,22 @@ def _cron_job(
 
 
 def _job_identity(spec: RetentionPolicySpec) -> dict[str, Any]:
-    """Who the job pods run as: a named ServiceAccount (for ambient cloud identity such as IRSA
-    or workload identity) gets its token; without one, no token is mounted at all."""
+    return pod_identity(spec.service_account_name, spec.image_pull_secrets)
+
+
+def pod_identity(
+    service_account_name: str | None, image_pull_secrets: Sequence[str]
+) -> dict[str, Any]:
+    """Who the pods of a job, replicator or server run as: a named ServiceAccount (for ambient
+    cloud identity such as IRSA or workload identity) gets its token; without one, no token is
+    mounted at all. Pull Secrets, if any, for the image's registry."""
     out: dict[str, Any] = {}
-    if spec.service_account_name:
-        out["serviceAccountName"] = spec.service_account_name
+    if service_account_name:
+        out["serviceAccountName"] = service_account_name
     else:
         out["automountServiceAccountToken"] = False
-    if spec.image_pull_secrets:
-        out["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    if image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in image_pull_secrets]
     return out
 
 
@@ -1573,13 +1613,6 @@ def replicator_deployment(
         "securityContext": locked_down_container(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
-    identity: dict[str, Any] = {}
-    if spec.service_account_name:
-        identity["serviceAccountName"] = spec.service_account_name
-    else:
-        identity["automountServiceAccountToken"] = False
-    if spec.image_pull_secrets:
-        identity["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -1591,7 +1624,7 @@ def replicator_deployment(
             "template": {
                 "metadata": {"labels": pod_labels | selector},
                 "spec": {
-                    **identity,
+                    **pod_identity(spec.service_account_name, spec.image_pull_secrets),
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": 10001,
@@ -1709,3 +1742,222 @@ def mirror_conditions(
         stalled = (False, "Progressing", message)
     out = set_condition(conditions, "Progressing", *progressing, generation=generation, now=now)
     return set_condition(out, "Stalled", *stalled, generation=generation, now=now)
+
+
+# -- spec.serve: zarrlake serve as a Deployment and a Service --
+
+SERVE_COMPONENT = "serve"
+#: Where the bearer token of ``spec.serve.tokenSecretRef`` is mounted (its key as ``token``).
+SERVE_TOKEN_DIR = "/var/run/zarrlake-serve"
+SERVE_TOKEN_FILE = f"{SERVE_TOKEN_DIR}/token"
+SERVE_USER = 10001  # the image's zarrlake user (Dockerfile)
+#: A server pod when the spec names no resources: the JSON API and chunk reads are light; a
+#: preview of a 4096 x 4096 float32 slice holds the slice (64 MiB) and its image at once.
+DEFAULT_SERVE_RESOURCES = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+
+
+class ServeDefaults(NamedTuple):
+    """The operator's defaults for spec.serve (Helm values ``serve.image`` and
+    ``serve.resources``)."""
+
+    image: str = JOB_IMAGE
+    resources: Mapping[str, Any] = DEFAULT_SERVE_RESOURCES
+
+
+SERVE_DEFAULTS = ServeDefaults()
+
+
+def serve_names(repository: str) -> str:
+    """One name for the server's Deployment and Service."""
+    return child_name(repository, SERVE_COMPONENT)
+
+
+def serve_url(repository: str, namespace: str, port: int) -> str:
+    """The server's address inside the cluster (its Service's DNS name)."""
+    return f"http://{serve_names(repository)}.{namespace}.svc:{port}"
+
+
+def _serve_selector(repository: str) -> dict[str, str]:
+    """The labels that select a repository's server pods."""
+    return {
+        "app.kubernetes.io/instance": repository,
+        "app.kubernetes.io/component": SERVE_COMPONENT,
+    }
+
+
+def _serve_metadata(body: Mapping[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return owned_metadata(
+        body, serve_names(name), labels(name, SERVE_COMPONENT) | {REPOSITORY_LABEL: name}
+    )
+
+
+def serve_storage(spec: RepositorySpec) -> StorageSpec:
+    """The storage as the server reaches it: the Repository's, with ``serve.credentialsSecretRef``
+    (read-only credentials) in place of its own credentials when given."""
+    creds = spec.serve.credentials_secret_ref
+    if creds is None:
+        return spec.storage
+    return spec.storage.model_copy(update={"credentials_secret": creds})
+
+
+#: The pod-spec fields :func:`pod_identity` may set.
+_IDENTITY_FIELDS = ("serviceAccountName", "automountServiceAccountToken", "imagePullSecrets")
+
+
+def serve_deployment(
+    body: Mapping[str, Any],
+    spec: RepositorySpec,
+    url: str,
+    defaults: ServeDefaults = SERVE_DEFAULTS,
+) -> dict[str, Any]:
+    """``zarrlake serve URL --host 0.0.0.0 --port PORT [--token-file F]`` as a Deployment.
+
+    The container is locked down as every other the operator runs (non-root, read-only root,
+    no capabilities, a scratch ``/tmp``); storage credentials reach it by Secret reference,
+    the token as a file from its Secret (never in an argument or variable). Kubernetes asks the
+    server itself whether it serves: readiness is ``/readyz`` (one read of the refs: a pod that
+    cannot reach the storage leaves the Service), liveness ``/healthz`` (no I/O: a slow bucket
+    restarts nothing). The pods carry no ``zarrlake.io/repository`` label, so the lock
+    service's NetworkPolicy keeps them out: the server never writes. ``url`` is the Repository's
+    storage URL (its status); it carries no secrets.
+    """
+    name = body["metadata"]["name"]
+    serve = spec.serve
+    storage = serve_storage(spec)
+    volumes, mounts = storage_volumes(storage)
+    args = ["serve", url, "--host", "0.0.0.0", "--port", str(serve.port)]
+    token = serve.token_secret_ref
+    if token is not None:
+        args += ["--token-file", SERVE_TOKEN_FILE]
+        volumes.append(
+            {
+                "name": "serve-token",
+                "secret": {
+                    "secretName": token.name,
+                    "items": [{"key": token.key, "path": "token"}],
+                    "defaultMode": 0o440,  # the pod's group (fsGroup) reads it, nobody else
+                },
+            }
+        )
+        mounts.append({"name": "serve-token", "mountPath": SERVE_TOKEN_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": SERVE_COMPONENT,
+        "image": serve.image or defaults.image,
+        "command": ["zarrlake"],
+        "args": args,
+        # null, not [], when there is none: the API server stores no empty list, and a merge
+        # patch's null removes what a previous spec set.
+        "env": storage_env(storage) or None,
+        "ports": [{"name": "http", "containerPort": serve.port, "protocol": "TCP"}],
+        "resources": serve.resources.to_k8s() if serve.resources else dict(defaults.resources),
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 20,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "securityContext": locked_down_container(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    selector = _serve_selector(name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _serve_metadata(body),
+        "spec": {
+            "replicas": serve.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels(name, SERVE_COMPONENT) | selector},
+                "spec": {
+                    # Given whole, null where unset: drift is corrected by merge patches, which
+                    # keep what they leave out (a ServiceAccount dropped from the spec must go).
+                    **dict.fromkeys(_IDENTITY_FIELDS),
+                    **pod_identity(serve.service_account_name, serve.image_pull_secrets),
+                    # The replicas of one server prefer different nodes and zones.
+                    **preferred_spread(selector),
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": SERVE_USER,
+                        "runAsGroup": SERVE_USER,
+                        "fsGroup": SERVE_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
+                },
+            },
+        },
+    }
+
+
+def serve_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
+    """The server's ClusterIP Service: ``status.serve.url`` names it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _serve_metadata(body),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _serve_selector(body["metadata"]["name"]),
+            "ports": [
+                {"name": "http", "port": spec.serve.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+class ServeState(NamedTuple):
+    """The ServeReady condition's facts, and how many server pods are ready.
+
+    ``starting``: a rollout is on its way (the Deployment controller and the kubelets are still
+    at work, and nobody needs to act): the Repository is ``Reconciling`` meanwhile."""
+
+    ready: bool
+    reason: str
+    message: str
+    ready_replicas: int = 0
+    starting: bool = False
+
+
+def serve_rollout(deployment: Mapping[str, Any] | None, replicas: int) -> ServeState:
+    """How the server's Deployment stands, from its status, read as ``kubectl rollout status``
+    reads it: the current template rolled out and every replica ready is ``Available``; a
+    rollout on its way ``Starting``; one past its progress deadline ``RolloutFailed``; one that
+    completed and then lost ready pods (a failing ``/readyz``: the storage unreachable, say)
+    ``Unavailable``. ``replicas`` 0 is ``ScaledToZero``: asked for, nothing serves."""
+    if replicas == 0:
+        return ServeState(False, "ScaledToZero", "spec.serve.replicas is 0: no server runs")
+    if deployment is None:
+        return ServeState(False, "Starting", "the server Deployment is being made", starting=True)
+    status = deployment.get("status") or {}
+    ready = int(status.get("readyReplicas") or 0)
+    generation = (deployment.get("metadata") or {}).get("generation")
+    progressing: Mapping[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
+    )
+    if progressing.get("status") == "False" and progressing.get("reason") == (
+        "ProgressDeadlineExceeded"
+    ):
+        message = progressing.get("message") or "the rollout exceeded its progress deadline"
+        return ServeState(False, "RolloutFailed", f"{ready} of {replicas} ready: {message}", ready)
+    current = (generation is None or status.get("observedGeneration") == generation) and int(
+        status.get("updatedReplicas") or 0
+    ) >= replicas
+    counted = f"{ready} of {replicas} server pod(s) ready"
+    if current and ready >= replicas:
+        return ServeState(True, "Available", counted, ready)
+    if current and progressing.get("reason") == "NewReplicaSetAvailable":
+        return ServeState(False, "Unavailable", f"{counted} (the others fail GET /readyz)", ready)
+    return ServeState(False, "Starting", f"rolling out: {counted}", ready, starting=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import os
 import threading
@@ -44,6 +45,12 @@ JOB_IMAGE = os.environ.get("ZARRLAKE_JOB_IMAGE", desired.JOB_IMAGE)
 SPARK = desired.SparkDefaults(
     os.environ.get("ZARRLAKE_SPARK_IMAGE") or desired.SPARK_IMAGE,
     os.environ.get("ZARRLAKE_SPARK_SERVICE_ACCOUNT") or None,
+)
+# spec.serve defaults (Helm values serve.image and serve.resources; the image: the job image).
+SERVE = desired.ServeDefaults(
+    os.environ.get("ZARRLAKE_SERVE_IMAGE") or JOB_IMAGE,
+    json.loads(os.environ.get("ZARRLAKE_SERVE_RESOURCES") or "null")
+    or desired.DEFAULT_SERVE_RESOURCES,
 )
 FINALIZER = f"{GROUP}/finalizer"
 
@@ -263,7 +270,7 @@ REPOSITORIES = (GROUP, VERSION, "repositories")
 @metrics.instrumented("Repository")
 def repository_changed(body: kopf.Body, **_: Any) -> None:
     with serialized(body):
-        reconcile.repository(body)
+        reconcile.repository(body, serve=SERVE)
 
 
 @kopf.timer(*REPOSITORIES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
@@ -272,7 +279,7 @@ def repository_resync(body: kopf.Body, **_: Any) -> None:
         # Kopf lets a tick that began before the mark run on beside the delete handler: its
         # dependents' reconciles would open a repository that is being reclaimed.
         return
-    resync("Repository", reconcile.repository, body, resync=True)
+    resync("Repository", reconcile.repository, body, resync=True, serve=SERVE)
     _resync_dependents(body)
 
 

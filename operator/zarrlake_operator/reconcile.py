@@ -50,6 +50,8 @@ from zarrlake.resources import (
     ResourceStatus,
     RetentionPolicySpec,
     RetentionPolicyStatus,
+    ServeSpec,
+    ServeStatus,
     TagSpec,
     TagStatus,
     problems,
@@ -419,8 +421,14 @@ def _report_claimed(body: Mapping[str, Any], kind: str, ref: str, winner: str) -
 # -- Repository --
 
 
-def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStatus:
-    """Bucket, lock service and repository for one Repository resource; returns the new status.
+def repository(
+    body: Mapping[str, Any],
+    *,
+    resync: bool = False,
+    serve: desired.ServeDefaults = desired.SERVE_DEFAULTS,
+) -> ResourceStatus:
+    """Bucket, lock service, repository and (``spec.serve``) its HTTP server for one Repository
+    resource; returns the new status. ``serve``: the operator's defaults for the server.
 
     What it saw of the repository's refs is kept for :func:`dependents`."""
     ns, name, gen = _meta(body)
@@ -568,12 +576,27 @@ def repository(body: Mapping[str, Any], *, resync: bool = False) -> ResourceStat
     elif not desired.condition(conds, "Initialized"):
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
 
+    # The HTTP server, once there is a repository to serve.
+    served = _serve(body, spec, status.url, defaults=serve, resync=resync)
+    if served is None:
+        conds = [c for c in conds if c.type != "ServeReady"]
+        status = status.model_copy(update={"serve": None})
+    else:
+        cond("ServeReady", served.state.ready, served.state.reason, served.state.message)
+        if served.fields is not None:
+            status = status.model_copy(update={"serve": served.fields})
+        if served.state.starting and retry is None:
+            retry = kopf.TemporaryError(served.state.message, delay=5)
+
     cond("Conflict", False, "NoConflict", "")
     phase = desired.repository_phase(
         conds, lock_required=spec.lock_service.on_unavailable == "fail"
     )
-    # A lock service that has never been up is starting: the operator is still at work.
-    starting = lock.reason == "Unavailable" and not lost
+    # A lock service that has never been up is starting, a server is rolling out: the operator
+    # (and the cluster) is still at work.
+    starting = (lock.reason == "Unavailable" and not lost) or (
+        served is not None and served.state.starting
+    )
     conds = desired.set_ready(
         conds,
         phase.ready,
@@ -807,7 +830,7 @@ def _lock_service(
         if claim is None and not resync and gen != 1:
             # Persistence turned off (a spec never changed never had it): the data goes, now
             # that the Deployment no longer mounts it.
-            _remove_managed(ns, name, ("PersistentVolumeClaim",))
+            _remove_managed(ns, desired.lock_service_names(name), ("PersistentVolumeClaim",))
     for what, act in actions:
         if act != "unchanged":
             _event(body, f"LockService{act.capitalize()}", f"{act} lock service {what}")
@@ -835,17 +858,94 @@ LOCK_KINDS = (
 
 
 def _remove_managed_lock(namespace: str, repository: str) -> None:
-    _remove_managed(namespace, repository, LOCK_KINDS)
+    _remove_managed(namespace, desired.lock_service_names(repository), LOCK_KINDS)
 
 
-def _remove_managed(namespace: str, repository: str, kinds: Sequence[str]) -> None:
-    """Delete these parts of a repository's managed lock service, those the operator made."""
-    obj = desired.lock_service_names(repository)
+def _remove_managed(namespace: str, obj: str, kinds: Sequence[str]) -> list[str]:
+    """Delete the objects of these kinds named ``obj`` that the operator made (a managed lock
+    service's parts, a server's); returns the kinds deleted."""
+    gone = []
     for kind in kinds:
         existing = kube.get(kind, namespace, obj)
         labels = (existing or {}).get("metadata", {}).get("labels") or {}
-        if existing and labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY:
-            kube.delete(kind, namespace, obj)
+        ours = existing and labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY
+        if ours and kube.delete(kind, namespace, obj):
+            gone.append(kind)
+    return gone
+
+
+@dataclass(frozen=True)
+class Served:
+    """The ServeReady condition's facts, and the status fields that describe the server (None:
+    leave them as they are)."""
+
+    state: desired.ServeState
+    fields: ServeStatus | None = None
+
+
+SERVE_KINDS = ("Deployment", "Service")
+
+
+def _serve(
+    body: Mapping[str, Any],
+    spec: RepositorySpec,
+    url: str | None,
+    *,
+    defaults: desired.ServeDefaults,
+    resync: bool,
+) -> Served | None:
+    """Make the repository's HTTP server what ``spec.serve`` asks for, and say how it is; None
+    when it asks for none (then a server made before goes). ``url``: the repository's storage
+    URL, None until it is known to be there (the server waits for it).
+
+    The Deployment is applied on every reconcile, resyncs too (its status is the server's
+    readiness); the Service on a change of the Repository or with a new Deployment."""
+    ns, name, gen = _meta(body)
+    serve = spec.serve
+    if not serve.enabled:
+        # A change looks for a server the status may not name (a reconcile that made one and
+        # stopped before its status); a spec never changed (generation 1) never asked for one.
+        if observed(RepositoryStatus, body).serve is not None or (not resync and gen != 1):
+            for kind in _remove_managed(ns, desired.serve_names(name), SERVE_KINDS):
+                _event(body, "ServeDeleted", f"deleted server {kind}")
+        return None
+    if url is None:
+        message = "waiting for the repository: the server starts once it is initialized"
+        return Served(desired.ServeState(False, "WaitingForRepository", message))
+    deployment, action = kube.apply(desired.serve_deployment(body, spec, url, defaults))
+    actions = [("Deployment", action)]
+    if not resync or action != "unchanged":
+        actions.append(("Service", kube.apply(desired.serve_service(body, spec))[1]))
+    for what, act in actions:
+        if act != "unchanged":
+            _event(body, f"Serve{act.capitalize()}", f"{act} server {what}")
+    state = desired.serve_rollout(deployment, serve.replicas)
+    missing = _serve_secret_missing(ns, serve, resync=resync)
+    if missing is not None:
+        state = desired.ServeState(False, "SecretNotFound", missing, state.ready_replicas)
+    fields = ServeStatus(
+        url=desired.serve_url(name, ns, serve.port), readyReplicas=state.ready_replicas
+    )
+    return Served(state, fields)
+
+
+def _serve_secret_missing(ns: str, serve: ServeSpec, *, resync: bool) -> str | None:
+    """Which Secret the server's pods mount or read that is not there (they cannot start
+    without it, and Kubernetes would only say so in pod events), or None."""
+    read = kube.secrets(ns, kept=resync)
+    token, creds = serve.token_secret_ref, serve.credentials_secret_ref
+    try:
+        if token is not None:
+            found = read(token.name)
+            if found is None:
+                return f"Secret {token.name!r} not found (spec.serve.tokenSecretRef)"
+            if token.key not in found:
+                return f"Secret {token.name!r} has no key {token.key!r} (spec.serve.tokenSecretRef)"
+        if creds is not None and read(creds.name) is None:
+            return f"Secret {creds.name!r} not found (spec.serve.credentialsSecretRef)"
+    except KubernetesError as e:
+        return str(e)
+    return None
 
 
 def delete_repository(body: Mapping[str, Any]) -> str:

@@ -2,7 +2,7 @@
 
 An API server alone stores objects; in a real cluster, controllers and kubelets act on them. The
 operator tests and the e2e scenario run against the emulator (:mod:`zarrlake_testkit.kubeapi`),
-so :class:`LocalCluster` plays exactly three roles, with real programs:
+so :class:`LocalCluster` plays these roles, with real programs:
 
 - the Deployment controller + kubelet for the managed lock service: when a lock Deployment
   appears it starts a real ``redis-server`` with the password from the Deployment's Secret and
@@ -12,7 +12,13 @@ so :class:`LocalCluster` plays exactly three roles, with real programs:
 - the Job controller + kubelet: a Job (from a CronJob, or ``kubectl create job --from``) runs its
   container's command as a local process with the container's environment (values and Secret
   references resolved), then gets a Pod with the container's termination message and a
-  Complete/Failed condition, as a kubelet would report them.
+  Complete/Failed condition, as a kubelet would report them;
+- the Deployment controller + kubelet for a Repository's HTTP server (``spec.serve``): each
+  replica of a server Deployment runs its container's command (``zarrlake serve ...``) as a
+  local process with the container's environment and Secret volumes, on a port of its own;
+  the readiness probe is a real ``GET /readyz``, and the Deployment's status counts the
+  replicas that pass it. ``<service>.<namespace>.svc`` resolves to a ready one
+  (no liveness probe is played).
 
 A Job whose container runs ``spark-submit --master k8s://...`` (a RetentionPolicy with
 ``engine: spark`` and no Spark operator) runs as that same command with the master ``local[2]``:
@@ -42,21 +48,41 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from zarrlake_operator import kube
-from zarrlake_testkit.servers import start_redis, stop
+from zarrlake_testkit.servers import free_port, start_redis, stop
 
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass
+class ServerPod:
+    """One replica of a Repository's HTTP server, played as a local process."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    template: str  # the pod template it runs (JSON): a new one is a rollout
+    ready: bool = False
+    probed: float = 0.0  # time.monotonic() of its last readiness probe
+
+
+#: How often a server pod's readiness probe runs (each one reads the repository's refs).
+PROBE_PERIOD_S = 1.0
+
+
 class LocalCluster:
-    """Plays the lock-service Deployments, the service network and Jobs of one emulated API."""
+    """Plays the lock-service and server Deployments, the service network and Jobs of one
+    emulated API."""
 
     def __init__(self, workdir: str | os.PathLike[str], namespaces: list[str]) -> None:
         self.workdir = Path(workdir)
@@ -69,6 +95,9 @@ class LocalCluster:
         self.dns: dict[str, int] = {}
         self.jobs_done: set[str] = set()
         self.job_log: list[dict[str, Any]] = []
+        #: The server pods of each server Deployment, by (namespace, Deployment).
+        self.servers: dict[tuple[str, str], list[ServerPod]] = {}
+        self._rolled_out: dict[tuple[str, str], int] = {}  # the generation each completed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mutex = threading.Lock()
@@ -108,6 +137,8 @@ class LocalCluster:
             for proc, _ in self.redis.values():
                 stop(proc)
             self.redis.clear()
+            for key in list(self.servers):
+                self._stop_servers(key)
 
     def forget_namespace(self, ns: str) -> None:
         """Stop playing ``ns``: its lock-service processes stop, its names leave the DNS."""
@@ -118,6 +149,8 @@ class LocalCluster:
                 proc, port = self.redis.pop(key)
                 stop(proc)
                 self.dns = {h: p for h, p in self.dns.items() if p != port}
+            for key in [k for k in self.servers if k[0] == ns]:
+                self._stop_servers(key)
 
     @contextlib.contextmanager
     def outage(self, ns: str, deployment: str) -> Iterator[None]:
@@ -155,6 +188,7 @@ class LocalCluster:
         with self._mutex:
             for ns in self.namespaces:
                 self._lock_services(ns)
+                self._servers(ns)
                 self._jobs(ns)
 
     # -- Deployments of the lock service --
@@ -244,6 +278,133 @@ class LocalCluster:
             if wanted and all(selector.get(k) == v for k, v in wanted.items()):
                 self.dns[f"{svc['metadata']['name']}.{ns}.svc"] = port
                 self.dns[f"{svc['metadata']['name']}.{ns}.svc.cluster.local"] = port
+
+    # -- Deployments of the repositories' HTTP servers --
+
+    def _servers(self, ns: str) -> None:
+        deployments = kube.list_("Deployment", ns, "app.kubernetes.io/component=serve")
+        alive = set()
+        for dep in deployments:
+            key = (ns, dep["metadata"]["name"])
+            alive.add(key)
+            template = json.dumps(dep["spec"]["template"], sort_keys=True)
+            pods = self.servers.setdefault(key, [])
+            # A new template is a rollout (all at once here); a pod whose process died is
+            # restarted, as the kubelet restarts its container.
+            for pod in [p for p in pods if p.template != template or p.proc.poll() is not None]:
+                stop(pod.proc)
+                pods.remove(pod)
+            wanted = int(dep["spec"].get("replicas", 1))
+            while len(pods) > wanted:
+                stop(pods.pop().proc)
+            while len(pods) < wanted:
+                started = self._start_server(ns, dep, template, len(pods))
+                if started is None:
+                    break  # a Secret it needs is missing: the kubelet cannot start it
+                pods.append(started)
+            for pod in pods:
+                if time.monotonic() - pod.probed >= PROBE_PERIOD_S:
+                    pod.ready, pod.probed = _answers(pod.port, "/readyz"), time.monotonic()
+            self._publish_server(ns, dep, pods)
+            self._server_status(key, dep, wanted, sum(p.ready for p in pods))
+        for key in [k for k in self.servers if k[0] == ns and k not in alive]:
+            self._stop_servers(key)
+
+    def _start_server(
+        self, ns: str, dep: Mapping[str, Any], template: str, index: int
+    ) -> ServerPod | None:
+        """The pod's container as a local process: its command and environment, its Secret
+        volumes written under the work directory (and its arguments that name them pointed
+        there), listening on 127.0.0.1 at a free port instead of the container's."""
+        pod_name = f"{dep['metadata']['name']}-{index}"
+        pod_spec = dep["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        try:
+            mounted = mount_secrets(
+                ns, secret_mounts(container, pod_spec), self.workdir / "pods" / pod_name
+            )
+            env = container_environment(ns, container, pod_name=pod_name, mounted=mounted)
+        except RuntimeError:
+            return None
+        port = free_port()
+        command = [*container.get("command", []), *container.get("args", [])]
+        command = [_expand(arg, env) for arg in command]
+        previous = ["", *command[:-1]]
+        for i, (flag, arg) in enumerate(zip(previous, command, strict=True)):
+            local = {"--host": "127.0.0.1", "--port": str(port)}.get(flag)
+            command[i] = local or _local_path(arg, mounted)
+        exe = shutil.which(command[0], path=str(Path(sys.executable).parent))
+        command[0] = exe or command[0]
+        log = open(self.workdir / f"{ns}-{pod_name}.log", "ab")  # noqa: SIM115 (the child's)
+        try:
+            proc = subprocess.Popen(
+                command,
+                env={"PATH": os.environ.get("PATH", ""), "HOME": str(self.workdir), **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        return ServerPod(proc, port, template)
+
+    def _publish_server(self, ns: str, dep: Mapping[str, Any], pods: Sequence[ServerPod]) -> None:
+        """``<service>.<ns>.svc`` of the Services that select these pods -> a ready pod's port
+        (none ready: the name resolves to nothing)."""
+        ready = next((p.port for p in pods if p.ready), None)
+        labels = dep["spec"]["template"]["metadata"].get("labels") or {}
+        for svc in kube.list_("Service", ns):
+            wanted = (svc.get("spec") or {}).get("selector") or {}
+            if not wanted or any(labels.get(k) != v for k, v in wanted.items()):
+                continue
+            for host in (
+                f"{svc['metadata']['name']}.{ns}.svc",
+                f"{svc['metadata']['name']}.{ns}.svc.cluster.local",
+            ):
+                if ready is None:
+                    self.dns.pop(host, None)
+                else:
+                    self.dns[host] = ready
+
+    def _server_status(
+        self, key: tuple[str, str], dep: Mapping[str, Any], wanted: int, ready: int
+    ) -> None:
+        """The Deployment's status as its controller writes it (only when it changed): the
+        current template's replicas, those ready, and Progressing ``NewReplicaSetAvailable``
+        once this generation's rollout completed (it stays so if pods fail later)."""
+        generation = dep["metadata"].get("generation", 1)
+        if ready >= wanted:
+            self._rolled_out[key] = generation
+        done = self._rolled_out.get(key) == generation
+        status = {
+            "observedGeneration": generation,
+            "replicas": wanted,
+            "updatedReplicas": wanted,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "conditions": [
+                {
+                    "type": "Available",
+                    "status": "True" if ready >= wanted else "False",
+                    "reason": "MinimumReplicasAvailable"
+                    if ready >= wanted
+                    else "MinimumReplicasUnavailable",
+                },
+                {
+                    "type": "Progressing",
+                    "status": "True",
+                    "reason": "NewReplicaSetAvailable" if done else "ReplicaSetUpdated",
+                },
+            ],
+        }
+        if (dep.get("status") or {}) != status:
+            self._set_status("Deployment", key[0], key[1], status)
+
+    def _stop_servers(self, key: tuple[str, str]) -> None:
+        for pod in self.servers.pop(key, []):
+            stop(pod.proc)
+            self.dns = {h: p for h, p in self.dns.items() if p != pod.port}
+        self._rolled_out.pop(key, None)
 
     # -- Jobs --
 
@@ -396,6 +557,25 @@ def kubectl_binary() -> str:
     return found
 
 
+def _answers(port: int, path: str) -> bool:
+    """Whether ``GET http://127.0.0.1:<port><path>`` answers 200 within 2 s (a kubelet's
+    httpGet probe: any 2xx or 3xx passes; the server's probes answer 200)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(f"http://127.0.0.1:{port}{path}", timeout=2) as rsp:
+            return bool(200 <= rsp.status < 400)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _local_path(text: str, mounted: Mapping[str, str]) -> str:
+    """``text`` with a mount path it names (or one below it) pointed at the local copy."""
+    for mount_path, local in mounted.items():
+        if text == mount_path or text.startswith(mount_path.rstrip("/") + "/"):
+            return local + text[len(mount_path.rstrip("/")) :]
+    return text
+
+
 def _expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion in commands and env values."""
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
@@ -522,11 +702,7 @@ def container_environment(
     }
     for var in container.get("env") or []:
         if "value" in var:
-            value = _expand(str(var["value"]), env)
-            for mount_path, local in (mounted or {}).items():
-                if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                    value = local + value[len(mount_path.rstrip("/")) :]
-            env[var["name"]] = value
+            env[var["name"]] = _local_path(_expand(str(var["value"]), env), mounted or {})
             continue
         field_ref = (var.get("valueFrom") or {}).get("fieldRef")
         if field_ref:

@@ -170,3 +170,41 @@ def test_set_ready_moves_no_transition_time_when_nothing_changed() -> None:
         first, False, "RepositoryNotReady", "m", generation=1, now=t0 + dt.timedelta(hours=1)
     )
     assert again == first  # an unchanged readiness rewrites nothing
+
+
+@pytest.mark.parametrize(
+    ("serve", "starting", "argo", "flux"),
+    [
+        (None, False, "Healthy", "Current"),  # no spec.serve: as before
+        (("True", "Available"), False, "Healthy", "Current"),
+        (("False", "Starting"), True, "Progressing", "InProgress"),
+        (("False", "ScaledToZero"), False, "Healthy", "Current"),
+        (("False", "Unavailable"), False, "Degraded", "Current"),
+        (("False", "RolloutFailed"), False, "Degraded", "Current"),
+        (("False", "SecretNotFound"), False, "Degraded", "Current"),
+    ],
+)
+def test_a_repositorys_server_reads_as_its_rollout_and_never_unreadies_it(
+    serve: tuple[str, str] | None, starting: bool, argo: str, flux: str
+) -> None:
+    """What the operator writes for a Repository with spec.serve (its phase from
+    :func:`desired.repository_phase`, Reconciling while a rollout is on its way): a server
+    starting is Progressing, one that is down Degraded for Argo CD (Ready stays True: Flux's
+    kstatus, which reads only Ready, Reconciling and Stalled, says Current, as for a lost lock
+    service), and no spec.serve changes nothing."""
+    conditions = [
+        desired.set_condition([], t, True, t, "ok")[0]
+        for t in ("BucketReady", "LockServiceReady", "Initialized")
+    ]
+    if serve is not None:
+        conditions = desired.set_condition(conditions, "ServeReady", serve[0], serve[1], "1 of 2")
+    phase = desired.repository_phase(conditions)
+    assert phase.ready
+    conditions = desired.set_ready(
+        conditions, phase.ready, phase.reason, phase.message, generation=1, reconciling=starting
+    )
+    obj = _obj("Repository", [c.dump() for c in conditions], phase=phase.phase)
+    assert argo_health(obj)["status"] == argo
+    assert kstatus(obj)[0] == flux
+    if argo == "Degraded":
+        assert argo_health(obj)["message"].startswith("ServeUnavailable: 1 of 2")

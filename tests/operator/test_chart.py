@@ -59,6 +59,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         },
         "imagePullSecrets": [{"name": "registry"}],
         "jobImage": "registry.example/zarrlake-jobs:1.2.3",
+        "serve": {
+            "image": "registry.example/zarrlake-serve:1.2.3",
+            "resources": {"requests": {"cpu": "250m", "memory": 1073741824}},
+        },
         "replicaCount": 3,
         "watchNamespaces": ["data"],
         "logLevel": "DEBUG",
@@ -506,6 +510,27 @@ def test_spark_defaults_reach_the_operator(chart):
     assert off["ZARRLAKE_SPARK_RBAC"] == "false"
 
 
+def test_serve_defaults_reach_the_operator(chart):
+    """The image and resources of the servers a Repository's spec.serve asks for: the job
+    image and the chart's defaults unless set, in the form the operator reads them."""
+    from zarrlake_operator import desired
+
+    env = {e["name"]: e.get("value") for e in container(render(chart))["env"]}
+    assert env["ZARRLAKE_SERVE_IMAGE"] == env["ZARRLAKE_JOB_IMAGE"] != ""
+    assert json.loads(env["ZARRLAKE_SERVE_RESOURCES"]) == chart.values["serve"]["resources"]
+    assert chart.values["serve"]["resources"] == desired.DEFAULT_SERVE_RESOURCES  # one default
+    env = {e["name"]: e.get("value") for e in container(render(chart, {"jobImage": "j:1"}))["env"]}
+    assert env["ZARRLAKE_SERVE_IMAGE"] == "j:1"
+    values = SCENARIOS["everything"]["serve"]
+    env = {e["name"]: e.get("value") for e in container(render(chart, {"serve": values}))["env"]}
+    assert env["ZARRLAKE_SERVE_IMAGE"] == values["image"]
+    # Merged into the defaults, as Helm merges values (a limit goes with `limits: null`).
+    assert json.loads(env["ZARRLAKE_SERVE_RESOURCES"]) == {
+        "requests": {"cpu": "250m", "memory": 1073741824},
+        "limits": {"memory": "1Gi"},
+    }
+
+
 def test_rbac_binds_an_existing_service_account(chart):
     objects = render(chart, SCENARIOS["everything"])
     assert of_kind(objects, "ServiceAccount") == []
@@ -768,6 +793,11 @@ BAD_VALUES = {
     "bad-spark-account": (
         {"spark": {"serviceAccountName": "Not_An_Account"}},
         "serviceAccountName",
+    ),
+    "typo-serve": ({"serve": {"replicas": 2}}, "replicas"),
+    "serve-quantity-not-a-quantity": (
+        {"serve": {"resources": {"limits": {"memory": ["1Gi"]}}}},
+        "memory",
     ),
     "typo-prometheus-rule": ({"prometheusRule": {"enable": True}}, "enable"),
     "bad-not-ready-for": ({"prometheusRule": {"notReadyFor": "15 minutes"}}, "notReadyFor"),

@@ -351,12 +351,17 @@ def test_helm_upgrade_from_the_previous_release_loses_nothing(
             assert _condition(before[(kind, name)], "Ready")["status"] == "True", kind
         deployment = wait_for("the lock Deployment", lambda: kube.get("Deployment", NS, lock))
         assert "podAntiAffinity" in deployment["spec"]["template"]["spec"]["affinity"]
-        # The previous schema has no lockService.affinity: the API server prunes it.
+        # The previous schema has no lockService.affinity and no serve: the API server prunes
+        # them.
         kube.merge_patch(
-            "Repository", NS, "climate", {"spec": {"lockService": {"affinity": {"x": 1}}}}
+            "Repository",
+            NS,
+            "climate",
+            {"spec": {"lockService": {"affinity": {"x": 1}}, "serve": {"enabled": True}}},
         )
         pruned = kube.get("Repository", NS, "climate") or {}
         assert "affinity" not in pruned["spec"]["lockService"], pruned["spec"]
+        assert "serve" not in pruned["spec"], pruned["spec"]
 
         # helm upgrade: the chart's rendered CRDs over the live ones (Helm's three-way merge
         # leaves what only the live object has, e.g. its status, and replaces the rest).
@@ -411,6 +416,18 @@ def test_helm_upgrade_from_the_previous_release_loses_nothing(
 
         pod = wait_for("the lock Deployment rescheduled", rescheduled)
         assert not pod.get("affinity"), pod.get("affinity")
+        # A field added since (spec.serve, optional): kept now, and acted on.
+        kube.merge_patch("Repository", NS, "climate", {"spec": {"serve": {"enabled": True}}})
+        served = wait_for(
+            "the Repository served",
+            lambda: (
+                (r := _settled("Repository", "climate"))
+                and _condition(r, "ServeReady").get("status") == "True"
+                and r
+            ),
+        )
+        assert served["spec"]["serve"]["replicas"] == 1  # the new schema's default
+        assert kube.get("Deployment", NS, "zl-climate-serve") is not None
         kube.create(
             {
                 "apiVersion": "zarrlake.io/v1alpha1",

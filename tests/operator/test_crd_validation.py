@@ -306,6 +306,46 @@ def test_external_lock_service_needs_a_url(api: Api) -> None:
     assert api.create("Repository", "ext", spec).status == 201
 
 
+def test_spec_serve_is_defaulted_bounded_and_checked_against_the_storage(api: Api) -> None:
+    """spec.serve, a field added after 0.1.0: optional, defaulted when given, its bounds and
+    required keys refused by the schema, and serving an http repository that needs an
+    Authorization header (which the server cannot send) refused by a CEL rule."""
+    assert "serve" not in api.create("Repository", "plain", repository()).body["spec"]
+    created = api.create("Repository", "served", {**repository(), "serve": {"enabled": True}})
+    assert created.status == 201, created.body
+    assert created.body["spec"]["serve"] == {"enabled": True, "replicas": 1, "port": 8700}
+    bad = {"enabled": True, "replicas": -1, "port": 80, "tokenSecretRef": {"name": "t"}}
+    causes = refused(
+        api.create("Repository", "bad", {**repository(), "serve": bad}), "Repository", "bad"
+    )
+    assert causes == {
+        "spec.serve.replicas": (
+            "Invalid value: -1: spec.serve.replicas in body should be greater than or equal to 0"
+        ),
+        "spec.serve.port": (
+            "Invalid value: 80: spec.serve.port in body should be greater than or equal to 1024"
+        ),
+        "spec.serve.tokenSecretRef.key": "Required value",
+        "<nil>": NOT_CHECKED[7:],
+    }
+    http = {"provider": "http", "url": "https://data.example.org/climate"}
+    needs_header = {**http, "credentialsSecret": {"name": "cdn"}}
+    spec = {"storage": needs_header, "serve": {"enabled": True}}
+    causes = refused(api.create("Repository", "cdn", spec), "Repository", "cdn")
+    assert causes == {
+        "spec": 'Invalid value: "object": spec.serve cannot send an Authorization header to '
+        "provider http: serve a published repository that needs no credentials"
+    }
+    spec = {"storage": http, "serve": {"enabled": True, "credentialsSecretRef": {"name": "cdn"}}}
+    assert list(refused(api.create("Repository", "cdn", spec), "Repository", "cdn")) == ["spec"]
+    for spec in (
+        {"storage": http, "serve": {"enabled": True}},  # published, no header: served
+        {"storage": needs_header, "serve": {"enabled": False}},  # not served
+    ):
+        assert api.create("Repository", "cdn", spec).status == 201, spec
+        api.call("DELETE", f"{API}/repositories/cdn")
+
+
 def test_immutable_fields_refuse_every_kind_of_change(api: Api) -> None:
     assert api.create("Repository", "fixed", repository(prefix="a")).status == 201
     immutable = 'Invalid value: "string": storage.bucket is immutable'

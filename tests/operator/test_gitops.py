@@ -48,7 +48,9 @@ NS = "gitops"
 KINDS = ("Repository", "Branch", "Tag", "RetentionPolicy", "Mirror")
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
 RESYNC_S = 1.0
-REPOSITORIES = ("alpha", "beta", "gamma", "delta")  # alpha runs a managed lock service
+# alpha runs a managed lock service, delta an HTTP server (spec.serve, two replicas).
+REPOSITORIES = ("alpha", "beta", "gamma", "delta")
+SERVED = ("delta",)
 BRANCHES_PER_REPOSITORY = 6
 TAGS_PER_REPOSITORY = 3
 MIRRORED = ("beta", "gamma")
@@ -72,7 +74,8 @@ def without_cel(crd: dict[str, Any]) -> dict[str, Any]:
 
 def tree(s3: str) -> list[dict[str, Any]]:
     """The GitOps tree: per Repository a credentials Secret (``stringData``, as people write
-    them), six Branches, three Tags and a RetentionPolicy; two of them mirrored. 50 objects."""
+    them), six Branches, three Tags and a RetentionPolicy; two of them mirrored, one served.
+    50 objects."""
     docs: list[dict[str, Any]] = []
     api = "zarrlake.io/v1alpha1"
 
@@ -98,7 +101,10 @@ def tree(s3: str) -> list[dict[str, Any]]:
             "credentialsSecret": {"name": f"{repo}-s3"},
         }
         lock = {"mode": "managed" if repo == "alpha" else "none"}
-        resource("Repository", repo, {"storage": storage, "lockService": lock})
+        spec = {"storage": storage, "lockService": lock}
+        if repo in SERVED:
+            spec["serve"] = {"enabled": True, "replicas": 2}
+        resource("Repository", repo, spec)
         for i in range(BRANCHES_PER_REPOSITORY):
             resource("Branch", f"{repo}-dev-{i}", {"repository": repo, "name": f"dev-{i}"})
         for i in range(TAGS_PER_REPOSITORY):
@@ -220,8 +226,8 @@ def gitops(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Iterator[G
 
 
 def _all_ready(env: GitOps) -> list[dict[str, Any]]:
-    """Every resource of the tree Ready (the managed lock service up too), the Mirrors made
-    mirrors by their replicators' passes; returns them all."""
+    """Every resource of the tree Ready (the managed lock service and the server up too), the
+    Mirrors made mirrors by their replicators' passes; returns them all."""
     for name in (f"{r}-mirror" for r in MIRRORED):
         deployment = wait_for(
             f"replicator of {name}", lambda n=name: kube.get("Deployment", NS, f"zl-{n}-mirror")
@@ -235,6 +241,9 @@ def _all_ready(env: GitOps) -> list[dict[str, Any]]:
             return None
         repos = [o for o in found if o["kind"] == "Repository"]
         if not all(_ready(o, "LockServiceReady") for o in repos):
+            return None
+        served = [o for o in repos if o["metadata"]["name"] in SERVED]
+        if not all(_ready(o, "ServeReady") for o in served):
             return None
         counted = all(
             (o["status"].get("branches"), o["status"].get("tags"))

@@ -75,6 +75,13 @@ The maintenance job image: jobImage, or else the operator image.
 {{- end }}
 
 {{/*
+The image of the repositories' HTTP servers (spec.serve): serve.image, or else the job image.
+*/}}
+{{- define "zarrlake-operator.serveImage" -}}
+{{- default (include "zarrlake-operator.jobImage" .) .Values.serve.image }}
+{{- end }}
+
+{{/*
 The Lease the replicas elect their leader on, in the release namespace.
 */}}
 {{- define "zarrlake-operator.leaseName" -}}
@@ -121,8 +128,8 @@ operator uses; no wildcards.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "delete"]
-# The managed Redis lock service of each Repository and the replicator of each Mirror (read,
-# create, correct drift, remove).
+# The managed Redis lock service and the HTTP server (spec.serve) of each Repository, and the
+# replicator of each Mirror (read, create, correct drift, remove).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch", "delete"]
