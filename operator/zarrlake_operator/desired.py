@@ -185,6 +185,38 @@ WAITING_REASONS = frozenset(
 )
 
 
+#: How long a dependent may wait for a Repository that does not exist before it is ``Stalled``:
+#: long enough for any apply order (GitOps tools apply a tree in their own order), short enough
+#: that a misspelt ``spec.repository`` shows as Failed, not as in progress until a timeout.
+MISSING_REPOSITORY_STALL = dt.timedelta(minutes=5)
+
+
+def waited_too_long(
+    conditions: Sequence[Condition],
+    reason: str,
+    bound: dt.timedelta,
+    now: dt.datetime | None = None,
+) -> bool:
+    """Whether the resource has been waiting (``Reconciling`` True) for longer than ``bound``
+    and still for ``reason`` (the Ready condition's), or was already found to (``Stalled``
+    for it: it stays so while the reason holds)."""
+    ready, waiting = condition(conditions, "Ready"), condition(conditions, "Reconciling")
+    stalled = condition(conditions, "Stalled")
+    if (
+        ready is not None
+        and (ready.reason, ready.status) == (reason, "False")
+        and stalled is not None
+        and (stalled.reason, stalled.status) == (reason, "True")
+    ):
+        return True
+    if ready is None or ready.reason != reason or waiting is None or waiting.status != "True":
+        return False
+    if not waiting.last_transition_time:
+        return False
+    since = dt.datetime.fromisoformat(waiting.last_transition_time.replace("Z", "+00:00"))
+    return (now or dt.datetime.now(dt.UTC)) - since > bound
+
+
 def set_ready(
     conditions: Sequence[Condition],
     ready: bool,

@@ -156,16 +156,20 @@ def _report(
     phase: str | None = None,
     also: Sequence[Condition] = (),
     fields: ResourceStatus | None = None,
+    reconciling: bool | None = None,
 ) -> ResourceStatus:
     """Write Ready (after the conditions in ``also``), phase, observedGeneration and the fields
-    set in ``fields`` (a status of the body's kind) to the status; returns what was written."""
+    set in ``fields`` (a status of the body's kind) to the status; returns what was written.
+    ``reconciling``: as :func:`desired.set_ready` takes it (None: from the reason)."""
     _, _, gen = _meta(body)
     model = STATUS_MODELS[body["kind"]]
     before = observed(model, body)
     conds = before.conditions
     for c in also:
         conds = desired.set_condition(conds, c.type, c.status, c.reason, c.message, generation=gen)
-    conds = desired.set_ready(conds, ready, reason, message, generation=gen)
+    conds = desired.set_ready(
+        conds, ready, reason, message, generation=gen, reconciling=reconciling
+    )
     status = (fields or model()).model_copy(
         update={
             "conditions": conds,
@@ -297,6 +301,16 @@ def _report_waiting(body: Mapping[str, Any], *, reason: str, message: str) -> No
             # all costs at most one unneeded status write each.
             _waited.clear()
         _waited.add(uid)
+        return
+    conditions = observed(STATUS_MODELS[body["kind"]], body).conditions
+    if reason == "RepositoryNotFound" and desired.waited_too_long(
+        conditions, reason, desired.MISSING_REPOSITORY_STALL
+    ):
+        # Past any apply order: a Repository this long missing is a mistake to fix (a misspelt
+        # spec.repository), Stalled, so that GitOps tools call it failed, not in progress.
+        minutes = int(desired.MISSING_REPOSITORY_STALL.total_seconds() // 60)
+        message = f"{message} (for over {minutes} minutes: is spec.repository right?)"
+        _report(body, ready=False, reason=reason, message=message, reconciling=False)
         return
     _report(body, ready=False, reason=reason, message=message)
 

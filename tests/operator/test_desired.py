@@ -1626,3 +1626,32 @@ def test_routine_kopf_lines_drop_to_debug_and_waits_to_info() -> None:
     real = record(logging.ERROR, "Handler 'branch_changed' failed with an exception. Will retry.")
     assert at_info.filter(real) and real.levelname == "ERROR"
     assert RoutineAtDebug(logging.DEBUG).filter(record(logging.INFO, "Timer 'x' succeeded."))
+
+
+def test_a_dependent_missing_its_repository_for_too_long_is_stalled() -> None:
+    from zarrlake_operator.desired import (
+        MISSING_REPOSITORY_STALL,
+        condition,
+        set_ready,
+        waited_too_long,
+    )
+
+    start = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
+    missing = "Repository 'nope' does not exist in namespace 'default'"
+    waiting = set_ready([], False, "RepositoryNotFound", missing, now=start)
+    assert condition(waiting, "Reconciling").status == "True"  # the apply order, at first
+    soon = start + MISSING_REPOSITORY_STALL / 2
+    late = start + MISSING_REPOSITORY_STALL + dt.timedelta(seconds=1)
+    assert not waited_too_long(waiting, "RepositoryNotFound", MISSING_REPOSITORY_STALL, soon)
+    assert waited_too_long(waiting, "RepositoryNotFound", MISSING_REPOSITORY_STALL, late)
+    # Another wait (a Repository that exists but is not ready) is not this one.
+    assert not waited_too_long(waiting, "RepositoryNotReady", MISSING_REPOSITORY_STALL, late)
+    stalled = set_ready(waiting, False, "RepositoryNotFound", missing, reconciling=False, now=late)
+    assert condition(stalled, "Stalled").status == "True"
+    assert condition(stalled, "Reconciling").status == "False"
+    # It stays Stalled while the Repository stays missing (no flapping on the next retry)...
+    assert waited_too_long(stalled, "RepositoryNotFound", MISSING_REPOSITORY_STALL, late)
+    # ...and a Repository that appears ends it: Ready, nothing stalled.
+    found = set_ready(stalled, True, "Ready", "branch at ...", now=late)
+    assert not waited_too_long(found, "RepositoryNotFound", MISSING_REPOSITORY_STALL, late)
+    assert condition(found, "Stalled").status == "False"
