@@ -13,7 +13,8 @@ repository brings 7 objects: a Repository (``lockService: none``, bucket provisi
   found by listing them every second, or every ``objects / 1000`` seconds beyond 1,000 objects
   (the listings cost the API server and this process CPU that the operator shares);
 - **at rest**, over ``--idle`` seconds after ``--settle`` more (covering a resync of everything):
-  the operator's CPU (utime + stime from /proc, as a share of one core), its API requests per
+  the operator's CPU (utime + stime from /proc, as a share of one core), its S3 requests per
+  minute (moto_server's request log; SeaweedFS keeps none), its API requests per
   minute (``zarrlake_operator_api_requests_total``: every request of the reconciliations; Kopf's
   watch streams are long-lived and not counted) and its resident memory (VmRSS);
 - **machine load**: the 1-minute load average before the run and at the end of the rest period
@@ -47,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from harness import RequestLog
 from zarrlake_operator import kube
 from zarrlake_testkit.emulated import start_operator
 from zarrlake_testkit.kubeapi import KubeAPI
@@ -123,13 +125,17 @@ def run(
     profile: Path | None = None,
 ) -> dict[str, float]:
     repos = max(1, size // PER_REPOSITORY)
+    s3_log = ""
     if s3_server == "seaweedfs":
         weed = start_seaweedfs(work / "seaweedfs")
         s3_proc, endpoint = weed.proc, weed.endpoint
         stop_s3 = weed.stop
     else:
-        s3_proc, endpoint = start_moto()
+        s3_log = str(work / "moto.log")
+        s3_proc, endpoint = start_moto(log=s3_log)
         stop_s3 = lambda: stop(s3_proc)  # noqa: E731
+    # moto logs every request; SeaweedFS none (no S3 figure then).
+    requests_s3 = None if s3_server == "seaweedfs" else RequestLog(s3_log)
     api = KubeAPI().start()
     operator = None
     spy = None
@@ -248,9 +254,16 @@ def run(
         progress(f"{total} objects Ready in {to_ready:.1f} s; settling for {settle:.0f} s")
         time.sleep(settle)  # retries of handlers that waited for their Repository, first resyncs
         progress(f"at rest for {idle:.0f} s")
+        s3_mark = requests_s3.mark() if requests_s3 is not None else 0
         cpu0, req0, t0 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
         time.sleep(idle)
         cpu1, req1, t1 = cpu_seconds(operator.pid), api_requests(metrics_port), time.monotonic()
+        s3_per_min = (
+            60 * sum(requests_s3.since(s3_mark).values()) / (t1 - t0)
+            if requests_s3 is not None
+            else float("nan")
+        )
+        progress(f"at rest, S3 requests/min: {s3_per_min:.0f}")
         per_min = {k: 60 * (v - req0.get(k, 0)) / (t1 - t0) for k, v in req1.items()}
         progress(
             "at rest, requests/min: "
@@ -266,6 +279,7 @@ def run(
             "per_object_ms": 1000 * to_ready / total,
             "idle_cpu": (cpu1 - cpu0) / (t1 - t0),
             "idle_requests_per_min": sum(per_min.values()),
+            "idle_s3_per_min": s3_per_min,
             "rss_mib": rss_mib(operator.pid),
             "created_s": created,
             **{f"cpu_to_ready_{k}_s": cpu_ready[k] - cpu_before[k] for k in cpu_ready},
@@ -294,14 +308,15 @@ def main() -> None:
             rows.append(run(size, args.idle, args.settle, Path(tmp), args.s3_server, args.profile))
     lines = [
         "| objects | time to Ready | per object | idle CPU (share of a core) "
-        "| idle API requests/min | operator RSS | load before / after "
+        "| idle API requests/min | idle S3 requests/min | operator RSS | load before / after "
         "| CPU to Ready: operator / S3 / API |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['objects']:,.0f} | {r['to_ready_s']:.1f} s | {r['per_object_ms']:.0f} ms "
             f"| {100 * r['idle_cpu']:.1f}% | {r['idle_requests_per_min']:.0f} "
+            f"| {r['idle_s3_per_min']:.0f} "
             f"| {r['rss_mib']:.0f} MiB | {r['load_before']:.2f} / {r['load_after']:.2f} "
             f"| {r['cpu_to_ready_operator_s']:.1f} / {r['cpu_to_ready_s3_s']:.1f} "
             f"/ {r['cpu_to_ready_api_s']:.1f} s |"
