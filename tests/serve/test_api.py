@@ -7,6 +7,8 @@ route but the probes.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -238,6 +240,10 @@ BAD_REQUESTS = [
     ("/api/v1/log/main?cursor=garbage", 400, "cursor"),
     ("/api/v1/log/main?cursor=0123456789ABCDEFGHJKMNPQRS.x", 400, "cursor"),
     ("/api/v1/log/main?cursor=0123456789ABCDEFGHJKMNPQRS.3", 404, "not found"),
+    # Digits str.isdigit() takes and int() refuses (superscripts): a 400, not a 500.
+    ("/api/v1/log/main?limit=%C2%B9", 400, "limit must be a whole number"),
+    ("/api/v1/log/main?limit=" + "9" * 5000, 400, "limit must be a whole number"),
+    ("/api/v1/log/main?cursor=0123456789ABCDEFGHJKMNPQRS.%C2%B2", 400, "cursor"),
     ("/api/v1/commit/nope", 404, "not found"),
     ("/api/v1/commit/", 400, "give a ref"),
     ("/api/v1/diff/main", 400, "<base>...<head>"),
@@ -298,3 +304,64 @@ def test_the_token_guards_every_route_but_the_probes(history: Lake, serve_repo: 
         assert token not in cookie and "HttpOnly" in headers["set-cookie"]
         assert server.request("GET", "/api/v1/log/main", {"cookie": cookie})[0] == 200
         assert server.get(f"/api/v1/refs?token={token}x")[0] == 401
+
+
+def test_what_a_client_sends_for_the_token_is_never_a_500_or_an_open_redirect(
+    history: Lake, serve_repo: Any
+) -> None:
+    token = "s3cr3t-token"
+    with serve_repo(history.repo, token=token) as server:
+        # A cookie with non-ASCII characters (compare_digest raises TypeError for such a str).
+        for cookie in ('zarrlake_token="\\351"', 'zarrlake_token="\xe9"'):
+            status, _, body = server.request("GET", "/api/v1/refs", {"cookie": cookie})
+            assert status == 401, (cookie, body)
+        # The redirect that sets the cookie stays on this server.
+        for path in ("//evil.example/x", "/\\evil.example/x", "///evil.example"):
+            status, headers, _ = server.get(f"{path}?token={token}")
+            assert status == 303
+            location = headers["location"]
+            assert location.startswith("/") and location[1:2] not in ("/", "\\"), location
+        # SameSite=Lax: a link followed from a chat or a mail still carries the cookie.
+        status, headers, _ = server.get(f"/?token={token}")
+        assert "SameSite=Lax" in headers["set-cookie"]
+
+
+def test_a_burst_of_slow_api_requests_leaves_workers_for_zarr_reads_and_readyz(
+    history: Lake, serve_repo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Diffs that take long fill at most ``page_workers`` of the pool: a Zarr reader and the
+    readiness probe (whose failing would take the server out of its Service) still answer."""
+    release, entered = threading.Event(), threading.Semaphore(0)
+    real = history.repo.diff
+
+    def slow_diff(*args: Any, **kw: Any) -> Any:
+        entered.release()
+        release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(history.repo, "diff", slow_diff)
+    with serve_repo(history.repo, limits=Limits(workers=4, page_workers=2)) as server:
+        diffs = [
+            threading.Thread(target=server.get, args=("/api/v1/diff/first...main",))
+            for _ in range(6)
+        ]
+        answered: dict[str, int] = {}
+
+        def probe(path: str) -> None:
+            answered[path] = server.get(path)[0]
+
+        probes = [threading.Thread(target=probe, args=(p,)) for p in ("/readyz", "/zarr/main/")]
+        try:
+            for t in diffs:
+                t.start()
+            assert entered.acquire(timeout=10) and entered.acquire(timeout=10)
+            time.sleep(0.3)  # the other diffs take what workers they may
+            for t in probes:
+                t.start()
+            for t in probes:
+                t.join(10)
+            assert answered == {"/readyz": 200, "/zarr/main/": 200}
+        finally:
+            release.set()
+            for t in diffs:
+                t.join(30)

@@ -349,6 +349,12 @@ def test_every_link_on_every_page_answers(client: TestClient, story: Story) -> N
         ("/commit/0000000000000000000000000Z", 404, "not found"),
         ("/log/main?cursor=bogus", 400, "bad cursor"),
         ("/log/main?n=x", 400, "n must be a whole number"),
+        # Digits str.isdigit() takes and int() refuses: a 400, not a 500.
+        ("/log/main?n=%C2%B9", 400, "n must be a whole number"),
+        ("/array/main/cube?x=%C2%B9", 400, "x must be an integer"),
+        ("/array/main/cube?i0=--1", 400, "i0 must be an integer, not '--1'"),
+        ("/preview/main/cube.png?w2=%C2%B2:9", 400, "w2 must be an integer"),
+        ("/log/main?cursor=0123456789ABCDEFGHJKMNPQRS.%C2%B2", 400, "bad cursor"),
         ("/compare/v1", 400, "/compare/<base>...<head>"),
         ("/compare/v1...nope", 404, "not found: 'nope'"),
         ("/tree/main/%2E%2E/secret", 400, "bad path segment '..'"),
@@ -427,6 +433,9 @@ def test_the_token_guards_every_page(story: Story) -> None:
         assert r.status_code == 303 and "s3cret" not in r.headers["location"]
         assert c.get("/array/main/cube").status_code == 200
         assert "s3cret-token" not in c.get("/").text
+        # The image of a snapshot never changes, but is the client's alone to keep.
+        r = c.get(f"/preview/{story.ids['warm']}/cube.png")
+        assert r.status_code == 200 and r.headers["cache-control"].startswith("private,")
 
 
 # -- previews: slots, threads, cache -------------------------------------------------------------

@@ -23,7 +23,8 @@ from zarr.storage import FsspecStore
 
 import zarrlake
 from zarrlake.serve import Limits
-from zarrlake.serve.zarrhttp import IMMUTABLE, consolidated_group_document
+from zarrlake.serve.context import IMMUTABLE, PRIVATE_IMMUTABLE
+from zarrlake.serve.zarrhttp import consolidated_group_document
 
 # The fixtures' types (conftest.py): a populated repository, a running server.
 Lake = LiveServer = Any
@@ -278,7 +279,7 @@ def test_ranges_and_head(lake: Lake, served: LiveServer) -> None:
     status, headers, _ = served.get(url, range=f"bytes={n}-")
     assert status == 416 and headers["content-range"] == f"bytes */{n}"
     assert served.get(url, range="bytes=-0")[0] == 416
-    for bad in ("bytes=9-2", "bytes=x-1", "items=0-1", "bytes=-", "bytes 0-1"):
+    for bad in ("bytes=9-2", "bytes=x-1", "bytes=-", "bytes 0-1"):
         status, _, body = served.get(url, range=bad)
         assert status == 400, bad
         assert b"Range" in body and body.count(b"\n") == 1
@@ -295,6 +296,46 @@ def test_ranges_and_head(lake: Lake, served: LiveServer) -> None:
     status, headers, body = served.request("HEAD", url, {"range": "bytes=1-3"})
     assert (status, headers["content-length"], body) == (206, "3", b"")
     assert served.request("HEAD", "/zarr/v1/no/such/key")[0] == 404
+
+
+def test_range_edge_cases(lake: Lake, served: LiveServer) -> None:
+    key, data = chunk_key(lake)
+    n, url = len(data), f"/zarr/v1/{key}"
+    huge = "9" * 5000  # int() refuses a string of 4,300 digits or more
+    for spec, (start, end) in {
+        "bytes=0-0": (0, 1),
+        f"bytes={n - 1}-{n - 1}": (n - 1, n),
+        "Bytes=1-2": (1, 3),  # range units are case-insensitive
+        f"bytes=0-{huge}": (0, n),
+        f"bytes=-{huge}": (0, n),
+    }.items():
+        status, headers, body = served.get(url, range=spec)
+        assert (status, body) == (206, data[start:end]), spec[:40]
+        assert headers["content-range"] == f"bytes {start}-{end - 1}/{n}"
+    status, headers, _ = served.get(url, range=f"bytes={huge}-")
+    assert status == 416 and headers["content-range"] == f"bytes */{n}"
+    # A unit the server does not know: the Range header is ignored (RFC 9110, 14.2).
+    assert served.get(url, range="items=0-1")[:3:2] == (200, data)
+
+
+def test_if_none_match_is_a_304_only_for_a_key_that_exists(lake: Lake, served: LiveServer) -> None:
+    key, _ = chunk_key(lake)
+    assert served.get(f"/zarr/v1/{key}", if_none_match="*")[0] == 304
+    for ref in ("v1", "main"):
+        status, _, body = served.get(f"/zarr/{ref}/no/such/key", if_none_match="*")
+        assert status == 404 and b"no key" in body
+        assert served.get(f"/zarr/{ref}/group", if_none_match="*")[0] == 307  # a directory
+
+
+def test_behind_a_token_immutable_answers_are_private(lake: Lake, serve_repo: Any) -> None:
+    """A shared cache may hand a ``public`` answer to a request without the token."""
+    key, _ = chunk_key(lake)
+    bearer = {"authorization": "Bearer s3cr3t"}
+    with serve_repo(lake.repo, token="s3cr3t") as server:
+        for path in (f"/zarr/v1/{key}", "/zarr/v1/zarr.json", f"/zarr/{lake.snapshot}/"):
+            status, headers, _ = server.request("GET", path, bearer)
+            assert (status, headers["cache-control"]) == (200, PRIVATE_IMMUTABLE), path
+        assert server.request("GET", f"/zarr/main/{key}", bearer)[1]["cache-control"] == "no-cache"
 
 
 def test_tag_and_snapshot_urls_are_immutable_with_strong_etags(

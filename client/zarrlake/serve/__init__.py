@@ -9,7 +9,8 @@ Needs the ``serve`` extra (``pip install 'zarrlake[serve]'``: Starlette, uvicorn
 Modules: :mod:`~zarrlake.serve.zarrhttp` (the Zarr store), :mod:`~zarrlake.serve.api` (JSON),
 :mod:`~zarrlake.serve.pages` (web pages), :mod:`~zarrlake.serve.model` (what API and pages
 show), :mod:`~zarrlake.serve.context` (what routes share), :mod:`~zarrlake.serve.security`
-(token, paths), :mod:`~zarrlake.serve.errors` (exceptions to statuses),
+(token, paths), :mod:`~zarrlake.serve.params` (numbers in a query),
+:mod:`~zarrlake.serve.errors` (exceptions to statuses),
 :mod:`~zarrlake.serve.server` (the application).
 """
 

@@ -31,8 +31,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from zarrlake.serve.errors import BadRequest, http_error, log_line
-from zarrlake.serve.model import LOG_PAGE, commit, compare, log_page, overview, tree
-from zarrlake.serve.security import PrefixRoute, path_below, split_path
+from zarrlake.serve.model import LOG_PAGE, commit, compare, compare_refs, log_page, overview, tree
+from zarrlake.serve.params import query_number
+from zarrlake.serve.security import PrefixRoute, ref_segments, whole_ref
 
 if TYPE_CHECKING:
     from zarrlake.serve.context import ServeContext
@@ -72,50 +73,35 @@ class JsonApi:
         return endpoint
 
     async def _refs(self, request: Request) -> Any:
-        return await self.ctx.run(overview, self.ctx.repo)
+        return await self.ctx.run_page(overview, self.ctx.repo)
 
     async def _log(self, request: Request) -> Any:
         ref = self._whole_ref(request, "log/")
-        limit = _int_param(request, "limit", LOG_PAGE)
+        limit = query_number(request.query_params, "limit", LOG_PAGE)
         limit = min(limit, self.ctx.limits.max_log_limit)
         cursor = request.query_params.get("cursor") or None
-        return await self.ctx.run(log_page, self.ctx.repo, ref, cursor=cursor, limit=limit)
+        return await self.ctx.run_page(log_page, self.ctx.repo, ref, cursor=cursor, limit=limit)
 
     async def _commit(self, request: Request) -> Any:
         ref = self._whole_ref(request, "commit/")
-        return await self.ctx.run(commit, self.ctx.repo, ref)
+        return await self.ctx.run_page(commit, self.ctx.repo, ref)
 
     async def _diff(self, request: Request) -> Any:
-        spec = self._whole_ref(request, "diff/")
-        base, sep, head = spec.partition("...")
-        if not sep or not base or not head:
-            raise BadRequest("compare two refs as diff/<base>...<head>")
-        return await self.ctx.run(compare, self.ctx.repo, base, head)
+        base, head = compare_refs(self._whole_ref(request, "diff/"), "diff/")
+        return await self.ctx.run_page(compare, self.ctx.repo, base, head)
 
     async def _tree(self, request: Request) -> Any:
-        rest = path_below(request.scope, PREFIX + "tree/")
-        path = split_path(rest, max_length=self.ctx.limits.max_key_length, slash_in_first=True)
-        if not path.segments:
+        limit = self.ctx.limits.max_key_length
+        segments = ref_segments(request.scope, PREFIX + "tree/", max_length=limit)
+        if not segments:
             raise BadRequest("give a ref: tree/<ref>[/<path>]")
-        ref, node = path.segments[0], "/".join(path.segments[1:])
-        return await self.ctx.run(tree, self.ctx.repo, ref, node)
+        ref, node = segments[0], "/".join(segments[1:])
+        return await self.ctx.run_page(tree, self.ctx.repo, ref, node)
 
     def _whole_ref(self, request: Request, route: str) -> str:
-        """The ref that makes up the rest of the URL path (its ``/`` plain or as ``%2F``)."""
-        rest = path_below(request.scope, PREFIX + route)
-        path = split_path(rest, max_length=self.ctx.limits.max_key_length, slash_in_first=True)
-        if not path.segments:
-            raise BadRequest(f"give a ref: {route}<ref>")
-        return "/".join(path.segments)
-
-
-def _int_param(request: Request, name: str, default: int) -> int:
-    text = request.query_params.get(name)
-    if text is None or text == "":
-        return default
-    if not text.isdigit() or len(text) > 9:
-        raise BadRequest(f"{name} must be a whole number, not {text[:30]!r}")
-    return int(text)
+        limit = self.ctx.limits.max_key_length
+        usage = f"a ref: {route}<ref>"
+        return whole_ref(request.scope, PREFIX + route, max_length=limit, usage=usage)
 
 
 def json_response(doc: Any, status: int = 200) -> Response:

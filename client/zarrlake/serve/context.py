@@ -4,7 +4,11 @@ for blocking repository work, and the resolution of refs to snapshots.
 The event loop must never wait on storage: a route hands blocking repository calls (resolving a
 branch, walking history, a diff) to :meth:`ServeContext.run`, whose pool is bounded so that a
 burst of requests queues instead of starting a thread each. Chunk reads need no such hand-off:
-:attr:`zarrlake.Session.store` is a Zarr store whose reads are async already.
+:attr:`zarrlake.Session.store` is a Zarr store whose reads are async already. The JSON API and
+the pages, whose work may take seconds (a diff, a long history), go through
+:meth:`ServeContext.run_page`, which takes at most :attr:`Limits.page_workers` of the pool: a
+burst of them leaves threads for the Zarr routes' short steps and for ``/readyz``, whose
+failing would take the server out of its Service.
 
 A branch is resolved again at every request (it moves); a tag or snapshot id names one snapshot
 forever — tag names are never reused, even after deletion — so those resolutions are cached.
@@ -28,9 +32,15 @@ from zarrlake.errors import RefNotFound
 from zarrlake.repository import Repository
 from zarrlake.session import Session
 
-__all__ = ["Limits", "ServeContext"]
+__all__ = ["IMMUTABLE", "PRIVATE_IMMUTABLE", "Limits", "ServeContext"]
 
 T = TypeVar("T")
+
+#: ``Cache-Control`` of an answer that never changes (a tag's or a snapshot's): kept a year by
+#: anyone; behind a token, by the client alone, as a shared cache would hand a ``public``
+#: answer to whoever asks it, token or not.
+IMMUTABLE = "public, max-age=31536000, immutable"
+PRIVATE_IMMUTABLE = "private, max-age=31536000, immutable"
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class Limits:
     """How much one server does at once and answers at most.
 
     ``workers``: threads for blocking repository work (resolving branches, history, diffs);
+    ``page_workers``: of those, how many the JSON API and the pages take at most (previews
+    apart: ``preview_slots``);
     ``sessions``: read-only sessions kept (one per snapshot asked for recently);
     ``max_response_bytes``: the largest body the Zarr routes send (a larger key is a 413: a
     chunk that large is a mistake to fetch whole over HTTP; its ranges are still served);
@@ -49,6 +61,7 @@ class Limits:
     """
 
     workers: int = 16
+    page_workers: int = 8
     sessions: int = 64
     max_response_bytes: int = 256 * 1024 * 1024
     max_log_limit: int = 500
@@ -68,7 +81,10 @@ class ServeContext:
         self.repo = repo
         self.token = token or None
         self.limits = limits or Limits()
+        #: ``Cache-Control`` of this server's answers that never change.
+        self.immutable = PRIVATE_IMMUTABLE if self.token else IMMUTABLE
         self.preview_slots = asyncio.Semaphore(self.limits.preview_slots)
+        self._page_slots = asyncio.Semaphore(self.limits.page_workers)
         self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="zarrlake-serve")
         self._mutex = threading.Lock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()
@@ -79,6 +95,12 @@ class ServeContext:
         """``fn(*args, **kw)`` on the bounded worker pool, awaited."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, partial(fn, *args, **kw))
+
+    async def run_page(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """:meth:`run` for the JSON API and the pages: at most :attr:`Limits.page_workers` at
+        once (see the module docs)."""
+        async with self._page_slots:
+            return await self.run(fn, *args, **kw)
 
     def close(self) -> None:
         """Stop the worker pool (the server's shutdown)."""
@@ -94,7 +116,7 @@ class ServeContext:
         """
         if not isinstance(ref, str) or not ref:
             raise RefNotFound(str(ref))
-        cached = self._cached_immutable(ref)
+        cached = self.cached_resolution(ref)
         if cached is not None:
             return cached, True
         sid, is_branch = self.repo.core.graph.locate(ref)
@@ -108,9 +130,6 @@ class ServeContext:
     def cached_resolution(self, ref: str) -> str | None:
         """The snapshot of tag or snapshot id ``ref`` if it was resolved recently, else None: the
         Zarr routes ask this on the event loop before handing a resolution to the pool."""
-        return self._cached_immutable(ref)
-
-    def _cached_immutable(self, ref: str) -> str | None:
         with self._mutex:
             hit = self._immutable.get(ref)
             if hit is None:

@@ -34,6 +34,7 @@ __all__ = [
     "commit",
     "commit_json",
     "compare",
+    "compare_refs",
     "log_page",
     "node_docs",
     "overview",
@@ -129,7 +130,7 @@ def log_page(
 
 def _parse_cursor(cursor: str) -> tuple[str, int]:
     head, _, offset = cursor.partition(".")
-    if not is_snapshot_id(head) or not offset.isdigit() or len(offset) > 9:
+    if not is_snapshot_id(head) or not (offset.isascii() and offset.isdigit()) or len(offset) > 9:
         raise BadRequest(f"bad cursor {cursor[:60]!r} (use the 'next' of the previous page)")
     return head, int(offset)
 
@@ -157,6 +158,16 @@ def commit(repo: Repository, snapshot_id: str) -> dict[str, Any]:
 
 
 # -- versions compared ---------------------------------------------------------------------------
+
+
+def compare_refs(spec: str, route: str) -> tuple[str, str]:
+    """(base, head) of ``spec``, as the URLs of ``route`` (``"diff/"``, ``"/compare/"``) write
+    two versions compared: ``<base>...<head>``. Raises :class:`BadRequest` when either is
+    missing."""
+    base, sep, head = spec.partition("...")
+    if not sep or not base or not head:
+        raise BadRequest(f"compare two refs as {route}<base>...<head>")
+    return base, head
 
 
 def compare(repo: Repository, base_ref: str, head_ref: str) -> dict[str, Any]:

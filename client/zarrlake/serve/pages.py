@@ -59,6 +59,7 @@ from starlette.staticfiles import StaticFiles
 import zarrlake.serve.model as model
 from zarrlake import __version__
 from zarrlake.serve.errors import BadRequest, NotFound, http_error, log_line
+from zarrlake.serve.params import query_number
 from zarrlake.serve.preview import (
     COLORMAP,
     LEVELS,
@@ -73,8 +74,7 @@ from zarrlake.serve.preview import (
     previewable,
     render,
 )
-from zarrlake.serve.security import PrefixRoute, path_below, split_path
-from zarrlake.serve.zarrhttp import IMMUTABLE
+from zarrlake.serve.security import PrefixRoute, ref_segments, whole_ref
 
 if TYPE_CHECKING:
     from zarrlake.refs import Refs
@@ -399,18 +399,14 @@ class Pages:
         return HTMLResponse(html, status_code=http_status, headers=PAGE_HEADERS)
 
     def _segments(self, request: Request, route: str) -> tuple[str, ...]:
-        rest = path_below(request.scope, route)
-        limit = self.ctx.limits.max_key_length
-        return split_path(rest, max_length=limit, slash_in_first=True).segments
+        return ref_segments(request.scope, route, max_length=self.ctx.limits.max_key_length)
 
     def _whole_ref(self, request: Request, route: str, what: str) -> str:
-        segments = self._segments(request, route)
-        if not segments:
-            raise BadRequest(f"give {what}: {route}<{what}>")
-        return "/".join(segments)
+        limit, usage = self.ctx.limits.max_key_length, f"{what}: {route}<{what}>"
+        return whole_ref(request.scope, route, max_length=limit, usage=usage)
 
     async def _refs(self) -> Refs:
-        return await self.ctx.run(self.ctx.repo.refs)
+        return await self.ctx.run_page(self.ctx.repo.refs)
 
     @staticmethod
     def _default_branch(refs: Refs) -> str:
@@ -427,7 +423,7 @@ class Pages:
     # -- overview, history, commits ----------------------------------------------------------------
 
     async def overview(self, request: Request) -> Response:
-        data = await self.ctx.run(model.overview, self.ctx.repo)
+        data = await self.ctx.run_page(model.overview, self.ctx.repo)
         names = [b["name"] for b in data["branches"]] + [t["name"] for t in data["tags"]]
         branches = [b["name"] for b in data["branches"]]
         default = "main" if "main" in branches else (branches[0] if branches else None)
@@ -448,14 +444,10 @@ class Pages:
     async def log(self, request: Request) -> Response:
         ref = self._whole_ref(request, "/log/", "ref")
         cursor = request.query_params.get("cursor") or None
-        limit = model.LOG_PAGE
-        text = request.query_params.get("n")
-        if text:
-            if not text.isdigit() or len(text) > 9:
-                raise BadRequest(f"n must be a whole number, not {text[:30]!r}")
-            limit = min(int(text), self.ctx.limits.max_log_limit)
+        limit = query_number(request.query_params, "n", model.LOG_PAGE)
+        limit = min(limit, self.ctx.limits.max_log_limit)
         data, refs = await asyncio.gather(
-            self.ctx.run(model.log_page, self.ctx.repo, ref, cursor=cursor, limit=limit),
+            self.ctx.run_page(model.log_page, self.ctx.repo, ref, cursor=cursor, limit=limit),
             self._refs(),
         )
         links = self._links(request)
@@ -474,14 +466,14 @@ class Pages:
 
     async def commit(self, request: Request) -> Response:
         ref = self._whole_ref(request, "/commit/", "id")
-        data = await self.ctx.run(model.commit, self.ctx.repo, ref)
+        data = await self.ctx.run_page(model.commit, self.ctx.repo, ref)
         parents = data["parents"]
         parent = next(
             (p for p in data["parent_commits"] if parents and p["id"] == parents[0]), None
         )
         diff = None
         if parent is not None:
-            diff = await self.ctx.run(model.compare, self.ctx.repo, parent["id"], data["id"])
+            diff = await self.ctx.run_page(model.compare, self.ctx.repo, parent["id"], data["id"])
         refs = await self._refs()
         return self._page(
             request,
@@ -506,10 +498,8 @@ class Pages:
 
     async def compare(self, request: Request) -> Response:
         spec = self._whole_ref(request, "/compare/", "base>...<head")
-        base, sep, head = spec.partition("...")
-        if not sep or not base or not head:
-            raise BadRequest("compare two versions as /compare/<base>...<head>")
-        diff = await self.ctx.run(model.compare, self.ctx.repo, base, head)
+        base, head = model.compare_refs(spec, "/compare/")
+        diff = await self.ctx.run_page(model.compare, self.ctx.repo, base, head)
         return await self._compare_page(request, base, head, diff)
 
     async def _compare_page(
@@ -555,7 +545,7 @@ class Pages:
             return RedirectResponse(links.tree(self._default_branch(refs)), status_code=303)
         ref, path = segments[0], "/" + "/".join(segments[1:])
         data, refs = await asyncio.gather(
-            self.ctx.run(model.tree, self.ctx.repo, ref, path), self._refs()
+            self.ctx.run_page(model.tree, self.ctx.repo, ref, path), self._refs()
         )
         if data["kind"] == "array":
             return RedirectResponse(links.array(ref, data["path"]), status_code=303)
@@ -586,7 +576,7 @@ class Pages:
             if not path.endswith(".png"):
                 raise NotFound("a preview's URL ends in .png")
             path = path[: -len(".png")].rstrip("/") or "/"
-        data = await self.ctx.run(model.tree, self.ctx.repo, ref, path)
+        data = await self.ctx.run_page(model.tree, self.ctx.repo, ref, path)
         return ref, path, data
 
     @staticmethod
@@ -860,7 +850,7 @@ class Pages:
             shown.png,
             media_type="image/png",
             headers={
-                "Cache-Control": IMMUTABLE if immutable else "no-cache",
+                "Cache-Control": self.ctx.immutable if immutable else "no-cache",
                 "X-Content-Type-Options": "nosniff",
             },
         )

@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zarrlake.serve.errors import BadRequest, HTTPError
+from zarrlake.serve.params import whole_number
 
 __all__ = [
     "COLORMAP",
@@ -273,15 +274,9 @@ class Selection:
             name = names[d] if names and d < len(names) and names[d] else None
             return f"dimension {d} ({name!r})" if name else f"dimension {d}"
 
-        def number(key: str, text: str) -> int:
-            text = text.strip()
-            if len(text) > 20 or not text.lstrip("-").isdigit():
-                raise BadRequest(f"{key} must be an integer, not {text[:40]!r}")
-            return int(text)
-
         def integer(key: str) -> int | None:
             raw = params.get(key)
-            return None if raw is None or raw == "" else number(key, raw)
+            return None if raw is None or raw == "" else whole_number(key, raw, signed=True)
 
         def dim(key: str, fallback: int | None) -> int | None:
             value = integer(key)
@@ -321,8 +316,8 @@ class Selection:
             first, colon, second = raw.partition(":")
             if not colon:
                 raise BadRequest(f"w{d} must be start:stop, not {raw[:40]!r}")
-            start = number(f"w{d}", first) if first.strip() else 0
-            stop = number(f"w{d}", second) if second.strip() else shape[d]
+            start = whole_number(f"w{d}", first, signed=True) if first.strip() else 0
+            stop = whole_number(f"w{d}", second, signed=True) if second.strip() else shape[d]
             if not 0 <= start < stop <= shape[d]:
                 raise BadRequest(
                     f"w{d}={start}:{stop} is not a window of {label(d)} of size {shape[d]}"

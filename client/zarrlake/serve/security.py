@@ -4,10 +4,13 @@
 nothing: no ref, no count) needs ``Authorization: Bearer <token>``, compared in constant time
 (:func:`hmac.compare_digest`). A browser cannot send that header from a link, so a page URL may
 carry ``?token=<token>`` once: the answer is a redirect to the same URL without it, setting a
-cookie (``HttpOnly``, ``SameSite=Strict``) that later requests carry. The cookie holds a keyed
-digest of the token, not the token: a cookie that leaks (a shared profile, a proxy's log) does
-not give the bearer token away. Zarr and API clients send the header (``fsspec``:
-``storage_options={"headers": {"Authorization": "Bearer ..."}}``).
+cookie that later requests carry: ``HttpOnly``, and ``SameSite=Lax``, since a link followed from
+a chat or a mail is a cross-site navigation, which a ``Strict`` cookie is not sent with (every
+route is a read: there is no request to forge). The cookie holds a keyed digest of the token,
+not the token: a cookie that leaks (a shared profile, a proxy's log) does not give the bearer
+token away. Behind a token, answers that never change are ``Cache-Control: private``: a shared
+cache would hand a ``public`` one to whoever asks, token or not. Zarr and API clients send the
+header (``fsspec``: ``storage_options={"headers": {"Authorization": "Bearer ..."}}``).
 
 **Paths.** URLs are read from the raw request path, one ``/``-separated segment at a time, each
 percent-decoded on its own: a ``%2F`` inside a segment is then told apart from a ``/`` between
@@ -38,7 +41,16 @@ if TYPE_CHECKING:
     from starlette.datastructures import URLPath
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["OPEN_PATHS", "PrefixRoute", "TokenGuard", "UrlPath", "path_below", "split_path"]
+__all__ = [
+    "OPEN_PATHS",
+    "PrefixRoute",
+    "TokenGuard",
+    "UrlPath",
+    "path_below",
+    "ref_segments",
+    "split_path",
+    "whole_ref",
+]
 
 #: Routes that answer without the token (Kubernetes probes).
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -129,6 +141,23 @@ def path_below(scope: Scope, prefix: str) -> str:
     return raw[len(prefix) :]
 
 
+def ref_segments(scope: Scope, prefix: str, *, max_length: int) -> tuple[str, ...]:
+    """The segments of the path of request ``scope`` below ``prefix``, the first a ref (which
+    may hold an encoded ``/``): :func:`split_path` of :func:`path_below`, which raise."""
+    rest = path_below(scope, prefix)
+    return split_path(rest, max_length=max_length, slash_in_first=True).segments
+
+
+def whole_ref(scope: Scope, prefix: str, *, max_length: int, usage: str) -> str:
+    """The ref that makes up the rest of the path below ``prefix`` (a ``/`` in it plain or as
+    ``%2F``). Raises :class:`BadRequest`: "give ``usage``" for an empty one, or as
+    :func:`split_path` does."""
+    segments = ref_segments(scope, prefix, max_length=max_length)
+    if not segments:
+        raise BadRequest(f"give {usage}")
+    return "/".join(segments)
+
+
 def _cookie_value(token: str) -> str:
     return hmac.new(token.encode(), b"zarrlake-serve-cookie", hashlib.sha256).hexdigest()
 
@@ -172,15 +201,19 @@ class TokenGuard:
         except Exception:  # a malformed cookie header is no credential, not an error
             return False
         morsel = jar.get(COOKIE)
-        return morsel is not None and hmac.compare_digest(morsel.value, self._cookie)
+        if morsel is None:
+            return False
+        # As bytes: compare_digest raises TypeError for a str with non-ASCII characters.
+        return hmac.compare_digest(morsel.value.encode(), self._cookie.encode())
 
     async def _set_cookie(self, scope: Scope, query: list[tuple[str, str]], send: Send) -> None:
         raw = scope.get("raw_path") or quote(scope["path"]).encode()
-        location = raw.decode("latin-1")
+        # One leading "/": "//host/x" or "/\\host/x" would send the browser to another host.
+        location = "/" + raw.decode("latin-1").lstrip("/\\")
         if query:
             location += "?" + urlencode(query)
         secure = "; Secure" if scope.get("scheme") == "https" else ""
-        cookie = f"{COOKIE}={self._cookie}; Path=/; HttpOnly; SameSite=Strict{secure}"
+        cookie = f"{COOKIE}={self._cookie}; Path=/; HttpOnly; SameSite=Lax{secure}"
         await send(
             {
                 "type": "http.response.start",

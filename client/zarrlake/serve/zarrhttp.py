@@ -14,14 +14,17 @@ listing, and a node's directory without the ``/`` redirects there.
 
 Caching. A tag or snapshot id names one snapshot forever: its URLs carry a strong ``ETag`` (the
 snapshot id and a digest of the key) and ``Cache-Control: public, max-age=31536000,
-immutable``. A branch is resolved at every request (``Cache-Control: no-cache``; its ``ETag`` is
-that of the head's snapshot URL, so a revalidation is a 304 until the branch moves). A reader
-that must not see a branch move halfway through its reads asks ``/zarr/<branch>@now/`` once and
-reads on from the URL it redirects to, ``/zarr/<snapshot id>/`` (every ``@now`` request resolves
-the branch afresh: a reader that kept the ``@now`` URL as its base would not be pinned).
+immutable`` (``private`` behind a token). A branch is resolved at every request
+(``Cache-Control: no-cache``; its ``ETag`` is that of the head's snapshot URL, so a revalidation
+is a 304 until the branch moves). ``If-None-Match`` is a 304 for a key that exists and matches
+(``*`` matches any that exists; an absent key is a 404 whatever it says). A reader that must not
+see a branch move halfway through its reads asks ``/zarr/<branch>@now/`` once and reads on from
+the URL it redirects to, ``/zarr/<snapshot id>/`` (every ``@now`` request resolves the branch
+afresh: a reader that kept the ``@now`` URL as its base would not be pinned).
 
 ``Range: bytes=a-b``, ``bytes=a-`` and ``bytes=-n`` are answered 206 (one range; a request for
-several is answered whole, as HTTP allows), a range past the end 416, a malformed one 400. A
+several, or in a unit other than bytes, is answered whole, as HTTP allows and requires), a range
+past the end 416, a malformed one 400. A
 key larger than :attr:`Limits.max_response_bytes` is a 413 unless asked for by ranges within
 the limit: a chunk that large is not read into the server's memory at once.
 """
@@ -55,18 +58,14 @@ if TYPE_CHECKING:
     from zarrlake.serve.context import ServeContext
     from zarrlake.session import Session
 
-__all__ = ["ZarrStore", "consolidated_group_document", "zarr_path"]
+__all__ = ["ZarrStore", "consolidated_group_document"]
 
-IMMUTABLE = "public, max-age=31536000, immutable"
 #: The suffix of a ref that redirects to the snapshot it names now.
 NOW = "@now"
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"([0-9]*)-([0-9]*)")
+#: Digits of a range position read at most: a longer one is past any key's end.
+_RANGE_DIGITS = 18
 _CONSOLIDATED_EMPTY = {"kind": "inline", "must_understand": False, "metadata": {}}
-
-
-def zarr_path(ref: str, key: str = "") -> str:
-    """The URL path of ``key`` in ``ref`` (a ``/`` in the ref encoded as ``%2F``)."""
-    return f"/zarr/{quote(ref, safe='')}/{quote(key)}"
 
 
 class ZarrStore:
@@ -125,13 +124,11 @@ class ZarrStore:
         session = ctx.cached_session(sid)
         if session is None:
             session = await ctx.run(ctx.session, sid)
-        return Version(sid, immutable, session)
+        return Version(sid, session, ctx.immutable if immutable else "no-cache")
 
     async def _key(self, request: Request, version: Version, key: str, rest: str) -> Response:
         etag = version.etag(key)
         headers = {"etag": etag, "cache-control": version.cache_control, "accept-ranges": "bytes"}
-        if _not_modified(request.headers.get("if-none-match"), etag):
-            return Response(status_code=304, headers=headers)
         document = None
         if is_meta_key(key):
             document = await self._document(version, key)
@@ -142,6 +139,8 @@ class ZarrStore:
             if await self._is_node(version.session, key):
                 return _redirect(request, rest + "/")
             raise NotFound(f"no key {key!r} in this version")
+        if _not_modified(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
         wanted = _byte_range(request, etag, size)
         start, end = (0, size) if wanted is None else wanted
         if end - start > self.ctx.limits.max_response_bytes:
@@ -237,20 +236,16 @@ class ZarrStore:
 
 @dataclass(frozen=True)
 class Version:
-    """The snapshot a request reads, and how its answers may be cached."""
+    """The snapshot a request reads, and how its answers may be cached (``cache_control``)."""
 
     snapshot: str
-    immutable: bool
     session: Session
+    cache_control: str
 
     def etag(self, key: str) -> str:
         # Per snapshot and key: the same for a branch URL and the head's snapshot URL.
         digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
         return f'"{self.snapshot}-{digest}"'
-
-    @property
-    def cache_control(self) -> str:
-        return IMMUTABLE if self.immutable else "no-cache"
 
 
 def consolidated_group_document(nodes: dict[str, bytes], key: str) -> bytes | None:
@@ -315,24 +310,32 @@ def _byte_range(request: Request, etag: str, size: int) -> tuple[int, int] | Non
     if_range = request.headers.get("if-range")
     if if_range is not None and if_range.strip() != etag:
         return None  # the client's copy is of another version: send it all
-    spec = header.strip()
+    unit, equals, spec = header.replace(" ", "").partition("=")
+    if equals and unit.lower() != "bytes":
+        return None  # a unit this server does not know: ignored, as HTTP requires
     if "," in spec:
         return None  # several ranges: answered whole
-    m = _RANGE.fullmatch(spec.replace(" ", ""))
+    m = _RANGE.fullmatch(spec) if equals else None
     if m is None or (not m[1] and not m[2]):
         raise BadRequest(f"bad Range header {header[:60]!r} (bytes=a-b, bytes=a- or bytes=-n)")
     if not m[1]:  # the last n bytes
-        n = int(m[2])
+        n = _position(m[2])
         if n == 0 or size == 0:
             raise _unsatisfiable(size)
         return max(0, size - n), size
-    start = int(m[1])
-    end = size if not m[2] else int(m[2]) + 1
+    start = _position(m[1])
+    end = size if not m[2] else _position(m[2]) + 1
     if m[2] and end <= start:
         raise BadRequest(f"bad Range header {header[:60]!r} (the end is before the start)")
     if start >= size:
         raise _unsatisfiable(size)
     return start, min(end, size)
+
+
+def _position(digits: str) -> int:
+    """A position of a ``Range`` header: one too long to be a key's is as good as infinite
+    (``int`` would refuse 4,300 digits or more)."""
+    return int(digits) if len(digits) <= _RANGE_DIGITS else 10**_RANGE_DIGITS
 
 
 def _unsatisfiable(size: int) -> HTTPError:
