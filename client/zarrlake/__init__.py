@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.config import RepositoryConfig
+from zarrlake.config import RepositoryConfig, VirtualContainer
 from zarrlake.conflicts import UseOurs, UseTheirs
 from zarrlake.errors import (
     AmbiguousRef,
@@ -53,6 +53,10 @@ from zarrlake.errors import (
     TransientStorageError,
     UnknownContentHash,
     UnsupportedFormat,
+    VirtualChunkError,
+    VirtualContainerNotAllowed,
+    VirtualSourceChanged,
+    VirtualSourceMissing,
     WritableSessionPickled,
     ZarrlakeError,
 )
@@ -61,6 +65,7 @@ from zarrlake.history import History
 from zarrlake.maintenance import CompactReport, ExpireReport, GCReport, Keep, RetentionRules
 from zarrlake.repository import Repository
 from zarrlake.session import ForkedSession, Session
+from zarrlake.sources import VirtualRef
 from zarrlake.storage import Storage, StorageError
 from zarrlake.types import CommitInfo, Diff
 from zarrlake.upgrade import UpgradeReport
@@ -166,6 +171,12 @@ __all__ = [
     "UpgradeReport",
     "UseOurs",
     "UseTheirs",
+    "VirtualChunkError",
+    "VirtualContainer",
+    "VirtualContainerNotAllowed",
+    "VirtualRef",
+    "VirtualSourceChanged",
+    "VirtualSourceMissing",
     "WritableSessionPickled",
     "ZarrlakeError",
     "ZarrlakeStore",

@@ -16,6 +16,73 @@ MAX_PACKED_CHUNK = 16 * 1024 * 1024
 PACK_CHUNKS_BELOW_BYTES = 256 * 1024
 
 
+#: URL schemes a virtual chunk container may name: those whose sources zarrlake reads today.
+VIRTUAL_SCHEMES = ("s3", "file")
+
+
+@dataclass(frozen=True)
+class VirtualContainer:
+    """A place outside the repository that its virtual chunk refs may point into.
+
+    A repository lists them in its config as an allow-list: a ref whose URL starts with no
+    container's ``url_prefix`` is refused when written and when read, so that a repository can
+    never make a reader fetch an arbitrary URL with the reader's credentials. ``endpoint_url``,
+    ``region`` and ``anonymous`` say how to reach an ``s3://`` container (an S3-compatible
+    server, a public bucket); credentials are never stored here: readers give them at open.
+    """
+
+    url_prefix: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    anonymous: bool = False
+
+    def __post_init__(self) -> None:
+        """Raises :class:`InvalidConfig` for a prefix that is not ``s3://bucket/…/`` or
+        ``file:///…/`` (ending in ``/``, so that ``s3://b/data`` cannot admit ``s3://b/data2``),
+        or settings of the wrong type."""
+        prefix = self.url_prefix
+        if not isinstance(prefix, str):
+            raise InvalidConfig(f"url_prefix must be a string, not {prefix!r}")
+        scheme, sep, rest = prefix.partition("://")
+        if not sep or scheme not in VIRTUAL_SCHEMES:
+            raise InvalidConfig(
+                f"virtual container {prefix!r}: the URL must start with "
+                f"{' or '.join(s + '://' for s in VIRTUAL_SCHEMES)}"
+            )
+        if not prefix.endswith("/"):
+            raise InvalidConfig(f"virtual container {prefix!r}: url_prefix must end with '/'")
+        segments = rest.split("/")[1:-1]
+        if any(seg in (".", "..") for seg in segments):
+            raise InvalidConfig(f"virtual container {prefix!r}: no '.' or '..' segments")
+        if scheme == "s3" and not rest.split("/", 1)[0]:
+            raise InvalidConfig(f"virtual container {prefix!r}: an s3:// URL needs a bucket")
+        if scheme == "file" and not rest.startswith("/"):
+            raise InvalidConfig(
+                f"virtual container {prefix!r}: a file:// URL needs an absolute path"
+            )
+        for name in ("endpoint_url", "region"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidConfig(f"virtual container {prefix!r}: {name} must be a string")
+        if not isinstance(self.anonymous, bool):
+            raise InvalidConfig(f"virtual container {prefix!r}: anonymous must be true or false")
+
+    @classmethod
+    def from_value(cls, value: object) -> VirtualContainer:
+        """A container from its config form (a dict of the fields) or itself."""
+        if isinstance(value, VirtualContainer):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidConfig(f"a virtual container is a dict with url_prefix, not {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown or "url_prefix" not in value:
+            raise InvalidConfig(
+                f"virtual container {value!r}: needs url_prefix, takes {', '.join(sorted(known))}"
+            )
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class RepositoryConfig:
     """Engine settings.
@@ -26,12 +93,15 @@ class RepositoryConfig:
     - ``pack_chunks_below_bytes``: chunks a session writes that are above the inline threshold
       and below this size go into pack objects of a few MiB (:mod:`zarrlake.packs`): one request
       per pack instead of one per chunk. 0 writes every such chunk as an object of its own.
+    - ``virtual_containers``: where virtual chunk refs may point (:class:`VirtualContainer`;
+      dicts are taken). A repository with any has the ``virtual-chunks`` format feature.
     """
 
     inline_threshold_bytes: int = 512
     shard_max_refs: int = 2048
     session_ttl: dt.timedelta = dt.timedelta(hours=24)
     pack_chunks_below_bytes: int = field(default_factory=lambda: PACK_CHUNKS_BELOW_BYTES)
+    virtual_containers: tuple[VirtualContainer, ...] = ()
 
     def __post_init__(self) -> None:
         """Raises :class:`InvalidConfig` (a ``ValueError``) for a value of the wrong type or out
@@ -50,10 +120,24 @@ class RepositoryConfig:
             raise InvalidConfig("shard_max_refs must be between 4 and 1,000,000")
         if not 0 <= self.pack_chunks_below_bytes <= MAX_PACKED_CHUNK:
             raise InvalidConfig("pack_chunks_below_bytes must be between 0 and 16 MiB")
+        containers = self.virtual_containers
+        if not isinstance(containers, list | tuple):
+            raise InvalidConfig(f"virtual_containers must be a list, not {containers!r}")
+        parsed = tuple(VirtualContainer.from_value(c) for c in containers)
+        prefixes = [c.url_prefix for c in parsed]
+        if len(set(prefixes)) != len(prefixes):
+            raise InvalidConfig("virtual_containers lists a url_prefix twice")
+        object.__setattr__(self, "virtual_containers", parsed)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["session_ttl"] = self.session_ttl.total_seconds()
+        # Left out when empty: the settings of a repository without virtual chunks are what
+        # they were before containers existed.
+        if self.virtual_containers:
+            d["virtual_containers"] = [asdict(c) for c in self.virtual_containers]
+        else:
+            del d["virtual_containers"]
         return d
 
     @classmethod

@@ -10,6 +10,7 @@ façade depends on it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from zarrlake.history import CommitGraph, ExpiryLog
 from zarrlake.objects import ObjectStore
 from zarrlake.published import PublishedRoot
 from zarrlake.refs import BranchJournal, Refs, Tags
+from zarrlake.sources import VirtualSources
 from zarrlake.storage.base import Storage
 
 
@@ -83,6 +85,7 @@ class RepositoryCore:
         lock: BranchLock | None = None,
         *,
         verify_reads: bool = True,
+        virtual_credentials: Mapping[str, Mapping[str, str]] | None = None,
     ) -> RepositoryCore:
         """The core of the repository whose marker object is ``record``, at ``storage``.
 
@@ -93,7 +96,11 @@ class RepositoryCore:
         except InvalidConfig as e:  # a stored record, not the caller's input
             key = REPO_KEY if record.mirror_of is None else MIRROR_REPO_KEY
             raise CorruptObject(key, f"its settings: {e}") from None
-        objects = ObjectStore(storage, record.content_hash, verify_reads=verify_reads)
+        # Credentials for virtual chunk sources are the reader's, given at open: never stored.
+        sources = VirtualSources(config.virtual_containers, virtual_credentials)
+        objects = ObjectStore(
+            storage, record.content_hash, verify_reads=verify_reads, sources=sources
+        )
         root = MIRROR_PREFIX if record.mirror_of is not None else ""
         # A mirror's refs carry no markers: the promoter starts its journals anew, under the
         # source's id, so a mirror made again in place could not tell its markers from a
@@ -174,13 +181,20 @@ class RepositoryCore:
         return published.publish(lambda r: r.with_journals(truth))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.storage, self.record, self.lock, self.objects.verify_reads))
+        verify, credentials = self.objects.verify_reads, self.objects.sources.credentials
+        return (_rebuild, (self.storage, self.record, self.lock, verify, credentials))
 
 
 def _rebuild(
-    storage: Storage, record: RepoRecord, lock: BranchLock | None, verify_reads: bool
+    storage: Storage,
+    record: RepoRecord,
+    lock: BranchLock | None,
+    verify_reads: bool,
+    virtual_credentials: Mapping[str, Mapping[str, str]] | None = None,
 ) -> RepositoryCore:
-    return RepositoryCore.build(storage, record, lock, verify_reads=verify_reads)
+    return RepositoryCore.build(
+        storage, record, lock, verify_reads=verify_reads, virtual_credentials=virtual_credentials
+    )
 
 
 def rebuild_root(

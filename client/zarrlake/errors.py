@@ -366,6 +366,51 @@ class InvalidConfig(InvalidArgument):
     type (``Repository.create(config=…)``)."""
 
 
+class VirtualChunkError(ZarrlakeError):
+    """A virtual chunk (a byte range of a file outside the repository) that cannot be read as
+    its ref says. ``url`` is the source file; ``chunk`` the Zarr key read (``array/c/0/1``)
+    and ``array`` its array's path, where the reader knows them. Raised instead of returning
+    bytes: a virtual read never returns what may be another version's data."""
+
+    def __init__(
+        self, url: str, reason: str, *, chunk: str | None = None, array: str | None = None
+    ) -> None:
+        where = "" if chunk is None else f" (chunk {chunk!r} of array {array or '/'!r})"
+        super().__init__(f"virtual chunk source {url}{where}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.chunk = chunk
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_virtual, (type(self), self.url, self.reason, self.chunk, self.array))
+
+    def at(self, chunk: str, array: str) -> VirtualChunkError:
+        """The same error, naming the Zarr key and array that read the chunk."""
+        return type(self)(self.url, self.reason, chunk=chunk, array=array)
+
+
+def _rebuild_virtual(
+    cls: type[VirtualChunkError], url: str, reason: str, chunk: str | None, array: str | None
+) -> VirtualChunkError:
+    return cls(url, reason, chunk=chunk, array=array)
+
+
+class VirtualSourceChanged(VirtualChunkError):
+    """The source file of a virtual chunk is not the version its ref was made from: its ETag or
+    modification time differ from the ref's. Rebuild the refs (import the file again)."""
+
+
+class VirtualSourceMissing(VirtualChunkError):
+    """The source file of a virtual chunk does not exist (or ends before the chunk does)."""
+
+
+class VirtualContainerNotAllowed(VirtualChunkError, InvalidArgument):
+    """A virtual ref whose URL lies in none of the repository's ``virtual_containers``: refused
+    when written (an :class:`InvalidArgument`) and when read, so that a repository can never
+    make its reader fetch an arbitrary URL with the reader's credentials."""
+
+
 class InvalidDuration(ZarrlakeError, ValueError):
     """A duration text (``--grace 7d``, ``spec.gc.grace``) that does not parse."""
 

@@ -24,6 +24,9 @@ from zarrlake.errors import (
     ObjectNotFound,
     RefNotFound,
     UnsupportedFormat,
+    VirtualChunkError,
+    VirtualContainerNotAllowed,
+    VirtualSourceChanged,
 )
 from zarrlake.format.ids import CONTENT_HASHES
 from zarrlake.format.model import (
@@ -31,6 +34,7 @@ from zarrlake.format.model import (
     OBJECT,
     PACKED,
     REPO_KEY,
+    VIRTUAL,
     ChunkRef,
     chunk_key,
     history_page_key,
@@ -42,13 +46,16 @@ from zarrlake.format.root import RootRecord
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import marker_disagreements
+from zarrlake.sources import SourceRange, VirtualSources
 
 
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with one object."""
 
-    kind: str  # missing | corrupt | unsupported | dangling-ref; notes: unpublished
+    # missing | corrupt | unsupported | dangling-ref | virtual-missing | virtual-changed |
+    # virtual-not-allowed (the key of a virtual-* problem is the source's URL); notes: unpublished
+    kind: str
     key: str
     detail: str
 
@@ -69,6 +76,9 @@ class FsckReport:
     verified: int = 0
     #: Objects ``repair`` rewrote (the published root, brought up to the journals).
     repaired: tuple[str, ...] = ()
+    #: With ``virtual``: how many virtual chunk sources (files outside the repository, each
+    #: version a ref pins counted once) were checked.
+    virtual_sources: int = 0
     #: What is not wrong but worth knowing: a published root behind its journals
     #: (``unpublished``: a writer between its two writes, or one that died there; the next
     #: publish on the branch, or ``repair``, carries it). ``ok`` does not count them.
@@ -83,6 +93,7 @@ class FsckReport:
         checked = (
             f"{self.refs} ref(s), {self.snapshots} snapshot(s), {self.shards} shard(s), "
             f"{self.chunks} chunk object(s), the content of {self.verified} chunk(s)"
+            + (f", {self.virtual_sources} virtual source(s)" if self.virtual_sources else "")
         )
         if self.ok:
             return f"ok: checked {checked}"
@@ -98,6 +109,7 @@ class FsckReport:
                 "shards": self.shards,
                 "chunks": self.chunks,
                 "verified": self.verified,
+                "virtual_sources": self.virtual_sources,
             },
             "problems": [{"kind": p.kind, "key": p.key, "detail": p.detail} for p in self.problems],
             "repaired": list(self.repaired),
@@ -117,12 +129,16 @@ def fsck(
     verify_content: bool = False,
     sample: int = SAMPLE,
     repair: bool = False,
+    virtual: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> FsckReport:
     """Check the repository (see the module docstring); ``check_chunks=False`` skips chunks,
     ``verify_content=True`` reads every chunk and checks its bytes against its name, ``sample``
     is how many chunks are read and checked without it (0: none). ``repair``: publish the
     journals' heads, tags and expiry records to a published root that is missing, damaged or
     behind them (the problems are still reported; ``repaired`` names what was rewritten).
+    ``virtual``: check the source of every virtual chunk ref (:func:`check_virtual_sources`),
+    calling ``progress(done, total)`` as sources are checked.
 
     Never raises for what it finds: every problem is in the report (storage errors propagate).
     """
@@ -172,6 +188,8 @@ def fsck(
     page_roots: list[str] = []
     shard_seen: set[str] = set()
     chunk_refs: dict[str, int] = {}  # object key -> minimum size the refs need
+    # (url, etag, modified µs) -> how far into the source the refs reach, and how many there are
+    virtual_refs: dict[tuple[str, str | None, int | None], list[int]] = {}
     stack = list(dict.fromkeys(roots))
     while stack:
         sid = stack.pop()
@@ -222,6 +240,12 @@ def fsck(
                     chunk_refs[key] = max(chunk_refs.get(key, 0), int(ref[2]) + int(ref[3]))
                 elif ref[0] == INLINE:
                     continue
+                elif ref[0] == VIRTUAL:
+                    if virtual:
+                        reach = virtual_refs.setdefault((ref[1], ref[4], ref[5]), [0, 0])
+                        reach[0] = max(reach[0], int(ref[2]) + int(ref[3]))
+                        reach[1] += 1
+                    continue
                 else:
                     problem(
                         "corrupt", f"manifests/{info.digest}", f"unknown chunk ref kind {ref[0]!r}"
@@ -266,7 +290,64 @@ def fsck(
     notes: list[Problem] = []
     if core.journal.published is not None:
         repaired = _check_root(core, problem, notes.append, repair)
-    return FsckReport(problems, refs, snapshots, shards, chunks, verified, repaired, notes)
+    checked = 0
+    if virtual:
+        checked = check_virtual_sources(core.objects.sources, virtual_refs, problem, progress)
+    return FsckReport(
+        problems,
+        refs,
+        snapshots,
+        shards,
+        chunks,
+        verified,
+        repaired,
+        notes=notes,
+        virtual_sources=checked,
+    )
+
+
+def check_virtual_sources(
+    sources: VirtualSources,
+    refs: dict[tuple[str, str | None, int | None], list[int]],
+    problem: Callable[[str, str, str], None],
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Check each source version the virtual ``refs`` pin ((url, etag, modified µs) -> [how far
+    into the file they reach, how many refs]) with one conditional read of the last byte they
+    need: the file exists, is the version they were made from (ETag or time), and is long
+    enough. Reported as ``virtual-missing``, ``virtual-changed``, ``virtual-not-allowed``
+    problems keyed by URL. Bounded parallelism: the I/O pool of each source's storage (32
+    requests at once on S3). The number of sources checked."""
+    items = sorted(refs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2] or 0))
+    done = 0
+
+    def check(item: tuple[tuple[str, str | None, int | None], list[int]]) -> Exception | None:
+        (url, etag, modified), (reach, _) = item
+        try:
+            sources.read_range(SourceRange(url, max(0, reach - 1), reach, etag, modified))
+        except VirtualChunkError as e:
+            return e
+        return None
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        for (key, (_, count)), error in zip(items, pool.map(check, items), strict=True):
+            done += 1
+            if progress is not None:
+                progress(done, len(items))
+            if error is None:
+                continue
+            assert isinstance(error, VirtualChunkError)
+            kind = (
+                "virtual-not-allowed"
+                if isinstance(error, VirtualContainerNotAllowed)
+                else "virtual-changed"
+                if isinstance(error, VirtualSourceChanged)
+                else "virtual-missing"
+            )
+            problem(kind, key[0], f"{error.reason} ({count} chunk ref(s))")
+    return len(items)
 
 
 def _check_root(

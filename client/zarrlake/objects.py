@@ -29,6 +29,7 @@ from zarrlake.format.model import (
     INLINE,
     OBJECT,
     PACKED,
+    VIRTUAL,
     ChunkRef,
     HistoryPage,
     ManifestShard,
@@ -44,6 +45,7 @@ from zarrlake.format.model import (
     txlog_key,
 )
 from zarrlake.readahead import PackReadAhead, Window
+from zarrlake.sources import SourceRange, VirtualSources
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage
 
 log = logging.getLogger(__name__)
@@ -140,12 +142,25 @@ class ObjectStore:
     never returned. Inline chunks live in their manifest shard, whose own digest is checked
     when it is read. A read of part of a chunk (Zarr's sharding codec reads byte ranges) cannot
     be checked without the rest of it and is not.
+
+    ``sources``: how virtual chunks are read (:mod:`zarrlake.sources`): the repository's
+    containers and the reader's credentials for them. Without, every virtual chunk read raises
+    :class:`VirtualContainerNotAllowed`. Virtual chunks carry no digest: what makes their reads
+    safe is the check of the source's version their refs pin.
     """
 
-    def __init__(self, storage: Storage, content_hash: str, *, verify_reads: bool = True) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        content_hash: str,
+        *,
+        verify_reads: bool = True,
+        sources: VirtualSources | None = None,
+    ) -> None:
         self.storage = storage
         self.content_hash = content_hash
         self.verify_reads = verify_reads
+        self.sources = sources if sources is not None else VirtualSources(())
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -169,10 +184,12 @@ class ObjectStore:
             "storage": self.storage,
             "content_hash": self.content_hash,
             "verify_reads": self.verify_reads,
+            "sources": self.sources,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.storage = state["storage"]
+        self.sources = state.get("sources") or VirtualSources(())
         # Pickles from before the hash was a setting carry none: they were SHA-256.
         self.content_hash = state.get("content_hash", LEGACY_CONTENT_HASH)
         self.verify_reads = state.get("verify_reads", True)
@@ -444,6 +461,8 @@ class ObjectStore:
             if ahead is not None and (window := ahead.lookup(*read, started=True)) is not None:
                 return _via_window(self.storage, window, [(0, read[1], read[2])])[0]
             return _fetch_range(self.storage, *read)
+        if kind == VIRTUAL:
+            return self.sources.read(ref, byte_range)
         raise CorruptObject("<chunk ref>", f"unknown chunk ref kind {kind!r}")
 
     async def read_object_async(self, ref: ChunkRef) -> bytes:
@@ -467,7 +486,23 @@ class ObjectStore:
         where: list[int] = []
         joined: dict[Window, list[tuple[int, int, int]]] = {}
         ahead = self._ahead
+        # Virtual chunks: ranges of one source (pinned alike) coalesce as a pack's do.
+        sourced: list[tuple[str, int, int]] = []
+        sourced_at: list[int] = []
+        pins: dict[str, tuple[str, str | None, int | None]] = {}
         for i, (ref, byte_range) in enumerate(reads):
+            if ref[0] == VIRTUAL:
+                _, url, offset, length, etag, modified = ref
+                start, end = (0, length) if byte_range is None else byte_range
+                end = min(end, length)
+                if end <= start:
+                    jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range), True))
+                    continue
+                name = f"{url}\0{etag}\0{modified}"
+                pins[name] = (url, etag, modified)
+                sourced.append((name, offset + start, offset + end))
+                sourced_at.append(i)
+                continue
             read = _packed_read(ref, byte_range) if ref[0] == PACKED else None
             if read is None or (self._staged and ref[1] in self._staged):
                 jobs.append(ReadJob((i,), partial(_one, self, ref, byte_range)))
@@ -501,6 +536,11 @@ class ObjectStore:
             else:
                 parts = list(group.parts)
                 jobs.append(ReadJob(targets, partial(_via_window, self.storage, planned, parts)))
+        for group in coalesce(sourced):
+            url, etag, modified = pins[group.key]
+            whole = SourceRange(url, group.start, group.end, etag, modified)
+            targets = tuple(sourced_at[part] for part, _, _ in group.parts)
+            jobs.append(ReadJob(targets, partial(_read_source, self.sources, whole, group.parts)))
         if self.verify_reads:
             jobs = [self._verifying(job, reads) for job in jobs]
         return jobs
@@ -640,6 +680,14 @@ def _whole(key: str, got: bytes, ref: ChunkRef, byte_range: tuple[int, int] | No
 
 def _one(objects: ObjectStore, ref: ChunkRef, byte_range: tuple[int, int] | None) -> list[bytes]:
     return [objects.read_chunk(ref, byte_range)]
+
+
+def _read_source(
+    sources: VirtualSources, whole: SourceRange, parts: Sequence[tuple[int, int, int]]
+) -> list[bytes]:
+    """The bytes of the virtual chunk reads ``parts`` (index, start, end in the source), in one
+    checked request of ``whole``."""
+    return _slice(sources.read_range(whole), whole.start, parts)
 
 
 def _split(storage: Storage, group: RangeGroup) -> list[bytes]:

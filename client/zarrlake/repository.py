@@ -48,6 +48,7 @@ from zarrlake.format.model import (
     MIRROR_REPO_KEY,
     PUBLISHED_ROOT,
     REPO_KEY,
+    VIRTUAL_CHUNKS,
     WRITE_PROBE_KEY,
     JournalEntry,
     RepoRecord,
@@ -83,6 +84,8 @@ PUBLISH_ROOT_BY_DEFAULT = True
 
 #: A lock service, its URL (``redis://…``, ``file:///dir``), or None for optimistic commits.
 LockSpec = BranchLock | str | None
+#: Credentials for virtual chunk containers, by url_prefix (see :meth:`Repository.open`).
+VirtualCredentials = Mapping[str, Mapping[str, str]] | None
 #: ``progress(phase, count)`` callbacks of long maintenance operations.
 Progress = Callable[[str, int], None]
 
@@ -143,6 +146,7 @@ class Repository:
         lock: LockSpec = None,
         *,
         verify_reads: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> None:
         if isinstance(lock, str):
             from zarrlake.locks import lock_from_url
@@ -156,7 +160,9 @@ class Repository:
         self.storage = storage
         verify = verify_reads_default() if verify_reads is None else verify_reads
         _check_flag(verify, "verify_reads")
-        self._core = RepositoryCore.build(storage, record, lock, verify_reads=verify)
+        self._core = RepositoryCore.build(
+            storage, record, lock, verify_reads=verify, virtual_credentials=virtual_credentials
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -164,6 +170,7 @@ class Repository:
             "record": self.record,
             "lock": self.lock,
             "verify_reads": self.verify_reads,
+            "virtual_credentials": self._core.objects.sources.credentials,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -172,6 +179,7 @@ class Repository:
             state["record"],
             state["lock"],
             verify_reads=state.get("verify_reads", True),
+            virtual_credentials=state.get("virtual_credentials"),
         )
 
     def __repr__(self) -> str:
@@ -189,6 +197,7 @@ class Repository:
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
         published_root: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Initialize a repository with an empty ``main`` branch.
 
@@ -227,6 +236,9 @@ class Repository:
         features = [] if content_hash == LEGACY_CONTENT_HASH else ["content-hash"]
         if published_root:
             features.append(PUBLISHED_ROOT)
+        if config.virtual_containers:
+            # Its manifests may hold virtual refs, which an older zarrlake must not write around.
+            features.append(VIRTUAL_CHUNKS)
         record = RepoRecord(
             str(uuid.uuid4()),
             _now(),
@@ -235,7 +247,13 @@ class Repository:
             content_hash=content_hash,
             features=tuple(features),
         )
-        repo = cls(storage, record, lock, verify_reads=verify_reads)
+        repo = cls(
+            storage,
+            record,
+            lock,
+            verify_reads=verify_reads,
+            virtual_credentials=virtual_credentials,
+        )
         # ``main`` first, then the marker, then the root: a marker then always has a ``main``
         # beside it, and a root a marker, so opening a repository is one request. A creator that
         # dies in between leaves no marker, hence no repository (the next create adopts the
@@ -259,7 +277,12 @@ class Repository:
 
     @classmethod
     def open(
-        cls, storage: Storage, *, lock: LockSpec = None, verify_reads: bool | None = None
+        cls,
+        storage: Storage,
+        *,
+        lock: LockSpec = None,
+        verify_reads: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Open an existing repository, or a mirror (read-only: see :mod:`zarrlake.mirror`).
         Raises :class:`RepositoryNotFound`.
@@ -267,6 +290,12 @@ class Repository:
         ``verify_reads``: check every chunk read against the digest its ref records and raise
         :class:`CorruptChunk` rather than return other bytes (see :attr:`verify_reads`); None
         takes ``$ZARRLAKE_VERIFY_READS`` (``0``, ``false``, ``no`` or ``off`` turn it off), else on.
+
+        ``virtual_credentials``: what signs this reader's requests to the repository's virtual
+        chunk containers, by ``url_prefix`` (``{"s3://bucket/prefix/": {"access_key_id": …,
+        "secret_access_key": …, "session_token": …}}``); a container not named uses the
+        provider's usual environment. Never stored in the repository. Raises
+        :class:`InvalidArgument` for a prefix that is none of its containers.
 
         The published root and a mirror's marker are read in one round: a mirror's is under
         ``mirror/``, since bucket replication may copy its source's ``repo`` and ``root``
@@ -284,7 +313,13 @@ class Repository:
         if mirror is not None:
             assert isinstance(mirror, bytes)
             record = RepoRecord.decode(mirror, MIRROR_REPO_KEY)
-            return cls(storage, record, lock, verify_reads=verify_reads)
+            return cls(
+                storage,
+                record,
+                lock,
+                verify_reads=verify_reads,
+                virtual_credentials=virtual_credentials,
+            )
         if isinstance(found, Versioned):
             try:
                 root = RootRecord.decode(found.data, ROOT_KEY)
@@ -293,7 +328,13 @@ class Repository:
                     "%s: %s cannot be read (%s): opening from the marker", storage.url, ROOT_KEY, e
                 )
             else:
-                repo = cls(storage, root.repo, lock, verify_reads=verify_reads)
+                repo = cls(
+                    storage,
+                    root.repo,
+                    lock,
+                    verify_reads=verify_reads,
+                    virtual_credentials=virtual_credentials,
+                )
                 if repo._core.journal.published is not None:
                     repo._core.journal.published.adopt(found)
                 return repo
@@ -301,7 +342,13 @@ class Repository:
         if data is None:
             raise RepositoryNotFound(f"no zarrlake repository at {storage.url}")
         record = RepoRecord.decode(data, REPO_KEY)
-        repo = cls(storage, record, lock, verify_reads=verify_reads)
+        repo = cls(
+            storage,
+            record,
+            lock,
+            verify_reads=verify_reads,
+            virtual_credentials=virtual_credentials,
+        )
         if not record.initialized:
             repo._core.commits.initialize(MAIN)
         return repo
@@ -315,6 +362,7 @@ class Repository:
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Open the repository at ``storage``, creating it (with ``config`` and ``content_hash``)
         if there is none. An existing repository keeps its own hash; a name zarrlake does not
@@ -325,7 +373,12 @@ class Repository:
         if isinstance(config, dict):  # a misspelt setting, likewise
             config = RepositoryConfig.from_dict(config, strict=True)
         try:
-            return cls.open(storage, lock=lock, verify_reads=verify_reads)
+            return cls.open(
+                storage,
+                lock=lock,
+                verify_reads=verify_reads,
+                virtual_credentials=virtual_credentials,
+            )
         except RepositoryNotFound:
             try:
                 return cls.create(
@@ -334,9 +387,15 @@ class Repository:
                     lock=lock,
                     content_hash=content_hash,
                     verify_reads=verify_reads,
+                    virtual_credentials=virtual_credentials,
                 )
             except RepositoryExists:
-                return cls.open(storage, lock=lock, verify_reads=verify_reads)
+                return cls.open(
+                    storage,
+                    lock=lock,
+                    verify_reads=verify_reads,
+                    virtual_credentials=virtual_credentials,
+                )
 
     @classmethod
     def from_kubernetes(
@@ -666,6 +725,8 @@ class Repository:
         verify_content: bool = False,
         sample: int = FSCK_SAMPLE,
         repair: bool = False,
+        virtual: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> FsckReport:
         """Check that everything reachable from the refs exists and parses; a ``FsckReport``.
 
@@ -674,6 +735,9 @@ class Repository:
         (the repository's content hash) instead; slow, it reads all the data. In a repository
         that publishes a root, fsck also checks that the root agrees with the journals;
         ``repair`` republishes it from them where it does not (it changes nothing else).
+        ``virtual``: check the source file of every virtual chunk ref too (it exists, is the
+        version the ref pins, is long enough), reported as ``virtual-*`` problems by URL;
+        ``progress(done, total)`` is called as sources are checked.
         """
         if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
             raise InvalidArgument(f"sample must be a whole number of chunks, not {sample!r}")
@@ -685,6 +749,8 @@ class Repository:
             verify_content=verify_content,
             sample=sample,
             repair=repair,
+            virtual=virtual,
+            progress=progress,
         )
 
     # -- sessions ----------------------------------------------------------------------------------
@@ -756,6 +822,7 @@ class Repository:
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
         published_root: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Async twin of :meth:`create`."""
         return await asyncio.to_thread(
@@ -767,15 +834,29 @@ class Repository:
                 content_hash=content_hash,
                 verify_reads=verify_reads,
                 published_root=published_root,
+                virtual_credentials=virtual_credentials,
             )
         )
 
     @classmethod
     async def open_async(
-        cls, storage: Storage, *, lock: LockSpec = None, verify_reads: bool | None = None
+        cls,
+        storage: Storage,
+        *,
+        lock: LockSpec = None,
+        verify_reads: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Async twin of :meth:`open`."""
-        return await asyncio.to_thread(cls.open, storage, lock=lock, verify_reads=verify_reads)
+        return await asyncio.to_thread(
+            partial(
+                cls.open,
+                storage,
+                lock=lock,
+                verify_reads=verify_reads,
+                virtual_credentials=virtual_credentials,
+            )
+        )
 
     @classmethod
     async def open_or_create_async(
@@ -786,6 +867,7 @@ class Repository:
         lock: LockSpec = None,
         content_hash: str = DEFAULT_CONTENT_HASH,
         verify_reads: bool | None = None,
+        virtual_credentials: VirtualCredentials = None,
     ) -> Repository:
         """Async twin of :meth:`open_or_create`."""
         return await asyncio.to_thread(
@@ -796,6 +878,7 @@ class Repository:
                 lock=lock,
                 content_hash=content_hash,
                 verify_reads=verify_reads,
+                virtual_credentials=virtual_credentials,
             )
         )
 
@@ -945,6 +1028,8 @@ class Repository:
         verify_content: bool = False,
         sample: int = FSCK_SAMPLE,
         repair: bool = False,
+        virtual: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> FsckReport:
         """Async twin of :meth:`fsck`."""
         return await asyncio.to_thread(
@@ -954,5 +1039,7 @@ class Repository:
                 verify_content=verify_content,
                 sample=sample,
                 repair=repair,
+                virtual=virtual,
+                progress=progress,
             )
         )

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
+import operator
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,6 +42,7 @@ from zarrlake.history import diff_nodes
 from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
 from zarrlake.objects import ObjectStore
 from zarrlake.packs import PackWriter
+from zarrlake.sources import VirtualRef
 from zarrlake.types import Diff
 
 _ABSENT: Any = object()
@@ -302,6 +305,97 @@ class Workspace:
             top.chunks[key] = ref
             if dedup:
                 top.dedup_chunks.add(ref[1])
+
+    def set_virtual_refs(
+        self,
+        array_path: str,
+        refs: Mapping[tuple[int, ...], VirtualRef] | Iterable[tuple[tuple[int, ...], VirtualRef]],
+    ) -> int:
+        """Make chunks of the array at ``array_path`` virtual: each a byte range of a file
+        outside the repository (:class:`VirtualRef`), read from there whenever it is read.
+        ``refs`` maps chunk coordinates (a tuple of ints, one per dimension) to refs, as a
+        mapping or an iterable of pairs. Replaces whatever those chunks held; a later write of
+        real data replaces a virtual chunk like any other. Returns how many refs were set.
+
+        Raises :class:`VirtualContainerNotAllowed` for a URL in none of the repository's
+        ``virtual_containers`` (nothing is set then), :class:`InvalidArgument` for a path that
+        is no array, coordinates outside its chunk grid, or a ref that is not a
+        :class:`VirtualRef` (or that pins a ``file://`` source by ETag, which files lack)."""
+        self._check_writable()
+        path = array_path.strip("/") if isinstance(array_path, str) else array_path
+        if not isinstance(path, str):
+            raise InvalidArgument(f"array_path must be a str, not {array_path!r}")
+        key_of = self._chunk_key_function(path)
+        items = refs.items() if isinstance(refs, Mapping) else refs
+        allowed: set[str] = set()
+        sources = self._objects.sources
+        batch: dict[str, ChunkRef] = {}
+        for coords, vref in items:
+            if type(vref) is not VirtualRef:
+                raise InvalidArgument(
+                    f"chunk {coords!r}: expected a zarrlake.VirtualRef, not {vref!r}"
+                )
+            url = vref.url
+            if url not in allowed:
+                sources.container_of(url)
+                if vref.etag is not None and url.startswith("file://"):
+                    raise InvalidArgument(
+                        f"{url}: a file has no ETag to check; pin it by last_modified"
+                    )
+                allowed.add(url)
+            batch[key_of(coords)] = vref.chunk_ref()
+        with self._mutex:
+            self._top().chunks.update(batch)
+        return len(batch)
+
+    def _chunk_key_function(self, path: str) -> Callable[[Any], str]:
+        """What turns chunk coordinates of the array at ``path`` into its chunk keys (as its
+        ``chunk_key_encoding`` says), checking them against its chunk grid."""
+        meta_key = f"{path}/zarr.json" if path else "zarr.json"
+        doc = self.resolve(meta_key)
+        try:
+            meta = json.loads(doc) if isinstance(doc, bytes) else None
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or meta.get("node_type") != "array":
+            raise InvalidArgument(f"no Zarr v3 array at {path or '/'!r} in this session")
+        shape = [int(n) for n in meta["shape"]]
+        grid = meta.get("chunk_grid") or {}
+        if grid.get("name") != "regular":
+            raise InvalidArgument(f"array {path!r}: virtual refs need a regular chunk grid")
+        chunks = [int(n) for n in grid["configuration"]["chunk_shape"]]
+        counts = [-(-n // c) if c else 0 for n, c in zip(shape, chunks, strict=True)]
+        encoding = meta.get("chunk_key_encoding") or {}
+        sep = (encoding.get("configuration") or {}).get("separator")
+        if encoding.get("name") == "v2":
+            sep, lead = sep or ".", ""
+        else:
+            sep, lead = sep or "/", "c"
+        base = f"{path}/" if path else ""
+        ndim = len(shape)
+
+        def key_of(coords: Any) -> str:
+            if type(coords) is not tuple or not all(type(c) is int for c in coords):
+                try:  # numpy integers, lists: the same coordinates
+                    coords = tuple(operator.index(c) for c in coords)
+                except TypeError:
+                    pass
+            if (
+                type(coords) is not tuple
+                or len(coords) != ndim
+                or not all(
+                    type(c) is int and 0 <= c < n for c, n in zip(coords, counts, strict=True)
+                )
+            ):
+                raise InvalidArgument(
+                    f"chunk {coords!r} is not in the chunk grid of array {path!r} "
+                    f"({'x'.join(map(str, counts)) or 'one chunk'}: a tuple of {ndim} int(s))"
+                )
+            if lead:
+                return base + sep.join((lead, *map(str, coords)))
+            return base + (sep.join(map(str, coords)) if coords else "0")
+
+        return key_of
 
     def writes_in_memory(self, key: str, size: int) -> bool:
         """Whether writing ``size`` bytes to ``key`` stays in this session's memory (a metadata

@@ -23,14 +23,16 @@ from zarr.abc.store import (
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from zarrlake.errors import CorruptChunk, ReadOnlyError
-from zarrlake.format.model import INLINE, OBJECT, PACKED, ChunkRef, ref_size
+from zarrlake.errors import CorruptChunk, ReadOnlyError, VirtualChunkError
+from zarrlake.format.model import INLINE, OBJECT, PACKED, VIRTUAL, ChunkRef, ref_size
 from zarrlake.objects import ObjectStore, ReadJob
 
 #: Chunks up to this size are written from the event loop (see :meth:`ZarrlakeStore.set`).
 ASYNC_WRITE_BYTES = 64 * 1024
 
 T = TypeVar("T")
+#: An error a chunk read raises that the store names the Zarr key and array of.
+E = TypeVar("E", CorruptChunk, VirtualChunkError)
 
 
 class StoreSession(Protocol):
@@ -268,7 +270,11 @@ class ZarrlakeStore(Store):
             return value if rng is None else value[rng[0] : rng[1]]
         size = ref_size(value)
         rng = _range(byte_range, size)
-        if value[0] == INLINE or size <= objects.storage.inline_read_bytes:
+        # Read in place when that is cheaper than a hand-off; a virtual chunk's source is
+        # elsewhere (maybe a bucket), whatever the repository's storage is.
+        if value[0] == INLINE or (
+            size <= objects.storage.inline_read_bytes and value[0] != VIRTUAL
+        ):
             return objects.read_chunk(value, rng)
         if value[0] == OBJECT and rng is None:  # a whole object: nothing to coalesce it with
             return await objects.read_object_async(value)
@@ -329,6 +335,8 @@ class ZarrlakeStore(Store):
             data = await self._read_value(key, byte_range)
         except CorruptChunk as e:
             raise self._named(e, key) from None
+        except VirtualChunkError as e:
+            raise self._named(e, key) from None
         return None if data is None else prototype.buffer.from_bytes(data)
 
     def get_sync(
@@ -343,6 +351,8 @@ class ZarrlakeStore(Store):
         try:
             data = self._get_blocking(key, byte_range)
         except CorruptChunk as e:
+            raise self._named(e, key) from None
+        except VirtualChunkError as e:
             raise self._named(e, key) from None
         return None if data is None else prototype.buffer.from_bytes(data)
 
@@ -373,11 +383,21 @@ class ZarrlakeStore(Store):
                 None,
             )
             raise e if named is None else self._named(e, named) from None
+        except VirtualChunkError as e:
+            at = next(
+                (
+                    key_ranges[i][0]
+                    for i, (ref, _) in zip(where, reads, strict=True)
+                    if ref[0] == VIRTUAL and ref[1] == e.url
+                ),
+                None,
+            )
+            raise e if at is None else self._named(e, at) from None
         for i, data in zip(where, found, strict=True):
             out[i] = data
         return out
 
-    def _named(self, error: CorruptChunk, key: str) -> CorruptChunk:
+    def _named(self, error: E, key: str) -> E:
         """``error``, naming Zarr key ``key`` and the array it belongs to: the nearest parent
         with an array's (or group's) ``zarr.json``."""
         parts = key.split("/")[:-1]

@@ -7,7 +7,7 @@ import argparse
 
 from zarrlake.cli.args import Commands, UsageError, add_json, add_lock, add_url
 from zarrlake.cli.connect import open_lock, open_repository
-from zarrlake.cli.output import print_json, print_table, say
+from zarrlake.cli.output import ProgressDisplay, print_json, print_table, say
 from zarrlake.errors import ZarrlakeError
 from zarrlake.fsck import SAMPLE as FSCK_SAMPLE
 
@@ -34,6 +34,11 @@ def add_fsck(commands: Commands) -> None:
         "--repair",
         action="store_true",
         help="publish the journals' heads and tags to a published root that is behind them",
+    )
+    p.add_argument(
+        "--virtual",
+        action="store_true",
+        help="check every virtual chunk's source file: it exists and is the version its refs pin",
     )
     add_json(p)
 
@@ -68,19 +73,29 @@ class FsckFailed(ZarrlakeError):
 def run_fsck(args: argparse.Namespace) -> None:
     """Print the report (problems one per line), then fail with :class:`FsckFailed` (exit
     status 1) if there is any problem."""
-    report = open_repository(args).fsck(
-        check_chunks=not args.skip_chunks,
-        verify_content=args.verify_content,
-        sample=args.sample,
-        repair=args.repair,
-    )
+    repo = open_repository(args)
+    with ProgressDisplay(args.virtual and not args.json) as advance:
+
+        def progress(done: int, total: int) -> None:
+            if advance is not None:
+                advance("virtual sources checked", 1)
+
+        report = repo.fsck(
+            check_chunks=not args.skip_chunks,
+            verify_content=args.verify_content,
+            sample=args.sample,
+            repair=args.repair,
+            virtual=args.virtual,
+            progress=progress,
+        )
     if args.json:
         print_json(report.to_json())
     else:
         c = report.to_json()["checked"]
+        virtual = f", {c['virtual_sources']} virtual sources" if args.virtual else ""
         say(
             f"checked {c['refs']} refs, {c['snapshots']} snapshots, {c['shards']} shards, "
-            f"{c['chunks']} chunk objects, the content of {c['verified']} chunks: "
+            f"{c['chunks']} chunk objects, the content of {c['verified']} chunks{virtual}: "
             + ("ok" if report.ok else f"{len(report.problems)} problem(s)")
         )
         for problem in report.problems:

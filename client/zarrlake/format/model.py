@@ -68,7 +68,8 @@ LAYOUT_KEY = re.compile(
     rf"|snapshots/{_ID}|txlogs/{_ID}|expired/{_ID}"
     r"|(mirror/)?refs/branch\.[^/]+/[0-9a-f]{16}|(mirror/)?refs/tag\.[^/]+|(mirror/)?refs/probe"
     rf"|refs/head\.[^/]+/[0-9a-f]{{16}}\.({_ID}|-)\.{_GUARD}|refs/tagid\.[^/]+\.{_ID}\.{_GUARD}"
-    rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID}|mirror/lease/[0-9a-f]{{16}})$"
+    rf"|(mirror/)?refs/tagdel\.[^/]+|mirror/repo|mirror/present/{_ID}|mirror/lease/[0-9a-f]{{16}}"
+    r"|refs/wait\.[^/]+/[0-9a-f]{16}\.[0-9a-f]{16}\.[0-9a-z]+)$"
 )
 SEQ_MAX = (1 << 64) - 1
 
@@ -125,6 +126,12 @@ def tag_key(name: str) -> str:
 
 def expiry_key(run_id: str) -> str:
     return f"expired/{run_id}"
+
+
+def wait_queue_prefix(name: str) -> str:
+    """The advisory queue of optimistic writers waiting to commit to branch ``name``, oldest
+    first (never read for safety: see ``zarrlake.commit.WaitQueue``)."""
+    return f"refs/wait.{_ref_name(name)}/"
 
 
 def tag_tombstone_key(name: str) -> str:
@@ -207,9 +214,28 @@ def parse_marker_key(key: str) -> Marker | None:
 #   (PACKED, pack id, offset, length, sha256 digest bytes)
 #                                       a byte range of packs/<pack id>; the digest keeps the
 #                                       chunk's identity, so packing is not a change of data
+#   (VIRTUAL, url, offset, length, etag or None, last-modified µs or None)
+#                                       a byte range of a file outside the repository (a NetCDF
+#                                       or HDF5 file in someone's bucket): the etag and the time
+#                                       pin the version of the file the ref was made from. In
+#                                       a shard's encoding the url is an index into the shard's
+#                                       table of urls (see :class:`ManifestShard`).
+# ``offset`` and ``length`` are at the same places in PACKED and VIRTUAL refs (ref_size reads
+# ``ref[3]`` of both).
 
-INLINE, OBJECT, PACKED = 0, 1, 2
+INLINE, OBJECT, PACKED, VIRTUAL = 0, 1, 2, 3
 ChunkRef: TypeAlias = tuple[Any, ...]
+
+
+def virtual_ref(
+    url: str, offset: int, length: int, etag: str | None, modified_us: int | None
+) -> ChunkRef:
+    """The chunk ref of ``length`` bytes at ``offset`` of the file at ``url``."""
+    return (VIRTUAL, url, offset, length, etag, modified_us)
+
+
+def is_virtual(ref: ChunkRef | None) -> bool:
+    return ref is not None and ref[0] == VIRTUAL
 
 
 def ref_identity(ref: ChunkRef | None) -> object:
@@ -414,6 +440,13 @@ class ManifestShard:
     built_here: bool = field(default=False, compare=False, repr=False)
 
     def encode(self) -> bytes:
+        # A shard of virtual refs names each source file once, in a table ("u") its refs
+        # index: a file's thousands of chunks do not repeat its URL, on disk or in memory.
+        urls = _virtual_urls(self.refs)
+        if urls:
+            table = {u: i for i, u in enumerate(urls)}
+            refs = [(VIRTUAL, table[r[1]], *r[2:]) if r[0] == VIRTUAL else r for r in self.refs]
+            return encode(ObjectType.MANIFEST, {"k": self.keys, "r": refs, "u": urls})
         if self.packed is not None:
             if self.packed.starts[-1] != len(self.keys):
                 raise AssertionError("a shard's packed entries do not match its entries")
@@ -442,6 +475,9 @@ class ManifestShard:
             raise CorruptObject(key, "keys must be strings and refs arrays")
         if len(keys) != len(refs):
             raise CorruptObject(key, "keys and refs differ in length")
+        urls = obj.get("u")
+        if urls is not None:
+            return cls(list(keys), _with_urls(refs, urls, key))
         return cls(list(keys), list(refs))
 
     def get(self, key: str) -> ChunkRef | None:
@@ -449,6 +485,29 @@ class ManifestShard:
         keys = self.keys
         j = bisect.bisect_left(keys, key)
         return self.refs[j] if j < len(keys) and keys[j] == key else None
+
+
+def _virtual_urls(refs: list[ChunkRef]) -> list[str]:
+    """The URLs virtual refs among ``refs`` name, each once, in order of first appearance (so
+    that a shard's encoding, hence its digest, depends on its entries alone)."""
+    if VIRTUAL not in {r[0] for r in refs}:
+        return []
+    return list(dict.fromkeys(r[1] for r in refs if r[0] == VIRTUAL))
+
+
+def _with_urls(refs: Sequence[ChunkRef], urls: Any, key: str) -> list[ChunkRef]:
+    """``refs`` as decoded, each virtual ref's URL index replaced by the URL (one shared
+    ``str`` per file)."""
+    if not isinstance(urls, tuple) or not _all_of(urls, str):
+        raise CorruptObject(key, "the table of virtual chunk URLs must hold strings")
+    out: list[ChunkRef] = []
+    for r in refs:
+        if r and r[0] == VIRTUAL:
+            if len(r) != 6 or type(r[1]) is not int or not 0 <= r[1] < len(urls):
+                raise CorruptObject(key, f"bad virtual chunk ref {r!r}")
+            r = (VIRTUAL, urls[r[1]], *r[2:])
+        out.append(r)
+    return out
 
 
 # -- snapshots -------------------------------------------------------------------------------------
@@ -931,7 +990,11 @@ class LeaseRecord:
 #: :data:`PUBLISHED_ROOT`: every change of the refs is published to ``root`` by
 #: compare-and-set after the journal decides it (:mod:`zarrlake.format.root`); readers read it.
 PUBLISHED_ROOT = "published-root (zarrlake >= 0.2)"
-KNOWN_FEATURES = frozenset({"content-hash", PUBLISHED_ROOT})
+#: :data:`VIRTUAL_CHUNKS`: the repository's config lists virtual chunk containers, so its
+#: manifests may hold virtual refs (byte ranges of files outside it). A client that does not
+#: know them would treat those chunks as missing and could rewrite or collect around them.
+VIRTUAL_CHUNKS = "virtual-chunks (zarrlake >= 0.3)"
+KNOWN_FEATURES = frozenset({"content-hash", PUBLISHED_ROOT, VIRTUAL_CHUNKS})
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,6 +136,16 @@ class ObjectInfo:
     key: str
     size: int
     modified: dt.datetime  # timezone-aware
+    #: The object's ETag where the backend has one and its answer carried it (S3's HEAD).
+    etag: str | None = None
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def micros(when: dt.datetime) -> int:
+    """Microseconds since the epoch of an aware time, exactly (no float in between)."""
+    return (when - _EPOCH) // dt.timedelta(microseconds=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,6 +519,32 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
         """Size and modification time, or ``None`` if absent."""
+
+    def get_if_unchanged(
+        self,
+        key: str,
+        byte_range: tuple[int, int],
+        *,
+        etag: str | None = None,
+        modified: dt.datetime | None = None,
+    ) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` if the object is still the version with ``etag``
+        and modification time ``modified`` (each checked when given), else raise
+        :class:`PreconditionFailed`; :class:`ObjectNotFound` if it is absent. For files that
+        zarrlake did not write (virtual chunk sources): a rewritten source must fail the read,
+        never return another version's bytes.
+
+        This default asks :meth:`head`, then reads: a rewrite between the two goes unseen.
+        Backends that can condition the read itself (S3's ``If-Match``, a file's descriptor)
+        override it."""
+        info = self.head(key)
+        if info is None:
+            raise ObjectNotFound(key)
+        if etag is not None and info.etag != etag:
+            raise PreconditionFailed(key)
+        if modified is not None and micros(info.modified) != micros(modified):
+            raise PreconditionFailed(key)
+        return self.get(key, byte_range)
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

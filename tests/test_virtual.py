@@ -1,0 +1,478 @@
+"""Virtual chunks: NetCDF4/HDF5 files versioned in place, through kerchunk refs (issue 41).
+
+Real files (xarray + h5netcdf, zlib and shuffle, chunked, CF-encoded time), real kerchunk refs
+(``SingleHdf5ToZarr``), a local directory and moto S3; reads through zarr and xarray compared with
+reading the files themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+import zarrlake
+from zarrlake.format.model import VIRTUAL, ManifestShard, virtual_ref
+from zarrlake.sources import VirtualSources
+from zarrlake.virtual import import_kerchunk
+
+h5py = pytest.importorskip("h5py")
+pytest.importorskip("h5netcdf")
+kerchunk_hdf = pytest.importorskip("kerchunk.hdf")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
+
+ZERO = dt.timedelta(0)
+
+
+def make_dataset(seed: int = 0, days: int = 12) -> xr.Dataset:
+    rng = np.random.default_rng(seed)
+    time = np.array("2026-01-01", dtype="datetime64[ns]") + np.arange(days) * np.timedelta64(1, "D")
+    return xr.Dataset(
+        {
+            "t2m": (("time", "lat", "lon"), rng.normal(280, 5, (days, 16, 24)).astype("f4")),
+            "mask": (("lat", "lon"), rng.integers(0, 2, (16, 24)).astype("i2")),
+        },
+        coords={"time": time, "lat": np.linspace(-60, 60, 16), "lon": np.linspace(0, 345, 24)},
+        attrs={"title": "test reanalysis"},
+    )
+
+
+def write_netcdf(path: Path, ds: xr.Dataset) -> Path:
+    encoding = {
+        "t2m": {"zlib": True, "shuffle": True, "chunksizes": (4, 8, 8), "complevel": 3},
+        "mask": {"zlib": True, "chunksizes": (8, 12)},
+        "time": {"units": "days since 2000-01-01", "dtype": "i4"},
+    }
+    ds.t2m.attrs["units"] = "K"
+    ds.to_netcdf(path, engine="h5netcdf", encoding=encoding)
+    return path
+
+
+def kerchunk_refs(path: Path, url: str) -> dict[str, Any]:
+    """kerchunk's refs of the local file ``path``, naming it ``url``."""
+    with open(path, "rb") as f:
+        refs: dict[str, Any] = kerchunk_hdf.SingleHdf5ToZarr(
+            f, url, inline_threshold=64
+        ).translate()
+    return refs
+
+
+def local_repo(tmp_path: Path, data: Path, **kw: Any) -> zarrlake.Repository:
+    config = {"virtual_containers": [{"url_prefix": data.as_uri() + "/"}]}
+    return zarrlake.Repository.create(
+        zarrlake.Storage.local(tmp_path / "repo"), config=config, **kw
+    )
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "archive"
+    d.mkdir()
+    return d
+
+
+def imported(repo: zarrlake.Repository, path: Path, url: str, message: str = "import") -> str:
+    session = repo.writable_session()
+    report = import_kerchunk(kerchunk_refs(path, url), session)
+    assert report.virtual_refs > 0 and report.sources == 1
+    return session.commit(message)
+
+
+def open_repo_dataset(repo: zarrlake.Repository, ref: str = "main") -> xr.Dataset:
+    return xr.open_zarr(repo.readonly_session(ref).store, consolidated=False)
+
+
+def test_a_local_netcdf_reads_back_identical_to_the_file(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        got = open_repo_dataset(repo).load()
+        xr.testing.assert_identical(got, expected.load())
+    # The raw bytes decode to what h5py reads, and the chunk refs are virtual, pinned by mtime.
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(
+            zarr.open_array(repo.readonly_session().store, path="t2m")[:], f["t2m"][:]
+        )
+    ref = repo.readonly_session().resolve("t2m/0.0.0")
+    assert ref is not None and ref[0] == VIRTUAL and ref[1] == path.as_uri()
+    assert ref[4] is None and ref[5] is not None  # a file: no ETag, its mtime
+
+
+def test_the_format_feature_stops_an_older_client_from_writing(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = local_repo(tmp_path, data_dir)
+    assert zarrlake.format.model.VIRTUAL_CHUNKS in repo.record.features
+    plain = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "plain"))
+    assert zarrlake.format.model.VIRTUAL_CHUNKS not in plain.record.features
+    # A client from before the feature knows only these:
+    import zarrlake.format.model as model
+
+    monkeypatch.setattr(model, "KNOWN_FEATURES", frozenset({"content-hash", model.PUBLISHED_ROOT}))
+    old = zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / "repo"))
+    with pytest.raises(zarrlake.UnsupportedFormat, match=r"virtual-chunks \(zarrlake >= 0\.3\)"):
+        old.writable_session()
+    old.readonly_session()  # reading stays allowed
+    zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / "plain")).writable_session()
+
+
+def test_a_changed_source_raises_never_returns_other_bytes(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    arr = zarr.open_array(repo.readonly_session().store, path="t2m")
+    before = arr[:]
+    write_netcdf(path, make_dataset(seed=1))  # rewritten in place: other values, same layout
+    future = dt.datetime.now().timestamp() + 5
+    os.utime(path, (future, future))
+    with pytest.raises(zarrlake.VirtualSourceChanged) as info:
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    assert info.value.url == path.as_uri()
+    assert info.value.array == "t2m" and info.value.chunk is not None
+    assert info.value.chunk.startswith("t2m/")
+    assert path.as_uri() in str(info.value)
+    assert before.shape == (12, 16, 24)
+
+
+def test_a_deleted_source_is_missing(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    path.unlink()
+    with pytest.raises(zarrlake.VirtualSourceMissing, match="does not exist"):
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    # A whole-chunk read through the store names the chunk too.
+    store = repo.readonly_session().store
+    with pytest.raises(zarrlake.VirtualSourceMissing) as info:
+        store.get_sync("t2m/0.0.0")
+    assert info.value.chunk == "t2m/0.0.0" and info.value.array == "t2m"
+
+
+def test_urls_outside_the_containers_are_refused_at_write_and_at_read(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    session = repo.writable_session()
+    outside = [
+        "file:///etc/passwd",
+        data_dir.as_uri() + "/../../etc/passwd",
+        data_dir.as_uri() + "/%2e%2e/x.nc",
+        data_dir.as_uri() + "x/a.nc",  # a sibling whose name starts alike
+        "s3://bucket/a.nc",
+        "https://example.org/a.nc",
+    ]
+    for url in outside:
+        with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+            session.set_virtual_refs("t2m", {(0, 0, 0): zarrlake.VirtualRef(url, 0, 10)})
+    with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+        import_kerchunk(kerchunk_refs(path, "file:///elsewhere/a.nc"), session)
+    assert not session.has_changes  # nothing was written by the refused import
+    # A repository whose refs point outside its containers (edited by hand: here, the same
+    # storage read with a config that lists none) refuses to read them.
+    record = dataclasses.replace(repo.record, config={}, features=())
+    edited = zarrlake.Repository(repo.storage, record)
+    with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+        zarr.open_array(edited.readonly_session().store, path="t2m")[:]
+
+
+def test_set_virtual_refs_checks_its_arguments(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    s = repo.writable_session()
+    url = path.as_uri()
+    with pytest.raises(zarrlake.InvalidArgument, match="not in the chunk grid"):
+        s.set_virtual_refs("t2m", {(3, 0, 0): zarrlake.VirtualRef(url, 0, 10)})
+    with pytest.raises(zarrlake.InvalidArgument, match="not in the chunk grid"):
+        s.set_virtual_refs("t2m", {(0, 0): zarrlake.VirtualRef(url, 0, 10)})
+    with pytest.raises(zarrlake.InvalidArgument, match="no Zarr v3 array"):
+        s.set_virtual_refs("nope", {(0,): zarrlake.VirtualRef(url, 0, 10)})
+    with pytest.raises(zarrlake.InvalidArgument, match="no ETag"):
+        s.set_virtual_refs("t2m", {(0, 0, 0): zarrlake.VirtualRef(url, 0, 10, etag='"x"')})
+    with pytest.raises(zarrlake.InvalidArgument):
+        zarrlake.VirtualRef(url, -1, 10)
+    with pytest.raises(zarrlake.InvalidArgument):
+        s.set_virtual_refs("t2m", {(0, 0, 0): (url, 0, 10)})  # type: ignore[arg-type]
+    # Pairs work as well as a mapping, numpy coordinates as well as ints.
+    n = s.set_virtual_refs("t2m", [((np.int64(0), 0, 0), zarrlake.VirtualRef(url, 0, 10))])
+    assert n == 1
+    with pytest.raises(zarrlake.InvalidConfig):
+        zarrlake.RepositoryConfig.from_dict(
+            {"virtual_containers": [{"url_prefix": "s3://b/no-slash"}]}
+        )
+    with pytest.raises(zarrlake.InvalidConfig):
+        zarrlake.RepositoryConfig.from_dict({"virtual_containers": [{"url_prefix": "ftp://h/x/"}]})
+    with pytest.raises(
+        zarrlake.InvalidArgument, match="none of the repository's virtual containers"
+    ):
+        zarrlake.Repository.open(
+            repo.storage, virtual_credentials={"s3://other/": {"access_key_id": "k"}}
+        )
+
+
+def test_versions_log_diff_and_time_travel(tmp_path: Path, data_dir: Path) -> None:
+    a = write_netcdf(data_dir / "a.nc", make_dataset(seed=0))
+    b = write_netcdf(data_dir / "b.nc", make_dataset(seed=2))
+    repo = local_repo(tmp_path, data_dir)
+    first = imported(repo, a, a.as_uri(), "2026 from a.nc")
+    second = imported(repo, b, b.as_uri(), "2026 from b.nc")
+    assert [c.message for c in repo.log(limit=2)] == ["2026 from b.nc", "2026 from a.nc"]
+    diff = repo.diff(first, second)
+    assert (0, 0, 0) in diff.changed_chunks["t2m"]
+    with xr.open_dataset(a, engine="h5netcdf") as old, xr.open_dataset(b, engine="h5netcdf") as new:
+        xr.testing.assert_identical(open_repo_dataset(repo, first).load(), old.load())
+        xr.testing.assert_identical(open_repo_dataset(repo, second).load(), new.load())
+    # Two branches that each add virtual data merge.
+    repo.create_branch("extra", from_ref=second)
+    s = repo.writable_session("extra")
+    import_kerchunk(kerchunk_refs(a, a.as_uri()), s, group="copy_a")
+    s.commit("a copy under copy_a")
+    repo.merge("extra", "main")
+    merged = xr.open_zarr(repo.readonly_session().store, group="copy_a", consolidated=False)
+    with xr.open_dataset(a, engine="h5netcdf") as old:
+        xr.testing.assert_identical(merged.load(), old.load())
+
+
+def test_virtual_and_native_chunks_mix_in_one_array(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    s = repo.writable_session()
+    arr = zarr.open_array(s.store, path="t2m")
+    expected = arr[:]
+    arr[0:4, 0:8, 0:8] = 1.5  # exactly chunk (0, 0, 0)
+    expected[0:4, 0:8, 0:8] = 1.5
+    s.commit("fix one chunk")
+    r = repo.readonly_session()
+    kinds = {k: r.resolve(f"t2m/{k}")[0] for k in ("0.0.0", "0.0.1", "2.1.2")}  # type: ignore[index]
+    assert kinds["0.0.0"] != VIRTUAL and kinds["0.0.1"] == VIRTUAL == kinds["2.1.2"]
+    np.testing.assert_array_equal(zarr.open_array(r.store, path="t2m")[:], expected)
+    # GC with no grace keeps the file and everything still reads.
+    repo.gc(grace=ZERO, force=True)
+    assert path.exists()
+    np.testing.assert_array_equal(
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:], expected
+    )
+    assert repo.fsck().ok
+
+
+def test_fsck_virtual_checks_every_source(tmp_path: Path, data_dir: Path, cli: Any) -> None:
+    paths = [write_netcdf(data_dir / f"{n}.nc", make_dataset(seed=i)) for i, n in enumerate("abc")]
+    repo = local_repo(tmp_path, data_dir)
+    s = repo.writable_session()
+    for p in paths:
+        import_kerchunk(kerchunk_refs(p, p.as_uri()), s, group=p.stem)
+    s.commit("three files")
+    report = repo.fsck(virtual=True)
+    assert report.ok and report.virtual_sources == 3
+    assert repo.fsck().virtual_sources == 0  # without the flag, sources are not read
+    paths[0].unlink()
+    future = dt.datetime.now().timestamp() + 5
+    os.utime(paths[1], (future, future))
+    seen: list[tuple[int, int]] = []
+    report = repo.fsck(virtual=True, progress=lambda done, total: seen.append((done, total)))
+    found = {(p.kind, p.key) for p in report.problems}
+    assert found == {
+        ("virtual-missing", paths[0].as_uri()),
+        ("virtual-changed", paths[1].as_uri()),
+    }
+    assert seen[-1] == (3, 3)
+    url = repo.storage.url
+    result = cli("fsck", url, "--virtual", "--json")
+    assert result.code == 1
+    doc = json.loads(result.out)
+    assert doc["checked"]["virtual_sources"] == 3
+    assert sorted(p["kind"] for p in doc["problems"]) == ["virtual-changed", "virtual-missing"]
+
+
+def test_refs_survive_pickling_of_sessions_and_forks(tmp_path: Path, data_dir: Path) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    reader = pickle.loads(pickle.dumps(repo.readonly_session()))
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(zarr.open_array(reader.store, path="t2m")[:], f["t2m"][:])
+    session = repo.writable_session()
+    fork = pickle.loads(pickle.dumps(session.fork()))
+    import_kerchunk(kerchunk_refs(path, path.as_uri()), fork, group="forked")
+    session.merge(pickle.loads(pickle.dumps(fork.changeset())))
+    session.commit("from a fork")
+    got = xr.open_zarr(repo.readonly_session().store, group="forked", consolidated=False)
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(got.load(), expected.load())
+
+
+def test_shards_name_each_source_once() -> None:
+    url = "s3://bucket/archive/era5/2026-01.nc"
+    keys = [f"t/{i}.0" for i in range(1000)]
+    refs = [virtual_ref(url, i * 100, 100, '"etag"', None) for i in range(1000)]
+    refs[7] = (1, b"\0" * 32, 5)  # an object ref among them
+    data = ManifestShard(keys, refs).encode()
+    back = ManifestShard.decode(data)
+    assert back.refs == refs and back.keys == keys
+    assert len({id(r[1]) for r in back.refs if r[0] == VIRTUAL}) == 1  # one shared str
+    assert data.count(url.encode()) <= 1  # named once (zstd may even fold it away)
+
+
+def test_adjacent_virtual_ranges_are_read_in_one_request(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.bin").write_bytes(bytes(range(256)) * 4)
+    url = (src / "f.bin").as_uri()
+    from zarrlake.config import VirtualContainer
+    from zarrlake.objects import ObjectStore
+
+    objects = ObjectStore(
+        zarrlake.Storage.memory(),
+        "blake3",
+        sources=VirtualSources([VirtualContainer(src.as_uri() + "/")]),
+    )
+    reads = [(virtual_ref(url, i * 64, 64, None, None), None) for i in range(8)]
+    reads.append((virtual_ref(url, 900, 10, None, None), (2, 6)))
+    jobs = objects.plan_reads(reads)
+    assert len(jobs) == 1
+    assert objects.read_chunks(reads) == [
+        (bytes(range(256)) * 4)[i * 64 : i * 64 + 64] for i in range(8)
+    ] + [(bytes(range(256)) * 4)[902:906]]
+
+
+def test_write_virtual_dataset_from_virtualizarr(tmp_path: Path, data_dir: Path) -> None:
+    vz = pytest.importorskip("virtualizarr")
+    from obspec_utils.registry import ObjectStoreRegistry
+    from obstore.store import LocalStore
+    from virtualizarr.parsers import HDFParser
+
+    from zarrlake.virtual import write_virtual_dataset
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    registry = ObjectStoreRegistry({"file://": LocalStore()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vds = vz.open_virtual_dataset(
+            path.as_uri(), registry=registry, parser=HDFParser(), loadable_variables=[]
+        )
+    repo = local_repo(tmp_path, data_dir)
+    s = repo.writable_session()
+    report = write_virtual_dataset(vds, s)
+    assert report.virtual_refs > 0
+    s.commit("via virtualizarr")
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+
+
+# -- on S3 (moto) ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_source(moto_s3: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
+    import boto3
+
+    from conftest import S3_KEY, S3_SECRET
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_s3.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    )
+    prefix = f"archive-{os.urandom(4).hex()}/"
+    yield client, moto_s3, prefix
+
+
+def s3_repo(server: Any, prefix: str, tmp_path: Path) -> zarrlake.Repository:
+    from conftest import S3_KEY, S3_SECRET
+
+    container = f"s3://{server.bucket}/{prefix}"
+    config = {
+        "virtual_containers": [
+            {"url_prefix": container, "endpoint_url": server.endpoint, "region": "us-east-1"}
+        ]
+    }
+    creds = {container: {"access_key_id": S3_KEY, "secret_access_key": S3_SECRET}}
+    return zarrlake.Repository.create(server.storage(), config=config, virtual_credentials=creds)
+
+
+def test_a_netcdf_on_s3_reads_back_identical_and_is_pinned_by_etag(
+    s3_source: Any, tmp_path: Path
+) -> None:
+    client, server, prefix = s3_source
+    path = write_netcdf(tmp_path / "a.nc", make_dataset())
+    client.upload_file(str(path), server.bucket, prefix + "a.nc")
+    url = f"s3://{server.bucket}/{prefix}a.nc"
+    repo = s3_repo(server, prefix, tmp_path)
+    imported(repo, path, url)
+    ref = repo.readonly_session().resolve("t2m/0.0.0")
+    assert ref is not None and ref[4]  # pinned by ETag
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+        # The credentials travel with a pickled read-only session (a dask worker's).
+        reader = pickle.loads(pickle.dumps(repo.readonly_session()))
+        got = xr.open_zarr(reader.store, consolidated=False).load()
+        xr.testing.assert_identical(got, expected.load())
+    # Rewritten: the ETag differs.
+    other = write_netcdf(tmp_path / "b.nc", make_dataset(seed=5))
+    client.upload_file(str(other), server.bucket, prefix + "a.nc")
+    with pytest.raises(zarrlake.VirtualSourceChanged, match="ETag"):
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    assert {p.kind for p in repo.fsck(virtual=True).problems} == {"virtual-changed"}
+    client.delete_object(Bucket=server.bucket, Key=prefix + "a.nc")
+    with pytest.raises(zarrlake.VirtualSourceMissing):
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    assert {p.kind for p in repo.fsck(virtual=True).problems} == {"virtual-missing"}
+
+
+def test_compaction_leaves_virtual_refs_and_a_mirror_copies_only_refs(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    from zarrlake.mirror import Mirror
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported(repo, path, path.as_uri())
+    s = repo.writable_session()
+    zarr.open_array(s.store, path="mask")[0:8, 0:12] = 7  # a native chunk beside virtual ones
+    s.commit("one native chunk")
+    before = {k: repo.readonly_session().resolve(k) for k in ("t2m/0.0.0", "t2m/2.1.2")}
+    repo.compact(branch="main")
+    after = {k: repo.readonly_session().resolve(k) for k in before}
+    assert after == before  # virtual refs untouched by packing
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        want = expected.load()
+        want["mask"][0:8, 0:12] = 7
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), want)
+        dest = zarrlake.Storage.local(tmp_path / "mirror")
+        Mirror(repo, destination=dest, copy=True).step()
+        mirrored = zarrlake.Repository.open(dest)
+        xr.testing.assert_identical(open_repo_dataset(mirrored).load(), want)
+    # The mirror holds refs, not the file: no object there is as large as the file's data.
+    sizes = [o.size for o in dest.list("")]
+    assert max(sizes) < path.stat().st_size // 4
+
+
+def test_write_virtual_dataset_without_virtualizarr_names_the_extra(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from zarrlake.virtual import write_virtual_dataset
+
+    monkeypatch.setitem(sys.modules, "virtualizarr", None)  # as if it were not installed
+    repo = local_repo(tmp_path, data_dir)
+    with pytest.raises(zarrlake.MissingDependency, match=r"zarrlake\[virtual\]"):
+        write_virtual_dataset(xr.Dataset(), repo.writable_session())
