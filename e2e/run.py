@@ -108,7 +108,7 @@ class Scenario:
 
 
 #: The release whose CRDs the upgrade starts from (its chart's crds/, kept in the tests).
-PREVIOUS = "0.1.0"
+PREVIOUS = "0.2.0"
 
 #: A spec the schema accepts and the operator cannot act on: sessions of 30 days (the engine's
 #: limit is 7, which GC's grace relies on; the schema only sees a duration).

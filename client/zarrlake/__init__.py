@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from zarrlake.spark import read_array, write_partitions
     from zarrlake.store import ZarrlakeStore
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Loaded when first asked for (``zarrlake.Mirror``, ``from zarrlake import to_zarrlake``): the
 # Zarr store adapter imports zarr (slow), a build may leave the lock service out (the CLI then

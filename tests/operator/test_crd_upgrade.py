@@ -351,16 +351,18 @@ def test_helm_upgrade_from_the_previous_release_loses_nothing(
             assert _condition(before[(kind, name)], "Ready")["status"] == "True", kind
         deployment = wait_for("the lock Deployment", lambda: kube.get("Deployment", NS, lock))
         assert "podAntiAffinity" in deployment["spec"]["template"]["spec"]["affinity"]
-        # The previous schema has no lockService.affinity and no serve: the API server prunes
-        # them.
-        kube.merge_patch(
-            "Repository",
-            NS,
-            "climate",
-            {"spec": {"lockService": {"affinity": {"x": 1}}, "serve": {"enabled": True}}},
-        )
+        # The previous schema has no serve (and 0.1.0's no lockService.affinity): the API
+        # server prunes what it does not know.
+        schema = previous_crds(release)["repositories.zarrlake.io"]["spec"]["versions"][0]
+        spec_fields = schema["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        knows_affinity = "affinity" in spec_fields["lockService"]["properties"]
+        patch: dict[str, Any] = {"serve": {"enabled": True}}
+        if not knows_affinity:
+            patch["lockService"] = {"affinity": {"x": 1}}
+        kube.merge_patch("Repository", NS, "climate", {"spec": patch})
         pruned = kube.get("Repository", NS, "climate") or {}
-        assert "affinity" not in pruned["spec"]["lockService"], pruned["spec"]
+        if not knows_affinity:
+            assert "affinity" not in pruned["spec"]["lockService"], pruned["spec"]
         assert "serve" not in pruned["spec"], pruned["spec"]
 
         # helm upgrade: the chart's rendered CRDs over the live ones (Helm's three-way merge
