@@ -3,8 +3,12 @@
 Commit protocol (see DESIGN.md): read the branch head; if it moved since the changeset's base,
 rebase the changeset on it (conflicts are detected from the txlogs in between); write shards,
 txlog and snapshot; then append one create-only journal entry. Losing that race means another
-commit landed first: re-read, rebase again, retry. Safety rests on the create-only write alone; a
-lock, when configured, only keeps writers from stampeding.
+commit landed first: re-read the newest head, rebase onto it in one step, retry. Safety rests on
+the create-only write alone; a lock, when configured, only keeps writers from stampeding.
+
+Without a lock, writers of a contended branch go by age (:class:`WaitQueue`): each joins an
+advisory queue and appends while it is the oldest live waiter, so the writer that has waited
+longest goes next instead of whoever happens to know the head best.
 
 How a changeset is re-applied on a moved head is a :class:`RebasePolicy`: user commits settle
 conflicts with a solver (:class:`SolverPolicy`); maintenance brings its own (compaction's
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zarrlake.changeset import Changeset
-from zarrlake.config import RepositoryConfig
+from zarrlake.config import RepositoryConfig, fair_commits_default
 from zarrlake.conflicts import (
     ChangeSummary,
     Solver,
@@ -57,11 +61,13 @@ from zarrlake.format.model import (
     ShardInfo,
     Snapshot,
     TxLog,
+    wait_queue_prefix,
 )
 from zarrlake.history import CommitGraph
 from zarrlake.nodes import array_paths, meta_key_node
 from zarrlake.objects import CommitObjects, ObjectStore
 from zarrlake.refs import BranchJournal, new_writer_id
+from zarrlake.storage.base import Storage
 
 log = logging.getLogger("zarrlake")
 
@@ -70,6 +76,15 @@ GC_LOCK_BRANCH = "__gc__"
 MAX_COMMIT_ATTEMPTS = 200
 #: Chunk changes above which a commit writes manifest shards while it cuts them.
 SPILL_CHANGES = 65_536
+#: Back-off after a lost journal append, before the writer has precedence: full jitter,
+#: ``uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**losses))``.
+BACKOFF_BASE_S = 0.005
+BACKOFF_CAP_S = 0.25
+#: How long after its last lost append an engine takes its branch to be contended: its commits
+#: then queue by age before their first append (see :class:`WaitQueue`).
+CONTENDED_S = 30.0
+#: The longest a writer waits for older writers in one commit before it races anyway.
+MAX_DEFER_S = 300.0
 
 
 class _StaleFence(Exception):
@@ -207,12 +222,165 @@ def _index_for(
     return HistoryIndex(0, (digest, *pages)[: HistoryIndex.WINDOW]), (digest, page)
 
 
+@dataclass(frozen=True, order=True)
+class Waiter:
+    """One optimistic writer waiting to commit to a branch: trying since ``since``, alive until
+    ``until`` (wall-clock microseconds; skew between machines only reorders who goes first, it
+    never decides anything). Ordered oldest first, the writer id breaking a tie."""
+
+    since: int
+    writer: str
+    until: int
+
+    def name(self) -> str:
+        """The waiter's key below the branch's queue: sorts oldest first."""
+        return f"{self.since:016x}.{self.until:016x}.{self.writer}"
+
+    @classmethod
+    def parse(cls, name: str) -> Waiter | None:
+        """The waiter a key names; None for a key of another shape (ignored, as a hint is)."""
+        since, _, rest = name.partition(".")
+        until, _, writer = rest.partition(".")
+        try:
+            return cls(int(since, 16), writer, int(until, 16)) if writer else None
+        except ValueError:
+            return None
+
+
+def _micros() -> int:
+    return time.time_ns() // 1000
+
+
+class WaitQueue:
+    """Age-based precedence among optimistic writers of one branch: an advisory queue of
+    create-and-delete objects, ``refs/wait.<branch>/<since>.<until>.<writer>``.
+
+    Why: without it, the winner of the create-only race is whoever appends first, and a writer
+    that has just committed knows the head and appends first again, while one that lost many
+    races has the most catching up to do — the tail of the issue-45 profile (one writer's five
+    commits in a row while others lost 60 races for one). On a contended branch a writer joins
+    the queue and appends only while it is the oldest live waiter; the others wait (polling the
+    queue about once per attempt's time) instead of racing. Each writer writes and deletes only
+    its own objects, so no update of one is lost to another's. A waiter that dies stops renewing
+    its ``until`` and is passed over once that is past. The queue is only a hint: no read of it
+    decides anything, and the create-only journal append still decides every race.
+    """
+
+    def __init__(self, storage: Storage, root: str = "") -> None:
+        self.storage = storage
+        self.root = root
+
+    def _prefix(self, branch: str) -> str:
+        return self.root + wait_queue_prefix(branch)
+
+    def waiters(self, branch: str) -> list[Waiter]:
+        """The branch's waiters, live or not, oldest first."""
+        prefix = self._prefix(branch)
+        found = (Waiter.parse(k[len(prefix) :]) for k in self.storage.list_keys(prefix))
+        return sorted(w for w in found if w is not None)
+
+    def first(self, branch: str, now: int) -> Waiter | None:
+        """The oldest waiter alive at ``now`` (microseconds), if any."""
+        return next((w for w in self.waiters(branch) if w.until >= now), None)
+
+    def join(self, branch: str, waiter: Waiter) -> None:
+        self.storage.put(self._prefix(branch) + waiter.name(), b"")
+
+    def leave(self, branch: str, *waiters: Waiter) -> None:
+        self.storage.delete_many([self._prefix(branch) + w.name() for w in waiters])
+
+
+class _Contender:
+    """One optimistic commit's place in the race for its branch (see :class:`WaitQueue`)."""
+
+    def __init__(self, engine: CommitEngine, branch: str) -> None:
+        self.engine = engine
+        self.branch = branch
+        self.writer = new_writer_id()
+        self.since = _micros()
+        self.losses = 0
+        self.joined: Waiter | None = None
+
+    @property
+    def queued(self) -> bool:
+        """Whether this commit took a place in the queue (the branch is contended)."""
+        return self.joined is not None
+
+    def _lease_us(self) -> int:
+        """How long our place stays live without renewal: many attempts' worth, so a slow but
+        live writer keeps it, and a dead one holds nobody up for long."""
+        return int(min(60.0, max(10.0, 20 * self.engine.window_s)) * 1e6)
+
+    def _renew(self, queue: WaitQueue, now: int) -> None:
+        """Join the queue, or move our ``until`` on once a third of the lease is gone."""
+        lease = self._lease_us()
+        if self.joined is not None and self.joined.until - now > lease * 2 // 3:
+            return
+        old, self.joined = self.joined, Waiter(self.since, self.writer, now + lease)
+        with contextlib.suppress(ZarrlakeError, OSError):
+            queue.join(self.branch, self.joined)
+            if old is not None:
+                queue.leave(self.branch, old)
+
+    def before_attempt(self) -> None:
+        """Before an append on a contended branch: take our place in the queue and wait while
+        an older live waiter is ahead of us (at most :data:`MAX_DEFER_S`)."""
+        engine = self.engine
+        queue = engine.waiting
+        if queue is None:
+            return
+        if self.losses == 0 and time.monotonic() >= engine.contended_until:
+            return  # uncontended: the single-writer path reads and writes nothing more
+        deadline = time.monotonic() + MAX_DEFER_S
+        deferred = False
+        while True:
+            now = _micros()
+            self._renew(queue, now)
+            try:
+                live = [w.writer for w in queue.waiters(self.branch) if w.until >= now]
+            except (ZarrlakeError, OSError):
+                return  # the queue is a hint: unreadable, race as before
+            ahead = live.index(self.writer) if self.writer in live else len(live)
+            if ahead == 0 or time.monotonic() >= deadline:
+                return
+            if not deferred:
+                engine.stats["deferrals"] += 1
+                deferred = True
+            # Each waiter ahead needs about one attempt's time. Next in line, look again often
+            # (the hand-over is what the branch waits for); further back, after about half of
+            # those ahead are through — rarely enough to keep a long queue's listings from
+            # loading the server, never so late that our turn waits for our next look.
+            pace = 0.25 if ahead == 1 else min(ahead / 2, 4.0)
+            window = min(0.5, max(0.01, engine.window_s))
+            time.sleep(random.uniform(0.5, 1.5) * window * pace)
+
+    def lost(self) -> None:
+        """After a lost append: remember the branch is contended, and back off — with jitter,
+        exponentially, capped; not at all for the oldest waiter, whom the others wait for."""
+        self.losses += 1
+        engine = self.engine
+        engine.contended_until = time.monotonic() + CONTENDED_S
+        if self.joined is not None:
+            return  # we were first in the queue (or it was unreadable): try again at once
+        cap = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(self.losses, 10))
+        time.sleep(random.uniform(0, cap))
+
+    def done(self) -> None:
+        """The commit is over (landed or failed): leave the queue."""
+        if self.joined is not None and self.engine.waiting is not None:
+            with contextlib.suppress(ZarrlakeError, OSError):
+                self.engine.waiting.leave(self.branch, self.joined)
+            self.joined = None
+
+
 class CommitEngine:
     """Publishes changesets as commits and moves branches, under the journal's create-only rule.
 
     ``stats`` are per-process counters of the protocol (for benchmarks and monitoring):
     ``rebases`` — the branch had moved and the changeset was rebased onto its head;
-    ``append_retries`` — another commit won the create-only journal append (a retry).
+    ``append_retries`` — another commit won the create-only journal append (a retry);
+    ``deferrals`` — optimistic commits that waited for an older writer (:class:`WaitQueue`)
+    before appending.
     """
 
     def __init__(
@@ -230,7 +398,21 @@ class CommitEngine:
         self.journal = journal
         self.graph = graph
         self.lock = lock
-        self.stats: dict[str, int] = {"rebases": 0, "append_retries": 0}
+        self.stats: dict[str, int] = {"rebases": 0, "append_retries": 0, "deferrals": 0}
+        # Optimistic writers' queue by age, where $ZARRLAKE_FAIR_COMMITS turns it on (it trades
+        # throughput for fairness: bench/RESULTS.md, issue 45); None too on a storage that
+        # cannot list (plain HTTP, read-only: it never commits anyway).
+        self.waiting: WaitQueue | None = (
+            WaitQueue(journal.storage, journal.root)
+            if fair_commits_default()
+            and journal.storage.supports_writes
+            and journal.storage.supports_listing
+            else None
+        )
+        # Until when (time.monotonic()) this engine takes branches to be contended; and a moving
+        # average of one attempt's time (head read to append), which scales the waits.
+        self.contended_until = 0.0
+        self.window_s = 0.05
 
     # -- locks -------------------------------------------------------------------------------------
 
@@ -428,15 +610,68 @@ class CommitEngine:
     ) -> str:
         """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
         ``refence``, a stale one is given back for a new one, else it is used as it is)."""
+        # Holding the lock, the lock's queue orders writers; without it, the age queue does.
+        contender = _Contender(self, branch) if token is None else None
+        try:
+            return self._attempts(
+                branch,
+                token,
+                changeset,
+                contender,
+                refence=refence,
+                message=message,
+                author=author,
+                metadata=metadata,
+                rebase=rebase,
+                policy=policy,
+                extra_parents=extra_parents,
+                reshard=reshard,
+                prebuilt=prebuilt,
+                ready=ready,
+            )
+        finally:
+            if contender is not None:
+                contender.done()
+
+    def _attempts(
+        self,
+        branch: str,
+        token: int | None,
+        changeset: Changeset,
+        contender: _Contender | None,
+        *,
+        refence: bool,
+        message: str,
+        author: str | None,
+        metadata: dict[str, Any],
+        rebase: bool,
+        policy: RebasePolicy,
+        extra_parents: tuple[str, ...],
+        reshard: bool,
+        prebuilt: ManifestUpdate | None,
+        ready: Callable[[], None] | None,
+    ) -> str:
+        """The attempts of :meth:`_commit_holding`: each reads the head (or trusts the one this
+        client knows), rebases on it if it moved, writes the commit's objects and appends; a lost
+        append backs off (``contender``: without a lock, by age) and tries again."""
         meta = metadata
         rebased = False
         for attempt in range(MAX_COMMIT_ATTEMPTS):
+            if contender is not None:
+                contender.before_attempt()
+            started = time.monotonic()
             # Without a lock, first try on the head this client last saw (the session's base,
             # usually), checking that its entry is still there alongside writing the commit's
             # objects: if the branch moved since, the create-only append below fails and the
             # next attempt reads the head. The append decides either way, so this saves a
             # listing and a round trip, never a check. Holding the lock, read the head: it
             # cannot move under us, so the first append always lands.
+            # A writer that queued (a contended branch) has waited for others' commits: the
+            # head it knows is stale, and an append on it would only lose.
+            # Go straight to the newest head (a listing), not entry by entry from the known one.
+            queued = contender is not None and contender.queued
+            if queued:
+                self.journal.forget(branch)
             known = self.journal.known(branch) if attempt == 0 and token is None else None
             if known is not None and known.snapshot is None:
                 known = None
@@ -454,6 +689,10 @@ class CommitEngine:
                 changeset = self.rebase(changeset, head, policy)
                 rebased = True
                 self.stats["rebases"] += 1
+                if token is None:
+                    # Others commit to this branch too: queue by age from the next commit on
+                    # (a writer that never lost a race would otherwise keep winning it).
+                    self.contended_until = time.monotonic() + CONTENDED_S
             parent = self.objects.snapshot(head)
             built = self._build_snapshot(
                 parent,
@@ -495,11 +734,18 @@ class CommitEngine:
                 if changeset.dedup_chunks:
                     self.objects.check_chunks_exist(changeset.dedup_chunks)
                 published = self.journal.append(branch, entry)
+            # One attempt's time, smoothed: what a deferring writer waits per look.
+            self.window_s = 0.8 * self.window_s + 0.2 * (time.monotonic() - started)
             if published:
                 return snap.id
             self.stats["append_retries"] += 1
-            # Another commit took this sequence number: back off a little, then rebase on it.
-            time.sleep(random.uniform(0, min(0.2, 0.002 * (2 ** min(attempt, 7)))))
+            # Another commit took this sequence number: back off, then rebase on the newest head.
+            if contender is not None:
+                contender.lost()
+            else:
+                # Holding the lock, a lost append means a lapsed lease (a paused process): the
+                # next holder already appended. Retry soon, with jitter, bounded.
+                time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise ZarrlakeError(f"could not commit to {branch!r} after {MAX_COMMIT_ATTEMPTS} attempts")
 
     def merge(
@@ -575,7 +821,7 @@ class CommitEngine:
         """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
         or — if ``base`` is not on it (the branch was reset, or history expired) — from a diff."""
         logs: list[TxLog] = []
-        chain = [head.id, *head.ancestry]
+        chain = self._chain_to(base, head)
         if base.id in chain:
             # The head names its first-parent ancestors: fetch the txlogs in between concurrently
             # instead of one dependent round trip per commit (a session that waited for the
@@ -600,6 +846,26 @@ class CommitEngine:
         for txlog in logs:
             summary.add_txlog(txlog)
         return summary
+
+    def _chain_to(self, base: Snapshot, head: Snapshot) -> list[str]:
+        """``head``'s first-parent chain, newest first, as far back as ``base`` if it is on it.
+
+        Each snapshot names its newest :data:`Snapshot.ANCESTRY` ancestors; further back, hop
+        to the oldest one named and read its list, so a writer more than that many commits
+        behind (one that waited for many others) reads one snapshot per ``ANCESTRY`` commits
+        and then every txlog in one concurrent round, not a txlog and a snapshot per commit.
+        Stops (without ``base``) at a root, a missing or expired snapshot, or a newer base."""
+        chain = [head.id, *head.ancestry]
+        cur = head
+        while base.id not in chain and len(cur.ancestry) >= Snapshot.ANCESTRY:
+            if len(chain) > 10_000 or base.time > cur.time:
+                break
+            try:
+                cur = self.objects.snapshot(chain[-1])
+            except (RefNotFound, CorruptObject, UnsupportedFormat):
+                break
+            chain += cur.ancestry
+        return chain
 
     def _summary_from_diff(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
         chunks = {

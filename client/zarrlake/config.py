@@ -181,9 +181,26 @@ def verify_reads_default() -> bool:
     """Whether chunk reads are verified when the caller does not say: on, unless
     ``$ZARRLAKE_VERIFY_READS`` is ``0``, ``false``, ``no`` or ``off``. Another value raises
     :class:`InvalidConfig`, so that a typo does not silently keep it on (or off)."""
-    value = os.environ.get(VERIFY_READS_ENV, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
+    return _switch(VERIFY_READS_ENV, True)
+
+
+#: Turns on the age queue of optimistic writers (``zarrlake.commit.WaitQueue``) for a process:
+#: fair (p99 within a few times p50 with dozens of writers on one branch) at some throughput.
+FAIR_COMMITS_ENV = "ZARRLAKE_FAIR_COMMITS"
+
+
+def fair_commits_default() -> bool:
+    """Whether optimistic writers of a contended branch queue by age: off, unless
+    ``$ZARRLAKE_FAIR_COMMITS`` is ``1``, ``true``, ``yes`` or ``on`` (a typo raises)."""
+    return _switch(FAIR_COMMITS_ENV, False)
+
+
+def _switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return default
+    if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise InvalidConfig(f"${VERIFY_READS_ENV} must be 1/true/on or 0/false/off, not {value!r}")
+    raise InvalidConfig(f"${name} must be 1/true/on or 0/false/off, not {value!r}")
