@@ -7,6 +7,8 @@ connections, then waits for one start signal, so process start-up never counts).
 run against the same servers:
 
 - ``zarrlake`` optimistic (no lock: rebase and retry on a lost journal append),
+- ``zarrlake+fair`` optimistic with the age queue (``ZARRLAKE_FAIR_COMMITS=1``: writers of a
+  contended branch append oldest first),
 - ``zarrlake+lock`` with :class:`zarrlake.RedisLock` on a ``redis-server`` the run starts,
 - ``icechunk`` 2.x in the peers' Python (``--peers-python``, default ``.venv-peers``), retrying a
   commit that lost the race with ``session.rebase(ConflictDetector())``, its documented way for
@@ -57,7 +59,7 @@ ARRAY = "a"
 CHUNK = 1024  # uint8 elements per chunk: above both engines' inline thresholds, so an object each
 TARGET_TAIL = 5.0  # p99 <= 5x p50
 TARGET_WALL = 0.5  # wall <= 0.5x Icechunk's
-SYSTEMS = ("zarrlake", "zarrlake+lock", "icechunk")
+SYSTEMS = ("zarrlake", "zarrlake+fair", "zarrlake+lock", "icechunk")
 
 
 # -- the writer process (run with the system's own interpreter) ------------------------------------
@@ -270,6 +272,7 @@ def run_one(
 ) -> Row:
     kind = "icechunk" if system == "icechunk" else "zarrlake"
     env = dict(os.environ)
+    env["ZARRLAKE_FAIR_COMMITS"] = "1" if system.startswith("zarrlake+fair") else "0"
     if system.endswith("@baseline") and baseline:
         # Another checkout's zarrlake (``--baseline``) in the writers: before/after in one run.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [baseline, env.get("PYTHONPATH")]))
@@ -454,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--writers", default="8,32,100", help="writer counts (default 8,32,100)")
     ap.add_argument("--commits", type=int, default=5, help="commits per writer (default 5)")
     ap.add_argument("--backends", default="local,s3", help="local,s3,seaweedfs (default local,s3)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="zarrlake,zarrlake+lock,icechunk")
+    ap.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="zarrlake,zarrlake+fair,zarrlake+lock,icechunk"
+    )
     ap.add_argument(
         "--peers-python", default=os.environ.get("BENCH_PEERS_PYTHON", str(DEFAULT_PEERS))
     )
