@@ -9,6 +9,7 @@ whose codecs are not installed. Their ``to_json`` forms are the CLI's stable ``-
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import json
 from dataclasses import dataclass
@@ -176,3 +177,17 @@ def commit_to_json(info: CommitInfo) -> dict[str, Any]:
         "time": info.time.astimezone(dt.UTC).isoformat(timespec="microseconds"),
         "metadata": info.metadata,
     }
+
+
+def json_default(value: Any) -> Any:
+    """What ``json.dumps(..., default=json_default)`` writes for a value JSON has no form of:
+    times as ISO 8601, bytes as base64, sets and tuples as lists, anything else as its string.
+    Commit metadata is user data: a document that holds it stays valid whatever it holds (the
+    CLI's ``--json``, the server's JSON API)."""
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)

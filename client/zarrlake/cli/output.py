@@ -9,7 +9,6 @@ scripts read them as people do. Only the progress display on stderr is rich (on 
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import json
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.cli.args import PROG
+from zarrlake.listing import json_default
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -29,18 +29,7 @@ def say(line: str) -> None:
 
 def print_json(doc: Any) -> None:
     """``doc`` as one indented JSON document on stdout, whatever user data it holds."""
-    sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=_json_default) + "\n")
-
-
-def _json_default(value: Any) -> Any:
-    # Commit metadata is user data; keep the document valid whatever it holds.
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    if isinstance(value, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    return str(value)
+    sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=json_default) + "\n")
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

@@ -407,26 +407,8 @@ class RootRecord:
         if raw_expired is not None:
             expired = frozenset(_strings(raw_expired, key, "expired"))
         records = frozenset(_strings(obj.get("expiry_records") or [], key, "expiry_records"))
-        recent: dict[str, bytes] = {}
-        for item in _typed(obj.get("recent") or [], list, key, "recent"):
-            if not (
-                isinstance(item, list)
-                and len(item) == 2
-                and isinstance(item[0], str)
-                and isinstance(item[1], bytes)
-            ):
-                raise CorruptObject(key, f"bad recent history {item!r:.80}")
-            recent[item[0]] = item[1]
-        pages: dict[str, bytes] = {}
-        for item in _typed(obj.get("pages") or [], list, key, "pages"):
-            if not (
-                isinstance(item, list)
-                and len(item) == 2
-                and isinstance(item[0], str)
-                and isinstance(item[1], bytes)
-            ):
-                raise CorruptObject(key, f"bad history page {item!r:.80}")
-            pages[item[0]] = item[1]
+        recent = _named_bytes(obj, "recent", key)
+        pages = _named_bytes(obj, "pages", key)
         return cls(repo, generation, branches, tags, expired, records, recent, pages)
 
 
@@ -440,6 +422,21 @@ def _typed(value: Any, kind: type, key: str, name: str) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise CorruptObject(key, f"{name} must be {kind.__name__}, not {type(value).__name__}")
     return value
+
+
+def _named_bytes(obj: Any, name: str, key: str) -> dict[str, bytes]:
+    """The optional field ``name``: a list of [name, bytes] pairs (absent: none)."""
+    out: dict[str, bytes] = {}
+    for item in _typed(obj.get(name) or [], list, key, name):
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], bytes)
+        ):
+            raise CorruptObject(key, f"bad {name} entry {item!r:.80}")
+        out[item[0]] = item[1]
+    return out
 
 
 def _strings(value: Any, key: str, name: str) -> list[str]:

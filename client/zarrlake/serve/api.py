@@ -19,8 +19,6 @@ for a storage failure), from :func:`zarrlake.serve.errors.http_error`. Answers a
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
 import json
 import math
 from collections.abc import Awaitable, Callable
@@ -30,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from zarrlake.listing import json_default
 from zarrlake.serve.errors import BadRequest, http_error, log_line
 from zarrlake.serve.model import LOG_PAGE, commit, compare, compare_refs, log_page, overview, tree
 from zarrlake.serve.params import query_number
@@ -109,21 +108,11 @@ def json_response(doc: Any, status: int = 200) -> Response:
     cannot: NaN and infinities become the strings Zarr v3 writes for them, other values their
     ISO 8601, base64 or string forms."""
     try:
-        text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=_json_default)
+        text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=json_default)
     except ValueError:
-        text = json.dumps(_finite(doc), ensure_ascii=False, default=_json_default)
+        text = json.dumps(_finite(doc), ensure_ascii=False, default=json_default)
     headers = {"cache-control": "no-cache" if status < 400 else "no-store"}
     return Response(text, status, headers=headers, media_type="application/json")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    if isinstance(value, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    return str(value)
 
 
 def _finite(value: Any) -> Any:
