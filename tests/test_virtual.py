@@ -375,14 +375,16 @@ def test_write_virtual_dataset_from_virtualizarr(tmp_path: Path, data_dir: Path)
         xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
 
 
+#: The credentials tests/conftest.py gives moto (not imported: tests/serve has a conftest too).
+S3_KEY = S3_SECRET = "testing"
+
+
 # -- on S3 (moto) ---------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def s3_source(moto_s3: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
     import boto3
-
-    from conftest import S3_KEY, S3_SECRET
 
     client = boto3.client(
         "s3",
@@ -396,7 +398,6 @@ def s3_source(moto_s3: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
 
 
 def s3_repo(server: Any, prefix: str, tmp_path: Path) -> zarrlake.Repository:
-    from conftest import S3_KEY, S3_SECRET
 
     container = f"s3://{server.bucket}/{prefix}"
     config = {

@@ -232,15 +232,17 @@ def _start(
 def start_moto(
     port: int | None = None, log: str | os.PathLike[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``moto_server`` on a loopback port; returns (process, endpoint URL).
+    """``moto_server`` on a loopback port; returns (process, endpoint URL). Its object writes
+    are atomic, as S3's are (:mod:`zarrlake_testkit.moto_atomic`: moto alone can let two
+    conditional PUTs of one version both succeed).
 
     With ``log``, the server's output goes to that file (appended): one line per HTTP request,
     written before the response is sent — the benchmarks count requests from it.
     """
-    exe = Path(sys.executable).with_name("moto_server")
 
     def cmd(p: int) -> list[str]:
-        return [str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1", "-p", str(p)]
+        launcher = [sys.executable, "-m", "zarrlake_testkit.moto_atomic"]
+        return [*launcher, "-H", "127.0.0.1", "-p", str(p)]
 
     with contextlib.ExitStack() as files:
         out: Any = subprocess.DEVNULL
