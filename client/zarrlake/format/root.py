@@ -160,7 +160,7 @@ class RootRecord:
             if page is None:
                 break
             pages[digest] = page
-            held += HistoryPage.count(page)
+            held += _page_count(page)
             if held >= LOG_RECORDS:
                 break
         return pages
@@ -496,6 +496,14 @@ def _head_lineage(entry: bytes) -> Lineage:
     return () if data is None else _lineage(data)
 
 
+@functools.lru_cache(maxsize=64)
+def _page_count(page: bytes) -> int:
+    # Cached: main's carried pages are the same bytes publish after publish (a commit on main
+    # would otherwise decompress them each time).
+    return HistoryPage.count(page)
+
+
+@functools.lru_cache(maxsize=64)
 def _page_lineage(page: bytes) -> Lineage:
     try:
         decoded = HistoryPage.decode(page, "<root recent history>")
