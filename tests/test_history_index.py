@@ -268,3 +268,69 @@ def test_records_read_from_pages_are_whole_commit_infos_like_the_snapshots_own()
         commit_info(objects.snapshot(c.id)).metadata for c in again
     ]
     assert all("x" not in c.metadata for c in again)
+
+
+_ids = st.text("0123456789ABCDEFGHJKMNPQRSTVWXYZ", min_size=26, max_size=26)
+_records = st.lists(
+    st.tuples(
+        _ids,
+        st.lists(_ids, max_size=3),
+        # Times on both sides of the fast path's bound (the year 2242) and before the epoch.
+        st.integers(min_value=-(2**55), max_value=2**57) | st.integers(-(2**33), 2**34),
+        st.none() | st.text(max_size=8),
+        st.text(max_size=8),
+        st.dictionaries(
+            st.text(max_size=4), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=4), max_size=2
+        ),
+    ),
+    max_size=12,
+    unique_by=lambda r: r[0],
+)
+
+
+@given(_records, st.sets(_ids, max_size=3))
+@settings(max_examples=200, deadline=None)
+def test_decoding_a_page_into_records_equals_decoding_it_and_adding_its_records(
+    records: list[tuple[str, list[str], int, str | None, str, dict[str, object]]],
+    known_ids: set[str],
+) -> None:
+    # log() decodes pages straight into CommitInfos (HistoryPage.decode_into); the page's own
+    # decoder and the walk's _add must give exactly the same records, times included.
+    from zarrlake.format.model import AncestorRecord, HistoryPage, from_micros
+    from zarrlake.history import CommitInfo, CommitRecords
+
+    page = HistoryPage(
+        ids=tuple(r[0] for r in records),
+        records=tuple(
+            AncestorRecord(tuple(p), from_micros(us), author, message, meta)
+            for _, p, us, author, message, meta in records
+        ),
+        older=("a" * 64,),
+    )
+    data = page.encode()
+    sentinel = CommitInfo("x", (), "kept", None, from_micros(0), {})
+    into: dict[str, CommitInfo] = {k: sentinel for k in known_ids}
+    older = HistoryPage.decode_into(data, CommitInfo, into)
+    assert older == ("a" * 64,)
+    walk = CommitRecords.__new__(CommitRecords)
+    walk.known = {k: sentinel for k in known_ids}
+    decoded = HistoryPage.decode(data)
+    walk._add(decoded.ids, decoded.records)
+    assert into == walk.known
+    assert all(type(v) is CommitInfo for v in into.values())
+    assert [into[i].time for i in page.ids if i not in known_ids] == [
+        r.time for i, r in zip(page.ids, page.records, strict=True) if i not in known_ids
+    ]
+
+
+def test_a_corrupt_page_decoded_into_records_leaves_them_as_they_were() -> None:
+    from zarrlake.format.model import AncestorRecord, HistoryPage, from_micros
+    from zarrlake.history import CommitInfo
+
+    good = AncestorRecord((), from_micros(1), None, "m", {})
+    data = HistoryPage(ids=("A" * 26, "B" * 26), records=(good, good), older=()).encode()
+    bad = data.replace(b"\xa1m", b"\x01\x02")  # the message "m" becomes two ints
+    known: dict[str, CommitInfo] = {}
+    with pytest.raises(zarrlake.CorruptObject):
+        HistoryPage.decode_into(bad, CommitInfo, known)
+    assert known == {}

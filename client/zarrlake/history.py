@@ -210,8 +210,30 @@ class History(Iterator[CommitInfo]):
         while heap and (limit is None or produced < limit):
             _, sid = heapq.heappop(heap)
             commit = known[sid]
-            yield commit
-            produced += 1
+            if expired is not None and not heap:
+                # A linear stretch through records at hand (most of any history): gathered in
+                # a tight loop and handed out in one step; where it ends (a merge, an expired,
+                # seen or unknown parent, the limit) the general step below takes over.
+                run = [commit]
+                while limit is None or produced + len(run) < limit:
+                    parents = commit.parents
+                    if len(parents) != 1:
+                        break
+                    parent = parents[0]
+                    if parent in seen or parent in expired:
+                        break
+                    following = known.get(parent)
+                    if following is None:
+                        break
+                    seen.add(parent)
+                    run.append(following)
+                    commit = following
+                produced += len(run)
+                sid = commit.id  # the run's last: whose parents the general step looks at
+                yield from run
+            else:
+                yield commit
+                produced += 1
             if expired is None:
                 expired = records.fetch_pages(marks, expiry_only=not prefetch, at_most=wanted)
             for parent in commit.parents:
@@ -280,23 +302,30 @@ class CommitRecords:
                 self._asked.add(digest)
                 self._pending.append(digest)
 
-    def _page(self, digest: str) -> HistoryPage | None:
+    def _page(self, digest: str) -> tuple[str, ...] | None:
+        """Take the records of page ``digest`` and return the digests of the pages before it
+        (None if the page cannot be had: the walk then reads snapshots)."""
         page = self._carried.get(digest)
         if page is not None:
             # The root carried it: good if it is the page its digest names, as a read checks.
             try:
                 if content_hash(page) == digest:
-                    return HistoryPage.decode(page, history_page_key(digest))
+                    return HistoryPage.decode_into(
+                        page, CommitInfo, self.known, history_page_key(digest)
+                    )
             except (CorruptObject, UnsupportedFormat):
                 pass
             log.warning("the root's copy of history page %s is damaged: reading it", digest)
         try:
-            return self.objects.history_page(digest)
+            read = self.objects.history_page(digest)
         except RefNotFound:
             log.warning("history page %s is missing: reading snapshots instead", digest)
+            return None
         except (CorruptObject, UnsupportedFormat) as e:
             log.warning("history page %s is unreadable (%s): reading snapshots instead", digest, e)
-        return None
+            return None
+        self._add(read.ids, read.records)
+        return read.older
 
     def fetch_pages(
         self,
@@ -312,7 +341,7 @@ class CommitRecords:
         digests, self._pending = self._pending[:take], self._pending[take:]
         expired: frozenset[str] = frozenset()
 
-        def step(i: int) -> HistoryPage | None:
+        def step(i: int) -> tuple[str, ...] | None:
             nonlocal expired
             if i == len(digests):
                 assert marks is not None
@@ -320,11 +349,10 @@ class CommitRecords:
                 return None
             return self._page(digests[i])
 
-        pages = self.objects.storage.map_reads(step, range(len(digests) + (marks is not None)))
-        for page in pages:
-            if page is not None:
-                self._add(page.ids, page.records)
-                self._queue(page.older)
+        olders = self.objects.storage.map_reads(step, range(len(digests) + (marks is not None)))
+        for older in olders:
+            if older is not None:
+                self._queue(older)
         return expired
 
     def info(self, sid: str) -> CommitInfo:
