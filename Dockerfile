@@ -40,7 +40,7 @@ RUN pip wheel --wheel-dir /wheels --no-deps --no-build-isolation .
 # -- runtime ----------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}@${PYTHON_IMAGE_DIGEST}
 
-ARG VERSION=0.3.0
+ARG VERSION=0.4.0
 LABEL org.opencontainers.image.title="zarrlake" \
       org.opencontainers.image.description="zarrlake operator, maintenance jobs and server" \
       org.opencontainers.image.version="${VERSION}" \

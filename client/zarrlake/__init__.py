@@ -18,6 +18,8 @@ from zarrlake.conflicts import UseOurs, UseTheirs
 from zarrlake.errors import (
     AmbiguousRef,
     BranchExists,
+    BranchProtected,
+    CheckFailed,
     ConditionalWritesUnsupported,
     Conflict,
     ConflictError,
@@ -64,6 +66,7 @@ from zarrlake.fsck import FsckReport
 from zarrlake.history import History
 from zarrlake.maintenance import CompactReport, ExpireReport, GCReport, Keep, RetentionRules
 from zarrlake.repository import Repository
+from zarrlake.rules import BranchRule
 from zarrlake.session import ForkedSession, Session
 from zarrlake.sources import VirtualRef
 from zarrlake.storage import Storage, StorageError
@@ -77,7 +80,7 @@ if TYPE_CHECKING:
     from zarrlake.spark import read_array, write_partitions
     from zarrlake.store import ZarrlakeStore
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # Loaded when first asked for (``zarrlake.Mirror``, ``from zarrlake import to_zarrlake``): the
 # Zarr store adapter imports zarr (slow), a build may leave the lock service out (the CLI then
@@ -113,7 +116,10 @@ def __dir__() -> list[str]:
 __all__ = [
     "AmbiguousRef",
     "BranchExists",
+    "BranchProtected",
+    "BranchRule",
     "Changeset",
+    "CheckFailed",
     "CommitInfo",
     "CompactReport",
     "ConditionalWritesUnsupported",

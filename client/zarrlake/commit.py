@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import random
 import time
@@ -101,6 +102,26 @@ class BranchLock(Protocol):
     """
 
     def hold(self, repo_id: str, branch: str) -> contextlib.AbstractContextManager[int | None]: ...
+
+
+class CommitGuard(Protocol):
+    """What a repository's governance (:mod:`zarrlake.governance`) asks before the engine
+    moves a branch. Each raises to refuse (:class:`BranchProtected`, :class:`CheckFailed`), and
+    then nothing is published.
+
+    ``admit``: before a commit does any work (``merge``: a merge commit; ``maintenance``: a
+    commit that only moves bytes, as compaction's). ``verify``: with the new snapshot written
+    but not yet published (its objects unreachable until the journal append names them): the
+    checks the branch requires, on exactly what would land, after any rebase. ``before_move``:
+    before a reset (``action`` "reset") or a delete ("delete")."""
+
+    def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None: ...
+
+    def verify(
+        self, branch: str, parent: Snapshot, built: Snapshot, changeset: Changeset, *, merge: bool
+    ) -> None: ...
+
+    def before_move(self, branch: str, action: str) -> None: ...
 
 
 class RebasePolicy(Protocol):
@@ -413,6 +434,8 @@ class CommitEngine:
         # average of one attempt's time (head read to append), which scales the waits.
         self.contended_until = 0.0
         self.window_s = 0.05
+        #: Branch protection and checks (a :class:`CommitGuard`), installed by the repository.
+        self.guard: CommitGuard | None = None
 
     # -- locks -------------------------------------------------------------------------------------
 
@@ -456,6 +479,8 @@ class CommitEngine:
     def reset_branch(self, name: str, target: str, *, expected: str | None = None) -> str:
         """Point branch ``name`` at snapshot ``target``; with ``expected``, only if the head is
         still that snapshot (else :class:`ConflictError`). Raises :class:`RefNotFound`."""
+        if self.guard is not None:
+            self.guard.before_move(name, "reset")
         # The entry carries the snapshot, as a commit's does: a fresh reader of the branch then
         # needs no read of the snapshot object.
         encoded = self.objects.snapshot(target).encode()
@@ -482,6 +507,8 @@ class CommitEngine:
 
     def delete_branch(self, name: str) -> None:
         """Append a deletion entry to branch ``name``. Raises :class:`RefNotFound`."""
+        if self.guard is not None:
+            self.guard.before_move(name, "delete")
 
         def delete(cur: JournalEntry, token: int | None, fence: int | None) -> JournalEntry:
             return JournalEntry(
@@ -564,6 +591,13 @@ class CommitEngine:
         """
         policy = policy if policy is not None else SolverPolicy()
         meta = dict(metadata or {})
+        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None = None
+        guard = self.guard
+        if guard is not None:
+            merge, maintenance = bool(extra_parents), policy.relocates
+            guard.admit(branch, merge=merge, maintenance=maintenance)
+            if not maintenance:
+                verify = functools.partial(guard.verify, branch, merge=merge)
         if ready is not None and self.lock is not None:
             # Other writers of the branch queue on the lock: they must not wait on this
             # session's uploads too.
@@ -586,6 +620,7 @@ class CommitEngine:
                         reshard=reshard,
                         prebuilt=prebuilt,
                         ready=ready,
+                        verify=verify,
                     )
             except _StaleFence:
                 continue
@@ -607,6 +642,7 @@ class CommitEngine:
         reshard: bool,
         prebuilt: ManifestUpdate | None,
         ready: Callable[[], None] | None = None,
+        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None = None,
     ) -> str:
         """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
         ``refence``, a stale one is given back for a new one, else it is used as it is)."""
@@ -628,6 +664,7 @@ class CommitEngine:
                 reshard=reshard,
                 prebuilt=prebuilt,
                 ready=ready,
+                verify=verify,
             )
         finally:
             if contender is not None:
@@ -650,6 +687,7 @@ class CommitEngine:
         reshard: bool,
         prebuilt: ManifestUpdate | None,
         ready: Callable[[], None] | None,
+        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None,
     ) -> str:
         """The attempts of :meth:`_commit_holding`: each reads the head (or trusts the one this
         client knows), rebases on it if it moved, writes the commit's objects and appends; a lost
@@ -716,6 +754,9 @@ class CommitEngine:
                 continue
             if ready is not None:
                 ready()  # (an upload that fails here fails the commit: nothing named it yet)
+            if verify is not None:
+                # The checks read what would land, uploads done; a refusal publishes nothing.
+                verify(parent, snap, changeset)
             entry = JournalEntry(
                 head_entry.seq + 1,
                 snap.id,

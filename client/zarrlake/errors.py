@@ -184,6 +184,38 @@ class ReadOnlyError(ZarrlakeError, ValueError):
     """A write through a read-only session or store."""
 
 
+class BranchProtected(ZarrlakeError):
+    """An operation a branch's protection refuses (see :meth:`Repository.protect_branch`):
+    ``branch``, and ``rule``, the rule that refuses it (``"require_merge"``, ``"allow_delete"``,
+    ``"allow_reset"``). Nothing was changed."""
+
+    def __init__(self, branch: str, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.branch = branch
+        self.rule = rule
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.branch, self.rule, str(self)))
+
+
+class CheckFailed(ZarrlakeError):
+    """A check a protected branch requires refused a commit or merge (or crashed, or ran out of
+    time: a check that cannot say yes says no). ``check``: its name; ``branch``; ``problems``:
+    what it found, one line each. The branch was not moved."""
+
+    def __init__(self, check: str, branch: str, problems: list[str] | tuple[str, ...]) -> None:
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
+        super().__init__(f"check {check!r} refused the change to branch {branch!r}: {shown}")
+        self.check = check
+        self.branch = branch
+        self.problems = tuple(problems)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.check, self.branch, self.problems))
+
+
 class LockTimeout(ZarrlakeError):
     """The branch lock could not be acquired within ``wait_s``."""
 

@@ -56,6 +56,7 @@ from zarrlake.format.model import (
 from zarrlake.format.root import CAS_PROBE_KEY, ROOT_KEY, RootRecord
 from zarrlake.fsck import SAMPLE as FSCK_SAMPLE
 from zarrlake.fsck import FsckReport, fsck
+from zarrlake.governance import Governance, rule_from_arguments
 from zarrlake.history import History
 from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, compact
 from zarrlake.maintenance.expire import ExpireReport, expire
@@ -63,6 +64,7 @@ from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.maintenance.retention import RetentionRules
 from zarrlake.published import read_root
 from zarrlake.refs import Refs, new_writer_id, read_refs, validate_name
+from zarrlake.rules import BranchRule
 from zarrlake.session import Session
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage, Versioned
 from zarrlake.types import CommitInfo, Diff
@@ -163,6 +165,14 @@ class Repository:
         self._core = RepositoryCore.build(
             storage, record, lock, verify_reads=verify, virtual_credentials=virtual_credentials
         )
+        # Branch protection: every path that moves a branch goes through the engine, which asks.
+        self._governance = Governance(self._core, self._snapshot_store)
+        self._core.commits.guard = self._governance
+
+    def _snapshot_store(self, snapshot_id: str) -> Any:
+        """A read-only Zarr store of snapshot ``snapshot_id`` (published or not: what a check
+        of a commit about to land reads)."""
+        return Session(self._core, snapshot_id, branch=None, read_only=True).store
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -511,6 +521,46 @@ class Repository:
             raise ZarrlakeError("the main branch cannot be deleted")
         self._core.check_writable()
         self._core.commits.delete_branch(name)
+
+    # -- governance --------------------------------------------------------------------------------
+
+    def protect_branch(
+        self,
+        name: str,
+        *,
+        require_merge: bool = True,
+        allow_delete: bool = False,
+        allow_reset: bool = False,
+        required_checks: tuple[str, ...] | list[str] = (),
+        check_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> BranchRule:
+        """Protect branch ``name`` (it need not exist yet) with a rule, replacing any it had:
+        ``require_merge`` refuses direct commits (merges only), ``allow_delete`` and
+        ``allow_reset`` allow deleting and force-moving it, ``required_checks`` name the checks
+        (entry points of ``zarrlake.checks``: ``required-attributes``, ``array-rules``,
+        ``no-nan`` ship) every commit or merge into it must pass, with ``check_options`` per
+        check. Refused operations raise :class:`BranchProtected`; a failing check
+        :class:`CheckFailed`. Recorded in the repository (every client that opens it obeys,
+        and so does every client of a repository that had rules when it opened; see
+        ``docs/design/governance.md`` for what holds against a client that ignores them).
+        Returns the rule. Raises :class:`InvalidArgument` (a check not installed here, options
+        it refuses), :class:`InvalidName`."""
+        rule = rule_from_arguments(
+            require_merge=require_merge,
+            allow_delete=allow_delete,
+            allow_reset=allow_reset,
+            required_checks=required_checks,
+            check_options=check_options,
+        )
+        return self._governance.protect(name, rule)
+
+    def unprotect_branch(self, name: str) -> None:
+        """Remove branch ``name``'s protection (nothing to do if it has none)."""
+        self._governance.unprotect(name)
+
+    def branch_protection(self) -> dict[str, BranchRule]:
+        """The protected branches and their rules, as the repository records them now."""
+        return dict(sorted(self._governance.protection().branches.items()))
 
     # -- tags --------------------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from zarrlake.resources import (
 
 MANAGED_BY = "zarrlake-operator"
 REDIS_PORT = 6379
-JOB_IMAGE = "ghcr.io/zarrlake/zarrlake:0.3.0"
+JOB_IMAGE = "ghcr.io/zarrlake/zarrlake:0.4.0"
 DNS_NAME_MAX = 63
 CRONJOB_NAME_MAX = 52  # the CronJob controller appends 11 characters for its Jobs
 POLICY_LABEL = "zarrlake.io/retention-policy"
@@ -1110,7 +1110,7 @@ def maintenance_arguments(
 
 # -- engine: spark --
 
-SPARK_IMAGE = "ghcr.io/zarrlake/zarrlake-spark:0.3.0"
+SPARK_IMAGE = "ghcr.io/zarrlake/zarrlake-spark:0.4.0"
 SPARK_GROUP = "sparkoperator.k8s.io"
 SPARK_VERSION = "v1beta2"
 SPARK_API_VERSION = f"{SPARK_GROUP}/{SPARK_VERSION}"

@@ -309,10 +309,10 @@ def test_recommended_labels_everywhere(chart, values):
         where = f"{obj['kind']}/{obj['metadata']['name']}"
         assert labels["app.kubernetes.io/name"] == "zarrlake-operator", where
         assert labels["app.kubernetes.io/instance"] == RELEASE, where
-        assert labels["app.kubernetes.io/version"] == "0.3.0", where
+        assert labels["app.kubernetes.io/version"] == "0.4.0", where
         assert labels["app.kubernetes.io/managed-by"] == "Helm", where
         assert labels["app.kubernetes.io/part-of"] == "zarrlake", where
-        assert labels["helm.sh/chart"] == "zarrlake-operator-0.3.0", where
+        assert labels["helm.sh/chart"] == "zarrlake-operator-0.4.0", where
 
 
 def test_chart_metadata_and_crds_seen_by_helm(chart):
@@ -320,8 +320,8 @@ def test_chart_metadata_and_crds_seen_by_helm(chart):
     assert (meta["apiVersion"], meta["name"], meta["version"], meta["appVersion"]) == (
         "v2",
         "zarrlake-operator",
-        "0.3.0",
-        "0.3.0",
+        "0.4.0",
+        "0.4.0",
     )
     assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0"  # what the objects are validated for
     # The CRDs are templates (applied on install and on every upgrade), not Helm's crds/ folder:
@@ -643,7 +643,7 @@ def test_operator_cli_accepts_the_arguments(chart, values):
 
 def test_image_defaults_to_app_version(chart):
     objects = render(chart)
-    assert container(objects)["image"] == "ghcr.io/zarrlake/zarrlake:0.3.0"
+    assert container(objects)["image"] == "ghcr.io/zarrlake/zarrlake:0.4.0"
     objects = render(chart, SCENARIOS["everything"])
     assert container(objects)["image"] == "registry.example/zarrlake:1.2.3"
     assert container(objects)["imagePullPolicy"] == "Always"

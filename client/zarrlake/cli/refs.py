@@ -7,6 +7,8 @@ Listing is the default action. Every action that writes a ref takes the branch l
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from zarrlake.cli.args import MAIN, Commands, add_json, add_lock
 from zarrlake.cli.connect import open_repository
@@ -16,7 +18,7 @@ from zarrlake.cli.output import print_json, print_table, say
 
 
 def add_branch(commands: Commands) -> None:
-    p = commands.add("branch", run_branch, "list, create, delete or reset branches")
+    p = commands.add("branch", run_branch, "list, create, delete, reset or protect branches")
     add_json(p)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=False)
     add_json(actions.add_parser("list", help="list branches (the default)"))
@@ -43,12 +45,55 @@ def add_branch(commands: Commands) -> None:
         help="only if the branch head is still this snapshot",
     )
     add_lock(a)
+    add_json(actions.add_parser("protection", help="list protected branches and their rules"))
+    a = actions.add_parser(
+        "protect", help="protect a branch: merges only, no delete or reset, required checks"
+    )
+    a.add_argument("name", metavar="NAME")
+    a.add_argument(
+        "--allow-direct-commits",
+        action="store_true",
+        help="take direct commits too (default: merges only)",
+    )
+    a.add_argument("--allow-delete", action="store_true", help="let the branch be deleted")
+    a.add_argument("--allow-reset", action="store_true", help="let the branch be reset")
+    a.add_argument(
+        "--check",
+        dest="checks",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help="a check every commit or merge must pass (repeatable): required-attributes, "
+        "array-rules, no-nan or an installed zarrlake.checks entry point",
+    )
+    a.add_argument(
+        "--check-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='options by check, e.g. \'{"required-attributes": {"attributes": ["units"]}}\'',
+    )
+    a = actions.add_parser("unprotect", help="remove a branch's protection")
+    a.add_argument("name", metavar="NAME")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of options by check name")
+    return value
 
 
 def run_branch(args: argparse.Namespace) -> None:
     action = args.action or "list"
     if action == "list":
         _print_refs(open_repository(args).list_branches(), "branch", args.json)
+        return
+    if action in ("protection", "protect", "unprotect"):
+        _run_protection(args, action)
         return
     repo = open_repository(args, locked=True)
     if action == "create":
@@ -62,6 +107,33 @@ def run_branch(args: argparse.Namespace) -> None:
         old = repo.lookup_branch(args.name)
         head = repo.reset_branch(args.name, args.ref, expected=args.expected)
         say(f"reset branch {args.name} to {head} (was {old})")
+
+
+def _run_protection(args: argparse.Namespace, action: str) -> None:
+    repo = open_repository(args)
+    if action == "protect":
+        rule = repo.protect_branch(
+            args.name,
+            require_merge=not args.allow_direct_commits,
+            allow_delete=args.allow_delete,
+            allow_reset=args.allow_reset,
+            required_checks=args.checks,
+            check_options=args.check_options,
+        )
+        say(f"protected branch {args.name}: {rule.describe()}")
+        return
+    if action == "unprotect":
+        had = args.name in repo.branch_protection()
+        repo.unprotect_branch(args.name)
+        say(f"unprotected branch {args.name}" if had else f"branch {args.name} was not protected")
+        return
+    rules = repo.branch_protection()
+    if args.json:
+        print_json({name: rule.to_json() for name, rule in rules.items()})
+    elif rules:
+        print_table(["BRANCH", "RULE"], [[n, r.describe()] for n, r in rules.items()])
+    else:
+        say("no protected branches")
 
 
 # -- tag -----------------------------------------------------------------------------------------

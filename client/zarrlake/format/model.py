@@ -1061,7 +1061,10 @@ PUBLISHED_ROOT = "published-root (zarrlake >= 0.2)"
 #: manifests may hold virtual refs (byte ranges of files outside it). A client that does not
 #: know them would treat those chunks as missing and could rewrite or collect around them.
 VIRTUAL_CHUNKS = "virtual-chunks (zarrlake >= 0.3)"
-KNOWN_FEATURES = frozenset({"content-hash", PUBLISHED_ROOT, VIRTUAL_CHUNKS})
+#: :data:`GOVERNANCE`: the marker records branch protection rules (``governance``). A client
+#: that does not know them would commit past them: it must not write.
+GOVERNANCE = "governance (zarrlake >= 0.4)"
+KNOWN_FEATURES = frozenset({"content-hash", PUBLISHED_ROOT, VIRTUAL_CHUNKS, GOVERNANCE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -1091,6 +1094,9 @@ class RepoRecord:
     content_hash: str = LEGACY_CONTENT_HASH
     features: tuple[str, ...] = ()
     mirror_of: str | None = None
+    #: Branch protection (:class:`zarrlake.rules.Protection`'s record form), with the feature
+    #: :data:`GOVERNANCE`; None for a repository that never had rules.
+    governance: dict[str, Any] | None = None
 
     @property
     def format_version(self) -> int:
@@ -1120,6 +1126,8 @@ class RepoRecord:
             body["features"] = list(self.features)
         if self.mirror_of is not None:
             body["mirror_of"] = self.mirror_of
+        if self.governance is not None:
+            body["governance"] = self.governance
         return encode(ObjectType.REPO, body, version)
 
     @classmethod
@@ -1133,4 +1141,5 @@ class RepoRecord:
             _typed(obj.get("content_hash", LEGACY_CONTENT_HASH), str, key, "content_hash"),
             tuple(_strs(obj.get("features") or [], key, "features")),
             _opt(obj.get("mirror_of"), str, key, "mirror_of"),
+            _opt(obj.get("governance"), dict, key, "governance"),
         )

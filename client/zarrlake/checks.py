@@ -1,0 +1,482 @@
+"""Checks: validators a protected branch requires before a commit or merge lands on it.
+
+A check is named (``required_checks`` of a :class:`~zarrlake.rules.BranchRule`) and found as an
+entry point of the group ``zarrlake.checks``: a factory called with the rule's options for it
+(``check_options``), returning a callable that takes the :class:`Change` about to land and
+returns the problems it finds (an empty list: the change passes). Three ship with zarrlake:
+
+``required-attributes``
+    every array written (or, with ``groups=True``, every group too) carries the attributes
+    named (default ``["units"]``, as CF asks of every variable), non-empty.
+``array-rules``
+    ``rules``: glob of array paths -> what its arrays must be: ``dtype``, ``shape``, ``ndim``,
+    ``chunks`` (the chunk shape), ``codecs`` (names that must appear), ``dimension_names``.
+``no-nan``
+    no NaN in the new chunks of the arrays matched by ``arrays`` (globs; default every
+    floating-point array). Reads only the chunks the change writes.
+
+A check runs with the change's snapshot written but not published: it reads the new data
+through :meth:`Change.open_array` (read-only, lazy). A check that raises, or runs past its
+``timeout_s`` (a reserved option; default :data:`DEFAULT_TIMEOUT_S`), refuses the change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib.metadata
+import json
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zarrlake.changeset import Changeset
+from zarrlake.errors import CheckFailed, InvalidArgument
+from zarrlake.format.model import Snapshot
+from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
+from zarrlake.rules import BranchRule
+
+ENTRY_POINTS = "zarrlake.checks"
+DEFAULT_TIMEOUT_S = 120.0
+#: Problems a check may report before the rest are counted, not listed.
+MAX_PROBLEMS = 100
+
+Check = Callable[["Change"], Iterable[str]]
+
+
+@dataclass(frozen=True)
+class ArrayChange:
+    """One array the change touches. ``path``: its node path (``/group/temp``); ``metadata``:
+    its ``zarr.json`` after the change (None: the change deletes it); ``previous``: before (None:
+    new); ``chunks``: the coordinates of the chunks (or shards) it writes."""
+
+    path: str
+    metadata: dict[str, Any] | None
+    previous: dict[str, Any] | None
+    chunks: tuple[tuple[int, ...], ...]
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        meta = self.metadata or {}
+        attrs = meta.get("attributes", {})
+        return attrs if isinstance(attrs, dict) else {}
+
+
+class Change:
+    """What is about to land on ``branch``: a commit (``kind`` "commit") or a merge ("merge")
+    of ``snapshot`` onto ``parent``, with its message and author. ``arrays`` and ``groups``
+    are computed when first asked (a change of a million chunks costs nothing until a check
+    looks)."""
+
+    def __init__(
+        self,
+        branch: str,
+        kind: str,
+        parent: Snapshot,
+        built: Snapshot,
+        changeset: Changeset,
+        open_store: Callable[[str], Any],
+    ) -> None:
+        self.branch = branch
+        self.kind = kind
+        self.parent = parent.id
+        self.snapshot = built.id
+        self.message = built.message
+        self.author = built.author
+        self._before = parent
+        self._after = built
+        self._changeset = changeset
+        self._open_store = open_store
+
+    @functools.cached_property
+    def _changed_meta(self) -> dict[str, tuple[bytes | None, bytes | None]]:
+        before, after = self._before.nodes, self._after.nodes
+        out = {}
+        for key in before.keys() | after.keys():
+            old, new = before.get(key), after.get(key)
+            if old != new:
+                out[key] = (old, new)
+        return out
+
+    @functools.cached_property
+    def arrays(self) -> Mapping[str, ArrayChange]:
+        """Node path -> :class:`ArrayChange`, for every array whose metadata or chunks change."""
+        after = array_paths(self._after.nodes)
+        before = array_paths(self._before.nodes)
+        chunks: dict[str, list[tuple[int, ...]]] = {}
+        for key, ref in self._changeset.chunks.items():
+            if ref is None or is_meta_key(key):
+                continue
+            path, coords = split_chunk_key(key, after)
+            if path in after and all(isinstance(c, int) for c in coords):
+                chunks.setdefault(path, []).append(coords)
+        touched = set(chunks)
+        for key in self._changed_meta:
+            node = meta_key_node(key)
+            if node in after or node in before:
+                touched.add(node)
+        out = {}
+        for path in sorted(touched):
+            out[path] = ArrayChange(
+                path,
+                _node_doc(self._after.nodes, path) if path in after else None,
+                _node_doc(self._before.nodes, path) if path in before else None,
+                tuple(sorted(chunks.get(path, ()))),
+            )
+        return out
+
+    @functools.cached_property
+    def groups(self) -> Mapping[str, dict[str, Any] | None]:
+        """Node path -> the group's metadata after the change (None: deleted), for every group
+        whose metadata changes."""
+        arrays = array_paths(self._after.nodes) | array_paths(self._before.nodes)
+        out: dict[str, dict[str, Any] | None] = {}
+        for key, (_, new) in sorted(self._changed_meta.items()):
+            node = meta_key_node(key)
+            if node not in arrays:
+                out[node] = None if new is None else _doc(new)
+        return out
+
+    @functools.cached_property
+    def store(self) -> Any:
+        """A read-only Zarr store of the repository as it would be after the change."""
+        return self._open_store(self.snapshot)
+
+    def open_array(self, path: str) -> Any:
+        """The array at node path ``path`` as it would be after the change (read-only, lazy)."""
+        import zarr
+
+        return zarr.open_array(self.store, path=path.strip("/"), mode="r")
+
+    def new_chunks(self, path: str) -> Iterator[tuple[tuple[int, ...], Any]]:
+        """(coordinates, values) of each chunk (or shard) of array ``path`` the change writes,
+        read one at a time."""
+        change = self.arrays.get(path)
+        if change is None or change.metadata is None or not change.chunks:
+            return
+        array = self.open_array(path)
+        shape = getattr(array, "shards", None) or array.chunks
+        for coords in change.chunks:
+            region = tuple(
+                slice(c * s, min((c + 1) * s, n))
+                for c, s, n in zip(coords, shape, array.shape, strict=False)
+            )
+            yield coords, array[region]
+
+
+def _doc(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _node_doc(nodes: Mapping[str, bytes], path: str) -> dict[str, Any]:
+    prefix = path.strip("/")
+    for name in ("zarr.json", ".zarray"):
+        data = nodes.get(f"{prefix}/{name}" if prefix else name)
+        if data is not None:
+            return _doc(data)
+    return {}
+
+
+def _matches(path: str, globs: Iterable[str]) -> bool:
+    plain = path.strip("/")
+    return any(fnmatch.fnmatchcase(plain, g.strip("/")) for g in globs)
+
+
+def _globs(value: Any, name: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise InvalidArgument(f"{name} must be a list of path globs, not {value!r}")
+    if not all(isinstance(g, str) and g for g in value):
+        raise InvalidArgument(f"{name} must be a list of path globs, not {value!r}")
+    return tuple(value)
+
+
+# -- the checks that ship ------------------------------------------------------------------------
+
+
+class RequiredAttributes:
+    """``required-attributes``: the arrays written (matched by ``arrays``, default all; with
+    ``groups``, the groups too) carry every attribute of ``attributes``, not empty."""
+
+    def __init__(
+        self,
+        attributes: list[str] | tuple[str, ...] = ("units",),
+        arrays: list[str] | tuple[str, ...] = ("*",),
+        groups: bool = False,
+    ) -> None:
+        if isinstance(attributes, str) or not isinstance(attributes, list | tuple):
+            raise InvalidArgument(f"attributes must be a list of names, not {attributes!r}")
+        if not attributes or not all(isinstance(a, str) and a for a in attributes):
+            raise InvalidArgument(f"attributes must be a list of names, not {attributes!r}")
+        if not isinstance(groups, bool):
+            raise InvalidArgument(f"groups must be true or false, not {groups!r}")
+        self.attributes = tuple(attributes)
+        self.arrays = _globs(arrays, "arrays")
+        self.groups = groups
+
+    def __call__(self, change: Change) -> list[str]:
+        problems = []
+        for path, array in change.arrays.items():
+            if array.metadata is None or not _matches(path, self.arrays):
+                continue
+            missing = [a for a in self.attributes if _empty(array.attributes.get(a))]
+            if missing:
+                problems.append(f"array {path} has no {', '.join(missing)} attribute")
+        if self.groups:
+            for path, doc in change.groups.items():
+                if doc is None:
+                    continue
+                attrs = doc.get("attributes") or {}
+                missing = [a for a in self.attributes if _empty(attrs.get(a))]
+                if missing:
+                    problems.append(f"group {path} has no {', '.join(missing)} attribute")
+        return problems
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == "" or value == [] or value == {}
+
+
+_ARRAY_RULES = ("dtype", "shape", "ndim", "chunks", "codecs", "dimension_names")
+
+
+class ArrayRules:
+    """``array-rules``: ``rules`` maps a glob of array paths to what its arrays must be
+    (``dtype``, ``shape``, ``ndim``, ``chunks``, ``codecs``, ``dimension_names``); an array
+    matched by several globs obeys all of them."""
+
+    def __init__(self, rules: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        if not isinstance(rules, Mapping) or not rules:
+            raise InvalidArgument(
+                'array-rules needs rules: {"<path glob>": {"dtype": "float32", ...}}'
+            )
+        for glob, rule in rules.items():
+            if not isinstance(glob, str) or not isinstance(rule, Mapping):
+                raise InvalidArgument(f"array-rules: {glob!r} must map to a dict of settings")
+            unknown = sorted(set(rule) - set(_ARRAY_RULES))
+            if unknown:
+                raise InvalidArgument(
+                    f"array-rules: {glob!r} has no setting(s) {', '.join(unknown)} "
+                    f"(known: {', '.join(_ARRAY_RULES)})"
+                )
+        self.rules = {g: dict(r) for g, r in rules.items()}
+
+    def __call__(self, change: Change) -> list[str]:
+        problems: list[str] = []
+        for path, array in change.arrays.items():
+            meta = array.metadata
+            if meta is None:
+                continue
+            for glob, rule in self.rules.items():
+                if _matches(path, (glob,)):
+                    problems.extend(f"array {path}: {p}" for p in _rule_problems(meta, rule))
+        return problems
+
+
+def _rule_problems(meta: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
+    out = []
+    shape = list(meta.get("shape") or [])
+    if "dtype" in rule:
+        dtype = _dtype_name(meta)
+        want = rule["dtype"]
+        allowed = [want] if isinstance(want, str) else list(want)
+        if dtype not in allowed:
+            out.append(f"dtype is {dtype}, not {' or '.join(map(str, allowed))}")
+    if "ndim" in rule and len(shape) != rule["ndim"]:
+        out.append(f"has {len(shape)} dimension(s), not {rule['ndim']}")
+    if "shape" in rule:
+        want = list(rule["shape"])
+        if len(want) != len(shape) or any(
+            w is not None and w != s for w, s in zip(want, shape, strict=True)
+        ):
+            out.append(f"shape is {shape}, not {want}")
+    if "chunks" in rule:
+        chunks = _chunk_shape(meta)
+        want = list(rule["chunks"])
+        if (
+            chunks is None
+            or len(want) != len(chunks)
+            or any(w is not None and w != c for w, c in zip(want, chunks, strict=True))
+        ):
+            out.append(f"chunks are {chunks}, not {want}")
+    if "codecs" in rule:
+        names = _codec_names(meta)
+        missing = [c for c in rule["codecs"] if c not in names]
+        if missing:
+            out.append(f"does not use codec(s) {', '.join(missing)} (uses {', '.join(names)})")
+    if "dimension_names" in rule:
+        dims = meta.get("dimension_names")
+        if list(dims or []) != list(rule["dimension_names"]):
+            out.append(f"dimension_names are {dims}, not {list(rule['dimension_names'])}")
+    return out
+
+
+def _dtype_name(meta: Mapping[str, Any]) -> str:
+    dtype = meta.get("data_type", meta.get("dtype"))
+    if isinstance(dtype, dict):
+        return str(dtype.get("name"))
+    if isinstance(dtype, str) and meta.get("zarr_format") == 2:
+        import numpy as np
+
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            return dtype
+    return str(dtype)
+
+
+def _chunk_shape(meta: Mapping[str, Any]) -> list[int] | None:
+    if "chunks" in meta and meta.get("zarr_format") == 2:
+        return list(meta["chunks"])
+    grid = meta.get("chunk_grid") or {}
+    config = grid.get("configuration") or {}
+    shape = config.get("chunk_shape")
+    for codec in meta.get("codecs") or []:
+        if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+            inner = (codec.get("configuration") or {}).get("chunk_shape")
+            return list(inner) if inner is not None else None
+    return None if shape is None else list(shape)
+
+
+def _codec_names(meta: Mapping[str, Any]) -> list[str]:
+    names = []
+
+    def walk(codecs: Any) -> None:
+        for codec in codecs or []:
+            if isinstance(codec, dict):
+                names.append(str(codec.get("name")))
+                walk((codec.get("configuration") or {}).get("codecs"))
+
+    walk(meta.get("codecs"))
+    if meta.get("zarr_format") == 2 and isinstance(meta.get("compressor"), dict):
+        names.append(str(meta["compressor"].get("id")))
+    return names
+
+
+class NoNaN:
+    """``no-nan``: no NaN in the chunks the change writes, in the arrays matched by ``arrays``
+    (default: every floating-point array)."""
+
+    def __init__(self, arrays: list[str] | tuple[str, ...] = ("*",)) -> None:
+        self.arrays = _globs(arrays, "arrays")
+
+    def __call__(self, change: Change) -> list[str]:
+        import numpy as np
+
+        problems = []
+        for path, array in change.arrays.items():
+            if array.metadata is None or not array.chunks or not _matches(path, self.arrays):
+                continue
+            if not _dtype_name(array.metadata).startswith(("float", "complex")):
+                continue
+            for coords, values in change.new_chunks(path):
+                count = int(np.isnan(values).sum())
+                if count:
+                    problems.append(f"array {path} chunk {list(coords)} has {count} NaN value(s)")
+                    if len(problems) >= MAX_PROBLEMS:
+                        return problems
+        return problems
+
+
+#: The checks that ship, by name: found even where the package's entry points are not
+#: installed (a source checkout); an entry point of the same name wins.
+BUILTIN: dict[str, Callable[..., Check]] = {
+    "required-attributes": RequiredAttributes,
+    "array-rules": ArrayRules,
+    "no-nan": NoNaN,
+}
+
+
+def available() -> dict[str, Callable[..., Check]]:
+    """Every check this process can run, by name: the shipped ones and the ``zarrlake.checks``
+    entry points of installed packages."""
+    found: dict[str, Callable[..., Check]] = dict(BUILTIN)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if ep.name in BUILTIN and ep.value.startswith("zarrlake.checks:"):
+            continue  # our own, already here
+        found[ep.name] = _lazy(ep)
+    return found
+
+
+def _lazy(ep: importlib.metadata.EntryPoint) -> Callable[..., Check]:
+    def factory(**options: Any) -> Check:
+        made: Check = ep.load()(**options)
+        return made
+
+    return factory
+
+
+def build(name: str, options: Mapping[str, Any]) -> tuple[Check, float]:
+    """The check ``name`` made with ``options``, and its timeout. Raises
+    :class:`InvalidArgument` for a check not installed here or options it refuses."""
+    opts = dict(options)
+    timeout = opts.pop("timeout_s", DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise InvalidArgument(f"check {name!r}: timeout_s must be a positive number of seconds")
+    factories = available()
+    factory = factories.get(name)
+    if factory is None:
+        raise InvalidArgument(
+            f"no check named {name!r} is installed here (installed: {', '.join(sorted(factories))})"
+        )
+    try:
+        return factory(**opts), float(timeout)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # a third-party factory's own refusal
+        raise InvalidArgument(f"check {name!r} refuses its options: {e}") from None
+
+
+def run(rule: BranchRule, change: Change) -> None:
+    """Run every check ``rule`` requires on ``change``, in order; raise :class:`CheckFailed` for
+    the first that finds problems, fails or runs out of time."""
+    for name in rule.required_checks:
+        try:
+            check, timeout = build(name, rule.options(name))
+        except InvalidArgument as e:
+            raise CheckFailed(name, change.branch, [f"cannot run here: {e}"]) from None
+        problems = _run_one(check, change, timeout)
+        if problems:
+            raise CheckFailed(name, change.branch, problems)
+
+
+def _run_one(check: Check, change: Change, timeout: float) -> list[str]:
+    """The check's problems (its failure or its timeout are problems too)."""
+    result: list[list[str]] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            found = check(change)
+            if isinstance(found, str):  # one problem, said as a string
+                found = [found]
+            out: list[str] = []
+            for p in found or ():
+                if len(out) == MAX_PROBLEMS:
+                    out.append("(and more)")
+                    break
+                out.append(str(p))
+            result.append(out)
+        except BaseException as e:
+            error.append(e)
+
+    # A thread, so that a check that hangs does not hang the commit: it is left behind (Python
+    # cannot stop a thread), marked daemon so that it does not keep the process alive.
+    thread = threading.Thread(target=target, name="zarrlake-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return [f"did not finish within {_seconds(timeout)}"]
+    if error:
+        e = error[0]
+        return [f"crashed: {type(e).__name__}: {e}"]
+    return result[0] if result else ["crashed: returned nothing"]
+
+
+def _seconds(s: float) -> str:
+    return f"{s:g} s" if not math.isinf(s) else "ever"

@@ -1,0 +1,232 @@
+"""Branch protection and checks, as a client applies them (``docs/design/governance.md``).
+
+The rules live in the repository's marker (``repo``), replaced by compare-and-set, with the
+format feature :data:`GOVERNANCE` so that a zarrlake that does not know them refuses to write
+instead of committing past them; the published root carries a copy for the open. A
+:class:`Governance` is the commit engine's :class:`~zarrlake.commit.CommitGuard`: before a
+commit, merge, reset or delete of a protected branch it reads the marker again (one request, in
+governed repositories only) and refuses what the branch's rule refuses; before a commit or
+merge is published, it runs the checks the rule requires on the written, unpublished snapshot.
+
+This holds every client that runs this code. A client that skips it, with credentials that
+can write refs, can still move a branch: the design note says what enforces the rules against
+such a client (a commit service holding the only credentials that write refs) and what of it
+is built.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from zarrlake import checks
+from zarrlake.changeset import Changeset
+from zarrlake.core import RepositoryCore
+from zarrlake.errors import (
+    BranchProtected,
+    InvalidArgument,
+    PreconditionFailed,
+    ReadOnlyError,
+    ZarrlakeError,
+)
+from zarrlake.format.model import GOVERNANCE, REPO_KEY, RepoRecord, Snapshot
+from zarrlake.format.root import CAS_PROBE_KEY, RootRecord
+from zarrlake.refs import validate_name
+from zarrlake.rules import BranchRule, Protection
+
+log = logging.getLogger(__name__)
+
+
+def _identity() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+class Governance:
+    """The rules of one repository, for one client; see the module docstring.
+
+    ``open_store(snapshot_id)``: a read-only Zarr store of a snapshot (what a check reads)."""
+
+    def __init__(self, core: RepositoryCore, open_store: Callable[[str], Any]) -> None:
+        self._core = core
+        self._open_store = open_store
+        self._mutex = threading.Lock()
+        self._protection = Protection.from_record(core.record.governance)
+        # Reading the marker before each guarded operation costs a request: only where the
+        # repository had rules when this client opened it, or has them since this client set
+        # them (see the design note for what a client opened before the first rule misses).
+        self._governed = GOVERNANCE in core.record.features
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def protection(self, *, refresh: bool = True) -> Protection:
+        """The repository's rules; with ``refresh``, as the marker says now."""
+        if refresh:
+            self._refresh()
+        return self._protection
+
+    def _refresh(self) -> None:
+        if self._core.is_mirror:
+            return
+        data = self._core.storage.get(REPO_KEY)
+        record = RepoRecord.decode(data, REPO_KEY)
+        self._take(record)
+
+    def _take(self, record: RepoRecord) -> None:
+        found = Protection.from_record(record.governance)
+        with self._mutex:
+            if found.generation >= self._protection.generation:
+                self._protection = found
+            if GOVERNANCE in record.features:
+                self._governed = True
+
+    def _rule(self, branch: str) -> BranchRule | None:
+        if self._governed:
+            self._refresh()
+        return self._protection.rule(branch)
+
+    # -- the engine's guard -----------------------------------------------------------------------
+
+    def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None:
+        rule = self._rule(branch)
+        if rule is None or maintenance or merge or not rule.require_merge:
+            return
+        raise BranchProtected(
+            branch,
+            "require_merge",
+            f"branch {branch!r} is protected: it takes merges only (require_merge); commit to "
+            f"another branch and merge it into {branch!r}",
+        )
+
+    def verify(
+        self, branch: str, parent: Snapshot, built: Snapshot, changeset: Changeset, *, merge: bool
+    ) -> None:
+        rule = self._protection.rule(branch)  # as admit() read it, moments ago
+        if rule is None or not rule.required_checks:
+            return
+        kind = "merge" if merge else "commit"
+        change = checks.Change(branch, kind, parent, built, changeset, self._open_store)
+        checks.run(rule, change)
+
+    def before_move(self, branch: str, action: str) -> None:
+        rule = self._rule(branch)
+        if rule is None:
+            return
+        if action == "reset" and not rule.allow_reset:
+            raise BranchProtected(
+                branch,
+                "allow_reset",
+                f"branch {branch!r} is protected: it cannot be reset (allow_reset is off)",
+            )
+        if action == "delete" and not rule.allow_delete:
+            raise BranchProtected(
+                branch,
+                "allow_delete",
+                f"branch {branch!r} is protected: it cannot be deleted (allow_delete is off)",
+            )
+
+    # -- changing the rules ------------------------------------------------------------------------
+
+    def protect(self, name: str, rule: BranchRule) -> BranchRule:
+        validate_name(name)
+        for check in rule.required_checks:
+            checks.build(check, rule.options(check))  # installed here, options accepted
+        self._change(lambda branches: {**branches, name: rule})
+        return rule
+
+    def unprotect(self, name: str) -> None:
+        validate_name(name)
+        self._change(lambda branches: {n: r for n, r in branches.items() if n != name})
+
+    def _change(self, edit: Callable[[dict[str, BranchRule]], dict[str, BranchRule]]) -> None:
+        """Apply ``edit`` to the rules in the marker by compare-and-set, then carry the marker
+        into the published root."""
+        core = self._core
+        if core.is_mirror:
+            raise ReadOnlyError("a mirror's branches follow its source: protect them there")
+        core.check_writable()
+        storage = core.storage
+        if not storage.supports_compare_and_set or not storage.check_compare_and_set(CAS_PROBE_KEY):
+            raise ZarrlakeError(
+                f"{storage.url} does not keep compare-and-set writes, which changing branch "
+                "protection needs (two changes at once would lose one)"
+            )
+        for _ in range(16):
+            got = storage.get_versioned(REPO_KEY)
+            found = RepoRecord.decode(got.data, REPO_KEY)
+            if found.id != core.record.id:
+                raise ZarrlakeError(
+                    f"the repository at {storage.url} was replaced (id {found.id}, not "
+                    f"{core.record.id}): its rules were not changed"
+                )
+            blocker = found.write_blocker()
+            if blocker is not None:
+                raise ZarrlakeError(f"the repository at {storage.url} is read-only here: {blocker}")
+            current = Protection.from_record(found.governance)
+            branches = edit(dict(current.branches))
+            new = Protection(
+                branches,
+                current.generation + 1,
+                dt.datetime.now(dt.UTC),
+                _identity(),
+            )
+            features = found.features
+            if GOVERNANCE not in features:
+                features = (*features, GOVERNANCE)
+            record = replace(found, features=features, governance=new.to_record())
+            try:
+                storage.put_if_version(REPO_KEY, record.encode(), got.version)
+            except PreconditionFailed:
+                continue
+            self._take(record)
+            self._publish(record)
+            return
+        raise ZarrlakeError(
+            f"the marker of {storage.url} kept changing: the rules were not changed"
+        )
+
+    def _publish(self, record: RepoRecord) -> None:
+        published = self._core.journal.published
+        if published is None:
+            return
+        generation = Protection.from_record(record.governance).generation
+
+        def update(root: RootRecord) -> RootRecord | None:
+            held = Protection.from_record(root.repo.governance).generation
+            return root.with_repo(record) if held < generation else None
+
+        try:
+            published.publish(update)
+        except ZarrlakeError as e:
+            # The marker decided; the root's copy catches up with the next change of rules or
+            # `zarrlake fsck --repair`. Writers read the marker, so none commits past the rule.
+            log.warning("the rules are recorded, but the root could not carry them yet: %s", e)
+
+
+def rule_from_arguments(
+    *,
+    require_merge: bool,
+    allow_delete: bool,
+    allow_reset: bool,
+    required_checks: Any,
+    check_options: Any,
+) -> BranchRule:
+    """A :class:`BranchRule` from :meth:`Repository.protect_branch`'s arguments."""
+    if check_options is None:
+        check_options = {}
+    if isinstance(required_checks, str):
+        raise InvalidArgument(
+            f"required_checks must be a list of check names, not the string {required_checks!r}"
+        )
+    return BranchRule(
+        require_merge, allow_delete, allow_reset, tuple(required_checks), check_options
+    )
