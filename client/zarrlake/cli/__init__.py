@@ -7,7 +7,10 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake init URL [--content-hash blake3|sha256] [--force]
     zarrlake log URL [--ref main] [-n N] [--json]
     zarrlake branch URL [list [--json] | create NAME [--from REF] | delete NAME
-                         | reset NAME REF [--expected SNAPSHOT]]
+                         | reset NAME REF [--expected SNAPSHOT] | protection [--json]
+                         | protect NAME [--allow-direct-commits] [--allow-delete]
+                           [--allow-reset] [--check C ...] [--check-options JSON]
+                         | unprotect NAME]
     zarrlake tag URL [list [--json] | create NAME REF | delete NAME]
     zarrlake diff URL FROM TO [--json]
     zarrlake merge URL SOURCE INTO [--strategy source-wins|dest-wins] [--message M]
@@ -27,6 +30,8 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
     zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F]
+    zarrlake notify URL --webhook URL [--secret-file F] [--event KIND ...] [--branch GLOB ...]
+                        [--name N] [--state URL] [--interval 5s] [--once] [--json]
 
 ``init`` refuses a location that already holds objects but no repository (a directory of your
 files, say); ``--force`` creates the repository there anyway.
@@ -97,7 +102,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from zarrlake.cli import browse, health, history, maintenance, mirror, refs, serve
+from zarrlake.cli import browse, health, history, maintenance, mirror, notify, refs, serve
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidArgument, InvalidName, MissingDependency, ZarrlakeError
@@ -175,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_lock_status(commands)
     mirror.add_mirror(commands)
     serve.add_serve(commands)
+    notify.add_notify(commands)
     return parser
 
 

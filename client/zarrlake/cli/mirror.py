@@ -26,18 +26,17 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from zarrlake.cli.args import PROG, Commands, UsageError, add_json, add_lock, duration
 from zarrlake.cli.connect import open_lock, open_storage
 from zarrlake.cli.output import print_json, print_table, say, short_time
+from zarrlake.cli.signals import run_until_signalled
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import GraceTooShort, LockTimeout, ZarrlakeError
 from zarrlake.mirror import Mirror, MirrorStatus, RefStatus
@@ -304,10 +303,11 @@ def run_mirror(args: argparse.Namespace) -> None:
             ) from None
     gc_every_s = None if gc_every is None else gc_every.total_seconds()
     with _warnings_to_stderr():
-        _run_until_signalled(
+        run_until_signalled(
             lambda stop: mirror.run(
                 interval, stop=stop, on_status=report, gc_every=gc_every_s, gc_grace=grace
-            )
+            ),
+            "zarrlake-mirror",
         )
 
 
@@ -323,37 +323,6 @@ def _metrics_type() -> type[MirrorMetrics]:
             "--metrics-port needs prometheus-client: pip install 'zarrlake[mirror]'"
         ) from None
     return MirrorMetrics
-
-
-def _run_until_signalled(work: Callable[[threading.Event], None]) -> None:
-    """Run ``work(stop)`` in a worker thread until it returns; SIGTERM and SIGINT set ``stop``
-    (from the main thread, never inside the handler). The worker's exception is re-raised."""
-    stop = threading.Event()
-    signalled: list[int] = []
-    failure: list[BaseException] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        signalled.append(signum)  # no locks here: see the module docstring
-
-    def target() -> None:
-        try:
-            work(stop)
-        except BaseException as e:
-            failure.append(e)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    worker = threading.Thread(target=target, name="zarrlake-mirror", daemon=True)
-    try:
-        worker.start()
-        while worker.is_alive():
-            worker.join(0.2)
-            if signalled and not stop.is_set():
-                stop.set()
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-    if failure:
-        raise failure[0]
 
 
 @contextmanager
