@@ -330,6 +330,7 @@ def start_seaweedfs(
     timeout: float = 60.0,
     attempts: int = 5,
     ports: dict[str, int] | None = None,
+    identities: list[dict[str, object]] | None = None,
 ) -> SeaweedFS:
     """``weed server -s3`` on free loopback ports (stop it with :meth:`SeaweedFS.stop`).
 
@@ -343,6 +344,10 @@ def start_seaweedfs(
     every listener is the server's own and the gateway reports itself healthy (about 3 s); a port
     lost to another process is detected (the server exits, or the listener is not its own) and
     the server is started again on other ports.
+
+    ``identities``: more S3 identities, in SeaweedFS's form (``{"name", "credentials":
+    [{"accessKey", "secretKey"}], "actions": ["Read", "Write:bucket/prefix/*", ...]}``), for
+    tests of what a credential with fewer permissions can do.
     """
     work = Path(workdir)
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -352,7 +357,7 @@ def start_seaweedfs(
         "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
-    config.write_text(json.dumps({"identities": [identity]}))
+    config.write_text(json.dumps({"identities": [identity, *(identities or [])]}))
     # One volume per collection (each bucket is one) when it first needs space, instead of 7: with
     # the default, a few hundred buckets use up every volume the disk allows and writes fail with
     # 500 "No writable volumes" (the operator fleet bench provisions a bucket per repository).
