@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zarrlake.changeset import Changeset
 from zarrlake.errors import CheckFailed, InvalidArgument
 from zarrlake.format.model import Snapshot
 from zarrlake.nodes import array_paths, is_meta_key, meta_key_node, split_chunk_key
@@ -66,9 +65,10 @@ class ArrayChange:
 
 class Change:
     """What is about to land on ``branch``: a commit (``kind`` "commit") or a merge ("merge")
-    of ``snapshot`` onto ``parent``, with its message and author. ``arrays`` and ``groups``
-    are computed when first asked (a change of a million chunks costs nothing until a check
-    looks)."""
+    of ``snapshot`` onto ``parent``, with its message and author; ``written()`` gives the keys
+    of the chunks it writes (from the session's changes, or a commit service's manifest diff).
+    ``arrays`` and ``groups`` are computed when first asked (a change of a million chunks costs
+    nothing until a check looks)."""
 
     def __init__(
         self,
@@ -76,7 +76,7 @@ class Change:
         kind: str,
         parent: Snapshot,
         built: Snapshot,
-        changeset: Changeset,
+        written: Callable[[], Iterable[str]],
         open_store: Callable[[str], Any],
     ) -> None:
         self.branch = branch
@@ -87,7 +87,7 @@ class Change:
         self.author = built.author
         self._before = parent
         self._after = built
-        self._changeset = changeset
+        self._written = written
         self._open_store = open_store
 
     @functools.cached_property
@@ -106,8 +106,8 @@ class Change:
         after = array_paths(self._after.nodes)
         before = array_paths(self._before.nodes)
         chunks: dict[str, list[tuple[int, ...]]] = {}
-        for key, ref in self._changeset.chunks.items():
-            if ref is None or is_meta_key(key):
+        for key in self._written():
+            if is_meta_key(key):
                 continue
             path, coords = split_chunk_key(key, after)
             if path in after and all(isinstance(c, int) for c in coords):

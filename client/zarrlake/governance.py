@@ -17,11 +17,12 @@ is built.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import getpass
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -110,11 +111,24 @@ class Governance:
     def verify(
         self, branch: str, parent: Snapshot, built: Snapshot, changeset: Changeset, *, merge: bool
     ) -> None:
-        rule = self._protection.rule(branch)  # as admit() read it, moments ago
+        self.check(branch, parent, built, functools.partial(_written, changeset), merge=merge)
+
+    def check(
+        self,
+        branch: str,
+        parent: Snapshot,
+        built: Snapshot,
+        written: Callable[[], Iterable[str]],
+        *,
+        merge: bool,
+    ) -> None:
+        """Run the checks ``branch``'s rule requires (as the last :meth:`admit` read it) on
+        ``built``, about to land on ``parent``; ``written()``: the chunk keys it writes."""
+        rule = self._protection.rule(branch)
         if rule is None or not rule.required_checks:
             return
         kind = "merge" if merge else "commit"
-        change = checks.Change(branch, kind, parent, built, changeset, self._open_store)
+        change = checks.Change(branch, kind, parent, built, written, self._open_store)
         checks.run(rule, change)
 
     def before_move(self, branch: str, action: str) -> None:
@@ -210,6 +224,10 @@ class Governance:
             # The marker decided; the root's copy catches up with the next change of rules or
             # `zarrlake fsck --repair`. Writers read the marker, so none commits past the rule.
             log.warning("the rules are recorded, but the root could not carry them yet: %s", e)
+
+
+def _written(changeset: Changeset) -> Iterator[str]:
+    return (key for key, ref in changeset.chunks.items() if ref is not None)
 
 
 def rule_from_arguments(

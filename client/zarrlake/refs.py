@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from zarrlake.config import MAX_SESSION_TTL
 from zarrlake.errors import (
@@ -173,6 +173,22 @@ def new_writer_id() -> str:
     return uuid.uuid4().hex
 
 
+class RefPublisher(Protocol):
+    """Where a client that may not write refs itself sends its ref changes: a commit service
+    (:mod:`zarrlake.remote`), which holds the only credentials that write ``refs/`` and
+    ``root``, checks the repository's rules and writes them. Each raises what the service
+    refused with (:class:`BranchProtected`, :class:`CheckFailed`, ...)."""
+
+    def append(self, name: str, entry: JournalEntry) -> bool:
+        """As :meth:`BranchJournal.append`: True once ``entry`` is the branch's newest entry
+        (and published), False when another writer took its sequence number."""
+        ...
+
+    def create_tag(self, name: str, snapshot_id: str) -> None: ...
+
+    def delete_tag(self, name: str) -> None: ...
+
+
 class BranchJournal:
     """Every branch's journal of create-only entries (see the module docstring).
 
@@ -215,6 +231,8 @@ class BranchJournal:
         # Head entries read by :func:`read_refs`, by key, with the size and time the listing gave
         # them: a later listing that shows the same object needs no read of it.
         self._listed: dict[str, tuple[int, dt.datetime, JournalEntry]] = {}
+        #: Where appends go instead of this storage (a commit service), or None: written here.
+        self.remote: RefPublisher | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # What a client learned (and when, on its own monotonic clock) stays with that client.
@@ -653,6 +671,13 @@ class BranchJournal:
         key = self.entry_key(name, entry.seq)
         asked = time.monotonic()
         seen = self._known.get(name)
+        if self.remote is not None:
+            # The service writes the entry and publishes it; this client only learns its head.
+            if not self.remote.append(name, entry):
+                self._known.pop(name, None)
+                return False
+            self._learn(name, entry, asked, None)
+            return True
         encoded = entry.encode()
         data: bytes | None = encoded
         try:
@@ -708,6 +733,8 @@ class Tags:
         self.guard = marker_guard(guard)  # as BranchJournal.guard, for tag markers
         # Tag records read by :func:`read_refs` (key -> size, time, snapshot), as the journal's.
         self._listed: dict[str, tuple[int, dt.datetime, str]] = {}
+        #: As :attr:`BranchJournal.remote`.
+        self.remote: RefPublisher | None = None
 
     def get(self, name: str) -> str:
         """The tagged snapshot id. Raises :class:`RefNotFound` (also for a deleted tag).
@@ -734,6 +761,9 @@ class Tags:
         return TagRecord.decode(data, self.root + tag_key(name)).snapshot
 
     def create(self, name: str, snapshot_id: str) -> None:
+        if self.remote is not None:
+            self.remote.create_tag(name, snapshot_id)
+            return
         if self.storage.exists(self.root + tag_tombstone_key(name)):
             raise TagExists(f"tag {name!r} was deleted; tag names are never reused")
         record = TagRecord(snapshot_id, dt.datetime.now(dt.UTC))
@@ -755,6 +785,9 @@ class Tags:
             write_marker(self.storage, self.root + tag_marker_key(name, snapshot_id, self.guard))
 
     def delete(self, name: str) -> None:
+        if self.remote is not None:
+            self.remote.delete_tag(name)
+            return
         snapshot = self.get(name)  # RefNotFound if absent or already deleted
         try:
             self.storage.put(

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -64,6 +65,7 @@ from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.maintenance.retention import RetentionRules
 from zarrlake.published import read_root
 from zarrlake.refs import Refs, new_writer_id, read_refs, validate_name
+from zarrlake.remote import ServiceClient
 from zarrlake.rules import BranchRule
 from zarrlake.session import Session
 from zarrlake.storage.base import ObjectNotFound, PreconditionFailed, Storage, Versioned
@@ -149,6 +151,8 @@ class Repository:
         *,
         verify_reads: bool | None = None,
         virtual_credentials: VirtualCredentials = None,
+        commit_service: str | None = None,
+        commit_token: str | None = None,
     ) -> None:
         if isinstance(lock, str):
             from zarrlake.locks import lock_from_url
@@ -168,6 +172,17 @@ class Repository:
         # Branch protection: every path that moves a branch goes through the engine, which asks.
         self._governance = Governance(self._core, self._snapshot_store)
         self._core.commits.guard = self._governance
+        # A commit service: it alone writes refs; this client writes objects and asks it.
+        self._given_service = (commit_service, commit_token)
+        service = commit_service or os.environ.get("ZARRLAKE_COMMIT_SERVICE") or None
+        self._service: ServiceClient | None = None
+        if service is not None and record.mirror_of is None:
+            token = commit_token or os.environ.get("ZARRLAKE_COMMIT_TOKEN") or None
+            self._service = ServiceClient(service, token)
+            self._core.journal.remote = self._service
+            self._core.tags.remote = self._service
+            # Its create-only writes are the service's: this client's credentials write none.
+            storage.trust_conditional_writes()
 
     def _snapshot_store(self, snapshot_id: str) -> Any:
         """A read-only Zarr store of snapshot ``snapshot_id`` (published or not: what a check
@@ -181,6 +196,8 @@ class Repository:
             "lock": self.lock,
             "verify_reads": self.verify_reads,
             "virtual_credentials": self._core.objects.sources.credentials,
+            # Given explicitly only, as a Storage's credentials (the environment travels alone).
+            "commit_service": self._given_service,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -190,6 +207,8 @@ class Repository:
             state["lock"],
             verify_reads=state.get("verify_reads", True),
             virtual_credentials=state.get("virtual_credentials"),
+            commit_service=state.get("commit_service", (None, None))[0],
+            commit_token=state.get("commit_service", (None, None))[1],
         )
 
     def __repr__(self) -> str:
@@ -293,6 +312,8 @@ class Repository:
         lock: LockSpec = None,
         verify_reads: bool | None = None,
         virtual_credentials: VirtualCredentials = None,
+        commit_service: str | None = None,
+        commit_token: str | None = None,
     ) -> Repository:
         """Open an existing repository, or a mirror (read-only: see :mod:`zarrlake.mirror`).
         Raises :class:`RepositoryNotFound`.
@@ -300,6 +321,11 @@ class Repository:
         ``verify_reads``: check every chunk read against the digest its ref records and raise
         :class:`CorruptChunk` rather than return other bytes (see :attr:`verify_reads`); None
         takes ``$ZARRLAKE_VERIFY_READS`` (``0``, ``false``, ``no`` or ``off`` turn it off), else on.
+
+        ``commit_service``, ``commit_token``: the URL of the repository's commit service and
+        this client's token for it (default ``$ZARRLAKE_COMMIT_SERVICE``,
+        ``$ZARRLAKE_COMMIT_TOKEN``): this client then writes objects only and sends every ref
+        change to the service, which applies the repository's rules (``zarrlake service``).
 
         ``virtual_credentials``: what signs this reader's requests to the repository's virtual
         chunk containers, by ``url_prefix`` (``{"s3://bucket/prefix/": {"access_key_id": …,
@@ -329,6 +355,8 @@ class Repository:
                 lock,
                 verify_reads=verify_reads,
                 virtual_credentials=virtual_credentials,
+                commit_service=commit_service,
+                commit_token=commit_token,
             )
         if isinstance(found, Versioned):
             try:
@@ -344,6 +372,8 @@ class Repository:
                     lock,
                     verify_reads=verify_reads,
                     virtual_credentials=virtual_credentials,
+                    commit_service=commit_service,
+                    commit_token=commit_token,
                 )
                 if repo._core.journal.published is not None:
                     repo._core.journal.published.adopt(found)
@@ -358,6 +388,8 @@ class Repository:
             lock,
             verify_reads=verify_reads,
             virtual_credentials=virtual_credentials,
+            commit_service=commit_service,
+            commit_token=commit_token,
         )
         if not record.initialized:
             repo._core.commits.initialize(MAIN)
@@ -558,6 +590,16 @@ class Repository:
         """Remove branch ``name``'s protection (nothing to do if it has none)."""
         self._governance.unprotect(name)
 
+    @property
+    def governance(self) -> Governance:
+        """This client's view of the repository's rules (what a commit service applies)."""
+        return self._governance
+
+    @property
+    def commit_service(self) -> ServiceClient | None:
+        """The commit service this client sends its ref changes to, or None: it writes them."""
+        return self._service
+
     def branch_protection(self) -> dict[str, BranchRule]:
         """The protected branches and their rules, as the repository records them now."""
         return dict(sorted(self._governance.protection().branches.items()))
@@ -639,6 +681,12 @@ class Repository:
         check_strategy(strategy)  # before any read
         validate_name(into)
         self._core.check_writable()
+        if self._service is not None:
+            # The service merges, from both sides as stored: a branch that takes merges only
+            # takes no merge commit a writer built.
+            return self._service.merge(
+                source, into, message=message, author=author, strategy=strategy
+            )
         src_id = self.resolve(source)
         return self._core.commits.merge(
             src_id,
@@ -896,6 +944,8 @@ class Repository:
         lock: LockSpec = None,
         verify_reads: bool | None = None,
         virtual_credentials: VirtualCredentials = None,
+        commit_service: str | None = None,
+        commit_token: str | None = None,
     ) -> Repository:
         """Async twin of :meth:`open`."""
         return await asyncio.to_thread(
@@ -905,6 +955,8 @@ class Repository:
                 lock=lock,
                 verify_reads=verify_reads,
                 virtual_credentials=virtual_credentials,
+                commit_service=commit_service,
+                commit_token=commit_token,
             )
         )
 

@@ -30,6 +30,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
     zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F]
+    zarrlake service URL --tokens-file F [--host 127.0.0.1] [--port 8701]
     zarrlake notify URL --webhook URL [--secret-file F] [--event KIND ...] [--branch GLOB ...]
                         [--name N] [--state URL] [--interval 5s] [--once] [--json]
 
@@ -102,7 +103,17 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from zarrlake.cli import browse, health, history, maintenance, mirror, notify, refs, serve
+from zarrlake.cli import (
+    browse,
+    health,
+    history,
+    maintenance,
+    mirror,
+    notify,
+    refs,
+    serve,
+    service,
+)
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
 from zarrlake.errors import InvalidArgument, InvalidName, MissingDependency, ZarrlakeError
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     mirror.add_mirror(commands)
     serve.add_serve(commands)
     notify.add_notify(commands)
+    service.add_service(commands)
     return parser
 
 

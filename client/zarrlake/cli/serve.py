@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from zarrlake.cli.args import Commands, UsageError
 from zarrlake.cli.connect import open_repository
@@ -101,6 +102,11 @@ def run_serve(args: argparse.Namespace) -> None:
     guarded = " (token required)" if token else ""
     say(f"serving repository {repo.id} at http://{shown}:{port}/{guarded}")
     sys.stdout.flush()  # before uvicorn blocks: whoever started us waits for this line
+    run_asgi(uvicorn, asgi, sock)
+
+
+def run_asgi(uvicorn: Any, asgi: Any, sock: socket.socket) -> None:
+    """Serve ``asgi`` on ``sock`` with uvicorn until SIGTERM or SIGINT (then a clean exit)."""
     config = uvicorn.Config(
         asgi, log_level="warning", access_log=False, lifespan="on", server_header=False
     )

@@ -598,6 +598,12 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
+    def trust_conditional_writes(self) -> None:
+        """Skip :meth:`check_conditional_writes` from now on: for a client whose create-only
+        writes that matter are made by someone else (a commit service writes its refs), and
+        whose credentials may not write the probe."""
+        self.__dict__["_conditional_writes_kept"] = True
+
     def check_conditional_writes(self, key: str) -> None:
         """Make sure create-only writes are kept, before the first write that relies on them.
 

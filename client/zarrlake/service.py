@@ -1,0 +1,331 @@
+"""The commit service: the one writer of a repository's refs, which applies its rules to every
+client (``docs/design/governance.md``, "Enforcement against a client that skips the rules").
+
+Run with credentials that write ``refs/``, ``root`` and ``repo``; writers get credentials that
+write only immutable objects, and send their ref changes here (:class:`zarrlake.remote.
+ServiceClient`). A writer that skips its client's rules can then still write objects, which no
+reader reaches until the service publishes a ref to them, and cannot move a ref.
+
+For each journal entry a writer asks it to append, the service reads what the entry names
+itself (never the writer's description of it): the branch's head now, and the snapshot the
+entry points at, whose bytes must be the ones the entry carries. From them it knows what the
+entry is — a commit on the head (one parent line continues), a creation, a reset, a deletion —
+and applies the branch's rule: a protected branch with ``require_merge`` takes no commits from
+writers at all (``POST /v1/merge`` merges in the service, from the two sides as stored), a
+reset needs ``allow_reset``, a deletion ``allow_delete``; the required checks run on the
+snapshot, with the chunks it writes found by diffing its manifest against its parent's (not
+from the writer's txlog). Only then does it append, as any client would, and publish the root.
+
+Tokens: a JSON file ``{"<token>": {"identity": "alice", "role": "writer" | "admin"}}``; every
+request carries one (``Authorization: Bearer``), compared in constant time. Writers append,
+merge and tag; deleting a tag and changing rules need ``admin``. Each change is logged with the
+identity that asked for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zarrlake.errors import (
+    BranchProtected,
+    CheckFailed,
+    ConflictError,
+    CorruptObject,
+    InvalidArgument,
+    ObjectNotFound,
+    ReadOnlyError,
+    RefNotFound,
+    ZarrlakeError,
+)
+from zarrlake.format import manifest
+from zarrlake.format.model import JournalEntry, snapshot_key
+from zarrlake.refs import validate_name
+from zarrlake.repository import Repository
+
+log = logging.getLogger(__name__)
+
+ROLES = ("writer", "admin")
+
+
+@dataclass(frozen=True)
+class Caller:
+    identity: str
+    role: str
+
+
+def load_tokens(path: str | Path) -> dict[str, Caller]:
+    """The tokens file (see the module docstring). Raises :class:`InvalidArgument`."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"cannot read the tokens file {path}: {e}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise InvalidArgument(f"the tokens file {path} must map tokens to identities")
+    out = {}
+    for token, who in doc.items():
+        if not isinstance(who, dict) or who.get("role") not in ROLES:
+            raise InvalidArgument(f"each token names an identity and a role ({', '.join(ROLES)})")
+        if not isinstance(token, str) or len(token) < 16:
+            raise InvalidArgument("tokens must be strings of at least 16 characters")
+        out[token] = Caller(str(who.get("identity") or "unnamed"), who["role"])
+    return out
+
+
+class CommitService:
+    """The service's decisions, without HTTP (what :func:`app` serves)."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        core = repo.core
+        if core.journal.remote is not None:
+            raise InvalidArgument("a commit service writes refs itself: open it without one")
+        core.check_writable()
+
+    # -- appends -----------------------------------------------------------------------------------
+
+    def append(self, caller: Caller, branch: str, data: bytes) -> bool:
+        validate_name(branch)
+        core = self.repo.core
+        journal = core.journal
+        try:
+            entry = JournalEntry.decode(data, f"<entry for {branch}>")
+        except CorruptObject as e:
+            raise InvalidArgument(f"not a journal entry: {e}") from None
+        journal.forget(branch)  # the head as it is now, not as this service last saw it
+        head = journal.head(branch)
+        expected = 0 if head is None else head.seq + 1
+        if entry.seq != expected:
+            if head is not None and entry.seq <= head.seq:
+                # Perhaps its own append, retried after a lost answer: the same writer id.
+                try:
+                    found = journal.read_entry(journal.entry_key(branch, entry.seq))
+                except ObjectNotFound:
+                    return False
+                return (found.writer, found.snapshot) == (entry.writer, entry.snapshot)
+            raise InvalidArgument(f"entry {entry.seq} of {branch!r} skips ahead of {expected}")
+        current = None if head is None else head.snapshot
+        if entry.previous != current:
+            raise InvalidArgument(
+                f"entry {entry.seq} of {branch!r} says the head was {entry.previous}, not {current}"
+            )
+        kind = self._kind(branch, entry, current)
+        gov = self.repo.governance
+        if kind == "delete":
+            gov.before_move(branch, "delete")
+        elif kind == "reset":
+            gov.before_move(branch, "reset")
+        elif kind in ("commit", "merge"):
+            gov.admit(branch, merge=False, maintenance=False)  # merges from writers too: below
+            assert current is not None and entry.snapshot is not None
+            self._check(branch, current, entry.snapshot, kind)
+        published = journal.append(branch, entry)
+        log.info(
+            "%s (%s): %s of %s to %s: %s",
+            caller.identity,
+            caller.role,
+            kind,
+            branch,
+            entry.snapshot,
+            "published" if published else "lost the race",
+        )
+        return published
+
+    def _kind(self, branch: str, entry: JournalEntry, current: str | None) -> str:
+        if entry.snapshot is None:
+            if current is None:
+                raise RefNotFound(branch, "branch")
+            return "delete"
+        storage = self.repo.core.storage
+        try:
+            stored = storage.get(snapshot_key(entry.snapshot))
+        except ObjectNotFound:
+            raise InvalidArgument(
+                f"entry {entry.seq} of {branch!r} names snapshot {entry.snapshot}, which is not "
+                "stored: write the commit's objects first"
+            ) from None
+        if entry.snapshot_data is not None and entry.snapshot_data != stored:
+            raise InvalidArgument(
+                f"entry {entry.seq} of {branch!r} carries other bytes than snapshot "
+                f"{entry.snapshot} holds"
+            )
+        if current is None:
+            return "create"
+        snap = self.repo.core.objects.snapshot(entry.snapshot)
+        if snap.parents and snap.parents[0] == current:
+            return "merge" if len(snap.parents) > 1 else "commit"
+        return "reset"
+
+    def _check(self, branch: str, parent_id: str, snapshot_id: str, kind: str) -> None:
+        objects = self.repo.core.objects
+        parent, built = objects.snapshot(parent_id), objects.snapshot(snapshot_id)
+
+        def written() -> Iterator[str]:
+            for key, _, new in manifest.diff_entries(parent.shards, built.shards, objects.shard):
+                if new is not None:
+                    yield key
+
+        self.repo.governance.check(branch, parent, built, written, merge=kind == "merge")
+
+    # -- merges and tags ---------------------------------------------------------------------------
+
+    def merge(self, caller: Caller, body: Mapping[str, Any]) -> str:
+        source, into = body.get("source"), body.get("into")
+        if not isinstance(source, str) or not isinstance(into, str):
+            raise InvalidArgument("a merge names a source ref and a branch to merge into")
+        head = self.repo.merge(
+            source,
+            into,
+            message=_opt_str(body, "message"),
+            author=_opt_str(body, "author") or caller.identity,
+            strategy=_opt_str(body, "strategy"),
+        )
+        log.info(
+            "%s (%s): merge of %s into %s: %s", caller.identity, caller.role, source, into, head
+        )
+        return head
+
+    def create_tag(self, caller: Caller, name: str, snapshot: str) -> None:
+        self.repo.create_tag(name, snapshot)
+        log.info("%s (%s): tag %s at %s", caller.identity, caller.role, name, snapshot)
+
+    def delete_tag(self, caller: Caller, name: str) -> None:
+        if caller.role != "admin":
+            raise ReadOnlyError(f"deleting tag {name!r} needs an admin token")
+        self.repo.delete_tag(name)
+        log.info("%s (%s): deleted tag %s", caller.identity, caller.role, name)
+
+
+def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string")
+    return value
+
+
+def error_body(e: ZarrlakeError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and JSON body that say ``e`` to a :class:`ServiceClient`."""
+    body: dict[str, Any] = {"error": type(e).__name__, "message": str(e)}
+    if isinstance(e, BranchProtected):
+        body.update(branch=e.branch, rule=e.rule)
+        return 403, body
+    if isinstance(e, CheckFailed):
+        body.update(check=e.check, branch=e.branch, problems=list(e.problems))
+        return 422, body
+    if isinstance(e, ConflictError):
+        body["conflicts"] = [
+            {"kind": str(c.kind), "path": c.path, "chunk": c.chunk} for c in e.conflicts
+        ]
+        return 409, body
+    if isinstance(e, RefNotFound):
+        body.update(ref=e.ref, kind=e.kind)
+        return 404, body
+    if isinstance(e, ReadOnlyError):
+        return 403, body
+    if isinstance(e, InvalidArgument):
+        body["error"] = "InvalidArgument"
+        return 400, body
+    if type(e).__name__ in ("TagExists", "BranchExists"):
+        return 409, body
+    return 500, body
+
+
+def app(repo: Repository, tokens: Mapping[str, Caller]) -> Any:
+    """The service as an ASGI application (Starlette), for uvicorn."""
+    import anyio.to_thread
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    service = CommitService(repo)
+    keyed = [(t.encode(), c) for t, c in tokens.items()]
+
+    def caller_of(request: Request) -> Caller | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return None
+        found = None
+        for token, caller in keyed:  # every one compared: no early exit to time
+            if hmac.compare_digest(token, given.encode()):
+                found = caller
+        return found
+
+    def endpoint(
+        work: Callable[[Caller, dict[str, Any]], dict[str, Any]], *, body: bool = True
+    ) -> Callable[[Request], Any]:
+        async def handle(request: Request) -> JSONResponse:
+            caller = caller_of(request)
+            if caller is None:
+                return JSONResponse({"error": "Unauthorized", "message": "no valid token"}, 401)
+            doc: dict[str, Any] = {}
+            if body:
+                try:
+                    doc = json.loads(await request.body())
+                except ValueError:
+                    return JSONResponse({"error": "InvalidArgument", "message": "not JSON"}, 400)
+                if not isinstance(doc, dict):
+                    return JSONResponse(
+                        {"error": "InvalidArgument", "message": "the body is a JSON object"}, 400
+                    )
+            try:
+                answer = await anyio.to_thread.run_sync(work, caller, doc)
+            except ZarrlakeError as e:
+                status, err = error_body(e)
+                if status == 500:
+                    log.warning("%s: %s", request.url.path, e)
+                return JSONResponse(err, status)
+            return JSONResponse(answer)
+
+        return handle
+
+    def append(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+        branch, encoded = doc.get("branch"), doc.get("entry")
+        if not isinstance(branch, str) or not isinstance(encoded, str):
+            raise InvalidArgument("an append names a branch and carries an entry")
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument("the entry is not base64") from None
+        return {"published": service.append(caller, branch, data)}
+
+    def merge(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+        return {"snapshot": service.merge(caller, doc)}
+
+    def tag(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+        name, snapshot = doc.get("name"), doc.get("snapshot")
+        if not isinstance(name, str) or not isinstance(snapshot, str):
+            raise InvalidArgument("a tag names itself and a snapshot")
+        service.create_tag(caller, name, snapshot)
+        return {}
+
+    def untag(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+        name = doc.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgument("name the tag to delete")
+        service.delete_tag(caller, name)
+        return {}
+
+    def whoami(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+        return {"identity": caller.identity, "role": caller.role, "repository": repo.id}
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    routes = [
+        Route("/v1/append", endpoint(append), methods=["POST"]),
+        Route("/v1/merge", endpoint(merge), methods=["POST"]),
+        Route("/v1/tags", endpoint(tag), methods=["POST"]),
+        Route("/v1/tags/delete", endpoint(untag), methods=["POST"]),
+        Route("/v1/whoami", endpoint(whoami, body=False), methods=["GET"]),
+        Route("/healthz", health, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
