@@ -430,3 +430,32 @@ def test_cli_protects_lists_and_refuses(tmp_path: Any, cli: Callable[..., Any]) 
     assert r.code != 0 and "not JSON" in r.err
     assert cli("branch", url, "unprotect", "main").out.strip() == "unprotected branch main"
     assert cli("branch", url, "protection").out.strip() == "no protected branches"
+
+
+def test_a_rules_change_that_died_before_the_root_is_caught_up_by_the_next_writer_and_fsck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zarrlake.governance import Governance
+
+    storage = zarrlake.Storage.memory()
+    repo = zarrlake.Repository.create(storage)
+    _seed(repo)
+    repo.protect_branch("release")  # the repository is governed: its writers read the marker
+    # The admin dies between the marker's swap and the root's.
+    monkeypatch.setattr(Governance, "_publish", lambda self, record: None)
+    repo.protect_branch("main")
+    monkeypatch.undo()
+    opened = zarrlake.Repository.open(storage)  # through the root: the older rules
+    assert "main" not in opened.governance.protection(refresh=False).branches
+    with pytest.raises(zarrlake.BranchProtected):  # but a writer reads the marker first
+        _write(opened, "main", _set("t", 2.0), "direct")
+    report = repo.fsck()
+    assert report.ok
+    assert [n.detail for n in report.notes] == [
+        "the root carries the branch rules of generation 1, the marker 2"
+    ]
+    repaired = repo.fsck(repair=True)
+    assert repaired.repaired == ("root",)
+    assert list(repo.fsck().notes) == []
+    fresh = zarrlake.Repository.open(storage)
+    assert set(fresh.governance.protection(refresh=False).branches) == {"main", "release"}

@@ -36,6 +36,7 @@ from zarrlake.format.model import (
     REPO_KEY,
     VIRTUAL,
     ChunkRef,
+    RepoRecord,
     chunk_key,
     history_page_key,
     pack_key,
@@ -46,6 +47,7 @@ from zarrlake.format.root import RootRecord
 from zarrlake.history import index_pages
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import marker_disagreements
+from zarrlake.rules import Protection
 from zarrlake.sources import SourceRange, VirtualSources
 
 
@@ -368,6 +370,7 @@ def _check_root(
         problem("missing", key, "the published root is absent: readers read the journals")
     except (CorruptObject, UnsupportedFormat) as e:
         problem("corrupt", key, e)
+    rules = _check_root_rules(core, stored, note, repair)
     if stored is not None:
         found = stored.disagreements(truth)
         for behind, detail in found:
@@ -376,11 +379,47 @@ def _check_root(
             else:
                 problem("corrupt", key, detail)
         if not found:
-            return ()
+            return rules
     if not repair:
         return ()
     core.republish()
     return (key,)
+
+
+def _check_root_rules(
+    core: RepositoryCore, stored: RootRecord | None, note: Callable[[Problem], None], repair: bool
+) -> tuple[str, ...]:
+    """The root's copy of the marker's branch rules, if older than the marker's (a rules change
+    whose writer died between the marker swap and the root's): a note, and with ``repair``
+    the marker carried into the root."""
+    published = core.journal.published
+    if stored is None or published is None or core.is_mirror:
+        return ()
+    try:
+        marker = RepoRecord.decode(core.storage.get(REPO_KEY), REPO_KEY)
+    except (ObjectNotFound, CorruptObject, UnsupportedFormat):
+        return ()  # the marker's own problems are the open's to report
+    newest = Protection.from_record(marker.governance).generation
+    held = Protection.from_record(stored.repo.governance).generation
+    if held >= newest:
+        return ()
+    note(
+        Problem(
+            "unpublished",
+            published.key,
+            f"the root carries the branch rules of generation {held}, the marker {newest}",
+        )
+    )
+    if not repair:
+        return ()
+
+    def carry(root: RootRecord) -> RootRecord | None:
+        if Protection.from_record(root.repo.governance).generation >= newest:
+            return None
+        return root.with_repo(marker)
+
+    published.publish(carry)
+    return (published.key,)
 
 
 def _verify_sample(objects: ObjectStore, refs: list[tuple[str, ChunkRef]], problem: Any) -> int:
