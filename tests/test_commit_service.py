@@ -169,6 +169,12 @@ def test_a_writer_commits_branches_and_merges_through_the_service(lake: Lake) ->
     with pytest.raises(zarrlake.CheckFailed, match="NaN"):
         writer.merge("dev", "main")
     assert admin.lookup_branch("main") == merged
+    # Who moved it, as the service's tokens say, not as the commits' authors claim.
+    moves = admin.branch_moves("main", limit=1) + admin.branch_moves("dev", limit=1)
+    for move in moves:
+        assert move["by"]["identity"] == "wanda" and move["by"]["role"] == "writer"
+        assert move["by"]["service"] == f"zarrlake-service/{zarrlake.__version__}"
+        assert move["by"]["client"].startswith("zarrlake")
     writer.create_tag("v2", merged)
     assert admin.list_tags() == {"v1": admin.lookup_tag("v1"), "v2": merged}
     with pytest.raises(zarrlake.ReadOnlyError, match="admin"):

@@ -11,6 +11,7 @@ own writer id, so a lost response never turns into a false conflict.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime as dt
 import itertools
 import logging
@@ -233,6 +234,9 @@ class BranchJournal:
         self._listed: dict[str, tuple[int, dt.datetime, JournalEntry]] = {}
         #: Where appends go instead of this storage (a commit service), or None: written here.
         self.remote: RefPublisher | None = None
+        #: Who an entry written here without a ``by`` of its own is by (a commit service
+        #: merging for a caller says whom), or None.
+        self.stamp: Callable[[], dict[str, str] | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # What a client learned (and when, on its own monotonic clock) stays with that client.
@@ -678,6 +682,10 @@ class BranchJournal:
                 return False
             self._learn(name, entry, asked, None)
             return True
+        if self.stamp is not None and entry.by is None:
+            by = self.stamp()
+            if by is not None:
+                entry = dataclasses.replace(entry, by=by)
         encoded = entry.encode()
         data: bytes | None = encoded
         try:

@@ -48,6 +48,18 @@ RETRY_STATUS = frozenset({502, 503, 504})
 ATTEMPTS = 4
 
 
+def _client_name() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"zarrlake/{version('zarrlake')}"
+    except PackageNotFoundError:  # a source checkout
+        return "zarrlake"
+
+
+CLIENT = _client_name()
+
+
 class ServiceUnavailable(ZarrlakeError):
     """The commit service did not answer (after retries). Nothing it did not confirm is taken
     as done; a commit whose entry it may have written is found by the next commit's read."""
@@ -107,7 +119,7 @@ class ServiceClient:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", "User-Agent": "zarrlake"}
+        headers = {"Content-Type": "application/json", "User-Agent": CLIENT}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
         last = ""

@@ -34,6 +34,7 @@ from zarrlake.errors import (
     InvalidName,
     NotMirrored,
     ReadOnlyError,
+    RefNotFound,
     RepositoryExists,
     RepositoryNotFound,
     UnknownContentHash,
@@ -589,6 +590,26 @@ class Repository:
     def unprotect_branch(self, name: str) -> None:
         """Remove branch ``name``'s protection (nothing to do if it has none)."""
         self._governance.unprotect(name)
+
+    def branch_moves(self, name: str, *, limit: int | None = None) -> list[dict[str, Any]]:
+        """The retained moves of branch ``name``, newest first: ``seq``, ``snapshot`` (None: a
+        deletion), ``previous``, ``time`` and ``by`` (who, as a commit service recorded it from
+        the token that asked: ``identity``, ``role``, ``service``, ``client``; None for a move
+        a client wrote itself). Raises :class:`RefNotFound` for a branch that never existed."""
+        validate_name(name)
+        entries = self._core.journal.history(name)
+        if not entries:
+            raise RefNotFound(name, "branch")
+        return [
+            {
+                "seq": e.seq,
+                "snapshot": e.snapshot,
+                "previous": e.previous,
+                "time": e.time,
+                "by": None if e.by is None else dict(e.by),
+            }
+            for e in entries[:limit]
+        ]
 
     @property
     def governance(self) -> Governance:

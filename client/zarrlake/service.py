@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hmac
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zarrlake import __version__
 from zarrlake.errors import (
     BranchProtected,
     CheckFailed,
@@ -53,6 +56,7 @@ from zarrlake.repository import Repository
 log = logging.getLogger(__name__)
 
 ROLES = ("writer", "admin")
+SERVICE = f"zarrlake-service/{__version__}"
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,20 @@ class CommitService:
         if core.journal.remote is not None:
             raise InvalidArgument("a commit service writes refs itself: open it without one")
         core.check_writable()
+        # Whom the entries the service writes itself (a merge) are by: the caller it acts for.
+        self._acting = threading.local()
+        core.journal.stamp = lambda: getattr(self._acting, "by", None)
+
+    def _by(self, caller: Caller, client: str) -> dict[str, str]:
+        """Who asked, as the token says (not a commit's free-text author), and through what."""
+        by = {"identity": caller.identity, "role": caller.role, "service": SERVICE}
+        if client:
+            by["client"] = client[:100]
+        return by
 
     # -- appends -----------------------------------------------------------------------------------
 
-    def append(self, caller: Caller, branch: str, data: bytes) -> bool:
+    def append(self, caller: Caller, branch: str, data: bytes, client: str = "") -> bool:
         validate_name(branch)
         core = self.repo.core
         journal = core.journal
@@ -126,7 +140,8 @@ class CommitService:
             gov.admit(branch, merge=False, maintenance=False)  # merges from writers too: below
             assert current is not None and entry.snapshot is not None
             self._check(branch, current, entry.snapshot, kind)
-        published = journal.append(branch, entry)
+        by = self._by(caller, client)
+        published = journal.append(branch, dataclasses.replace(entry, by=by))
         log.info(
             "%s (%s): %s of %s to %s: %s",
             caller.identity,
@@ -176,17 +191,21 @@ class CommitService:
 
     # -- merges and tags ---------------------------------------------------------------------------
 
-    def merge(self, caller: Caller, body: Mapping[str, Any]) -> str:
+    def merge(self, caller: Caller, body: Mapping[str, Any], client: str = "") -> str:
         source, into = body.get("source"), body.get("into")
         if not isinstance(source, str) or not isinstance(into, str):
             raise InvalidArgument("a merge names a source ref and a branch to merge into")
-        head = self.repo.merge(
-            source,
-            into,
-            message=_opt_str(body, "message"),
-            author=_opt_str(body, "author") or caller.identity,
-            strategy=_opt_str(body, "strategy"),
-        )
+        self._acting.by = self._by(caller, client)
+        try:
+            head = self.repo.merge(
+                source,
+                into,
+                message=_opt_str(body, "message"),
+                author=_opt_str(body, "author") or caller.identity,
+                strategy=_opt_str(body, "strategy"),
+            )
+        finally:
+            self._acting.by = None
         log.info(
             "%s (%s): merge of %s into %s: %s", caller.identity, caller.role, source, into, head
         )
@@ -276,6 +295,7 @@ def app(repo: Repository, tokens: Mapping[str, Caller]) -> Any:
                     return JSONResponse(
                         {"error": "InvalidArgument", "message": "the body is a JSON object"}, 400
                     )
+            doc["_client"] = request.headers.get("user-agent", "")
             try:
                 answer = await anyio.to_thread.run_sync(work, caller, doc)
             except ZarrlakeError as e:
@@ -295,10 +315,10 @@ def app(repo: Repository, tokens: Mapping[str, Caller]) -> Any:
             data = base64.b64decode(encoded, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidArgument("the entry is not base64") from None
-        return {"published": service.append(caller, branch, data)}
+        return {"published": service.append(caller, branch, data, doc.get("_client", ""))}
 
     def merge(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
-        return {"snapshot": service.merge(caller, doc)}
+        return {"snapshot": service.merge(caller, doc, doc.get("_client", ""))}
 
     def tag(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
         name, snapshot = doc.get("name"), doc.get("snapshot")

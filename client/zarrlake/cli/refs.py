@@ -10,9 +10,9 @@ import argparse
 import json
 from typing import Any
 
-from zarrlake.cli.args import MAIN, Commands, add_json, add_lock
+from zarrlake.cli.args import MAIN, Commands, add_json, add_lock, count
 from zarrlake.cli.connect import open_repository
-from zarrlake.cli.output import print_json, print_table, say
+from zarrlake.cli.output import print_json, print_table, say, short_time
 
 # -- branch --------------------------------------------------------------------------------------
 
@@ -75,6 +75,10 @@ def add_branch(commands: Commands) -> None:
     )
     a = actions.add_parser("unprotect", help="remove a branch's protection")
     a.add_argument("name", metavar="NAME")
+    a = actions.add_parser("moves", help="a branch's moves: when, to what, by whom")
+    a.add_argument("name", metavar="NAME")
+    a.add_argument("-n", dest="limit", type=count, default=None, metavar="N", help="at most N")
+    add_json(a)
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -95,6 +99,9 @@ def run_branch(args: argparse.Namespace) -> None:
     if action in ("protection", "protect", "unprotect"):
         _run_protection(args, action)
         return
+    if action == "moves":
+        _run_moves(args)
+        return
     repo = open_repository(args, locked=True)
     if action == "create":
         head = repo.create_branch(args.name, args.from_ref)
@@ -107,6 +114,19 @@ def run_branch(args: argparse.Namespace) -> None:
         old = repo.lookup_branch(args.name)
         head = repo.reset_branch(args.name, args.ref, expected=args.expected)
         say(f"reset branch {args.name} to {head} (was {old})")
+
+
+def _run_moves(args: argparse.Namespace) -> None:
+    moves = open_repository(args).branch_moves(args.name, limit=args.limit)
+    if args.json:
+        print_json(moves)
+        return
+    rows = []
+    for m in moves:
+        by = m["by"]
+        who = "-" if by is None else f"{by.get('identity')} ({by.get('role')})"
+        rows.append([str(m["seq"]), short_time(m["time"]), m["snapshot"] or "(deleted)", who])
+    print_table(["SEQ", "TIME", "SNAPSHOT", "BY"], rows)
 
 
 def _run_protection(args: argparse.Namespace, action: str) -> None:

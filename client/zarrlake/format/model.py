@@ -879,6 +879,16 @@ class TxLog:
 # -- refs ------------------------------------------------------------------------------------------
 
 
+def _by(value: Any, key: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise CorruptObject(key, "by must map names to strings")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
     """One move of a branch. ``snapshot`` None marks the branch deleted.
@@ -891,6 +901,10 @@ class JournalEntry:
     without the lock); ``fence``, the highest token of the entries before it, carried forward by
     every writer, so the head alone says what a new token must exceed (None in entries from
     before it was carried, and at the start of a journal).
+
+    ``by``: who made the move, as a commit service recorded it (``identity`` its token names,
+    ``role``, ``service`` and ``client`` versions); None where a client wrote the entry itself
+    (its commit's ``author`` is then the only word, and a free one).
     """
 
     seq: int
@@ -901,6 +915,7 @@ class JournalEntry:
     token: int | None = None
     snapshot_data: bytes | None = field(default=None, compare=False, repr=False)
     fence: int | None = None
+    by: dict[str, str] | None = field(default=None, compare=False)
 
     @property
     def highest_token(self) -> int | None:
@@ -925,6 +940,8 @@ class JournalEntry:
             body["fence"] = self.fence
         if self.snapshot_data is not None and len(self.snapshot_data) <= self.CARRY_MAX_BYTES:
             body["snap"] = self.snapshot_data
+        if self.by is not None:
+            body["by"] = self.by
         return encode(ObjectType.BRANCH_ENTRY, body)
 
     @classmethod
@@ -942,6 +959,7 @@ class JournalEntry:
             token=_opt(obj.get("token"), int, key, "token"),
             snapshot_data=_opt(obj.get("snap"), bytes, key, "snap"),
             fence=_opt(obj.get("fence"), int, key, "fence"),
+            by=_by(obj.get("by"), key),
         )
 
 
