@@ -459,3 +459,9 @@ def test_a_rules_change_that_died_before_the_root_is_caught_up_by_the_next_write
     assert list(repo.fsck().notes) == []
     fresh = zarrlake.Repository.open(storage)
     assert set(fresh.governance.protection(refresh=False).branches) == {"main", "release"}
+
+
+def test_the_crd_takes_the_check_names_the_engine_takes() -> None:
+    from zarrlake import resources, rules
+
+    assert resources.CHECK_NAME == f"^{rules.CHECK_NAME.pattern}$"

@@ -92,6 +92,8 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 # Branch and tag names, as zarrlake.refs.validate_name accepts them (the engine re-checks).
 REF_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$"
+#: A check's name, as zarrlake.rules.CHECK_NAME has it (a test holds the two the same).
+CHECK_NAME = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 DURATION = r"^([0-9]+(\.[0-9]+)?[wdhms])+$|^[0-9]+$"
 CRON = r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|(\S+\s+){4}\S+)$"
 
@@ -632,6 +634,17 @@ class RepositorySpec(ResourceModel):
         alias="reclaimPolicy",
         description="On deletion: Retain keeps the data; Delete removes the repository's objects.",
     )
+    protection: list[BranchProtectionSpec] | None = Field(
+        default=None,
+        max_length=256,
+        description="Branch protection the operator keeps the repository to: exactly these "
+        "rules (a branch not listed is unprotected). Absent: the rules are left as they are "
+        "(set with zarrlake branch protect).",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["branch"],
+        },
+    )
     serve: ServeSpec = Field(
         default_factory=ServeSpec,
         description="Serve the repository over HTTP inside the cluster (zarrlake serve): plain "
@@ -644,6 +657,35 @@ class RepositorySpec(ResourceModel):
             if not holds(self):
                 raise ValueError(message)
         return self
+
+
+class BranchProtectionSpec(ResourceModel):
+    """How one branch is protected: merges only, no delete or reset, the checks it requires."""
+
+    branch: str = Field(pattern=REF_NAME, description="The branch (main, or any other).")
+    require_merge: bool = Field(
+        default=True, alias="requireMerge", description="No direct commits: merges only."
+    )
+    allow_delete: bool = Field(default=False, alias="allowDelete")
+    allow_reset: bool = Field(default=False, alias="allowReset", description="Force moves.")
+    required_checks: list[Annotated[str, StringConstraints(pattern=CHECK_NAME)]] = Field(
+        default_factory=list,
+        alias="requiredChecks",
+        max_length=32,
+        description="Checks (entry points of zarrlake.checks): required-attributes, "
+        "array-rules, no-nan, or any the writers' image installs.",
+    )
+    check_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        alias="checkOptions",
+        description="Options by check name, e.g. {required-attributes: {attributes: [units]}}.",
+        json_schema_extra={
+            "additionalProperties": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+            }
+        },
+    )
 
 
 class ServeStatus(ResourceModel):
@@ -670,6 +712,9 @@ class RepositoryStatus(ResourceStatus):
     )
     branches: int | None = None
     tags: int | None = None
+    protected_branches: int | None = Field(
+        default=None, alias="protectedBranches", description="Branches with a protection rule."
+    )
     serve: ServeStatus | None = Field(
         default=None, description="The HTTP server of spec.serve, while it is enabled."
     )

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ValidationError
 
 from zarrlake import (
     BranchExists,
+    BranchRule,
+    InvalidArgument,
     InvalidName,
     KubernetesError,
     RefNotFound,
@@ -39,6 +41,7 @@ from zarrlake.mirror import Mirror as Promoter
 from zarrlake.refs import Refs, validate_name
 from zarrlake.resources import (
     API_VERSION,
+    BranchProtectionSpec,
     BranchSpec,
     BranchStatus,
     Condition,
@@ -572,6 +575,10 @@ def repository(
                 cond("Initialized", True, "Initialized", message)
                 if known is None:
                     _event(body, "Initialized", message)
+                if spec.protection is not None and not conn.read_only:
+                    ok, reason, detail, count = _protection(body, repo, spec.protection)
+                    cond("ProtectionReady", ok, reason, detail)
+                    status = status.model_copy(update={"protected_branches": count})
         except RepositoryNotFound:
             if bucket_checked or check_bucket(conn):
                 missing = (
@@ -589,6 +596,9 @@ def repository(
                 retry = retry or kopf.TemporaryError(str(e), delay=15)
     elif not desired.condition(conds, "Initialized"):
         cond("Initialized", False, "WaitingForBucket", "waiting for the bucket")
+
+    if spec.protection is None:
+        conds = [c for c in conds if c.type != "ProtectionReady"]
 
     # The HTTP server, once there is a repository to serve.
     served = _serve(body, spec, status.url, defaults=serve, resync=resync)
@@ -627,6 +637,47 @@ def repository(
     if retry is not None:
         raise retry
     return status
+
+
+def _protection(
+    body: Mapping[str, Any], repo: Repository, wanted: Sequence[BranchProtectionSpec]
+) -> tuple[bool, str, str, int]:
+    """Make the repository's branch rules exactly ``wanted`` (spec.protection): (ok, reason,
+    message, how many branches are protected now). Rules the repository refuses (a check this
+    operator's image does not install, options it refuses) are a condition, not a retry: the
+    spec has to change."""
+    have = repo.branch_protection()
+    rules: dict[str, BranchRule] = {}
+    try:
+        for item in wanted:
+            rules[item.branch] = BranchRule(
+                item.require_merge,
+                item.allow_delete,
+                item.allow_reset,
+                tuple(item.required_checks),
+                item.check_options,
+            )
+        changed = []
+        for branch, rule in rules.items():
+            if have.get(branch) != rule:
+                repo.protect_branch(
+                    branch,
+                    require_merge=rule.require_merge,
+                    allow_delete=rule.allow_delete,
+                    allow_reset=rule.allow_reset,
+                    required_checks=rule.required_checks,
+                    check_options=rule.check_options,
+                )
+                changed.append(f"protected {branch!r}: {rule.describe()}")
+        for branch in sorted(set(have) - set(rules)):
+            repo.unprotect_branch(branch)
+            changed.append(f"unprotected {branch!r}")
+    except (InvalidArgument, InvalidName) as e:
+        return False, "InvalidProtection", str(e), len(repo.branch_protection())
+    for what in changed:
+        _event(body, "BranchProtectionChanged", what)
+    names = ", ".join(sorted(rules)) or "none"
+    return True, "Applied", f"protected branches: {names}", len(rules)
 
 
 def _warn_if_new(body: Mapping[str, Any], before: Condition | None, now: Condition | None) -> None:
