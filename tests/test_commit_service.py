@@ -243,3 +243,70 @@ def test_a_bad_token_is_refused(lake: Lake) -> None:
     with pytest.raises(zarrlake.ReadOnlyError, match="no valid token"):
         repo.create_branch("dev")
     assert "dev" not in zarrlake.Repository.open(lake.storage("admin")).list_branches()
+
+
+def test_a_service_started_before_the_first_rule_applies_it(tmp_path: Path) -> None:
+    from zarrlake.service import Caller, CommitService
+
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    admin = zarrlake.Repository.create(storage)
+    service = CommitService(zarrlake.Repository.open(storage))  # no rules yet
+    admin.protect_branch("main")
+    # A writer's entry for a direct commit, built as a client builds it.
+    writer = zarrlake.Repository.open(storage)
+    sent: list[tuple[str, JournalEntry]] = []
+
+    class Capture:
+        def append(self, name: str, entry: JournalEntry) -> bool:
+            sent.append((name, entry))
+            return service.append(Caller("w", "writer"), name, entry.encode())
+
+        def create_tag(self, name: str, snapshot_id: str) -> None:
+            raise AssertionError
+
+        def delete_tag(self, name: str) -> None:
+            raise AssertionError
+
+    writer.core.journal.remote = Capture()
+    writer.core.commits.guard = None  # a client that skips its own rules
+    session = writer.writable_session("main")
+    zarr.open_group(session.store, mode="w").create_array("t", shape=(2,), dtype="f4")
+    head = admin.lookup_branch("main")
+    with pytest.raises(zarrlake.BranchProtected):
+        session.commit("direct, after the rule")
+    assert sent and zarrlake.Repository.open(storage).lookup_branch("main") == head
+
+
+def test_the_service_publishes_the_bytes_it_checked(tmp_path: Path) -> None:
+    from zarrlake.format.model import snapshot_key
+    from zarrlake.service import Caller, CommitService
+
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    admin = zarrlake.Repository.create(storage)
+    service = CommitService(zarrlake.Repository.open(storage))
+    writer = zarrlake.Repository.open(storage)
+    published: list[JournalEntry] = []
+
+    class Uncarried:
+        def append(self, name: str, entry: JournalEntry) -> bool:
+            bare = replace(entry, snapshot_data=None)  # a writer that carries nothing
+            published.append(bare)
+            return service.append(Caller("w", "writer"), name, bare.encode())
+
+        def create_tag(self, name: str, snapshot_id: str) -> None: ...
+
+        def delete_tag(self, name: str) -> None: ...
+
+    writer.core.journal.remote = Uncarried()
+    session = writer.writable_session("main")
+    zarr.open_group(session.store, mode="w").create_array("t", shape=(2,), dtype="f4")[:] = 5
+    sid = session.commit("good")
+    good = storage.get(snapshot_key(sid))
+    # The writer overwrites the snapshot object afterwards (a provider without create-only
+    # policies): readers of the head read the entry's copy, the one the service checked.
+    storage.put(snapshot_key(sid), b"garbage")
+    entry = zarrlake.Repository.open(storage).core.journal.current("main")
+    assert entry.snapshot == sid and entry.snapshot_data == good
+    assert zarr.open_array(admin.readonly_session("main").store, path="t")[0] == 5
+    with pytest.raises(zarrlake.InvalidArgument, match="not a snapshot id"):
+        service.append(Caller("w", "writer"), "main", replace(entry, snapshot="../repo").encode())

@@ -464,4 +464,59 @@ def test_a_rules_change_that_died_before_the_root_is_caught_up_by_the_next_write
 def test_the_crd_takes_the_check_names_the_engine_takes() -> None:
     from zarrlake import resources, rules
 
-    assert resources.CHECK_NAME == f"^{rules.CHECK_NAME.pattern}$"
+    assert f"^{rules.CHECK_NAME.pattern}$" == resources.CHECK_NAME
+
+
+def test_a_protected_branch_cannot_be_created_at_a_snapshot_of_ones_choosing() -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.memory())
+    _seed(repo)
+    repo.protect_branch("release", allow_delete=True)  # before the branch exists
+    with pytest.raises(zarrlake.BranchProtected) as refused:
+        repo.create_branch("release")
+    assert refused.value.rule == "allow_reset"
+    assert "release" not in repo.list_branches()
+    # Nor can a delete-then-create stand in for a reset the rule refuses.
+    repo.unprotect_branch("release")
+    repo.create_branch("release")
+    repo.protect_branch("release", allow_delete=True)
+    repo.delete_branch("release")
+    with pytest.raises(zarrlake.BranchProtected):
+        repo.create_branch("release")
+    repo.protect_branch("release", allow_reset=True)
+    repo.create_branch("release")  # allowed with allow_reset
+
+
+def test_a_rule_set_while_a_commit_is_under_way_binds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zarrlake.governance import Governance
+
+    storage = zarrlake.Storage.memory()
+    repo = zarrlake.Repository.create(storage)
+    _seed(repo)
+    repo.protect_branch("other")  # governed: its clients read the marker
+    writer = zarrlake.Repository.open(storage)
+    admitted = Governance.admit
+
+    def admit_then_protect(self: Governance, branch: str, **kw: Any) -> None:
+        admitted(self, branch, **kw)
+        repo.protect_branch("main", require_merge=False, required_checks=["no-nan"])
+
+    monkeypatch.setattr(Governance, "admit", admit_then_protect)
+    head = writer.lookup_branch("main")
+    with pytest.raises(zarrlake.CheckFailed):
+        _write(writer, "main", _set("t", np.nan), "NaN, admitted before the rule")
+    assert writer.lookup_branch("main") == head
+
+
+def test_upgrade_keeps_the_rules_and_the_guard(journal_only: None) -> None:
+    storage = zarrlake.Storage.memory()
+    repo = zarrlake.Repository.create(storage)
+    _seed(repo)
+    stale = zarrlake.Repository.open(storage)  # opened before the rules
+    repo.protect_branch("main")
+    report = stale.upgrade()
+    assert report.published_root
+    assert set(zarrlake.Repository.open(storage).branch_protection()) == {"main"}
+    with pytest.raises(zarrlake.BranchProtected):  # the upgraded handle still asks
+        _write(stale, "main", _set("t", 3.0), "direct")
+    with pytest.raises(zarrlake.BranchProtected):
+        _write(repo, "main", _set("t", 3.0), "direct")

@@ -115,20 +115,21 @@ def test_events_in_order_signed_with_their_payloads(
     repo.reset_branch("dev", before)
     report = notifier.run_once()
     assert receiver.events() == [
-        ("branch-created", before),  # dev, as the notifier first sees it: already reset
+        ("branch-created", c2),  # dev, where it was created (main's head then),
+        ("branch-reset", before),  # then reset behind its own commit: d1 never shows alone
         ("commit", c1),
         ("commit", c2),
         ("merge", merged),
         ("tag", merged),
     ]
-    assert report.delivered == 5 and report.failed_attempts == 0
+    assert report.delivered == 6 and report.failed_attempts == 0
     for r in receiver.requests:
         assert verify(SECRET, r["body"], r["signature"])
         assert r["attempt"] == 1
     bodies = list(receiver.applied.values())
-    assert bodies[1]["message"] == "one" and bodies[1]["parents"] == [before]
-    assert bodies[1]["branch"] == "main" and bodies[1]["repository"] == repo.id
-    assert bodies[3]["parents"] == [c2, d1]
+    assert bodies[2]["message"] == "one" and bodies[2]["parents"] == [before]
+    assert bodies[2]["branch"] == "main" and bodies[2]["repository"] == repo.id
+    assert bodies[4]["parents"] == [c2, d1]
     # Nothing new: nothing delivered. A deletion and a reset are events too.
     assert notifier.run_once().delivered == 0
     repo.reset_branch("dev", c1)
@@ -140,7 +141,7 @@ def test_events_in_order_signed_with_their_payloads(
     assert notifier.run_once().kinds == {"branch-reset": 1}
     repo.reset_branch("x", c2)  # forwards again: the commits along the way
     assert notifier.run_once().kinds == {"commit": 2}
-    assert len(receiver.applied) == len(receiver.requests) == 10
+    assert len(receiver.applied) == len(receiver.requests) == 11
 
 
 def test_a_receiver_that_fails_is_slow_and_comes_back_gets_every_event_once() -> None:
@@ -219,15 +220,31 @@ def test_two_hooks_keep_their_own_progress_and_a_branch_filter(receiver: Receive
         dev_only = Notifier(repo, Webhook(other.url, name="dev", branches=("dev*",)))
         for n in (everything, dev_only):
             n.run_once()
-        _commit(repo, "main", 1.0, "main work")
+        m = _commit(repo, "main", 1.0, "main work")
         assert dev_only.run_once().delivered == 0
         repo.create_branch("dev")
         c = _commit(repo, "dev", 2.0, "dev work")
-        assert dev_only.run_once().delivered == 1  # created, already at c
+        assert dev_only.run_once().delivered == 2  # created (at m), then c
         d = _commit(repo, "dev", 3.0, "more dev work")
         assert dev_only.run_once().delivered == 1
-        assert other.events() == [("branch-created", c), ("commit", d)]
-        assert everything.run_once().kinds == {"branch-created": 1, "commit": 1}
+        assert other.events() == [("branch-created", m), ("commit", c), ("commit", d)]
+        assert everything.run_once().kinds == {"branch-created": 1, "commit": 3}
+        # A hook narrowed to fewer branches is told of no deletion of those it no longer sees.
+        narrowed = Notifier(repo, Webhook(receiver.url, name="all", branches=("main",)))
+        assert narrowed.run_once().delivered == 0
+        # The same branch created twice at one snapshot: two events, two keys.
+        repo.delete_branch("dev")
+        assert everything.run_once().kinds == {"branch-deleted": 1}
+        repo.create_branch("dev2", m)
+        assert everything.run_once().kinds == {"branch-created": 1}
+        repo.delete_branch("dev2")
+        assert everything.run_once().kinds == {"branch-deleted": 1}
+        repo.create_branch("dev2", m)
+        assert everything.run_once().kinds == {"branch-created": 1}
+        created = [r for r in receiver.requests if r["event"] == "branch-created"]
+        assert len({r["key"] for r in created}) == len(created) == 3
+        deleted = [r for r in receiver.requests if r["event"] == "branch-deleted"]
+        assert len({r["key"] for r in deleted}) == len(deleted) == 2
     finally:
         other.close()
 

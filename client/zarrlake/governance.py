@@ -95,11 +95,18 @@ class Governance:
             self._refresh()
         return self._protection.rule(branch)
 
+    def follow(self) -> None:
+        """Read the marker before every guarded operation from now on, whether or not the
+        repository has rules yet (a commit service: the rules it applies are the newest)."""
+        self._governed = True
+
     # -- the engine's guard -----------------------------------------------------------------------
 
     def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None:
-        rule = self._rule(branch)
-        if rule is None or maintenance or merge or not rule.require_merge:
+        self._refuse_direct(branch, self._rule(branch), merge=merge or maintenance)
+
+    def _refuse_direct(self, branch: str, rule: BranchRule | None, *, merge: bool) -> None:
+        if rule is None or merge or not rule.require_merge:
             return
         raise BranchProtected(
             branch,
@@ -122,9 +129,12 @@ class Governance:
         *,
         merge: bool,
     ) -> None:
-        """Run the checks ``branch``'s rule requires (as the last :meth:`admit` read it) on
-        ``built``, about to land on ``parent``; ``written()``: the chunk keys it writes."""
-        rule = self._protection.rule(branch)
+        """Run the checks ``branch``'s rule requires on ``built``, about to land on ``parent``
+        (``written()``: the chunk keys it writes). The rule is read again here, just before the
+        append, not taken from when the commit started: a rule set while a commit waited for
+        the lock, uploaded or rebased binds it (and may now refuse it outright)."""
+        rule = self._rule(branch)
+        self._refuse_direct(branch, rule, merge=merge)
         if rule is None or not rule.required_checks:
             return
         kind = "merge" if merge else "commit"
@@ -135,6 +145,15 @@ class Governance:
         rule = self._rule(branch)
         if rule is None:
             return
+        if action == "create" and not rule.allow_reset:
+            # A protected branch made at any snapshot would be a reset with extra steps (or a
+            # commit past its checks): create branches before protecting them.
+            raise BranchProtected(
+                branch,
+                "allow_reset",
+                f"branch {branch!r} is protected: it cannot be created at a snapshot of one's "
+                "choosing (allow_reset is off); create it, then protect it",
+            )
         if action == "reset" and not rule.allow_reset:
             raise BranchProtected(
                 branch,
@@ -221,9 +240,12 @@ class Governance:
         try:
             published.publish(update)
         except ZarrlakeError as e:
-            # The marker decided; the root's copy catches up with the next change of rules or
-            # `zarrlake fsck --repair`. Writers read the marker, so none commits past the rule.
-            log.warning("the rules are recorded, but the root could not carry them yet: %s", e)
+            # The marker decided, but clients that open through the root would not know of
+            # the rules (a first rule above all): this is the caller's to finish.
+            raise ZarrlakeError(
+                f"the rules are recorded in the marker, but the root could not carry them ({e}): "
+                "run zarrlake fsck --repair before relying on them"
+            ) from e
 
 
 def _written(changeset: Changeset) -> Iterator[str]:

@@ -58,6 +58,8 @@ class Connection:
     account_key: str | None = None
     sas_token: str | None = None
     service_account_info: str | None = field(default=None, repr=False)
+    #: The commit service's address (status.commitService.url), when spec.commitService runs one.
+    commit_service: str | None = None
     authorization: str | None = field(default=None, repr=False)
 
     @property
@@ -210,6 +212,11 @@ def connection_from_resource(
         lock_url=lock_url,
         lock_password=lock_password,
         on_unavailable=lock_spec.on_unavailable,
+        commit_service=(
+            status.commit_service.url
+            if spec.commit_service.enabled and status.commit_service is not None
+            else None
+        ),
     )
 
 

@@ -207,7 +207,9 @@ class Notifier:
 
     def _events(self, doc: dict[str, Any]) -> Iterator[Event]:
         refs = self.repo.refs()
-        delivered: dict[str, str] = dict(doc.get("branches", {}))
+        # Only what this hook watches: a glob narrowed since is no deletion, nor widened a birth
+        # of branches that are old (those are first seen where they are).
+        delivered = {n: s for n, s in doc.get("branches", {}).items() if self.hook.watches(n)}
         watched = {n: s for n, s in refs.branches.items() if self.hook.watches(n)}
         for name in sorted(watched.keys() | delivered.keys()):
             yield from self._branch_events(name, delivered.get(name), watched.get(name))
@@ -220,18 +222,33 @@ class Notifier:
         if last == head:
             return
         ref = ("branch", name)
+        journal = self.repo.core.journal
         if head is None:
+            # Keyed by the deletion's place in the journal: each deletion its own event.
+            gone = journal.head(name)
+            seq = "" if gone is None else str(gone.seq)
             yield self._event(
-                "branch-deleted", ref, None, {"branch": name, "previous": last}, salt=str(last)
+                "branch-deleted", ref, None, {"branch": name, "previous": last}, salt=seq
             )
             return
         if last is None:
-            yield self._event("branch-created", ref, head, {"branch": name, "snapshot": head})
-            return
+            # Born since the last look: where it was created, then what landed on it since.
+            entries = journal.history(name)
+            born = next((e for e in entries if e.previous is None and e.snapshot), None)
+            start = head if born is None else born.snapshot
+            assert start is not None
+            seq = "" if born is None else str(born.seq)
+            body = {"branch": name, "snapshot": start}
+            yield self._event("branch-created", ref, start, body, salt=seq)
+            last = start
+            if last == head:
+                return
         line = self._first_parent_line(head, last)
         if line is None:
+            moved = journal.head(name)
+            seq = "" if moved is None else str(moved.seq)
             body = {"branch": name, "snapshot": head, "previous": last}
-            yield self._event("branch-reset", ref, head, body, salt=last)
+            yield self._event("branch-reset", ref, head, body, salt=seq)
             return
         for info in line:
             kind = "merge" if len(info.parents) > 1 else "commit"

@@ -86,7 +86,8 @@ class ServiceClient:
         return bool(answer["published"])
 
     def create_tag(self, name: str, snapshot_id: str) -> None:
-        self._call("POST", "/v1/tags", {"name": name, "snapshot": snapshot_id})
+        # A TagExists answer to a retry (the first try's answer lost) may be this very tag.
+        self._call("POST", "/v1/tags", {"name": name, "snapshot": snapshot_id}, mine=TagExists)
 
     def delete_tag(self, name: str) -> None:
         self._call("POST", "/v1/tags/delete", {"name": name})
@@ -117,7 +118,16 @@ class ServiceClient:
 
     # -- the wire ----------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        mine: type[ZarrlakeError] | None = None,
+    ) -> dict[str, Any]:
+        """The service's answer; ``mine``: an error that, answering a retry, says the first
+        try (whose answer was lost) did the work."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "User-Agent": CLIENT}
         if self._token is not None:
@@ -135,7 +145,10 @@ class ServiceClient:
                 if e.code in RETRY_STATUS:
                     last = f"HTTP {e.code}"
                     continue
-                raise _error_from(e) from None
+                error = _error_from(e)
+                if attempt and mine is not None and isinstance(error, mine):
+                    return {}
+                raise error from None
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 last = str(getattr(e, "reason", e))
                 continue

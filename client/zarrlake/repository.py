@@ -167,12 +167,6 @@ class Repository:
         self.storage = storage
         verify = verify_reads_default() if verify_reads is None else verify_reads
         _check_flag(verify, "verify_reads")
-        self._core = RepositoryCore.build(
-            storage, record, lock, verify_reads=verify, virtual_credentials=virtual_credentials
-        )
-        # Branch protection: every path that moves a branch goes through the engine, which asks.
-        self._governance = Governance(self._core, self._snapshot_store)
-        self._core.commits.guard = self._governance
         # A commit service: it alone writes refs; this client writes objects and asks it.
         self._given_service = (commit_service, commit_token)
         service = commit_service or os.environ.get("ZARRLAKE_COMMIT_SERVICE") or None
@@ -180,10 +174,24 @@ class Repository:
         if service is not None and record.mirror_of is None:
             token = commit_token or os.environ.get("ZARRLAKE_COMMIT_TOKEN") or None
             self._service = ServiceClient(service, token)
-            self._core.journal.remote = self._service
-            self._core.tags.remote = self._service
             # Its create-only writes are the service's: this client's credentials write none.
             storage.trust_conditional_writes()
+        self._install(
+            RepositoryCore.build(
+                storage, record, lock, verify_reads=verify, virtual_credentials=virtual_credentials
+            )
+        )
+
+    def _install(self, core: RepositoryCore) -> None:
+        """Use ``core`` (a new one after an upgrade too), wired to this handle's branch
+        protection and commit service: every path that moves a branch goes through its engine
+        and journal, which ask them."""
+        self._core = core
+        self._governance = Governance(core, self._snapshot_store)
+        core.commits.guard = self._governance
+        if self._service is not None:
+            core.journal.remote = self._service
+            core.tags.remote = self._service
 
     def _snapshot_store(self, snapshot_id: str) -> Any:
         """A read-only Zarr store of snapshot ``snapshot_id`` (published or not: what a check
@@ -448,6 +456,8 @@ class Repository:
         *,
         lock_url: str | None = None,
         verify_reads: bool | None = None,
+        commit_service: str | None = None,
+        commit_token: str | None = None,
     ) -> Repository:
         """Open the repository of the ``Repository`` resource ``name`` (``zarrlake.io``).
 
@@ -455,13 +465,22 @@ class Repository:
         to the pod's (or the kubeconfig context's). Storage location comes from the resource's
         spec, credentials and the lock password from the Secrets it names, the lock endpoint from
         its status. ``lock_url`` overrides the lock endpoint's address (e.g. a port-forward when
-        running outside the cluster). Raises :class:`zarrlake.k8s.KubernetesError` when the
-        resource is missing or not Ready, or a Secret is missing.
+        running outside the cluster). With ``spec.commitService``, the client sends its ref
+        changes to the service its status names (``commit_service`` overrides the address,
+        ``commit_token`` or ``$ZARRLAKE_COMMIT_TOKEN`` is this client's token). Raises
+        :class:`zarrlake.k8s.KubernetesError` when the resource is missing or not Ready, or a
+        Secret is missing.
         """
         from zarrlake.k8s import locate
 
         conn = locate(name, namespace)
-        return cls.open(conn.storage(), lock=conn.lock(lock_url), verify_reads=verify_reads)
+        return cls.open(
+            conn.storage(),
+            lock=conn.lock(lock_url),
+            verify_reads=verify_reads,
+            commit_service=commit_service or conn.commit_service,
+            commit_token=commit_token,
+        )
 
     @staticmethod
     def exists(storage: Storage) -> bool:
@@ -523,6 +542,7 @@ class Repository:
         """
         _new_ref_name(name, "branch")
         self._core.check_writable()
+        self._governance.before_move(name, "create")
         target = self.resolve(from_ref)
         journal = self._core.journal
         head = journal.head(name)
@@ -832,8 +852,15 @@ class Repository:
         so, and nothing changes."""
         report, record = upgrade(self._core)
         if record != self._core.record:
-            self._core = RepositoryCore.build(
-                self.storage, record, self._core.lock, verify_reads=self.verify_reads
+            core = self._core
+            self._install(
+                RepositoryCore.build(
+                    self.storage,
+                    record,
+                    core.lock,
+                    verify_reads=self.verify_reads,
+                    virtual_credentials=core.objects.sources.credentials,
+                )
             )
         return report
 

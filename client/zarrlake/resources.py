@@ -594,6 +594,76 @@ class ServeSpec(ResourceModel):
     )
 
 
+#: The port ``zarrlake service`` listens on when ``spec.commitService.port`` says nothing.
+COMMIT_SERVICE_PORT = 8701
+
+
+class CommitServiceSpec(ResourceModel):
+    """zarrlake service for this repository, run by the operator: the one writer of its refs,
+    which applies its branch rules and checks to every writer (docs/design/governance.md). A
+    Deployment and a ClusterIP Service in the Repository's namespace, with the Repository's own
+    credentials; writers open the repository with commit_service= its URL (status) and a token,
+    and credentials that write only immutable objects."""
+
+    enabled: bool = Field(default=False, description="Run the commit service.")
+    port: int = Field(
+        default=COMMIT_SERVICE_PORT, ge=1024, le=65535, description="Port of it and its Service."
+    )
+    tokens_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        alias="tokensSecretRef",
+        description='Secret key holding the tokens file: {"<token>": {"identity": "alice", '
+        '"role": "writer" | "admin"}} (needed when enabled).',
+    )
+    resources: Resources | None = Field(default=None, description="Service resources.")
+    image: str | None = Field(
+        default=None, description="Service image (default: the operator's serve image)."
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the service pod; without one no API token is mounted.",
+    )
+    image_pull_secrets: list[str] = Field(default_factory=list, alias="imagePullSecrets")
+
+
+class CommitServiceStatus(ResourceModel):
+    """Where spec.commitService answers, and whether it does."""
+
+    url: str | None = Field(default=None, description="The service's address in the cluster.")
+    ready_replicas: int | None = Field(default=None, alias="readyReplicas")
+
+
+class BranchProtectionSpec(ResourceModel):
+    """How one branch is protected: merges only, no delete or reset, the checks it requires."""
+
+    branch: str = Field(pattern=REF_NAME, description="The branch (main, or any other).")
+    require_merge: bool = Field(
+        default=True, alias="requireMerge", description="No direct commits: merges only."
+    )
+    allow_delete: bool = Field(default=False, alias="allowDelete")
+    allow_reset: bool = Field(default=False, alias="allowReset", description="Force moves.")
+    required_checks: list[Annotated[str, StringConstraints(pattern=CHECK_NAME)]] = Field(
+        default_factory=list,
+        alias="requiredChecks",
+        max_length=32,
+        description="Checks (entry points of zarrlake.checks): required-attributes, "
+        "array-rules, no-nan, or any the writers' image installs.",
+    )
+    check_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        alias="checkOptions",
+        description="Options by check name, e.g. {required-attributes: {attributes: [units]}}.",
+        json_schema_extra={
+            "additionalProperties": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+            }
+        },
+    )
+
+
 #: Cross-field rules of a Repository's spec: (CEL rule for the CRD, the same in Python, message).
 _REPOSITORY_RULES: tuple[tuple[str, Any, str], ...] = (
     (
@@ -613,6 +683,18 @@ _REPOSITORY_RULES: tuple[tuple[str, Any, str], ...] = (
         ),
         "spec.serve cannot send an Authorization header to provider http: serve a published "
         "repository that needs no credentials",
+    ),
+    (
+        "!has(self.commitService) || !self.commitService.enabled"
+        " || has(self.commitService.tokensSecretRef)",
+        lambda s: not s.commit_service.enabled or s.commit_service.tokens_secret_ref is not None,
+        "spec.commitService needs tokensSecretRef: the Secret of its writers' tokens",
+    ),
+    (
+        "!has(self.commitService) || !self.commitService.enabled"
+        " || self.storage.provider != 'http'",
+        lambda s: not (s.commit_service.enabled and s.storage.read_only),
+        "spec.commitService needs writable storage (http is read-only)",
     ),
 )
 
@@ -645,6 +727,11 @@ class RepositorySpec(ResourceModel):
             "x-kubernetes-list-map-keys": ["branch"],
         },
     )
+    commit_service: CommitServiceSpec = Field(
+        default_factory=CommitServiceSpec,
+        alias="commitService",
+        description="Run the commit service (zarrlake service), the one writer of the refs.",
+    )
     serve: ServeSpec = Field(
         default_factory=ServeSpec,
         description="Serve the repository over HTTP inside the cluster (zarrlake serve): plain "
@@ -657,35 +744,6 @@ class RepositorySpec(ResourceModel):
             if not holds(self):
                 raise ValueError(message)
         return self
-
-
-class BranchProtectionSpec(ResourceModel):
-    """How one branch is protected: merges only, no delete or reset, the checks it requires."""
-
-    branch: str = Field(pattern=REF_NAME, description="The branch (main, or any other).")
-    require_merge: bool = Field(
-        default=True, alias="requireMerge", description="No direct commits: merges only."
-    )
-    allow_delete: bool = Field(default=False, alias="allowDelete")
-    allow_reset: bool = Field(default=False, alias="allowReset", description="Force moves.")
-    required_checks: list[Annotated[str, StringConstraints(pattern=CHECK_NAME)]] = Field(
-        default_factory=list,
-        alias="requiredChecks",
-        max_length=32,
-        description="Checks (entry points of zarrlake.checks): required-attributes, "
-        "array-rules, no-nan, or any the writers' image installs.",
-    )
-    check_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        alias="checkOptions",
-        description="Options by check name, e.g. {required-attributes: {attributes: [units]}}.",
-        json_schema_extra={
-            "additionalProperties": {
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-            }
-        },
-    )
 
 
 class ServeStatus(ResourceModel):
@@ -714,6 +772,11 @@ class RepositoryStatus(ResourceStatus):
     tags: int | None = None
     protected_branches: int | None = Field(
         default=None, alias="protectedBranches", description="Branches with a protection rule."
+    )
+    commit_service: CommitServiceStatus | None = Field(
+        default=None,
+        alias="commitService",
+        description="The commit service of spec.commitService, while it is enabled.",
     )
     serve: ServeStatus | None = Field(
         default=None, description="The HTTP server of spec.serve, while it is enabled."

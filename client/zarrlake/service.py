@@ -46,10 +46,12 @@ from zarrlake.errors import (
     ObjectNotFound,
     ReadOnlyError,
     RefNotFound,
+    UnsupportedFormat,
     ZarrlakeError,
 )
 from zarrlake.format import manifest
-from zarrlake.format.model import JournalEntry, snapshot_key
+from zarrlake.format.ids import is_snapshot_id
+from zarrlake.format.model import JournalEntry, Snapshot, snapshot_key
 from zarrlake.refs import validate_name
 from zarrlake.repository import Repository
 
@@ -83,6 +85,12 @@ def load_tokens(path: str | Path) -> dict[str, Caller]:
     return out
 
 
+@dataclass(frozen=True)
+class _Stored:
+    snapshot: Snapshot
+    encoded: bytes
+
+
 class CommitService:
     """The service's decisions, without HTTP (what :func:`app` serves)."""
 
@@ -92,6 +100,8 @@ class CommitService:
         if core.journal.remote is not None:
             raise InvalidArgument("a commit service writes refs itself: open it without one")
         core.check_writable()
+        # The newest rules before every decision, even those set after the service started.
+        repo.governance.follow()
         # Whom the entries the service writes itself (a merge) are by: the caller it acts for.
         self._acting = threading.local()
         core.journal.stamp = lambda: getattr(self._acting, "by", None)
@@ -113,6 +123,10 @@ class CommitService:
             entry = JournalEntry.decode(data, f"<entry for {branch}>")
         except CorruptObject as e:
             raise InvalidArgument(f"not a journal entry: {e}") from None
+        if entry.snapshot is not None and not is_snapshot_id(entry.snapshot):
+            raise InvalidArgument(f"{entry.snapshot[:40]!r} is not a snapshot id")
+        if entry.previous is not None and not is_snapshot_id(entry.previous):
+            raise InvalidArgument(f"{entry.previous[:40]!r} is not a snapshot id")
         journal.forget(branch)  # the head as it is now, not as this service last saw it
         head = journal.head(branch)
         expected = 0 if head is None else head.seq + 1
@@ -130,16 +144,19 @@ class CommitService:
             raise InvalidArgument(
                 f"entry {entry.seq} of {branch!r} says the head was {entry.previous}, not {current}"
             )
-        kind = self._kind(branch, entry, current)
+        kind, stored = self._kind(branch, entry, current)
         gov = self.repo.governance
-        if kind == "delete":
-            gov.before_move(branch, "delete")
-        elif kind == "reset":
-            gov.before_move(branch, "reset")
-        elif kind in ("commit", "merge"):
+        if kind in ("delete", "reset", "create"):
+            gov.before_move(branch, kind)
+        else:
             gov.admit(branch, merge=False, maintenance=False)  # merges from writers too: below
-            assert current is not None and entry.snapshot is not None
-            self._check(branch, current, entry.snapshot, kind)
+            assert current is not None and stored is not None
+            self._check(branch, current, stored, kind)
+        if stored is not None:
+            # What was checked is what readers get: the snapshot's bytes travel in the entry
+            # (and the root), so a writer that overwrites snapshots/<id> afterwards changes
+            # nothing a reader of the head sees.
+            entry = dataclasses.replace(entry, snapshot_data=stored.encoded)
         by = self._by(caller, client)
         published = journal.append(branch, dataclasses.replace(entry, by=by))
         log.info(
@@ -153,34 +170,54 @@ class CommitService:
         )
         return published
 
-    def _kind(self, branch: str, entry: JournalEntry, current: str | None) -> str:
+    def _kind(
+        self, branch: str, entry: JournalEntry, current: str | None
+    ) -> tuple[str, _Stored | None]:
+        """What the entry does, from what it names as stored, and the snapshot it points at
+        (decoded once, from the bytes read here: what is checked is what is published)."""
         if entry.snapshot is None:
             if current is None:
                 raise RefNotFound(branch, "branch")
-            return "delete"
+            return "delete", None
         storage = self.repo.core.storage
+        key = snapshot_key(entry.snapshot)
         try:
-            stored = storage.get(snapshot_key(entry.snapshot))
+            data = storage.get(key)
         except ObjectNotFound:
             raise InvalidArgument(
                 f"entry {entry.seq} of {branch!r} names snapshot {entry.snapshot}, which is not "
                 "stored: write the commit's objects first"
             ) from None
-        if entry.snapshot_data is not None and entry.snapshot_data != stored:
+        if entry.snapshot_data is not None and entry.snapshot_data != data:
             raise InvalidArgument(
                 f"entry {entry.seq} of {branch!r} carries other bytes than snapshot "
                 f"{entry.snapshot} holds"
             )
+        if len(data) > JournalEntry.CARRY_MAX_BYTES:
+            # Too big to travel in the entry: readers would read snapshots/<id>, which a writer
+            # can overwrite where the provider cannot make it create-only. Refused rather than
+            # published on trust (docs/design/governance.md).
+            raise InvalidArgument(
+                f"snapshot {entry.snapshot} is {len(data)} bytes, more than a journal entry "
+                f"carries ({JournalEntry.CARRY_MAX_BYTES}): the commit service cannot vouch "
+                "for it yet"
+            )
+        try:
+            snap = Snapshot.decode(data, key)
+        except (CorruptObject, UnsupportedFormat) as e:
+            raise InvalidArgument(f"snapshot {entry.snapshot} cannot be read: {e}") from None
+        if snap.id != entry.snapshot:
+            raise InvalidArgument(f"snapshot object {key} holds snapshot {snap.id}")
+        stored = _Stored(snap, data)
         if current is None:
-            return "create"
-        snap = self.repo.core.objects.snapshot(entry.snapshot)
+            return "create", stored
         if snap.parents and snap.parents[0] == current:
-            return "merge" if len(snap.parents) > 1 else "commit"
-        return "reset"
+            return ("merge" if len(snap.parents) > 1 else "commit"), stored
+        return "reset", stored
 
-    def _check(self, branch: str, parent_id: str, snapshot_id: str, kind: str) -> None:
+    def _check(self, branch: str, parent_id: str, stored: _Stored, kind: str) -> None:
         objects = self.repo.core.objects
-        parent, built = objects.snapshot(parent_id), objects.snapshot(snapshot_id)
+        parent, built = objects.snapshot(parent_id), stored.snapshot
 
         def written() -> Iterator[str]:
             for key, _, new in manifest.diff_entries(parent.shards, built.shards, objects.shard):

@@ -81,20 +81,38 @@ def upgrade(core: RepositoryCore) -> tuple[UpgradeReport, RepoRecord]:
     if not storage.supports_compare_and_set or not storage.check_compare_and_set(CAS_PROBE_KEY):
         reason = f"{storage.url} does not keep compare-and-set writes: it stays journal-only"
         return UpgradeReport((), False, reason=reason), record
-    features = (*record.features, PUBLISHED_ROOT)
-    new = replace(record, features=features)  # a version-2 marker: see RepoRecord
+    # The marker as it is now, not as this client opened it: branch rules set since are kept.
+    current = RepoRecord.decode(storage.get(REPO_KEY), REPO_KEY)
+    if current.id != record.id:
+        raise ZarrlakeError(
+            f"the repository at {storage.url} was replaced (id {current.id}, not {record.id}): "
+            "nothing of it was changed"
+        )
+    if PUBLISHED_ROOT in current.features:
+        record = current  # another upgrade got there first
+    new = _with_root(current)
     upgraded = RepositoryCore.build(storage, new, core.lock)
     assert upgraded.journal.published is not None
     # 1. The root (a repository whose root is missing or damaged is written from the journals).
     upgraded.journal.published.publish(lambda r: r.with_repo(new))
     # 2. The marker.
-    _swap_marker(core, record, new)
+    final = _swap_marker(core, record, new)
+    if final != new:  # rules changed between the two: the root carries the marker's
+        upgraded.journal.published.publish(lambda r: r.with_repo(final))
     # 3. The journals again.
     root = upgraded.republish()
-    return _report(tuple(f for f in features if f not in record.features), root), new
+    return _report(tuple(f for f in final.features if f not in record.features), root), final
 
 
-def _swap_marker(core: RepositoryCore, old: RepoRecord, new: RepoRecord) -> None:
+def _with_root(record: RepoRecord) -> RepoRecord:
+    if PUBLISHED_ROOT in record.features:
+        return record
+    return replace(record, features=(*record.features, PUBLISHED_ROOT))  # a version-2 marker
+
+
+def _swap_marker(core: RepositoryCore, old: RepoRecord, new: RepoRecord) -> RepoRecord:
+    """Add the feature to the marker as it is at each try (keeping what else changed in it,
+    branch rules above all); the marker as written."""
     storage = core.storage
     for _ in range(8):
         got = storage.get_versioned(REPO_KEY)
@@ -105,10 +123,11 @@ def _swap_marker(core: RepositoryCore, old: RepoRecord, new: RepoRecord) -> None
                 f"(id {found.id}, not {old.id}): nothing of it was changed"
             )
         if PUBLISHED_ROOT in found.features:
-            return  # another upgrade got there first
+            return found  # another upgrade got there first
+        wanted = _with_root(found)
         try:
-            storage.put_if_version(REPO_KEY, new.encode(), got.version)
-            return
+            storage.put_if_version(REPO_KEY, wanted.encode(), got.version)
+            return wanted
         except PreconditionFailed:
             continue
     raise ZarrlakeError(f"the marker of {storage.url} kept changing during the upgrade")

@@ -1812,21 +1812,6 @@ def serve_url(repository: str, namespace: str, port: int) -> str:
     return f"http://{serve_names(repository)}.{namespace}.svc:{port}"
 
 
-def _serve_selector(repository: str) -> dict[str, str]:
-    """The labels that select a repository's server pods."""
-    return {
-        "app.kubernetes.io/instance": repository,
-        "app.kubernetes.io/component": SERVE_COMPONENT,
-    }
-
-
-def _serve_metadata(body: Mapping[str, Any]) -> dict[str, Any]:
-    name = body["metadata"]["name"]
-    return owned_metadata(
-        body, serve_names(name), labels(name, SERVE_COMPONENT) | {REPOSITORY_LABEL: name}
-    )
-
-
 def serve_storage(spec: RepositorySpec) -> StorageSpec:
     """The storage as the server reaches it: the Repository's, with ``serve.credentialsSecretRef``
     (read-only credentials) in place of its own credentials when given."""
@@ -1857,7 +1842,6 @@ def serve_deployment(
     service's NetworkPolicy keeps them out: the server never writes. ``url`` is the Repository's
     storage URL (its status); it carries no secrets.
     """
-    name = body["metadata"]["name"]
     serve = spec.serve
     storage = serve_storage(spec)
     volumes, mounts = storage_volumes(storage)
@@ -1902,21 +1886,42 @@ def serve_deployment(
         "securityContext": locked_down_container(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
-    selector = _serve_selector(name)
+    return _server_deployment(
+        body,
+        SERVE_COMPONENT,
+        serve.replicas,
+        container,
+        volumes,
+        pod_identity(serve.service_account_name, serve.image_pull_secrets),
+    )
+
+
+def _server_deployment(
+    body: Mapping[str, Any],
+    component: str,
+    replicas: int,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    identity: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The Deployment of one of a Repository's servers (``serve``, the commit service) around
+    its container: non-root pods of the image's zarrlake user, replicas spread."""
+    name = body["metadata"]["name"]
+    selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": component}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _serve_metadata(body),
+        "metadata": _server_metadata(body, component),
         "spec": {
-            "replicas": serve.replicas,
+            "replicas": replicas,
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels(name, SERVE_COMPONENT) | selector},
+                "metadata": {"labels": labels(name, component) | selector},
                 "spec": {
                     # Given whole, null where unset: drift is corrected by merge patches, which
                     # keep what they leave out (a ServiceAccount dropped from the spec must go).
                     **dict.fromkeys(_IDENTITY_FIELDS),
-                    **pod_identity(serve.service_account_name, serve.image_pull_secrets),
+                    **identity,
                     # The replicas of one server prefer different nodes and zones.
                     **preferred_spread(selector),
                     "securityContext": {
@@ -1934,20 +1939,116 @@ def serve_deployment(
     }
 
 
-def serve_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
-    """The server's ClusterIP Service: ``status.serve.url`` names it."""
+def _server_metadata(body: Mapping[str, Any], component: str) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return owned_metadata(
+        body, child_name(name, component), labels(name, component) | {REPOSITORY_LABEL: name}
+    )
+
+
+def _server_service(body: Mapping[str, Any], component: str, port: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _serve_metadata(body),
+        "metadata": _server_metadata(body, component),
         "spec": {
             "type": "ClusterIP",
-            "selector": _serve_selector(body["metadata"]["name"]),
-            "ports": [
-                {"name": "http", "port": spec.serve.port, "targetPort": "http", "protocol": "TCP"}
-            ],
+            "selector": {
+                "app.kubernetes.io/instance": body["metadata"]["name"],
+                "app.kubernetes.io/component": component,
+            },
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def serve_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
+    """The server's ClusterIP Service: ``status.serve.url`` names it."""
+    return _server_service(body, SERVE_COMPONENT, spec.serve.port)
+
+
+COMMIT_COMPONENT = "commit"
+#: Where the tokens file of ``spec.commitService.tokensSecretRef`` is mounted.
+COMMIT_TOKENS_DIR = "/var/run/zarrlake-service"
+COMMIT_TOKENS_FILE = f"{COMMIT_TOKENS_DIR}/tokens.json"
+
+
+def commit_service_names(repository: str) -> str:
+    """One name for the commit service's Deployment and Service."""
+    return child_name(repository, COMMIT_COMPONENT)
+
+
+def commit_service_url(repository: str, namespace: str, port: int) -> str:
+    return f"http://{commit_service_names(repository)}.{namespace}.svc:{port}"
+
+
+def commit_service_deployment(
+    body: Mapping[str, Any],
+    spec: RepositorySpec,
+    url: str,
+    defaults: ServeDefaults = SERVE_DEFAULTS,
+) -> dict[str, Any]:
+    """``zarrlake service URL --host 0.0.0.0 --port PORT --tokens-file F`` as a Deployment of
+    one pod, with the Repository's own credentials (it alone writes the refs) and the tokens
+    file from its Secret. Readiness and liveness are ``/healthz``. Its pods carry no
+    ``zarrlake.io/repository`` label: the lock service's NetworkPolicy keeps them out (the
+    service's appends are create-only writes, decided without the lock)."""
+    service = spec.commit_service
+    assert service.tokens_secret_ref is not None  # the spec's rules ask for it
+    volumes, mounts = storage_volumes(spec.storage)
+    tokens = service.tokens_secret_ref
+    volumes.append(
+        {
+            "name": "service-tokens",
+            "secret": {
+                "secretName": tokens.name,
+                "items": [{"key": tokens.key, "path": "tokens.json"}],
+                "defaultMode": 0o440,
+            },
+        }
+    )
+    mounts.append({"name": "service-tokens", "mountPath": COMMIT_TOKENS_DIR, "readOnly": True})
+    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "timeoutSeconds": 5}
+    container: dict[str, Any] = {
+        "name": COMMIT_COMPONENT,
+        "image": service.image or defaults.image,
+        "command": ["zarrlake"],
+        "args": [
+            "service",
+            url,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(service.port),
+            "--tokens-file",
+            COMMIT_TOKENS_FILE,
+        ],
+        "env": storage_env(spec.storage) or None,
+        "ports": [{"name": "http", "containerPort": service.port, "protocol": "TCP"}],
+        "resources": service.resources.to_k8s() if service.resources else dict(defaults.resources),
+        "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {
+            **probe,
+            "initialDelaySeconds": 10,
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+        },
+        "securityContext": locked_down_container(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    return _server_deployment(
+        body,
+        COMMIT_COMPONENT,
+        1,
+        container,
+        volumes,
+        pod_identity(service.service_account_name, service.image_pull_secrets),
+    )
+
+
+def commit_service_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:
+    """The commit service's ClusterIP Service: ``status.commitService.url`` names it."""
+    return _server_service(body, COMMIT_COMPONENT, spec.commit_service.port)
 
 
 class ServeState(NamedTuple):

@@ -34,6 +34,7 @@ from zarrlake import (
     StorageError,
     TagExists,
     ZarrlakeError,
+    checks,
 )
 from zarrlake.durations import parse_duration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
@@ -44,6 +45,7 @@ from zarrlake.resources import (
     BranchProtectionSpec,
     BranchSpec,
     BranchStatus,
+    CommitServiceStatus,
     Condition,
     JobRun,
     MirrorSpec,
@@ -600,6 +602,18 @@ def repository(
     if spec.protection is None:
         conds = [c for c in conds if c.type != "ProtectionReady"]
 
+    # The commit service, once there is a repository for it.
+    committing = _commit_service(body, spec, status.url, defaults=serve, resync=resync)
+    if committing is None:
+        conds = [c for c in conds if c.type != "CommitServiceReady"]
+        status = status.model_copy(update={"commit_service": None})
+    else:
+        state = committing.state
+        cond("CommitServiceReady", state.ready, state.reason, state.message)
+        status = status.model_copy(update={"commit_service": committing.fields})
+        if state.starting and retry is None:
+            retry = kopf.TemporaryError(state.message, delay=5)
+
     # The HTTP server, once there is a repository to serve.
     served = _serve(body, spec, status.url, defaults=serve, resync=resync)
     if served is None:
@@ -657,6 +671,9 @@ def _protection(
                 tuple(item.required_checks),
                 item.check_options,
             )
+        for rule in rules.values():  # every rule valid before any is changed
+            for check in rule.required_checks:
+                checks.build(check, rule.options(check))
         changed = []
         for branch, rule in rules.items():
             if have.get(branch) != rule:
@@ -992,6 +1009,62 @@ def _serve(
         url=desired.serve_url(name, ns, serve.port), readyReplicas=state.ready_replicas
     )
     return Served(state, fields)
+
+
+@dataclass(frozen=True)
+class Committing:
+    """The CommitServiceReady condition's facts, and the status fields of the service."""
+
+    state: desired.ServeState
+    fields: CommitServiceStatus | None = None
+
+
+def _commit_service(
+    body: Mapping[str, Any],
+    spec: RepositorySpec,
+    url: str | None,
+    *,
+    defaults: desired.ServeDefaults,
+    resync: bool,
+) -> Committing | None:
+    """Make the commit service what ``spec.commitService`` asks for, and say how it is; None
+    when it asks for none (then one made before goes), as :func:`_serve` does for the server."""
+    ns, name, gen = _meta(body)
+    service = spec.commit_service
+    if not service.enabled:
+        if observed(RepositoryStatus, body).commit_service is not None or (not resync and gen != 1):
+            for kind in _remove_managed(ns, desired.commit_service_names(name), SERVE_KINDS):
+                _event(body, "CommitServiceDeleted", f"deleted commit service {kind}")
+        return None
+    if url is None:
+        message = "waiting for the repository: the commit service starts once it is initialized"
+        return Committing(desired.ServeState(False, "WaitingForRepository", message))
+    deployment, action = kube.apply(desired.commit_service_deployment(body, spec, url, defaults))
+    actions = [("Deployment", action)]
+    if not resync or action != "unchanged":
+        actions.append(("Service", kube.apply(desired.commit_service_service(body, spec))[1]))
+    for what, act in actions:
+        if act != "unchanged":
+            _event(body, f"CommitService{act.capitalize()}", f"{act} commit service {what}")
+    state = desired.serve_rollout(deployment, 1)
+    tokens = service.tokens_secret_ref
+    if tokens is not None:
+        try:
+            found = kube.secrets(ns, kept=resync)(tokens.name)
+        except KubernetesError as e:
+            found, missing = None, str(e)
+        else:
+            missing = f"Secret {tokens.name!r} not found (spec.commitService.tokensSecretRef)"
+        if found is not None and tokens.key not in found:
+            missing = f"Secret {tokens.name!r} has no key {tokens.key!r}"
+            found = None
+        if found is None:
+            state = desired.ServeState(False, "SecretNotFound", missing, state.ready_replicas)
+    fields = CommitServiceStatus(
+        url=desired.commit_service_url(name, ns, service.port),
+        readyReplicas=state.ready_replicas,
+    )
+    return Committing(state, fields)
 
 
 def _serve_secret_missing(ns: str, serve: ServeSpec, *, resync: bool) -> str | None:

@@ -282,7 +282,12 @@ class LocalCluster:
     # -- Deployments of the repositories' HTTP servers --
 
     def _servers(self, ns: str) -> None:
-        deployments = kube.list_("Deployment", ns, "app.kubernetes.io/component=serve")
+        # The repositories' servers: zarrlake serve, and the commit service.
+        deployments = [
+            dep
+            for component in ("serve", "commit")
+            for dep in kube.list_("Deployment", ns, f"app.kubernetes.io/component={component}")
+        ]
         alive = set()
         for dep in deployments:
             key = (ns, dep["metadata"]["name"])
@@ -302,9 +307,12 @@ class LocalCluster:
                 if started is None:
                     break  # a Secret it needs is missing: the kubelet cannot start it
                 pods.append(started)
+            (container,) = dep["spec"]["template"]["spec"]["containers"]
+            probe = (container.get("readinessProbe") or {}).get("httpGet", {}).get("path")
             for pod in pods:
                 if time.monotonic() - pod.probed >= PROBE_PERIOD_S:
-                    pod.ready, pod.probed = _answers(pod.port, "/readyz"), time.monotonic()
+                    ready = _answers(pod.port, probe or "/readyz")
+                    pod.ready, pod.probed = ready, time.monotonic()
             self._publish_server(ns, dep, pods)
             self._server_status(key, dep, wanted, sum(p.ready for p in pods))
         for key in [k for k in self.servers if k[0] == ns and k not in alive]:
