@@ -5,6 +5,7 @@ repository state that other clients (and older ones) obey.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -520,3 +521,26 @@ def test_upgrade_keeps_the_rules_and_the_guard(journal_only: None) -> None:
         _write(stale, "main", _set("t", 3.0), "direct")
     with pytest.raises(zarrlake.BranchProtected):
         _write(repo, "main", _set("t", 3.0), "direct")
+
+
+def test_cli_merge_and_delete_refused_by_the_rules(tmp_path: Any, cli: Callable[..., Any]) -> None:
+    url = f"file://{tmp_path / 'repo'}"
+    repo = zarrlake.Repository.create(zarrlake.Storage.from_url(url))
+    _seed(repo)
+    repo.create_branch("dev")
+    _write(repo, "dev", _set("t", np.nan), "NaN on dev")
+    assert cli("branch", url, "protect", "main", "--check", "no-nan").code == 0
+    assert cli("branch", url, "protect", "dev", "--allow-direct-commits").code == 0
+    head = repo.lookup_branch("main")
+    r = cli("merge", url, "dev", "main")
+    assert r.code == 1 and r.out == ""
+    assert r.err.strip().splitlines() == [
+        "zarrlake: error: check 'no-nan' refused the change to branch 'main': "
+        "array /t chunk [0, 0] has 1 NaN value(s)"
+    ]
+    r = cli("branch", url, "delete", "dev")
+    assert r.code == 1
+    assert "cannot be deleted (allow_delete is off)" in r.err and r.err.count("\n") == 1
+    assert zarrlake.Repository.open(zarrlake.Storage.from_url(url)).lookup_branch("main") == head
+    moves = cli("branch", url, "moves", "main", "--json")
+    assert moves.code == 0 and json.loads(moves.out)[0]["snapshot"] == head
