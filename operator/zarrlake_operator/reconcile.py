@@ -13,7 +13,7 @@ import os
 import secrets as pysecrets
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -982,25 +982,23 @@ def _serve(
 
     The Deployment is applied on every reconcile, resyncs too (its status is the server's
     readiness); the Service on a change of the Repository or with a new Deployment."""
-    ns, name, gen = _meta(body)
+    ns, name, _ = _meta(body)
     serve = spec.serve
     if not serve.enabled:
-        # A change looks for a server the status may not name (a reconcile that made one and
-        # stopped before its status); a spec never changed (generation 1) never asked for one.
-        if observed(RepositoryStatus, body).serve is not None or (not resync and gen != 1):
-            for kind in _remove_managed(ns, desired.serve_names(name), SERVE_KINDS):
-                _event(body, "ServeDeleted", f"deleted server {kind}")
+        had = observed(RepositoryStatus, body).serve is not None
+        _remove_server(body, desired.serve_names(name), had, "Serve", "server", resync=resync)
         return None
     if url is None:
         message = "waiting for the repository: the server starts once it is initialized"
         return Served(desired.ServeState(False, "WaitingForRepository", message))
-    deployment, action = kube.apply(desired.serve_deployment(body, spec, url, defaults))
-    actions = [("Deployment", action)]
-    if not resync or action != "unchanged":
-        actions.append(("Service", kube.apply(desired.serve_service(body, spec))[1]))
-    for what, act in actions:
-        if act != "unchanged":
-            _event(body, f"Serve{act.capitalize()}", f"{act} server {what}")
+    deployment = _apply_server(
+        body,
+        desired.serve_deployment(body, spec, url, defaults),
+        lambda: desired.serve_service(body, spec),
+        "Serve",
+        "server",
+        resync=resync,
+    )
     state = desired.serve_rollout(deployment, serve.replicas)
     missing = _serve_secret_missing(ns, serve, resync=resync)
     if missing is not None:
@@ -1009,6 +1007,40 @@ def _serve(
         url=desired.serve_url(name, ns, serve.port), readyReplicas=state.ready_replicas
     )
     return Served(state, fields)
+
+
+def _remove_server(
+    body: Mapping[str, Any], names: str, had: bool, event: str, what: str, *, resync: bool
+) -> None:
+    """Take down a server the spec no longer asks for (``had``: the status names one)."""
+    ns, _, gen = _meta(body)
+    # A change looks for a server the status may not name (a reconcile that made one and
+    # stopped before its status); a spec never changed (generation 1) never asked for one.
+    if had or (not resync and gen != 1):
+        for kind in _remove_managed(ns, names, SERVE_KINDS):
+            _event(body, f"{event}Deleted", f"deleted {what} {kind}")
+
+
+def _apply_server(
+    body: Mapping[str, Any],
+    deployment: dict[str, Any],
+    service: Callable[[], dict[str, Any]],
+    event: str,
+    what: str,
+    *,
+    resync: bool,
+) -> dict[str, Any] | None:
+    """Apply a server's Deployment (every reconcile: its status is the server's readiness) and
+    its Service (on a change of the Repository, or with a new Deployment); the Deployment as
+    the API server has it."""
+    applied, action = kube.apply(deployment)
+    actions = [("Deployment", action)]
+    if not resync or action != "unchanged":
+        actions.append(("Service", kube.apply(service())[1]))
+    for kind, act in actions:
+        if act != "unchanged":
+            _event(body, f"{event}{act.capitalize()}", f"{act} {what} {kind}")
+    return applied
 
 
 @dataclass(frozen=True)
@@ -1029,23 +1061,24 @@ def _commit_service(
 ) -> Committing | None:
     """Make the commit service what ``spec.commitService`` asks for, and say how it is; None
     when it asks for none (then one made before goes), as :func:`_serve` does for the server."""
-    ns, name, gen = _meta(body)
+    ns, name, _ = _meta(body)
     service = spec.commit_service
     if not service.enabled:
-        if observed(RepositoryStatus, body).commit_service is not None or (not resync and gen != 1):
-            for kind in _remove_managed(ns, desired.commit_service_names(name), SERVE_KINDS):
-                _event(body, "CommitServiceDeleted", f"deleted commit service {kind}")
+        had = observed(RepositoryStatus, body).commit_service is not None
+        names = desired.commit_service_names(name)
+        _remove_server(body, names, had, "CommitService", "commit service", resync=resync)
         return None
     if url is None:
         message = "waiting for the repository: the commit service starts once it is initialized"
         return Committing(desired.ServeState(False, "WaitingForRepository", message))
-    deployment, action = kube.apply(desired.commit_service_deployment(body, spec, url, defaults))
-    actions = [("Deployment", action)]
-    if not resync or action != "unchanged":
-        actions.append(("Service", kube.apply(desired.commit_service_service(body, spec))[1]))
-    for what, act in actions:
-        if act != "unchanged":
-            _event(body, f"CommitService{act.capitalize()}", f"{act} commit service {what}")
+    deployment = _apply_server(
+        body,
+        desired.commit_service_deployment(body, spec, url, defaults),
+        lambda: desired.commit_service_service(body, spec),
+        "CommitService",
+        "commit service",
+        resync=resync,
+    )
     state = desired.serve_rollout(deployment, 1)
     tokens = service.tokens_secret_ref
     if tokens is not None:
