@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from zarrlake import checks
 from zarrlake.changeset import Changeset
+from zarrlake.checks import Change, build, run
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchProtected,
@@ -138,8 +138,8 @@ class Governance:
         if rule is None or not rule.required_checks:
             return
         kind = "merge" if merge else "commit"
-        change = checks.Change(branch, kind, parent, built, written, self._open_store)
-        checks.run(rule, change)
+        change = Change(branch, kind, parent, built, written, self._open_store)
+        run(rule, change)
 
     def before_move(self, branch: str, action: str) -> None:
         rule = self._rule(branch)
@@ -172,7 +172,7 @@ class Governance:
     def protect(self, name: str, rule: BranchRule) -> BranchRule:
         validate_name(name)
         for check in rule.required_checks:
-            checks.build(check, rule.options(check))  # installed here, options accepted
+            build(check, rule.options(check))  # installed here, options accepted
         self._change(lambda branches: {**branches, name: rule})
         return rule
 
