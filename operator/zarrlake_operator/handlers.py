@@ -207,9 +207,9 @@ async def _repository_ready(namespace: str, name: str, timeout: float) -> bool:
 async def _dependent_changed(
     kind: str, fn: Callable[..., object], body: kopf.Body, **kwargs: Any
 ) -> None:
-    """A change of a Branch, Tag or RetentionPolicy: reconcile it; if its Repository is missing
-    or not Ready, wait for the watch to show it Ready (at most the retry delay) and try again
-    then — at once, not a delay after it turned Ready."""
+    """A change of a Branch, Tag, RetentionPolicy or Mirror: reconcile it; if its Repository is
+    missing or not Ready, wait for the watch to show it Ready (at most the retry delay) and try
+    again then — at once, not a delay after it turned Ready."""
 
     def attempt() -> None:
         with serialized(body):
@@ -458,11 +458,9 @@ def _observed_now(body: kopf.Body) -> None:
 @kopf.on.resume(*MIRRORS)
 @kopf.on.create(*MIRRORS)
 @kopf.on.update(*MIRRORS, field="spec")
-@metrics.instrumented("Mirror")
-def mirror_changed(body: kopf.Body, **_: Any) -> None:
-    with serialized(body):
-        _observed_now(body)
-        reconcile.mirror(body, JOB_IMAGE)
+async def mirror_changed(body: kopf.Body, **_: Any) -> None:
+    _observed_now(body)
+    await _dependent_changed("Mirror", reconcile.mirror, body, job_image=JOB_IMAGE)
 
 
 @kopf.timer(*MIRRORS, interval=MIRROR_TICK_SECONDS, initial_delay=MIRROR_TICK_SECONDS)

@@ -1722,7 +1722,7 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
     if repo_body is None:
         message = f"Repository {spec.repository!r} does not exist in namespace {ns!r}"
         _report_mirror(body, reason="RepositoryNotFound", message=message)
-        raise kopf.TemporaryError(message, delay=15)
+        raise RepositoryNotReady(message, spec.repository, delay=15)
     if _read_only(repo_body):
         message = (
             f"Repository {spec.repository!r} is on read-only storage (provider http), which "
@@ -1757,7 +1757,9 @@ def mirror(body: Mapping[str, Any], job_image: str) -> ResourceStatus:
         source = _connection(repo_body, require_ready=True)
     except KubernetesError as e:
         _report_mirror(body, reason="RepositoryNotReady", message=str(e))
-        raise kopf.TemporaryError(str(e), delay=10) from None
+        # Woken by the watch as soon as the Repository turns Ready, as a Branch is: a retry
+        # only after its delay would land long after, at a moment nothing else changes.
+        raise RepositoryNotReady(str(e), spec.repository, delay=10) from None
     refuse_own_location(source)
     try:
         dest = storage_connection(dest_spec, kube.secrets(ns), f"Mirror {name!r}")
