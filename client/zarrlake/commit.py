@@ -243,15 +243,23 @@ def _index_for(
     return HistoryIndex(0, (digest, *pages)[: HistoryIndex.WINDOW]), (digest, page)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Waiter:
     """One optimistic writer waiting to commit to a branch: trying since ``since``, alive until
     ``until`` (wall-clock microseconds; skew between machines only reorders who goes first, it
-    never decides anything). Ordered oldest first, the writer id breaking a tie."""
+    never decides anything). Ordered as their keys sort in a listing (:meth:`name`): oldest
+    first, then the one whose lease ends first, then by writer id, so that every writer agrees
+    who is first."""
 
     since: int
     writer: str
     until: int
+
+    def _order(self) -> tuple[int, int, str]:
+        return (self.since, self.until, self.writer)
+
+    def __lt__(self, other: Waiter) -> bool:
+        return self._order() < other._order()
 
     def name(self) -> str:
         """The waiter's key below the branch's queue: sorts oldest first."""

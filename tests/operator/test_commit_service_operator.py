@@ -84,3 +84,7 @@ def test_a_commit_service_without_its_tokens_secret_is_reported(k8s: Env) -> Non
             or None
         ),
     )
+    # Taken down here, not by the namespace's deletion after the test: a later test of the
+    # shared operator would count that DELETE as its own.
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
+    wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)
