@@ -103,7 +103,14 @@ class Governance:
     # -- the engine's guard -----------------------------------------------------------------------
 
     def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None:
-        self._refuse_direct(branch, self._rule(branch), merge=merge or maintenance)
+        # An early word only: verify() reads the rules just before the append and decides. So
+        # the marker is read here only when the rules this client holds would refuse (they may
+        # have been lifted): a governed commit costs one read of the marker, not two.
+        if merge or maintenance:
+            return
+        rule = self._protection.rule(branch)
+        if rule is not None and rule.require_merge:
+            self._refuse_direct(branch, self._rule(branch), merge=False)
 
     def _refuse_direct(self, branch: str, rule: BranchRule | None, *, merge: bool) -> None:
         if rule is None or merge or not rule.require_merge:

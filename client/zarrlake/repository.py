@@ -617,6 +617,10 @@ class Repository:
         the token that asked: ``identity``, ``role``, ``service``, ``client``; None for a move
         a client wrote itself). Raises :class:`RefNotFound` for a branch that never existed."""
         validate_name(name)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise InvalidArgument(f"limit must be a number >= 0 or None, not {limit!r}")
         entries = self._core.journal.history(name)
         if not entries:
             raise RefNotFound(name, "branch")
