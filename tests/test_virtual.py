@@ -477,3 +477,227 @@ def test_write_virtual_dataset_without_virtualizarr_names_the_extra(
     repo = local_repo(tmp_path, data_dir)
     with pytest.raises(zarrlake.MissingDependency, match=r"zarrlake\[virtual\]"):
         write_virtual_dataset(xr.Dataset(), repo.writable_session())
+
+
+# -- on Azure (Azurite), GCS (fake-gcs-server) and plain HTTP -------------------------------------
+
+
+def cloud_repo(
+    emulator: Any, container: str, *, credentials: dict[str, Any] | None = None, **fields: Any
+) -> zarrlake.Repository:
+    config = {"virtual_containers": [{"url_prefix": container, **fields}]}
+    return zarrlake.Repository.create(
+        emulator.storage(), config=config, virtual_credentials=credentials
+    )
+
+
+def check_read_rewrite_delete(
+    repo: zarrlake.Repository,
+    path: Path,
+    url: str,
+    upload: Any,
+    delete: Any,
+    tmp_path: Path,
+    changed: str = "",
+) -> None:
+    """The shared story: identical to the file, then rewritten (changed), then gone (missing)."""
+    imported(repo, path, url)
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+        reader = pickle.loads(pickle.dumps(repo.readonly_session()))
+        xr.testing.assert_identical(
+            xr.open_zarr(reader.store, consolidated=False).load(), expected.load()
+        )
+    upload(write_netcdf(tmp_path / "other.nc", make_dataset(seed=9)))
+    with pytest.raises(zarrlake.VirtualSourceChanged, match=changed) as info:
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    assert info.value.url == url
+    assert {p.kind for p in repo.fsck(virtual=True).problems} == {"virtual-changed"}
+    delete()
+    with pytest.raises(zarrlake.VirtualSourceMissing):
+        zarr.open_array(repo.readonly_session().store, path="t2m")[:]
+    assert {p.kind for p in repo.fsck(virtual=True).problems} == {"virtual-missing"}
+
+
+def test_a_netcdf_on_azure_reads_back_identical_and_is_pinned_by_etag(
+    azurite: Any, tmp_path: Path
+) -> None:
+    from zarrlake_testkit.emulators import AZURITE_ACCOUNT, AZURITE_KEY
+
+    prefix = f"archive-{os.urandom(4).hex()}"
+    source = azurite.storage(prefix)
+    path = write_netcdf(tmp_path / "a.nc", make_dataset())
+    source.put("a.nc", path.read_bytes())
+    container = f"az://{azurite.bucket}/{prefix}/"
+    creds = {container: {"account_key": AZURITE_KEY}}
+    repo = cloud_repo(
+        azurite,
+        container,
+        credentials=creds,
+        endpoint_url=azurite.endpoint,
+        account_name=AZURITE_ACCOUNT,
+    )
+    url = container + "a.nc"
+    check_read_rewrite_delete(
+        repo,
+        path,
+        url,
+        lambda other: source.put("a.nc", other.read_bytes()),
+        lambda: source.delete_many(["a.nc"]),
+        tmp_path,
+        changed="ETag",
+    )
+    ref = repo.readonly_session().resolve("t2m/0.0.0")
+    assert ref is not None and ref[4]  # pinned by ETag
+
+
+def test_a_netcdf_on_gcs_reads_back_identical_and_is_pinned_by_generation(
+    fake_gcs: Any, tmp_path: Path
+) -> None:
+    prefix = f"archive-{os.urandom(4).hex()}"
+    source = fake_gcs.storage(prefix)
+    path = write_netcdf(tmp_path / "a.nc", make_dataset())
+    source.put("a.nc", path.read_bytes())
+    container = f"gs://{fake_gcs.bucket}/{prefix}/"
+    repo = cloud_repo(fake_gcs, container, endpoint_url=fake_gcs.endpoint, anonymous=True)
+    url = container + "a.nc"
+    ref_generation = source.head("a.nc")
+    assert ref_generation is not None and ref_generation.etag
+    check_read_rewrite_delete(
+        repo,
+        path,
+        url,
+        lambda other: source.put("a.nc", other.read_bytes()),
+        lambda: source.delete_many(["a.nc"]),
+        tmp_path,
+    )
+    ref = repo.readonly_session().resolve("t2m/0.0.0")
+    assert ref is not None and ref[4] == ref_generation.etag
+
+
+@pytest.mark.parametrize("etags", [True, False], ids=["etag", "last-modified"])
+def test_a_netcdf_over_http_reads_back_identical_and_is_pinned(
+    tmp_path: Path, data_dir: Path, etags: bool
+) -> None:
+    from zarrlake_testkit.static_http import StaticHTTPServer
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    token = "Bearer " + os.urandom(8).hex()
+    with StaticHTTPServer(data_dir, etags=etags, authorization=token) as server:
+        container = server.url + "/"
+        url = container + "a.nc"
+        config = {"virtual_containers": [{"url_prefix": container}]}
+        creds = {container: {"authorization": token}}
+        repo = zarrlake.Repository.create(
+            zarrlake.Storage.local(tmp_path / "repo"), config=config, virtual_credentials=creds
+        )
+
+        def rewrite(other: Path) -> None:
+            other.replace(path)
+            later = dt.datetime.now().timestamp() + 5  # HTTP dates count seconds
+            os.utime(path, (later, later))
+
+        check_read_rewrite_delete(
+            repo, path, url, rewrite, path.unlink, tmp_path, changed="ETag" if etags else "modified"
+        )
+        ref = repo.readonly_session().resolve("t2m/0.0.0")
+        assert ref is not None and (ref[4] is not None) == etags
+        # Without the credential, the server's 401 is an error, never data.
+        bare = zarrlake.Repository.open(repo.storage)
+        with pytest.raises(zarrlake.ZarrlakeError):
+            bare.readonly_session().store.get_sync("t2m/0.0.0")
+
+
+def test_credentials_from_the_environment(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zarrlake_testkit.static_http import StaticHTTPServer
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    token = "Bearer " + os.urandom(8).hex()
+    with StaticHTTPServer(data_dir, etags=True, authorization=token) as server:
+        container = server.url + "/"
+        config = {"virtual_containers": [{"url_prefix": container}]}
+        creds = {container: {"authorization": token}, "s3://another-repos-bucket/": {"x": "1"}}
+        secret = tmp_path / "secret.json"
+        secret.write_text(json.dumps(creds))
+        monkeypatch.setenv("ZARRLAKE_VIRTUAL_CREDENTIALS_FILE", str(secret))
+        repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), config=config)
+        imported(repo, path, container + "a.nc")
+        with xr.open_dataset(path, engine="h5netcdf") as expected:
+            reopened = zarrlake.Repository.open(repo.storage)
+            xr.testing.assert_identical(open_repo_dataset(reopened).load(), expected.load())
+        # Given at open, they win over the environment's, prefix by prefix.
+        wrong = {container: {"authorization": "Bearer wrong"}}
+        overridden = zarrlake.Repository.open(repo.storage, virtual_credentials=wrong)
+        with pytest.raises(zarrlake.ZarrlakeError):
+            overridden.readonly_session().store.get_sync("t2m/0.0.0")
+        # The JSON variable comes first; a bad one is an error naming it, not its values.
+        monkeypatch.setenv("ZARRLAKE_VIRTUAL_CREDENTIALS", "{not json")
+        with pytest.raises(zarrlake.InvalidArgument, match=r"\$ZARRLAKE_VIRTUAL_CREDENTIALS is"):
+            zarrlake.Repository.open(repo.storage).readonly_session()
+        monkeypatch.setenv(
+            "ZARRLAKE_VIRTUAL_CREDENTIALS", json.dumps({container: {"account_key": "s3cr3t-v"}})
+        )
+        with pytest.raises(zarrlake.InvalidArgument, match="unknown field") as info:
+            zarrlake.Repository.open(repo.storage).readonly_session()
+        assert "s3cr3t-v" not in str(info.value)
+
+
+def test_containers_of_every_scheme_are_checked_and_stored_for_older_clients(
+    tmp_path: Path,
+) -> None:
+    from zarrlake.config import RepositoryConfig
+
+    containers = [
+        {"url_prefix": "s3://b/data/", "region": "eu-west-1"},
+        {"url_prefix": "file:///archive/"},
+        {"url_prefix": "gs://era5/", "anonymous": True},
+        {"url_prefix": "az://c/x/", "account_name": "acct"},
+        {"url_prefix": "https://data.example.org/nc/"},
+    ]
+    repo = zarrlake.Repository.create(
+        zarrlake.Storage.local(tmp_path / "repo"), config={"virtual_containers": containers}
+    )
+    stored = repo.record.config
+    # What zarrlake 0.3/0.4 read: s3 and file containers, in the four fields they knew.
+    assert [c["url_prefix"] for c in stored["virtual_containers"]] == [
+        "s3://b/data/",
+        "file:///archive/",
+    ]
+    assert all(set(c) == {"url_prefix", "endpoint_url", "region", "anonymous"}
+               for c in stored["virtual_containers"])  # fmt: skip
+    assert [c["url_prefix"] for c in stored["virtual_containers_ext"]] == [
+        "gs://era5/",
+        "az://c/x/",
+        "https://data.example.org/nc/",
+    ]
+    reopened = zarrlake.Repository.open(repo.storage)
+    assert sorted(c.url_prefix for c in reopened.config.virtual_containers) == sorted(
+        c["url_prefix"] for c in containers
+    )
+    # An older client's view: the extension is a setting it does not know, and is left out.
+    old = RepositoryConfig.from_dict({"virtual_containers": stored["virtual_containers"]})
+    assert [c.url_prefix for c in old.virtual_containers] == ["s3://b/data/", "file:///archive/"]
+    bad = [
+        ({"url_prefix": "gs:///x/"}, "needs a bucket"),
+        ({"url_prefix": "az://c/x/", "region": "eu"}, "region is for s3:// containers only"),
+        ({"url_prefix": "https://h/x/", "anonymous": True}, "anonymous is for"),
+        ({"url_prefix": "https://h/x/?sig=1/"}, "no query"),
+        ({"url_prefix": "gs://b/", "endpoint_url": "ftp://e"}, "endpoint_url must be"),
+        ({"url_prefix": "ftp://h/x/"}, "ftp"),
+    ]
+    for container, message in bad:
+        with pytest.raises(zarrlake.InvalidConfig, match=message):
+            zarrlake.Repository.create(
+                zarrlake.Storage.memory(), config={"virtual_containers": [container]}
+            )
+    # Credentials are checked against the container's scheme.
+    with pytest.raises(zarrlake.InvalidArgument, match="takes no credentials"):
+        zarrlake.Repository.open(
+            repo.storage, virtual_credentials={"file:///archive/": {"token": "t"}}
+        ).readonly_session()
+    with pytest.raises(zarrlake.InvalidArgument, match="unknown field"):
+        zarrlake.Repository.open(
+            repo.storage, virtual_credentials={"gs://era5/": {"account_key": "k"}}
+        ).readonly_session()

@@ -17,7 +17,21 @@ PACK_CHUNKS_BELOW_BYTES = 256 * 1024
 
 
 #: URL schemes a virtual chunk container may name: those whose sources zarrlake reads today.
-VIRTUAL_SCHEMES = ("s3", "file")
+VIRTUAL_SCHEMES = ("s3", "gs", "az", "http", "https", "file")
+#: What zarrlake 0.3 and 0.4 knew of containers. The stored config keeps containers of these
+#: schemes and fields under ``virtual_containers`` and the others under
+#: ``virtual_containers_ext`` (which those versions leave out as a setting they do not know), so
+#: that an older client still opens the repository, and refuses only refs into the containers
+#: it cannot read (:class:`VirtualContainerNotAllowed`).
+_FIRST_SCHEMES = ("s3", "file")
+_EXT_KEY = "virtual_containers_ext"
+#: Where each container field applies; elsewhere it must be left unset.
+_FIELD_SCHEMES = {
+    "endpoint_url": ("s3", "gs", "az"),
+    "region": ("s3",),
+    "account_name": ("az",),
+    "anonymous": ("s3", "gs", "az"),
+}
 
 
 @dataclass(frozen=True)
@@ -26,20 +40,38 @@ class VirtualContainer:
 
     A repository lists them in its config as an allow-list: a ref whose URL starts with no
     container's ``url_prefix`` is refused when written and when read, so that a repository can
-    never make a reader fetch an arbitrary URL with the reader's credentials. ``endpoint_url``,
-    ``region`` and ``anonymous`` say how to reach an ``s3://`` container (an S3-compatible
-    server, a public bucket); credentials are never stored here: readers give them at open.
+    never make a reader fetch an arbitrary URL with the reader's credentials.
+
+    ``url_prefix`` is ``s3://bucket/…/``, ``gs://bucket/…/``, ``az://container/…/``,
+    ``http(s)://host/…/`` or ``file:///…/``. How to reach it: ``endpoint_url`` (an S3-compatible
+    server, a GCS or Azure emulator or another cloud), ``region`` (S3), ``account_name`` (the
+    Azure storage account; else ``$AZURE_STORAGE_ACCOUNT_NAME`` or the reader's credentials),
+    ``anonymous`` (unsigned requests: a public bucket). Credentials are never stored here:
+    readers give them at open.
     """
 
     url_prefix: str
     endpoint_url: str | None = None
     region: str | None = None
     anonymous: bool = False
+    account_name: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        """The URL scheme of the container (``s3``, ``gs``, ``az``, ``http``, ``https``,
+        ``file``)."""
+        return self.url_prefix.partition("://")[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored form: the fields set (``url_prefix`` always)."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if k == "url_prefix" or v not in (None, False)}
 
     def __post_init__(self) -> None:
-        """Raises :class:`InvalidConfig` for a prefix that is not ``s3://bucket/…/`` or
-        ``file:///…/`` (ending in ``/``, so that ``s3://b/data`` cannot admit ``s3://b/data2``),
-        or settings of the wrong type."""
+        """Raises :class:`InvalidConfig` for a prefix that is not one of the forms above
+        (ending in ``/``, so that ``s3://b/data`` cannot admit ``s3://b/data2``), a setting of
+        the wrong type, or one the container's scheme does not take (``region`` of a ``gs://``
+        container, say)."""
         prefix = self.url_prefix
         if not isinstance(prefix, str):
             raise InvalidConfig(f"url_prefix must be a string, not {prefix!r}")
@@ -54,18 +86,35 @@ class VirtualContainer:
         segments = rest.split("/")[1:-1]
         if any(seg in (".", "..") for seg in segments):
             raise InvalidConfig(f"virtual container {prefix!r}: no '.' or '..' segments")
-        if scheme == "s3" and not rest.split("/", 1)[0]:
-            raise InvalidConfig(f"virtual container {prefix!r}: an s3:// URL needs a bucket")
+        if scheme in ("s3", "gs", "az") and not rest.split("/", 1)[0]:
+            what = "a container" if scheme == "az" else "a bucket"
+            raise InvalidConfig(f"virtual container {prefix!r}: an {scheme}:// URL needs {what}")
+        no_host = not rest.split("/", 1)[0]
+        if scheme in ("http", "https") and (no_host or "?" in rest or "#" in rest):
+            raise InvalidConfig(
+                f"virtual container {prefix!r}: an {scheme}:// URL needs a host, and no query"
+            )
         if scheme == "file" and not rest.startswith("/"):
             raise InvalidConfig(
                 f"virtual container {prefix!r}: a file:// URL needs an absolute path"
             )
-        for name in ("endpoint_url", "region"):
+        for name in ("endpoint_url", "region", "account_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidConfig(f"virtual container {prefix!r}: {name} must be a string")
         if not isinstance(self.anonymous, bool):
             raise InvalidConfig(f"virtual container {prefix!r}: anonymous must be true or false")
+        for name, schemes in _FIELD_SCHEMES.items():
+            if getattr(self, name) not in (None, False) and scheme not in schemes:
+                raise InvalidConfig(
+                    f"virtual container {prefix!r}: {name} is for "
+                    f"{', '.join(s + '://' for s in schemes)} containers only"
+                )
+        endpoint = self.endpoint_url
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise InvalidConfig(
+                f"virtual container {prefix!r}: endpoint_url must be an http(s):// URL"
+            )
 
     @classmethod
     def from_value(cls, value: object) -> VirtualContainer:
@@ -134,10 +183,16 @@ class RepositoryConfig:
         d["session_ttl"] = self.session_ttl.total_seconds()
         # Left out when empty: the settings of a repository without virtual chunks are what
         # they were before containers existed.
-        if self.virtual_containers:
-            d["virtual_containers"] = [asdict(c) for c in self.virtual_containers]
-        else:
-            del d["virtual_containers"]
+        del d["virtual_containers"]
+        first = [c for c in self.virtual_containers if _first_form(c)]
+        ext = [c for c in self.virtual_containers if not _first_form(c)]
+        if first:
+            d["virtual_containers"] = [
+                {"endpoint_url": None, "region": None, "anonymous": False, **c.to_dict()}
+                for c in first
+            ]
+        if ext:
+            d[_EXT_KEY] = [c.to_dict() for c in ext]
         return d
 
     @classmethod
@@ -147,6 +202,9 @@ class RepositoryConfig:
         :class:`InvalidConfig`, so that a misspelt one is not silently the default; without
         (a stored record's), it is left out: a newer zarrlake may have written it."""
         known = {f.name for f in fields(cls)}
+        if _EXT_KEY in d and not strict:  # stored: containers older versions did not know
+            d = dict(d)
+            d["virtual_containers"] = [*d.get("virtual_containers", ()), *d.pop(_EXT_KEY)]
         unknown = sorted(str(k) for k in d if k not in known)
         if strict and unknown:
             raise InvalidConfig(
@@ -158,6 +216,11 @@ class RepositoryConfig:
         if isinstance(ttl, int | float) and not isinstance(ttl, bool):
             kw["session_ttl"] = dt.timedelta(seconds=float(ttl))
         return cls(**kw)
+
+
+def _first_form(container: VirtualContainer) -> bool:
+    """Whether zarrlake 0.3 reads ``container`` as stored (its scheme and fields)."""
+    return container.scheme in _FIRST_SCHEMES and container.account_name is None
 
 
 def check_session_ttl(

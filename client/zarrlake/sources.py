@@ -7,8 +7,15 @@ allow-list: a repository must never make its reader fetch an arbitrary URL with 
 credentials), reaches it through zarrlake's own storage backends (one :class:`Storage` per
 container, built on first use with the reader's credentials), and reads it so that a source that
 changed or vanished raises :class:`VirtualSourceChanged` or :class:`VirtualSourceMissing`
-instead of returning another version's bytes: one conditional request on S3 (``If-Match``,
-``If-Unmodified-Since``), the descriptor's mtime on a local file.
+instead of returning another version's bytes: one conditional request where the server has
+them (``If-Match`` and ``If-Unmodified-Since`` on S3, Azure and HTTP servers that send a strong
+``ETag``; the object generation on GCS), the descriptor's mtime on a local file. An HTTP server
+that ignores the conditions is caught too: the answer's own ``ETag`` or ``Last-Modified`` must be
+the pinned one.
+
+Credentials come from the reader, never from the repository: ``virtual_credentials`` at open,
+else ``$ZARRLAKE_VIRTUAL_CREDENTIALS`` (or the file ``$ZARRLAKE_VIRTUAL_CREDENTIALS_FILE`` names,
+which is how a pod gets them from a Kubernetes Secret), else the provider's own chain.
 
 Nothing here writes: sources are never created, rewritten or deleted by zarrlake.
 """
@@ -16,6 +23,8 @@ Nothing here writes: sources are never created, rewritten or deleted by zarrlake
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +47,24 @@ __all__ = ["SourceInfo", "SourceRange", "VirtualRef", "VirtualSources"]
 
 #: What ``virtual_credentials`` may give for an ``s3://`` container.
 S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
+#: What ``virtual_credentials`` may give for a container, by its scheme. ``gs``: an OAuth
+#: ``token``, or a service account's key as a file path or as the file's JSON text; ``az``: an
+#: account key or a SAS token (and the account, if the container does not name it); ``http(s)``:
+#: the ``Authorization`` header's value. ``file://`` takes none: the process's own access.
+CREDENTIALS = {
+    "s3": S3_CREDENTIALS,
+    "gs": ("token", "service_account_file", "service_account_json"),
+    "az": ("account_name", "account_key", "sas_token"),
+    "http": ("authorization",),
+    "https": ("authorization",),
+    "file": (),
+}
+#: A JSON object of credentials by container prefix (the form of ``virtual_credentials``), or
+#: the path of a file holding one (``..._FILE``): what a pod gets from a Kubernetes Secret.
+#: Entries for prefixes a repository does not have are left alone (one environment may serve
+#: several repositories); ``virtual_credentials`` given at open win over them, prefix by prefix.
+CREDENTIALS_ENV = "ZARRLAKE_VIRTUAL_CREDENTIALS"
+CREDENTIALS_FILE_ENV = "ZARRLAKE_VIRTUAL_CREDENTIALS_FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +139,70 @@ class SourceInfo:
     modified: dt.datetime
 
 
+_ENCODED = ("file", "http", "https")
+
+
+def check_credentials(container: VirtualContainer, given: object, where: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``given`` is credentials ``container`` takes (a
+    mapping of its scheme's fields to strings)."""
+    prefix, takes = container.url_prefix, CREDENTIALS[container.scheme]
+    if not isinstance(given, Mapping):
+        raise InvalidArgument(f"{where} for {prefix!r}: a mapping of fields, not {given!r}")
+    if not takes:
+        raise InvalidArgument(
+            f"{where} for {prefix!r}: a {container.scheme}:// container takes no credentials"
+        )
+    unknown = sorted(str(k) for k in given if k not in takes)
+    if unknown:
+        raise InvalidArgument(
+            f"{where} for {prefix!r}: unknown field(s) {', '.join(unknown)} "
+            f"(a {container.scheme}:// container takes {', '.join(takes)})"
+        )
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{where} for {prefix!r}: {name} must be a string")
+
+
+def credentials_from_environment() -> dict[str, dict[str, str]]:
+    """The credentials ``$ZARRLAKE_VIRTUAL_CREDENTIALS`` (a JSON object) or the file
+    ``$ZARRLAKE_VIRTUAL_CREDENTIALS_FILE`` names (the first if both are set), by container
+    prefix; empty when neither is. Raises :class:`InvalidArgument` for what is not such an
+    object, naming the variable (never the values)."""
+    text, where = os.environ.get(CREDENTIALS_ENV), f"${CREDENTIALS_ENV}"
+    if not text:
+        path = os.environ.get(CREDENTIALS_FILE_ENV)
+        if not path:
+            return {}
+        where = f"${CREDENTIALS_FILE_ENV} ({path})"
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise InvalidArgument(f"{where}: cannot read it ({e.strerror})") from None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        raise InvalidArgument(f"{where} is not JSON") from None
+    if not isinstance(found, dict) or not all(isinstance(v, dict) for v in found.values()):
+        raise InvalidArgument(
+            f"{where} must be a JSON object of credentials by container prefix "
+            '({"s3://bucket/path/": {"access_key_id": ..., ...}, ...})'
+        )
+    return found
+
+
+def _json_object(text: str, prefix: str) -> dict[str, Any]:
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        raise InvalidArgument(
+            f"virtual credentials for {prefix!r}: service_account_json is not a JSON object"
+        )
+    return found
+
+
 def _bad_segments(path: str) -> bool:
     return any(seg in (".", "..") for seg in path.split("/")) or "\0" in path
 
@@ -119,38 +210,39 @@ def _bad_segments(path: str) -> bool:
 class VirtualSources:
     """The virtual chunk containers of a repository, and this reader's way into each.
 
-    ``credentials`` maps a container's ``url_prefix`` to what signs requests to it (for
-    ``s3://``: ``access_key_id``, ``secret_access_key``, ``session_token``); a container not
-    named reads with the provider's usual environment (the AWS chain), or unsigned if it is
-    ``anonymous``. A key that names no container raises :class:`InvalidArgument` (a typo must
-    not silently read with other credentials). Picklable: the credentials go along, as a
-    :class:`Storage` carries those it was given.
+    ``credentials`` maps a container's ``url_prefix`` to what signs requests to it (the fields
+    of :data:`CREDENTIALS` for its scheme); a container not named there or in
+    ``$ZARRLAKE_VIRTUAL_CREDENTIALS`` (``_FILE``) reads with the provider's usual environment
+    (the AWS chain, Google's application default credentials, the ``AZURE_*`` variables), or
+    unsigned if it is ``anonymous``. A key that names no container raises
+    :class:`InvalidArgument` (a typo must not silently read with other credentials), and so
+    does a field the scheme does not take. Picklable: the credentials go along (those from the
+    environment too: a worker's environment may lack them), as a :class:`Storage` carries
+    those it was given.
     """
 
     def __init__(
         self,
         containers: Sequence[VirtualContainer],
         credentials: Mapping[str, Mapping[str, str]] | None = None,
+        *,
+        environment: bool = True,
     ) -> None:
         self.containers = tuple(containers)
         creds = dict(credentials or {})
-        prefixes = {c.url_prefix for c in self.containers}
+        by_prefix = {c.url_prefix: c for c in self.containers}
         for prefix, given in creds.items():
-            if prefix not in prefixes:
+            if prefix not in by_prefix:
                 raise InvalidArgument(
                     f"virtual_credentials names {prefix!r}, which is none of the repository's "
-                    f"virtual containers ({', '.join(sorted(prefixes)) or 'it has none'})"
+                    f"virtual containers ({', '.join(sorted(by_prefix)) or 'it has none'})"
                 )
-            unknown = sorted(set(given) - set(S3_CREDENTIALS))
-            if unknown or not prefix.startswith("s3://"):
-                raise InvalidArgument(
-                    f"virtual_credentials for {prefix!r}: "
-                    + (
-                        f"unknown field(s) {', '.join(unknown)} (takes {', '.join(S3_CREDENTIALS)})"
-                        if unknown
-                        else "only s3:// containers take credentials"
-                    )
-                )
+            check_credentials(by_prefix[prefix], given, "virtual_credentials")
+        if environment and self.containers:
+            for prefix, given in credentials_from_environment().items():
+                if prefix in by_prefix and prefix not in creds:
+                    check_credentials(by_prefix[prefix], given, f"${CREDENTIALS_ENV}")
+                    creds[prefix] = given
         self.credentials = {p: dict(c) for p, c in creds.items()}
         # Longest prefix first: a nested container wins over the one it lies in.
         self._ordered = sorted(self.containers, key=lambda c: len(c.url_prefix), reverse=True)
@@ -161,7 +253,7 @@ class VirtualSources:
         return {"containers": self.containers, "credentials": self.credentials}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["containers"], state["credentials"])  # type: ignore[misc]
+        self.__init__(state["containers"], state["credentials"], environment=False)  # type: ignore[misc]
 
     def __bool__(self) -> bool:
         return bool(self.containers)
@@ -198,15 +290,43 @@ class VirtualSources:
             if storage is None:
                 storage = self._storages[prefix] = self._storage(container)
         key = url[len(prefix) :]
-        return storage, unquote(key) if prefix.startswith("file://") else key
+        # A file's name and an HTTP path are percent-encoded in a URL; object keys are not.
+        return storage, unquote(key) if container.scheme in _ENCODED else key
 
     def _storage(self, container: VirtualContainer) -> Storage:
-        prefix = container.url_prefix
-        if prefix.startswith("file://"):
-            return Storage.local(unquote(prefix[len("file://") :]))
-        bucket, _, path = prefix[len("s3://") :].partition("/")
+        prefix, scheme = container.url_prefix, container.scheme
         creds = self.credentials.get(prefix, {})
+        if scheme == "file":
+            return Storage.local(unquote(prefix[len("file://") :]))
+        if scheme in ("http", "https"):
+            auth = creds.get("authorization")
+            return Storage.http(prefix, headers=None if auth is None else {"Authorization": auth})
+        bucket, _, path = prefix.partition("://")[2].partition("/")
         endpoint = container.endpoint_url
+        allow_http = bool(endpoint and endpoint.startswith("http://"))
+        if scheme == "gs":
+            key_json = creds.get("service_account_json")
+            return Storage.gcs(
+                bucket,
+                path,
+                endpoint_url=endpoint,
+                token=creds.get("token"),
+                service_account_file=creds.get("service_account_file"),
+                service_account_info=None if key_json is None else _json_object(key_json, prefix),
+                anonymous=container.anonymous,
+                allow_http=allow_http,
+            )
+        if scheme == "az":
+            return Storage.azure(
+                bucket,
+                path,
+                account_name=creds.get("account_name") or container.account_name,
+                account_key=creds.get("account_key"),
+                sas_token=creds.get("sas_token"),
+                endpoint_url=endpoint,
+                anonymous=container.anonymous,
+                allow_http=allow_http,
+            )
         return Storage.s3(
             bucket,
             path,
@@ -215,7 +335,7 @@ class VirtualSources:
             access_key_id=creds.get("access_key_id"),
             secret_access_key=creds.get("secret_access_key"),
             session_token=creds.get("session_token"),
-            allow_http=bool(endpoint and endpoint.startswith("http://")),
+            allow_http=allow_http,
             anonymous=container.anonymous,
         )
 
@@ -243,6 +363,10 @@ class VirtualSources:
         except ObjectNotFound:
             raise VirtualSourceMissing(what.url, "the file does not exist") from None
         except PreconditionFailed:
+            # Some servers refuse a condition on an object that is gone (412, as HTTP allows)
+            # rather than answer 404: which it is costs a HEAD, on this error path only.
+            if storage.head(key) is None:
+                raise VirtualSourceMissing(what.url, "the file does not exist") from None
             pins = []
             if what.etag is not None:
                 pins.append(f"ETag {what.etag}")

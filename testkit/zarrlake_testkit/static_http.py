@@ -7,7 +7,10 @@ large enough for a client's concurrent requests (the default of 5 makes bursts w
 retransmits). ``ranges=False`` serves whole objects only, as servers that ignore ``Range`` do;
 ``listings=True`` shows a folder's index page (after redirecting ``dir`` to ``dir/``), as
 ``python -m http.server`` and nginx's autoindex do. ``authorization`` makes every request without
-exactly that ``Authorization`` header a 401, as a private bucket's gateway would.
+exactly that ``Authorization`` header a 401, as a private bucket's gateway would. ``etags=True``
+sends a strong ``ETag`` of each file (its modification time and size, as nginx makes them) and
+answers a request whose ``If-Match`` names another with 412, as nginx does; without, no ETags
+(Python's own server sends none).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 class _Handler(http.server.SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: StaticHTTPServer._Server
+    _etag: str | None = None
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -40,6 +44,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         return None
 
     def _count(self) -> None:
+        self._etag = None  # a connection's handler serves many requests: none carries over
         with self.server.lock:
             self.server.requests[self.command] += 1
 
@@ -51,9 +56,31 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.send_error(401, "authorization required")
         return True
 
+    def _etag_refused(self) -> bool:
+        """With ETags on: remember this file's ETag for the answer's headers, and answer 412
+        if the request's ``If-Match`` names another."""
+        path = self.translate_path(self.path)
+        if not (self.server.etags and os.path.isfile(path)):
+            return False
+        st = os.stat(path)
+        self._etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted.strip() not in ("*", self._etag):
+            self._etag = None
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        return False
+
+    def end_headers(self) -> None:
+        if getattr(self, "_etag", None):
+            self.send_header("ETag", self._etag)
+        super().end_headers()
+
     def do_HEAD(self) -> None:
         self._count()
-        if not self._refused():
+        if not self._refused() and not self._etag_refused():
             super().do_HEAD()
 
     def do_PUT(self) -> None:
@@ -62,7 +89,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._count()
-        if self._refused():
+        if self._refused() or self._etag_refused():
             return
         wanted = self.headers.get("Range")
         path = self.translate_path(self.path)
@@ -96,6 +123,7 @@ class StaticHTTPServer:
         request_queue_size = 128
         ranges: bool
         listings: bool
+        etags: bool
         authorization: str | None
         requests: Counter[str]
         lock: threading.Lock
@@ -107,12 +135,14 @@ class StaticHTTPServer:
         ranges: bool = True,
         listings: bool = False,
         authorization: str | None = None,
+        etags: bool = False,
     ) -> None:
         handler = functools.partial(_Handler, directory=str(directory))
         self._server = self._Server(("127.0.0.1", 0), handler)
         self._server.ranges = ranges
         self._server.listings = listings
         self._server.authorization = authorization
+        self._server.etags = etags
         self._server.requests = Counter()
         self._server.lock = threading.Lock()
         self.port = self._server.server_address[1]

@@ -346,11 +346,53 @@ class GCSStorage(Storage):
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
-            r = self._request("GET", self._object_path(key), key, query={"fields": "size,updated"})
+            r = self._request(
+                "GET", self._object_path(key), key, query={"fields": "size,updated,generation"}
+            )
         except ObjectNotFound:
             return None
         meta = json.loads(r.data)
-        return ObjectInfo(key, int(meta["size"]), _parse_time(meta["updated"]))
+        # The generation stands for the ETag: it names the object's contents (a new one for
+        # every write), where GCS's own ETag changes with its metadata too.
+        generation = meta.get("generation")
+        etag = None if generation is None else str(generation)
+        return ObjectInfo(key, int(meta["size"]), _parse_time(meta["updated"]), etag)
+
+    def get_if_unchanged(
+        self,
+        key: str,
+        byte_range: tuple[int, int],
+        *,
+        etag: str | None = None,
+        modified: dt.datetime | None = None,
+    ) -> bytes:
+        """As :meth:`Storage.get_if_unchanged`; ``etag`` is the generation (:meth:`head`'s),
+        checked by the download itself (``ifGenerationMatch``, and the generation it answers
+        with; the time, which only a new generation changes, is not asked again). A time alone
+        is checked by a metadata read first (GCS has no time precondition on a download)."""
+        start, end = byte_range
+        if etag is None or end <= start:
+            return super().get_if_unchanged(key, byte_range, etag=etag, modified=modified)
+        if not etag.isdigit():  # not a generation: no object of this bucket has it
+            if self.head(key) is None:
+                raise ObjectNotFound(key)
+            raise PreconditionFailed(key)
+        # The generation decides alone: the time is the generation's (it changes only with it).
+        headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
+        r = self._request(
+            "GET",
+            self._object_path(key),
+            key,
+            query={"alt": "media", "ifGenerationMatch": etag},
+            headers=headers,
+        )
+        if r is None:
+            return b""
+        answered = r.headers.get("x-goog-generation")
+        if answered is not None and answered != etag:  # a server that ignores the condition
+            raise PreconditionFailed(key)
+        data = bytes(r.data)
+        return data[start:end] if r.status == 200 else data
 
     def _pages(self, prefix: str, **extra: str) -> Iterator[dict[str, Any]]:
         path = f"/storage/v1/b/{quote(self.bucket, safe='')}/o"

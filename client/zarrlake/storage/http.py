@@ -28,6 +28,7 @@ from zarrlake.storage.base import (
     Buffer,
     ObjectInfo,
     ObjectNotFound,
+    PreconditionFailed,
     Storage,
     StorageError,
     TransientStorageError,
@@ -104,9 +105,17 @@ class HTTPStorage(Storage):
             raise StorageError(f"invalid object key: {key!r}")
         return f"{self.base_url}/{quote(key, safe='/~')}"
 
-    def _request(self, method: str, key: str, headers: dict[str, str] | None = None) -> Any:
+    def _request(
+        self,
+        method: str,
+        key: str,
+        headers: dict[str, str] | None = None,
+        *,
+        conditional: bool = False,
+    ) -> Any:
         """The response to ``method`` on ``key``'s URL; None for 416 (a range past the end).
-        Raises :class:`ObjectNotFound`, :class:`TransientStorageError`, :class:`StorageError`."""
+        Raises :class:`ObjectNotFound`, :class:`TransientStorageError`, :class:`StorageError`;
+        with ``conditional``, :class:`PreconditionFailed` for 412."""
         import urllib3
 
         url = self._object_url(key)
@@ -134,6 +143,8 @@ class HTTPStorage(Storage):
                 raise ObjectNotFound(key)
             if r.status == 416:
                 return None
+            if r.status == 412 and conditional:
+                raise PreconditionFailed(key)
             if r.status >= 500 or r.status in (408, 429):
                 raise TransientStorageError(f"HTTP {r.status} for {url}")
             raise StorageError(f"HTTP {r.status} {r.reason or ''} for {url}".rstrip())
@@ -165,9 +176,45 @@ class HTTPStorage(Storage):
             ranged = self._request("GET", key, {"Range": "bytes=0-0"})
             total = ranged.headers.get("Content-Range", "").rpartition("/")[2] if ranged else "0"
             size = total if total.isdigit() else str(len(ranged.data) if ranged else 0)
-        modified = r.headers.get("Last-Modified")
-        when = email.utils.parsedate_to_datetime(modified) if modified else _EPOCH
-        return ObjectInfo(key, int(size), when)
+        return ObjectInfo(key, int(size), _modified(r), _strong_etag(r))
+
+    def get_if_unchanged(
+        self,
+        key: str,
+        byte_range: tuple[int, int],
+        *,
+        etag: str | None = None,
+        modified: dt.datetime | None = None,
+    ) -> bytes:
+        """As :meth:`Storage.get_if_unchanged`, in one GET: ``If-Match`` and
+        ``If-Unmodified-Since`` ask the server to refuse another version (412), and the
+        answer's own ``ETag`` and ``Last-Modified`` are checked too, for servers that ignore
+        the conditions. HTTP dates count seconds: a time is compared to the second, and an
+        answer without the header pinned is taken for another version (it cannot show it is
+        the same)."""
+        start, end = byte_range
+        headers: dict[str, str] = {}
+        if etag is not None:
+            headers["If-Match"] = etag
+        if modified is not None:
+            headers["If-Unmodified-Since"] = email.utils.format_datetime(
+                modified.astimezone(dt.UTC), usegmt=True
+            )
+        if end > start:
+            headers["Range"] = f"bytes={start}-{end - 1}"
+        r = self._request("GET" if end > start else "HEAD", key, headers, conditional=True)
+        if r is None:  # 416: the range starts at or past the end
+            return b""
+        if etag is not None and _strong_etag(r) != etag:
+            raise PreconditionFailed(key)
+        if modified is not None:
+            answered = r.headers.get("Last-Modified")
+            if answered is None or int(_modified(r).timestamp()) != int(modified.timestamp()):
+                raise PreconditionFailed(key)
+        if end <= start:
+            return b""
+        data = bytes(r.data)
+        return data[start:end] if r.status == 200 else data
 
     # -- what plain HTTP cannot do --------------------------------------------------------------
 
@@ -214,3 +261,19 @@ class HTTPStorage(Storage):
     def __setstate__(self, state: dict[str, Any]) -> None:
         _require_urllib3()  # a worker that unpickles this storage may lack the extra
         super().__setstate__(state)
+
+
+def _modified(r: Any) -> dt.datetime:
+    """The answer's ``Last-Modified`` (the epoch without one, or for one that does not parse)."""
+    text = r.headers.get("Last-Modified")
+    try:
+        return email.utils.parsedate_to_datetime(text) if text else _EPOCH
+    except (TypeError, ValueError):
+        return _EPOCH
+
+
+def _strong_etag(r: Any) -> str | None:
+    """The answer's ``ETag`` if it is a strong one (a weak ``W/"…"`` names equivalent
+    contents, not these bytes: it cannot pin a byte range)."""
+    tag = r.headers.get("ETag")
+    return tag if tag and not tag.startswith("W/") else None
