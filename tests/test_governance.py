@@ -436,14 +436,14 @@ def test_cli_protects_lists_and_refuses(tmp_path: Any, cli: Callable[..., Any]) 
 def test_a_rules_change_that_died_before_the_root_is_caught_up_by_the_next_writer_and_fsck(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from zarrlake.governance import Governance
+    from zarrlake.core import RepositoryCore
 
     storage = zarrlake.Storage.memory()
     repo = zarrlake.Repository.create(storage)
     _seed(repo)
     repo.protect_branch("release")  # the repository is governed: its writers read the marker
     # The admin dies between the marker's swap and the root's.
-    monkeypatch.setattr(Governance, "_publish", lambda self, record: None)
+    monkeypatch.setattr(RepositoryCore, "_publish_marker", lambda self, what: None)
     repo.protect_branch("main")
     monkeypatch.undo()
     opened = zarrlake.Repository.open(storage)  # through the root: the older rules

@@ -701,3 +701,88 @@ def test_containers_of_every_scheme_are_checked_and_stored_for_older_clients(
         zarrlake.Repository.open(
             repo.storage, virtual_credentials={"gs://era5/": {"account_key": "k"}}
         ).readonly_session()
+
+
+def test_containers_change_after_creation_from_the_api_and_the_cli(
+    tmp_path: Path, data_dir: Path, cli: Any
+) -> None:
+    import threading
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    url = str(tmp_path / "repo")
+    refs_file = tmp_path / "refs.json"
+    refs_file.write_text(json.dumps(kerchunk_refs(path, path.as_uri())))
+    with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+        import_kerchunk(refs_file, repo.writable_session())
+    assert cli("virtual", url).out.strip() == "no virtual chunk containers"
+    opened_before = zarrlake.Repository.open(storage)
+    prefix = data_dir.as_uri() + "/"
+    r = cli("virtual", url, "allow", prefix)
+    assert r.code == 0 and r.out.strip() == f"allowed virtual container {prefix}"
+    assert cli("virtual", url, "allow", prefix).out.strip().endswith("was allowed already")
+    r = cli("virtual", url, "import", str(refs_file), "-m", "the archive", "--json")
+    assert r.code == 0, r.err
+    imported_report = json.loads(r.out)
+    assert imported_report["virtual_refs"] > 0 and imported_report["sources"] == 1
+    reopened = zarrlake.Repository.open(storage)
+    assert zarrlake.format.model.VIRTUAL_CHUNKS in reopened.record.features
+    assert next(iter(reopened.log())).message == "the archive"
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(reopened).load(), expected.load())
+    # A client open since before the change still has the old allow-list: it refuses the refs
+    # (never reads them unchecked) until it opens the repository again.
+    with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+        zarr.open_array(opened_before.readonly_session().store, path="t2m")[:]
+    # Two admins adding containers at once: both land.
+    handles = [zarrlake.Repository.open(storage) for _ in range(2)]
+    extra = ["s3://bucket-a/x/", "gs://bucket-b/y/"]
+    threads = [
+        threading.Thread(target=h.allow_virtual_container, args=({"url_prefix": p},))
+        for h, p in zip(handles, extra, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    listed = json.loads(cli("virtual", url, "--json").out)
+    assert sorted(c["url_prefix"] for c in listed) == sorted([prefix, *extra])
+    # Taken out: refused at read, nothing deleted; put back: readable again.
+    assert cli("virtual", url, "disallow", prefix).code == 0
+    with pytest.raises(zarrlake.VirtualContainerNotAllowed):
+        zarr.open_array(zarrlake.Repository.open(storage).readonly_session().store, path="t2m")[:]
+    assert cli("virtual", url, "disallow", prefix).out.strip().endswith("was not allowed")
+    repo.allow_virtual_container({"url_prefix": prefix})
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+    report = repo.fsck()
+    assert report.ok and list(report.notes) == []
+    # Bad input: one line, exit 2, nothing changed.
+    before = zarrlake.Repository.open(storage).config.virtual_containers
+    r = cli("virtual", url, "allow", "ftp://host/x/")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1
+    r = cli("virtual", url, "allow", "gs://b/", "--region", "eu")
+    assert r.code == 2 and "region is for s3:// containers only" in r.err
+    with pytest.raises(zarrlake.InvalidConfig, match="twice"):
+        repo.set_virtual_containers([{"url_prefix": prefix}, {"url_prefix": prefix}])
+    with pytest.raises(zarrlake.InvalidConfig):
+        repo.set_virtual_containers(prefix)  # type: ignore[arg-type]
+    assert zarrlake.Repository.open(storage).config.virtual_containers == before
+    # Exactly these: the rest go.
+    assert repo.set_virtual_containers([{"url_prefix": prefix}]) == (
+        zarrlake.VirtualContainer(prefix),
+    )
+    assert zarrlake.Repository.open(storage).config.virtual_containers == (
+        zarrlake.VirtualContainer(prefix),
+    )
+
+
+def test_containers_of_a_mirror_are_its_sources(tmp_path: Path, data_dir: Path) -> None:
+    from zarrlake.mirror import Mirror
+
+    repo = local_repo(tmp_path, data_dir)
+    dest = zarrlake.Storage.local(tmp_path / "mirror")
+    Mirror(repo, destination=dest).step()
+    with pytest.raises(zarrlake.ReadOnlyError, match="source"):
+        zarrlake.Repository.open(dest).allow_virtual_container({"url_prefix": "s3://b/"})

@@ -1,9 +1,11 @@
-"""Repository configuration, stored in the ``repo`` object at creation."""
+"""Repository configuration, stored in the ``repo`` object at creation (the virtual chunk
+containers may change later: :func:`with_virtual_containers`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -216,6 +218,20 @@ class RepositoryConfig:
         if isinstance(ttl, int | float) and not isinstance(ttl, bool):
             kw["session_ttl"] = dt.timedelta(seconds=float(ttl))
         return cls(**kw)
+
+
+def with_virtual_containers(
+    stored: Mapping[str, Any], containers: Sequence[VirtualContainer | dict[str, Any]]
+) -> dict[str, Any]:
+    """The stored settings ``stored`` with exactly ``containers`` as virtual containers, every
+    other setting as it is (those a newer zarrlake wrote too). Raises :class:`InvalidConfig`
+    for a container that is not valid, or a prefix listed twice."""
+    if isinstance(containers, str | bytes) or not isinstance(containers, Sequence):
+        raise InvalidConfig(f"virtual containers are a list, not {containers!r}")
+    kept = {k: v for k, v in stored.items() if k not in ("virtual_containers", _EXT_KEY)}
+    parsed = tuple(VirtualContainer.from_value(c) for c in containers)
+    wanted = RepositoryConfig(virtual_containers=parsed).to_dict()
+    return kept | {k: wanted[k] for k in ("virtual_containers", _EXT_KEY) if k in wanted}
 
 
 def _first_form(container: VirtualContainer) -> bool:

@@ -10,7 +10,7 @@ façade depends on it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +19,11 @@ from zarrlake.config import RepositoryConfig
 from zarrlake.errors import (
     CorruptObject,
     InvalidConfig,
+    PreconditionFailed,
     ReadOnlyError,
     ReadOnlyStorage,
     UnsupportedFormat,
+    ZarrlakeError,
 )
 from zarrlake.format.model import (
     MIRROR_PREFIX,
@@ -31,6 +33,7 @@ from zarrlake.format.model import (
     RepoRecord,
 )
 from zarrlake.format.root import (
+    CAS_PROBE_KEY,
     EXPIRED_MAX,
     MIRROR_ROOT_KEY,
     PUBLISHED_ROOT,
@@ -179,6 +182,69 @@ class RepositoryCore:
             raise ValueError(f"the repository at {self.storage.url} publishes no root")
         truth = rebuild_root(self.journal, self.tags, self.expiry, self.record)
         return published.publish(lambda r: r.with_journals(truth))
+
+    def change_marker(self, edit: Callable[[RepoRecord], RepoRecord], what: str) -> RepoRecord:
+        """Replace the repository's marker with ``edit(marker)`` by compare-and-set (read
+        again and edited again when another change wins the race), then carry the marker into
+        the published root: the record written. ``what`` names the change in errors ("changing
+        branch protection").
+
+        For the settings a repository keeps in its marker after its creation (branch rules,
+        virtual chunk containers): clients that open it from then on see them; clients already
+        open see them when they read the marker again. Raises :class:`ReadOnlyError` for a
+        mirror, :class:`ZarrlakeError` on a storage without compare-and-set (two changes at
+        once would lose one), for a marker replaced by another repository's or of a newer
+        zarrlake, or if the root could not carry it (the change stands: ``fsck --repair``
+        carries it)."""
+        if self.is_mirror:
+            raise ReadOnlyError(f"a mirror follows its source: {what} is done there")
+        self.check_writable()
+        storage = self.storage
+        if not storage.supports_compare_and_set or not storage.check_compare_and_set(CAS_PROBE_KEY):
+            raise ZarrlakeError(
+                f"{storage.url} does not keep compare-and-set writes, which {what} needs (two "
+                "changes at once would lose one)"
+            )
+        for _ in range(16):
+            got = storage.get_versioned(REPO_KEY)
+            found = RepoRecord.decode(got.data, REPO_KEY)
+            if found.id != self.record.id:
+                raise ZarrlakeError(
+                    f"the repository at {storage.url} was replaced (id {found.id}, not "
+                    f"{self.record.id}): nothing was changed"
+                )
+            blocker = found.write_blocker()
+            if blocker is not None:
+                raise ZarrlakeError(f"the repository at {storage.url} is read-only here: {blocker}")
+            record = edit(found)
+            try:
+                storage.put_if_version(REPO_KEY, record.encode(), got.version)
+            except PreconditionFailed:
+                continue
+            self._publish_marker(what)
+            return record
+        raise ZarrlakeError(f"the marker of {storage.url} kept changing: nothing was changed")
+
+    def _publish_marker(self, what: str) -> None:
+        """Carry the marker as it is now into the root. Read inside the swap, so that of two
+        changes published in either order, the root ends with the later marker, never the
+        earlier one."""
+        published = self.journal.published
+        if published is None:
+            return
+
+        def update(root: RootRecord) -> RootRecord | None:
+            marker = RepoRecord.decode(self.storage.get(REPO_KEY), REPO_KEY)
+            return None if root.repo == marker else root.with_repo(marker)
+
+        try:
+            published.publish(update)
+        except ZarrlakeError as e:
+            # The marker decided, but clients that open through the root do not see it yet.
+            raise ZarrlakeError(
+                f"{what} is recorded in the marker, but the root could not carry it ({e}): "
+                "run zarrlake fsck --repair before relying on it"
+            ) from e
 
     def __reduce__(self) -> tuple[Any, ...]:
         verify, credentials = self.objects.verify_reads, self.objects.sources.credentials

@@ -32,12 +32,9 @@ from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchProtected,
     InvalidArgument,
-    PreconditionFailed,
     ReadOnlyError,
-    ZarrlakeError,
 )
 from zarrlake.format.model import GOVERNANCE, REPO_KEY, RepoRecord, Snapshot
-from zarrlake.format.root import CAS_PROBE_KEY, RootRecord
 from zarrlake.refs import validate_name
 from zarrlake.rules import BranchRule, Protection
 
@@ -189,32 +186,12 @@ class Governance:
 
     def _change(self, edit: Callable[[dict[str, BranchRule]], dict[str, BranchRule]]) -> None:
         """Apply ``edit`` to the rules in the marker by compare-and-set, then carry the marker
-        into the published root."""
-        core = self._core
-        if core.is_mirror:
-            raise ReadOnlyError("a mirror's branches follow its source: protect them there")
-        core.check_writable()
-        storage = core.storage
-        if not storage.supports_compare_and_set or not storage.check_compare_and_set(CAS_PROBE_KEY):
-            raise ZarrlakeError(
-                f"{storage.url} does not keep compare-and-set writes, which changing branch "
-                "protection needs (two changes at once would lose one)"
-            )
-        for _ in range(16):
-            got = storage.get_versioned(REPO_KEY)
-            found = RepoRecord.decode(got.data, REPO_KEY)
-            if found.id != core.record.id:
-                raise ZarrlakeError(
-                    f"the repository at {storage.url} was replaced (id {found.id}, not "
-                    f"{core.record.id}): its rules were not changed"
-                )
-            blocker = found.write_blocker()
-            if blocker is not None:
-                raise ZarrlakeError(f"the repository at {storage.url} is read-only here: {blocker}")
+        into the published root (:meth:`RepositoryCore.change_marker`)."""
+
+        def change(found: RepoRecord) -> RepoRecord:
             current = Protection.from_record(found.governance)
-            branches = edit(dict(current.branches))
             new = Protection(
-                branches,
+                edit(dict(current.branches)),
                 current.generation + 1,
                 dt.datetime.now(dt.UTC),
                 _identity(),
@@ -222,37 +199,11 @@ class Governance:
             features = found.features
             if GOVERNANCE not in features:
                 features = (*features, GOVERNANCE)
-            record = replace(found, features=features, governance=new.to_record())
-            try:
-                storage.put_if_version(REPO_KEY, record.encode(), got.version)
-            except PreconditionFailed:
-                continue
-            self._take(record)
-            self._publish(record)
-            return
-        raise ZarrlakeError(
-            f"the marker of {storage.url} kept changing: the rules were not changed"
-        )
+            return replace(found, features=features, governance=new.to_record())
 
-    def _publish(self, record: RepoRecord) -> None:
-        published = self._core.journal.published
-        if published is None:
-            return
-        generation = Protection.from_record(record.governance).generation
-
-        def update(root: RootRecord) -> RootRecord | None:
-            held = Protection.from_record(root.repo.governance).generation
-            return root.with_repo(record) if held < generation else None
-
-        try:
-            published.publish(update)
-        except ZarrlakeError as e:
-            # The marker decided, but clients that open through the root would not know of
-            # the rules (a first rule above all): this is the caller's to finish.
-            raise ZarrlakeError(
-                f"the rules are recorded in the marker, but the root could not carry them ({e}): "
-                "run zarrlake fsck --repair before relying on them"
-            ) from e
+        if self._core.is_mirror:
+            raise ReadOnlyError("a mirror's branches follow its source: protect them there")
+        self._take(self._core.change_marker(change, "changing branch protection"))
 
 
 def _written(changeset: Changeset) -> Iterator[str]:

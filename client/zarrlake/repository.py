@@ -18,12 +18,19 @@ import datetime as dt
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.commit import BranchLock
-from zarrlake.config import RepositoryConfig, check_session_ttl, verify_reads_default
+from zarrlake.config import (
+    RepositoryConfig,
+    VirtualContainer,
+    check_session_ttl,
+    verify_reads_default,
+    with_virtual_containers,
+)
 from zarrlake.conflicts import check_strategy
 from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.durations import as_timedelta
@@ -31,6 +38,7 @@ from zarrlake.errors import (
     BranchExists,
     CorruptObject,
     InvalidArgument,
+    InvalidConfig,
     InvalidName,
     NotMirrored,
     ReadOnlyError,
@@ -139,6 +147,14 @@ def _get_optional(storage: Storage) -> Callable[[str], bytes | None]:
             return None
 
     return get
+
+
+def _containers(given: object) -> tuple[VirtualContainer, ...]:
+    """``given`` as virtual containers, checked (before any request: the caller's error)."""
+    if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+        raise InvalidConfig(f"virtual containers are a list, not {given!r}")
+    parsed = tuple(VirtualContainer.from_value(c) for c in given)
+    return RepositoryConfig(virtual_containers=parsed).virtual_containers
 
 
 class Repository:
@@ -648,6 +664,78 @@ class Repository:
     def branch_protection(self) -> dict[str, BranchRule]:
         """The protected branches and their rules, as the repository records them now."""
         return dict(sorted(self._governance.protection().branches.items()))
+
+    # -- virtual chunk containers ------------------------------------------------------------------
+
+    def set_virtual_containers(
+        self, containers: Sequence[VirtualContainer | dict[str, Any]]
+    ) -> tuple[VirtualContainer, ...]:
+        """Make the repository's virtual chunk containers exactly ``containers``
+        (:class:`VirtualContainer` or their dicts): the URL prefixes its virtual refs may point
+        into, and how to reach each. Other settings stay as they are. Recorded in the marker by
+        compare-and-set and in the published root; this handle and clients that open the
+        repository from then on use them, clients already open when they open it again. A
+        container taken out makes the refs into it unreadable
+        (:class:`VirtualContainerNotAllowed`) until it is put back: nothing is deleted.
+
+        Returns the containers now recorded. Raises :class:`InvalidConfig` for a container that
+        is not valid or a prefix given twice, :class:`ReadOnlyError` for a mirror (set them on
+        its source), :class:`ZarrlakeError` on a storage without compare-and-set."""
+        wanted = _containers(containers)
+        return self._change_virtual_containers(lambda have: wanted)
+
+    def allow_virtual_container(
+        self, container: VirtualContainer | dict[str, Any]
+    ) -> tuple[VirtualContainer, ...]:
+        """Add ``container`` to the virtual chunk containers, or replace the one of its
+        ``url_prefix``, keeping the others as the marker holds them at the change (so that two
+        admins adding two containers at once both land). As :meth:`set_virtual_containers`
+        otherwise."""
+        added = VirtualContainer.from_value(container)
+
+        def change(have: tuple[VirtualContainer, ...]) -> tuple[VirtualContainer, ...]:
+            if any(c.url_prefix == added.url_prefix for c in have):
+                return tuple(added if c.url_prefix == added.url_prefix else c for c in have)
+            return (*have, added)
+
+        return self._change_virtual_containers(change)
+
+    def disallow_virtual_container(self, url_prefix: str) -> tuple[VirtualContainer, ...]:
+        """Take the container of ``url_prefix`` out of the virtual chunk containers (nothing to
+        do if there is none), keeping the others as the marker holds them at the change. As
+        :meth:`set_virtual_containers` otherwise."""
+        if not isinstance(url_prefix, str):
+            raise InvalidArgument(f"url_prefix must be a string, not {url_prefix!r}")
+        return self._change_virtual_containers(
+            lambda have: tuple(c for c in have if c.url_prefix != url_prefix)
+        )
+
+    def _change_virtual_containers(
+        self, edit: Callable[[tuple[VirtualContainer, ...]], tuple[VirtualContainer, ...]]
+    ) -> tuple[VirtualContainer, ...]:
+        core = self._core
+
+        def change(found: RepoRecord) -> RepoRecord:
+            have = RepositoryConfig.from_dict(found.config).virtual_containers
+            wanted = edit(have)
+            config = with_virtual_containers(found.config, wanted)
+            features = found.features
+            if wanted and VIRTUAL_CHUNKS not in features:
+                # Refs may be written from now on: an older zarrlake must not write around them.
+                features = (*features, VIRTUAL_CHUNKS)
+            return replace(found, config=config, features=features)
+
+        record = core.change_marker(change, "changing the virtual chunk containers")
+        self._install(
+            RepositoryCore.build(
+                self.storage,
+                record,
+                core.lock,
+                verify_reads=self.verify_reads,
+                virtual_credentials=core.objects.sources.credentials,
+            )
+        )
+        return self.config.virtual_containers
 
     # -- tags --------------------------------------------------------------------------------------
 

@@ -45,6 +45,17 @@ class ImportReport:
     inline_chunks: int = 0
     sources: int = 0
 
+    def to_json(self) -> dict[str, Any]:
+        """``{"arrays": [path], "groups": [path], "virtual_refs": int, "inline_chunks": int,
+        "sources": int}``."""
+        return {
+            "arrays": list(self.arrays),
+            "groups": list(self.groups),
+            "virtual_refs": self.virtual_refs,
+            "inline_chunks": self.inline_chunks,
+            "sources": self.sources,
+        }
+
 
 def _load_refs(refs: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     if isinstance(refs, Mapping):

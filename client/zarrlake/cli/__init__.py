@@ -24,6 +24,9 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake fsck URL [--skip-chunks] [--verify-content] [--sample N] [--repair] [--virtual]
                       [--json]
     zarrlake upgrade URL [--json]
+    zarrlake virtual URL [containers [--json] | allow PREFIX [--endpoint-url U] [--region R]
+                          [--account-name A] [--anonymous] | disallow PREFIX
+                          | import REFS [--branch main] [--group G] [-m M] [--no-pin] [--json]]
     zarrlake lock status URL --lock URL [--json]
     zarrlake mirror run SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--copy|--external]
                         [--interval 10] [--once] [--json] [--metrics-port P] [--metrics-addr A]
@@ -90,9 +93,10 @@ bytes whatever is installed and wherever stdout goes; only progress on a termina
 
 One module per command group: :mod:`~zarrlake.cli.history` (init, log, diff, merge),
 :mod:`~zarrlake.cli.refs` (branch, tag), :mod:`~zarrlake.cli.browse` (ls),
-:mod:`~zarrlake.cli.maintenance` (expire, gc, compact), :mod:`~zarrlake.cli.health` (fsck, lock
-status), :mod:`~zarrlake.cli.mirror` (mirror run, mirror status); they share
-:mod:`~zarrlake.cli.args`, :mod:`~zarrlake.cli.connect` and :mod:`~zarrlake.cli.output`.
+:mod:`~zarrlake.cli.maintenance` (expire, gc, compact), :mod:`~zarrlake.cli.health` (fsck,
+upgrade, lock status), :mod:`~zarrlake.cli.mirror` (mirror run, mirror status),
+:mod:`~zarrlake.cli.virtual` (virtual); they share :mod:`~zarrlake.cli.args`,
+:mod:`~zarrlake.cli.connect` and :mod:`~zarrlake.cli.output`.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ from zarrlake.cli import (
     refs,
     serve,
     service,
+    virtual,
 )
 from zarrlake.cli.args import PROG, Commands, Parser, UsageError
 from zarrlake.cli.output import fail
@@ -193,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_serve(commands)
     notify.add_notify(commands)
     service.add_service(commands)
+    virtual.add_virtual(commands)
     return parser
 
 
