@@ -786,3 +786,81 @@ def test_containers_of_a_mirror_are_its_sources(tmp_path: Path, data_dir: Path) 
     Mirror(repo, destination=dest).step()
     with pytest.raises(zarrlake.ReadOnlyError, match="source"):
         zarrlake.Repository.open(dest).allow_virtual_container({"url_prefix": "s3://b/"})
+
+
+def test_credentials_from_mounted_secret_directories(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the operator gives its pods: each container's Secret mounted as a directory of one
+    file per key (a newline at the end, as kubectl may write it; other keys beside)."""
+    from zarrlake_testkit.static_http import StaticHTTPServer
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    token = "Bearer " + os.urandom(8).hex()
+    with StaticHTTPServer(data_dir, etags=True, authorization=token) as server:
+        container = server.url + "/"
+        secret = tmp_path / "secret"
+        secret.mkdir()
+        (secret / "authorization").write_text(token + "\n")
+        (secret / "unrelated").write_text("left alone")
+        monkeypatch.setenv(
+            "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS",
+            json.dumps({container: str(secret), "s3://other/": str(tmp_path)}),
+        )
+        repo = zarrlake.Repository.create(
+            zarrlake.Storage.local(tmp_path / "repo"),
+            config={"virtual_containers": [{"url_prefix": container}]},
+        )
+        assert repo.core.objects.sources.credentials == {container: {"authorization": token}}
+        imported(repo, path, container + "a.nc")
+        with xr.open_dataset(path, engine="h5netcdf") as expected:
+            xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+        monkeypatch.setenv(
+            "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS", json.dumps({container: str(tmp_path / "nope")})
+        )
+        with pytest.raises(zarrlake.InvalidArgument, match="is not a directory"):
+            zarrlake.Repository.open(repo.storage)
+
+
+def test_kerchunk_parquet_refs_import_as_the_json_ones_do(
+    tmp_path: Path, data_dir: Path, cli: Any
+) -> None:
+    pytest.importorskip("fastparquet")
+    from kerchunk.df import refs_to_dataframe
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    refs = kerchunk_refs(path, path.as_uri())
+    parquet = tmp_path / "refs.parq"
+    # A small record size: several records per array, the last one padded with empty rows.
+    refs_to_dataframe(refs, str(parquet), record_size=5)
+    assert len(list((parquet / "t2m").glob("refs.*.parq"))) > 1
+    from_json = local_repo(tmp_path / "json", data_dir)
+    imported(from_json, path, path.as_uri())
+    repo = local_repo(tmp_path, data_dir)
+    session = repo.writable_session()
+    report = import_kerchunk(parquet, session)
+    session.commit("from parquet")
+    json_session = from_json.readonly_session()
+    expected_refs = {k: json_session.resolve(k) for k in json_session.list_prefix("t2m")}
+    got = repo.readonly_session()
+    assert {k: got.resolve(k) for k in got.list_prefix("t2m")} == expected_refs
+    assert report.virtual_refs > 0 and report.sources == 1
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        xr.testing.assert_identical(open_repo_dataset(repo).load(), expected.load())
+    # The CLI takes the directory too; bad input is one line, exit 2.
+    cli_repo = local_repo(tmp_path / "cli", data_dir)
+    r = cli("virtual", str(tmp_path / "cli" / "repo"), "import", str(parquet))
+    assert r.code == 0, r.err
+    assert "virtual refs into 1 files" in r.out
+    with xr.open_dataset(path, engine="h5netcdf") as expected:
+        reopened = zarrlake.Repository.open(cli_repo.storage)
+        xr.testing.assert_identical(open_repo_dataset(reopened).load(), expected.load())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text("{")
+    for bad, message in [
+        (tmp_path / "empty", "without .zmetadata"),
+        (tmp_path / "bad.json", "is not JSON"),
+        (tmp_path / "nowhere.json", "cannot read it"),
+    ]:
+        r = cli("virtual", str(tmp_path / "cli" / "repo"), "import", str(bad))
+        assert r.code == 2 and message in r.err and len(r.err.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,7 @@ from zarrlake.storage import Storage
 
 if TYPE_CHECKING:
     from zarrlake.locks import RedisLock
-    from zarrlake.resources import MirrorDestinationSpec, StorageSpec
+    from zarrlake.resources import MirrorDestinationSpec, StorageSpec, VirtualContainerSpec
 
 GROUP, VERSION, PLURAL = "zarrlake.io", "v1alpha1", "repositories"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -61,6 +61,14 @@ class Connection:
     #: The commit service's address (status.commitService.url), when spec.commitService runs one.
     commit_service: str | None = None
     authorization: str | None = field(default=None, repr=False)
+    #: Credentials of the repository's virtual chunk containers, from the Secrets
+    #: ``spec.virtualContainers`` names: ((prefix, ((field, value), ...)), ...).
+    virtual: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = field(default=(), repr=False)
+
+    @property
+    def virtual_credentials(self) -> dict[str, dict[str, str]] | None:
+        """:attr:`virtual` as ``Repository.open(virtual_credentials=...)`` takes them."""
+        return {prefix: dict(given) for prefix, given in self.virtual} or None
 
     @property
     def storage_url(self) -> str:
@@ -164,13 +172,15 @@ def connection_from_resource(
     *,
     require_ready: bool = True,
     with_lock: bool = True,
+    with_virtual: bool = True,
 ) -> Connection:
     """Resolve a Repository resource (its body as a dict) into a :class:`Connection`.
 
     The body is read through :class:`zarrlake.resources.Repository`, the model the CRD is
     generated from. Raises :class:`KubernetesError` when the resource does not match it, is not
     Ready (unless ``require_ready`` is False, as for the operator itself), or a Secret or key it
-    names is missing. ``with_lock`` False skips the lock service (and its Secret) entirely.
+    names is missing. ``with_lock`` False skips the lock service (and its Secret) entirely,
+    ``with_virtual`` False the virtual chunk containers' Secrets (for who reads no chunks).
     """
     from pydantic import ValidationError
 
@@ -209,6 +219,11 @@ def connection_from_resource(
             raise KubernetesError(f"Repository {name!r} has no lock endpoint in its status")
     return replace(
         storage_connection(spec.storage, read_secret, f"Repository {name!r}"),
+        virtual=(
+            _virtual_credentials(spec.virtual_containers or (), read_secret, name)
+            if with_virtual
+            else ()
+        ),
         lock_url=lock_url,
         lock_password=lock_password,
         on_unavailable=lock_spec.on_unavailable,
@@ -218,6 +233,36 @@ def connection_from_resource(
             else None
         ),
     )
+
+
+def _virtual_credentials(
+    containers: Sequence[VirtualContainerSpec], read_secret: SecretReader, name: str
+) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """The credentials of each container with a ``credentialsSecretRef``: the Secret's keys
+    that name the container's credential fields (others are left alone)."""
+    from zarrlake.sources import CREDENTIALS
+
+    found = []
+    for container in containers:
+        ref = container.credentials_secret_ref
+        if ref is None:
+            continue
+        data = read_secret(ref.name)
+        if data is None:
+            raise KubernetesError(
+                f"Secret {ref.name!r} (named by Repository {name!r} for virtual container "
+                f"{container.url_prefix}) not found"
+            )
+        scheme = container.url_prefix.partition("://")[0]
+        takes = CREDENTIALS.get(scheme, ())
+        given = tuple((k, data[k].strip()) for k in takes if k in data)
+        if not given:
+            raise KubernetesError(
+                f"Secret {ref.name!r} (for virtual container {container.url_prefix}) has none "
+                f"of the keys a {scheme}:// container takes: {', '.join(takes)}"
+            )
+        found.append((container.url_prefix, given))
+    return tuple(found)
 
 
 def _secret_value(

@@ -480,23 +480,31 @@ class Repository:
         Inside a pod it uses the service account; elsewhere the kubeconfig. ``namespace`` defaults
         to the pod's (or the kubeconfig context's). Storage location comes from the resource's
         spec, credentials and the lock password from the Secrets it names, the lock endpoint from
-        its status. ``lock_url`` overrides the lock endpoint's address (e.g. a port-forward when
-        running outside the cluster). With ``spec.commitService``, the client sends its ref
-        changes to the service its status names (``commit_service`` overrides the address,
-        ``commit_token`` or ``$ZARRLAKE_COMMIT_TOKEN`` is this client's token). Raises
-        :class:`zarrlake.k8s.KubernetesError` when the resource is missing or not Ready, or a
+        its status, the credentials of virtual chunk containers from the Secrets
+        ``spec.virtualContainers`` names. ``lock_url`` overrides the lock endpoint's address
+        (e.g. a port-forward when running outside the cluster). With ``spec.commitService``,
+        the client sends its ref changes to the service its status names (``commit_service``
+        overrides the address, ``commit_token`` or ``$ZARRLAKE_COMMIT_TOKEN`` is this client's
+        token). Raises :class:`zarrlake.k8s.KubernetesError` when the resource is missing or
+        not Ready, or a
         Secret is missing.
         """
         from zarrlake.k8s import locate
 
         conn = locate(name, namespace)
-        return cls.open(
+        repo = cls.open(
             conn.storage(),
             lock=conn.lock(lock_url),
             verify_reads=verify_reads,
             commit_service=commit_service or conn.commit_service,
             commit_token=commit_token,
         )
+        # The resource may name containers the repository does not have yet (the operator
+        # applies them at its next resync), or no longer: theirs are left alone.
+        repo.core.objects.sources.supply(
+            conn.virtual_credentials, f"Repository {name!r}", override=True
+        )
+        return repo
 
     @staticmethod
     def exists(storage: Storage) -> bool:
@@ -726,13 +734,16 @@ class Repository:
             return replace(found, config=config, features=features)
 
         record = core.change_marker(change, "changing the virtual chunk containers")
+        kept = RepositoryConfig.from_dict(record.config).virtual_containers
+        prefixes = {c.url_prefix for c in kept}
+        given = core.objects.sources.credentials  # those of containers taken out go
         self._install(
             RepositoryCore.build(
                 self.storage,
                 record,
                 core.lock,
                 verify_reads=self.verify_reads,
-                virtual_credentials=core.objects.sources.credentials,
+                virtual_credentials={p: c for p, c in given.items() if p in prefixes},
             )
         )
         return self.config.virtual_containers

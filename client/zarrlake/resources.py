@@ -664,6 +664,116 @@ class BranchProtectionSpec(ResourceModel):
     )
 
 
+class SecretRef(ResourceModel):
+    """A Secret in the resource's namespace, all of its keys."""
+
+    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Secret name.")
+
+
+#: What a virtual chunk container's URL prefix looks like (the engine's own check,
+#: :class:`zarrlake.config.VirtualContainer`, says the same in more words).
+VIRTUAL_PREFIX = r"^((s3|gs|az)://[^/]+/|https?://[^/?#]+/|file:///)([^?#]*/)?$"
+
+#: Cross-field rules of one ``spec.virtualContainers`` item: (CEL, Python, message).
+_VIRTUAL_RULES: tuple[tuple[str, Any, str], ...] = (
+    (
+        "!self.urlPrefix.contains('/../') && !self.urlPrefix.contains('/./')",
+        lambda c: "/../" not in c.url_prefix and "/./" not in c.url_prefix,
+        "urlPrefix: no '.' or '..' segments",
+    ),
+    (
+        "!has(self.region) || self.urlPrefix.startsWith('s3://')",
+        lambda c: c.region is None or c.url_prefix.startswith("s3://"),
+        "region is for s3:// containers only",
+    ),
+    (
+        "!has(self.accountName) || self.urlPrefix.startsWith('az://')",
+        lambda c: c.account_name is None or c.url_prefix.startswith("az://"),
+        "accountName is for az:// containers only",
+    ),
+    (
+        "!has(self.endpointURL) || self.urlPrefix.matches('^(s3|gs|az)://')",
+        lambda c: c.endpoint_url is None or c.url_prefix.startswith(("s3://", "gs://", "az://")),
+        "endpointURL is for s3://, gs:// and az:// containers only",
+    ),
+    (
+        "!self.anonymous || self.urlPrefix.matches('^(s3|gs|az)://')",
+        lambda c: not c.anonymous or c.url_prefix.startswith(("s3://", "gs://", "az://")),
+        "anonymous is for s3://, gs:// and az:// containers only",
+    ),
+    (
+        "!has(self.credentialsSecretRef) || !(self.anonymous"
+        " || self.urlPrefix.startsWith('file://'))",
+        lambda c: (
+            c.credentials_secret_ref is None
+            or not (c.anonymous or c.url_prefix.startswith("file://"))
+        ),
+        "credentialsSecretRef: anonymous and file:// containers take no credentials",
+    ),
+)
+
+
+class VirtualContainerSpec(ResourceModel):
+    """A URL prefix the repository's virtual chunk refs may point into, and how to reach it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": rule, "message": message} for rule, _, message in _VIRTUAL_RULES
+            ]
+        }
+    )
+
+    url_prefix: str = Field(
+        alias="urlPrefix",
+        pattern=VIRTUAL_PREFIX,
+        max_length=1024,
+        description="s3://bucket/path/, gs://bucket/path/, az://container/path/, "
+        "https://host/path/ or file:///path/, ending with /.",
+    )
+    endpoint_url: str | None = Field(
+        default=None,
+        alias="endpointURL",
+        pattern=r"^https?://",
+        max_length=1024,
+        description="s3, gs, az: an S3-compatible server, an emulator, another cloud.",
+    )
+    region: str | None = Field(default=None, max_length=64, description="s3: the region.")
+    account_name: str | None = Field(
+        default=None,
+        alias="accountName",
+        pattern=r"^[a-z0-9]{3,24}$",
+        description="az: the storage account (else the credentials Secret's account_name).",
+    )
+    anonymous: bool = Field(default=False, description="s3, gs, az: unsigned requests.")
+    credentials_secret_ref: SecretRef | None = Field(
+        default=None,
+        alias="credentialsSecretRef",
+        description="A Secret whose keys are the container's credentials, named as "
+        "virtual_credentials names them: s3 access_key_id, secret_access_key, session_token; "
+        "gs token, service_account_json; az account_name, account_key, sas_token; http(s) "
+        "authorization. Given to the pods that read chunks (spec.serve, the commit service); "
+        "never stored in the repository.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        for _, holds, message in _VIRTUAL_RULES:
+            if not holds(self):
+                raise ValueError(message)
+        return self
+
+    def to_engine(self) -> dict[str, Any]:
+        """The container as :class:`zarrlake.config.VirtualContainer` takes it."""
+        out: dict[str, Any] = {"url_prefix": self.url_prefix}
+        for name in ("endpoint_url", "region", "account_name"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.anonymous:
+            out["anonymous"] = True
+        return out
+
+
 #: Cross-field rules of a Repository's spec: (CEL rule for the CRD, the same in Python, message).
 _REPOSITORY_RULES: tuple[tuple[str, Any, str], ...] = (
     (
@@ -727,6 +837,18 @@ class RepositorySpec(ResourceModel):
             "x-kubernetes-list-map-keys": ["branch"],
         },
     )
+    virtual_containers: list[VirtualContainerSpec] | None = Field(
+        default=None,
+        alias="virtualContainers",
+        max_length=64,
+        description="The virtual chunk containers the operator keeps the repository to: "
+        "exactly these URL prefixes (refs into others are refused). Absent: left as they "
+        "are (set with zarrlake virtual allow).",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["urlPrefix"],
+        },
+    )
     commit_service: CommitServiceSpec = Field(
         default_factory=CommitServiceSpec,
         alias="commitService",
@@ -772,6 +894,11 @@ class RepositoryStatus(ResourceStatus):
     tags: int | None = None
     protected_branches: int | None = Field(
         default=None, alias="protectedBranches", description="Branches with a protection rule."
+    )
+    virtual_containers: int | None = Field(
+        default=None,
+        alias="virtualContainers",
+        description="Virtual chunk containers the repository lists (spec.virtualContainers).",
     )
     commit_service: CommitServiceStatus | None = Field(
         default=None,

@@ -59,12 +59,16 @@ CREDENTIALS = {
     "https": ("authorization",),
     "file": (),
 }
-#: A JSON object of credentials by container prefix (the form of ``virtual_credentials``), or
-#: the path of a file holding one (``..._FILE``): what a pod gets from a Kubernetes Secret.
-#: Entries for prefixes a repository does not have are left alone (one environment may serve
-#: several repositories); ``virtual_credentials`` given at open win over them, prefix by prefix.
+#: Where a reader's environment gives credentials, by container prefix, in this order (the first
+#: that names a prefix wins; ``virtual_credentials`` given at open win over all): a JSON object
+#: of the form of ``virtual_credentials``; the path of a file holding one; a JSON object of
+#: directories by prefix, each holding one file per credential field, named as the field
+#: (``access_key_id``, ...; other files are left alone): what a pod gets by mounting a
+#: Kubernetes Secret, which is how the operator hands them over. Entries for prefixes a
+#: repository does not have are left alone (one environment may serve several repositories).
 CREDENTIALS_ENV = "ZARRLAKE_VIRTUAL_CREDENTIALS"
 CREDENTIALS_FILE_ENV = "ZARRLAKE_VIRTUAL_CREDENTIALS_FILE"
+CREDENTIALS_DIRS_ENV = "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,21 +168,51 @@ def check_credentials(container: VirtualContainer, given: object, where: str) ->
 
 
 def credentials_from_environment() -> dict[str, dict[str, str]]:
-    """The credentials ``$ZARRLAKE_VIRTUAL_CREDENTIALS`` (a JSON object) or the file
-    ``$ZARRLAKE_VIRTUAL_CREDENTIALS_FILE`` names (the first if both are set), by container
-    prefix; empty when neither is. Raises :class:`InvalidArgument` for what is not such an
-    object, naming the variable (never the values)."""
-    text, where = os.environ.get(CREDENTIALS_ENV), f"${CREDENTIALS_ENV}"
-    if not text:
-        path = os.environ.get(CREDENTIALS_FILE_ENV)
-        if not path:
-            return {}
+    """The credentials the environment gives (:data:`CREDENTIALS_ENV`,
+    :data:`CREDENTIALS_FILE_ENV`, :data:`CREDENTIALS_DIRS_ENV`), by container prefix; empty
+    when none is set. Raises :class:`InvalidArgument` for a value that is not what it should
+    be, naming the variable (never the credentials)."""
+    found: dict[str, dict[str, str]] = {}
+    text = os.environ.get(CREDENTIALS_ENV)
+    if text:
+        _merge(found, _parse(text, f"${CREDENTIALS_ENV}"))
+    path = os.environ.get(CREDENTIALS_FILE_ENV)
+    if path:
         where = f"${CREDENTIALS_FILE_ENV} ({path})"
+        _merge(found, _parse(_read(path, where), where))
+    text = os.environ.get(CREDENTIALS_DIRS_ENV)
+    if text:
+        where = f"${CREDENTIALS_DIRS_ENV}"
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise InvalidArgument(f"{where}: cannot read it ({e.strerror})") from None
+            dirs = json.loads(text)
+        except ValueError:
+            dirs = None
+        if not isinstance(dirs, dict) or not all(isinstance(d, str) for d in dirs.values()):
+            raise InvalidArgument(f"{where} must be a JSON object of directories by prefix")
+        for prefix, directory in dirs.items():
+            if not os.path.isdir(directory):
+                raise InvalidArgument(f"{where}: {directory} (for {prefix}) is not a directory")
+            takes = CREDENTIALS.get(str(prefix).partition("://")[0], ())
+            given = {}
+            for name in takes:
+                file = os.path.join(directory, name)
+                if os.path.isfile(file):
+                    # A Secret's value as kubectl writes it from a file may end with a newline;
+                    # no credential ends or starts with white space.
+                    given[name] = _read(file, f"{where} ({directory})").strip()
+            found.setdefault(prefix, given)
+    return found
+
+
+def _read(path: str, where: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgument(f"{where}: cannot read it ({e.strerror})") from None
+
+
+def _parse(text: str, where: str) -> dict[str, dict[str, str]]:
     try:
         found = json.loads(text)
     except ValueError:
@@ -189,6 +223,11 @@ def credentials_from_environment() -> dict[str, dict[str, str]]:
             '({"s3://bucket/path/": {"access_key_id": ..., ...}, ...})'
         )
     return found
+
+
+def _merge(into: dict[str, dict[str, str]], found: Mapping[str, dict[str, str]]) -> None:
+    for prefix, given in found.items():
+        into.setdefault(prefix, given)
 
 
 def _json_object(text: str, prefix: str) -> dict[str, Any]:
@@ -238,16 +277,34 @@ class VirtualSources:
                     f"virtual containers ({', '.join(sorted(by_prefix)) or 'it has none'})"
                 )
             check_credentials(by_prefix[prefix], given, "virtual_credentials")
-        if environment and self.containers:
-            for prefix, given in credentials_from_environment().items():
-                if prefix in by_prefix and prefix not in creds:
-                    check_credentials(by_prefix[prefix], given, f"${CREDENTIALS_ENV}")
-                    creds[prefix] = given
         self.credentials = {p: dict(c) for p, c in creds.items()}
         # Longest prefix first: a nested container wins over the one it lies in.
         self._ordered = sorted(self.containers, key=lambda c: len(c.url_prefix), reverse=True)
         self._storages: dict[str, Storage] = {}
         self._lock = threading.Lock()
+        if environment and self.containers:
+            self.supply(credentials_from_environment(), f"${CREDENTIALS_ENV}")
+
+    def supply(
+        self,
+        credentials: Mapping[str, Mapping[str, str]] | None,
+        where: str,
+        *,
+        override: bool = False,
+    ) -> None:
+        """Take ``credentials`` from a source that may name other repositories' containers too
+        (the environment, a Kubernetes resource; ``where`` names it in errors): those of this
+        repository's containers, each checked, unless it has some already (``override``: they
+        replace them). The others are left alone."""
+        by_prefix = {c.url_prefix: c for c in self.containers}
+        for prefix, given in (credentials or {}).items():
+            container = by_prefix.get(prefix)
+            if container is None or (prefix in self.credentials and not override):
+                continue
+            check_credentials(container, given, where)
+            with self._lock:
+                self.credentials[prefix] = dict(given)
+                self._storages.pop(prefix, None)  # built with the old ones
 
     def __getstate__(self) -> dict[str, Any]:
         return {"containers": self.containers, "credentials": self.credentials}

@@ -23,7 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zarrlake.errors import InvalidArgument
+import numpy as np
+
+from zarrlake.errors import InvalidArgument, MissingDependency
 from zarrlake.extras import require
 from zarrlake.session import Workspace
 from zarrlake.sources import SourceInfo, VirtualRef
@@ -63,15 +65,93 @@ def _load_refs(refs: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, An
     if isinstance(refs, str | os.PathLike):
         path = os.fspath(refs)
         if os.path.isdir(path):
-            raise InvalidArgument(
-                f"{path} is a directory (kerchunk Parquet refs?): only JSON refs are read yet"
-            )
-        with open(path, encoding="utf-8") as f:
-            loaded = json.load(f)
+            return _load_parquet(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as e:
+            raise InvalidArgument(f"{path}: cannot read it ({e.strerror})") from None
+        except ValueError as e:
+            raise InvalidArgument(f"{path} is not JSON kerchunk refs ({e})") from None
         if not isinstance(loaded, dict):
             raise InvalidArgument(f"{path} holds no kerchunk refs (a JSON object)")
         return loaded
-    raise InvalidArgument(f"refs must be a dict or the path of a JSON file, not {refs!r}")
+    raise InvalidArgument(
+        f"refs must be a dict or the path of a JSON file or Parquet refs directory, not {refs!r}"
+    )
+
+
+_RECORD = re.compile(r"refs\.(\d+)\.parq$")
+
+
+def _load_parquet(path: str) -> dict[str, Any]:
+    """Kerchunk's Parquet references (``kerchunk.df.refs_to_dataframe``, fsspec's
+    ``LazyReferenceMapper``) as the JSON form: ``.zmetadata`` holds the metadata and the
+    ``record_size``; each array's chunk refs are rows of ``<array>/refs.<n>.parq`` (columns
+    ``path``, ``offset``, ``size``, ``raw``), row ``i`` of record ``n`` the chunk whose index in
+    the C-order flattened chunk grid is ``n * record_size + i``. A row with neither path nor raw
+    is a chunk that does not exist; a path with size 0 is the whole file."""
+    try:
+        with open(os.path.join(path, ".zmetadata"), encoding="utf-8") as f:
+            zmeta = json.load(f)
+    except OSError:
+        raise InvalidArgument(
+            f"{path} is a directory without .zmetadata: not kerchunk Parquet refs"
+        ) from None
+    except ValueError as e:
+        raise InvalidArgument(f"{path}/.zmetadata is not JSON ({e})") from None
+    metadata = zmeta.get("metadata") if isinstance(zmeta, dict) else None
+    record_size = zmeta.get("record_size") if isinstance(zmeta, dict) else None
+    if not isinstance(metadata, dict) or not isinstance(record_size, int) or record_size < 1:
+        raise InvalidArgument(f"{path}/.zmetadata: needs 'metadata' and a 'record_size' >= 1")
+    pandas = require("pandas", extra="virtual", feature="kerchunk Parquet refs")
+    entries: dict[str, Any] = dict(metadata)
+    for key, value in metadata.items():
+        parent, _, name = str(key).rpartition("/")
+        if name != ".zarray":
+            continue
+        zarray = _json(value, key)
+        shape, chunks = zarray.get("shape"), zarray.get("chunks")
+        if not isinstance(shape, list) or not isinstance(chunks, list) or len(shape) != len(chunks):
+            raise InvalidArgument(f"{path}: {key} needs a shape and chunks of one length")
+        grid = tuple(-(-int(n) // max(int(c), 1)) for n, c in zip(shape, chunks, strict=True))
+        total = int(np.prod(grid)) if grid else 1
+        sep = zarray.get("dimension_separator") or "."
+        folder = os.path.join(path, parent) if parent else path
+        records = {}
+        if os.path.isdir(folder):
+            for file in os.listdir(folder):
+                m = _RECORD.match(file)
+                if m:
+                    records[int(m[1])] = os.path.join(folder, file)
+        for n, file in sorted(records.items()):
+            try:
+                frame = pandas.read_parquet(file, columns=["path", "offset", "size", "raw"])
+            except ImportError:
+                raise MissingDependency(
+                    "pyarrow or fastparquet", "virtual", "reading kerchunk Parquet refs"
+                ) from None
+            except (OSError, ValueError, KeyError) as e:
+                raise InvalidArgument(f"{file}: not a kerchunk refs record ({e})") from None
+            start = n * record_size
+            stop = min(start + len(frame), total)
+            if stop <= start:
+                continue
+            paths = frame["path"].to_numpy()[: stop - start]
+            offsets = frame["offset"].to_numpy()[: stop - start]
+            sizes = frame["size"].to_numpy()[: stop - start]
+            raws = frame["raw"].to_numpy()[: stop - start]
+            coords = np.unravel_index(np.arange(start, stop), grid) if grid else ()
+            for i in range(stop - start):
+                name = sep.join(str(int(c[i])) for c in coords) if grid else "0"
+                key_i = f"{parent}/{name}" if parent else name
+                url, raw = paths[i], raws[i]
+                if isinstance(url, str):
+                    size = int(sizes[i])
+                    entries[key_i] = [url] if size == 0 else [url, int(offsets[i]), size]
+                elif isinstance(raw, bytes | str):
+                    entries[key_i] = raw
+    return {"version": 1, "refs": entries}
 
 
 def _url(raw: str, templates: Mapping[str, str]) -> str:
@@ -182,8 +262,10 @@ def import_kerchunk(
     """Write the arrays kerchunk ``refs`` describe into ``session``, under ``group`` (None:
     the root), their chunks as virtual refs into the files (inline chunks as data).
 
-    ``refs``: kerchunk references (version 0 or 1, with ``templates``), as a dict or the path of
-    a JSON file. ``pin``: record each file's ETag (S3) or modification time (local files) as
+    ``refs``: kerchunk references (version 0 or 1, with ``templates``), as a dict, the path of
+    a JSON file, or the directory of kerchunk's Parquet references (``.zmetadata`` and
+    ``<array>/refs.<n>.parq`` records, as ``kerchunk.df.refs_to_dataframe`` writes them; read
+    with pandas, which needs pyarrow or fastparquet). ``pin``: record each file's ETag (S3) or modification time (local files) as
     they are now, so that reading a chunk of a file changed since raises
     :class:`VirtualSourceChanged` (one request per file). Nothing is committed: call
     ``session.commit`` after.

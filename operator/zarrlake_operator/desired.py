@@ -270,7 +270,8 @@ class SpecProblem(NamedTuple):
 
 
 def engine_config(spec: RepositorySpec) -> RepositoryConfig:
-    """The engine settings a Repository's ``spec.config`` asks for. Raises the engine's
+    """The engine settings a Repository's ``spec.config`` (and ``spec.virtualContainers``)
+    asks for. Raises the engine's
     ``InvalidConfig`` (a ``ValueError``) for a value it refuses."""
     c = spec.config
     values: dict[str, Any] = {}
@@ -282,6 +283,8 @@ def engine_config(spec: RepositorySpec) -> RepositoryConfig:
         values["session_ttl"] = parse_duration(c.session_ttl)
     if c.pack_chunks_below_bytes is not None:
         values["pack_chunks_below_bytes"] = c.pack_chunks_below_bytes
+    if spec.virtual_containers:  # kept to at each resync too, unlike the rest
+        values["virtual_containers"] = tuple(v.to_engine() for v in spec.virtual_containers)
     return RepositoryConfig(**values)
 
 
@@ -895,6 +898,35 @@ def storage_env(
         path = f"{DEST_GCS_KEY_DIR if destination else GCS_KEY_DIR}/{creds.gcs_key}"
         return [{"name": f"{prefix}GOOGLE_APPLICATION_CREDENTIALS", "value": path}]
     return []  # http: read-only, no job ever runs against it
+
+
+#: Where a pod finds each virtual chunk container's credentials Secret (``<index>/<field>``).
+VIRTUAL_CREDENTIALS_DIR = "/var/run/secrets/zarrlake/virtual"
+
+
+def virtual_credentials(
+    spec: RepositorySpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, pod volumes, container mounts) that give a pod the credentials of the
+    repository's virtual chunk containers: each container's Secret mounted whole under
+    :data:`VIRTUAL_CREDENTIALS_DIR`, and ``ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS`` saying which
+    directory is whose (prefixes and paths only: the values stay in the Secrets, and kubelet
+    keeps the files up to date when they rotate)."""
+    dirs: dict[str, str] = {}
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for i, container in enumerate(spec.virtual_containers or ()):
+        ref = container.credentials_secret_ref
+        if ref is None:
+            continue
+        name, path = f"virtual-{i}", f"{VIRTUAL_CREDENTIALS_DIR}/{i}"
+        volumes.append({"name": name, "secret": {"secretName": ref.name, "defaultMode": 0o440}})
+        mounts.append({"name": name, "mountPath": path, "readOnly": True})
+        dirs[container.url_prefix] = path
+    if not dirs:
+        return [], [], []
+    env = [{"name": "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS", "value": json.dumps(dirs)}]
+    return env, volumes, mounts
 
 
 def storage_volumes(
@@ -1845,6 +1877,9 @@ def serve_deployment(
     serve = spec.serve
     storage = serve_storage(spec)
     volumes, mounts = storage_volumes(storage)
+    virtual_env, virtual_volumes, virtual_mounts = virtual_credentials(spec)
+    volumes += virtual_volumes
+    mounts += virtual_mounts
     args = ["serve", url, "--host", "0.0.0.0", "--port", str(serve.port)]
     token = serve.token_secret_ref
     if token is not None:
@@ -1867,7 +1902,7 @@ def serve_deployment(
         "args": args,
         # null, not [], when there is none: the API server stores no empty list, and a merge
         # patch's null removes what a previous spec set.
-        "env": storage_env(storage) or None,
+        "env": [*storage_env(storage), *virtual_env] or None,
         "ports": [{"name": "http", "containerPort": serve.port, "protocol": "TCP"}],
         "resources": serve.resources.to_k8s() if serve.resources else dict(defaults.resources),
         "readinessProbe": {
@@ -1996,6 +2031,10 @@ def commit_service_deployment(
     service = spec.commit_service
     assert service.tokens_secret_ref is not None  # the spec's rules ask for it
     volumes, mounts = storage_volumes(spec.storage)
+    # Its checks read the new data, virtual chunks too.
+    virtual_env, virtual_volumes, virtual_mounts = virtual_credentials(spec)
+    volumes += virtual_volumes
+    mounts += virtual_mounts
     tokens = service.tokens_secret_ref
     volumes.append(
         {
@@ -2023,7 +2062,7 @@ def commit_service_deployment(
             "--tokens-file",
             COMMIT_TOKENS_FILE,
         ],
-        "env": storage_env(spec.storage) or None,
+        "env": [*storage_env(spec.storage), *virtual_env] or None,
         "ports": [{"name": "http", "containerPort": service.port, "protocol": "TCP"}],
         "resources": service.resources.to_k8s() if service.resources else dict(defaults.resources),
         "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},

@@ -36,6 +36,7 @@ from zarrlake import (
     ZarrlakeError,
     checks,
 )
+from zarrlake.config import VirtualContainer
 from zarrlake.durations import parse_duration
 from zarrlake.k8s import Connection, connection_from_resource, storage_connection
 from zarrlake.mirror import Mirror as Promoter
@@ -228,8 +229,10 @@ def _connection(
     body: Mapping[str, Any], *, require_ready: bool, resync: bool = False
 ) -> Connection:
     ns = body["metadata"]["namespace"]
+    # The operator reads no chunks: the virtual containers' Secrets are its pods' (checked,
+    # not read, by _virtual_containers).
     return connection_from_resource(
-        body, kube.secrets(ns, kept=resync), require_ready=require_ready
+        body, kube.secrets(ns, kept=resync), require_ready=require_ready, with_virtual=False
     )
 
 
@@ -581,6 +584,14 @@ def repository(
                     ok, reason, detail, count = _protection(body, repo, spec.protection)
                     cond("ProtectionReady", ok, reason, detail)
                     status = status.model_copy(update={"protected_branches": count})
+                if spec.virtual_containers is not None and not conn.read_only:
+                    ok, reason, detail = _virtual_containers(
+                        body, repo, spec, config.virtual_containers, kube.secrets(ns, kept=resync)
+                    )
+                    cond("VirtualContainersReady", ok, reason, detail)
+                status = status.model_copy(
+                    update={"virtual_containers": len(repo.config.virtual_containers)}
+                )
         except RepositoryNotFound:
             if bucket_checked or check_bucket(conn):
                 missing = (
@@ -601,6 +612,8 @@ def repository(
 
     if spec.protection is None:
         conds = [c for c in conds if c.type != "ProtectionReady"]
+    if spec.virtual_containers is None:
+        conds = [c for c in conds if c.type != "VirtualContainersReady"]
 
     # The commit service, once there is a repository for it.
     committing = _commit_service(body, spec, status.url, defaults=serve, resync=resync)
@@ -695,6 +708,49 @@ def _protection(
         _event(body, "BranchProtectionChanged", what)
     names = ", ".join(sorted(rules)) or "none"
     return True, "Applied", f"protected branches: {names}", len(rules)
+
+
+def _virtual_containers(
+    body: Mapping[str, Any],
+    repo: Repository,
+    spec: RepositorySpec,
+    wanted: Sequence[VirtualContainer],
+    read_secret: Callable[[str], Mapping[str, str] | None],
+) -> tuple[bool, str, str]:
+    """Make the repository's virtual chunk containers exactly ``wanted``
+    (spec.virtualContainers, parsed by the engine with the spec): (ok, reason, message). One
+    Event per change, naming the prefixes added, changed and removed. A credentials Secret
+    that is missing is the condition's reason (the pods that mount it would not start)."""
+    missing = sorted(
+        {
+            c.credentials_secret_ref.name
+            for c in spec.virtual_containers or ()
+            if c.credentials_secret_ref is not None
+            and read_secret(c.credentials_secret_ref.name) is None
+        }
+    )
+    have = {c.url_prefix: c for c in repo.config.virtual_containers}
+    want = {c.url_prefix: c for c in wanted}
+    if have != want:
+        try:
+            repo.set_virtual_containers(list(wanted))
+        except ZarrlakeError as e:  # a storage without compare-and-set, a newer format
+            return False, "NotApplied", str(e)
+        changes = [
+            *(f"allowed {p}" for p in want if p not in have),
+            *(f"changed {p}" for p in want if p in have and have[p] != want[p]),
+            *(f"disallowed {p}" for p in have if p not in want),
+        ]
+        _event(body, "VirtualContainersChanged", "virtual chunk containers: " + "; ".join(changes))
+    names = ", ".join(sorted(want)) or "none"
+    if missing:
+        return (
+            False,
+            "SecretMissing",
+            f"virtual chunk containers: {names}; credentials Secret(s) not found: "
+            + ", ".join(missing),
+        )
+    return True, "Applied", f"virtual chunk containers: {names}"
 
 
 def _warn_if_new(body: Mapping[str, Any], before: Condition | None, now: Condition | None) -> None:

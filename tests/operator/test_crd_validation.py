@@ -679,3 +679,53 @@ def test_field_errors_print_as_go_prints_them() -> None:
     ]
     assert aggregate(errors[:1]) == "spec.a: Invalid value: 1: d"
     assert aggregate(errors[1:] + errors[1:]).startswith("[spec.b: Too many")
+
+
+def test_virtual_containers_are_checked_by_the_schema_and_cel(api: Api) -> None:
+    """spec.virtualContainers: the prefix's form by pattern, the fields only some schemes take
+    by CEL rules (the same rules the operator's model checks in Python), keyed by urlPrefix."""
+    from zarrlake.resources import VirtualContainerSpec
+
+    good = [
+        {
+            "urlPrefix": "s3://era5/nc/",
+            "region": "eu-west-1",
+            "credentialsSecretRef": {"name": "k"},
+        },
+        {"urlPrefix": "gs://public/", "anonymous": True},
+        {"urlPrefix": "az://c/x/", "accountName": "acct", "endpointURL": "http://127.0.0.1:1"},
+        {"urlPrefix": "https://cdn.example.org/grib/"},
+        {"urlPrefix": "file:///archive/"},
+    ]
+    created = api.create("Repository", "virt", {**repository(), "virtualContainers": good})
+    assert created.status == 201, created.body
+    for item in good:
+        VirtualContainerSpec.model_validate(item)
+    bad = [
+        ({"urlPrefix": "s3://era5/nc"}, "should match"),  # no trailing slash
+        ({"urlPrefix": "ftp://h/x/"}, "should match"),
+        ({"urlPrefix": "https://h/x/?sig=1/"}, "should match"),
+        ({"urlPrefix": "s3://b/a/../"}, "no '.' or '..' segments"),
+        ({"urlPrefix": "gs://b/", "region": "eu"}, "region is for s3:// containers only"),
+        ({"urlPrefix": "s3://b/", "accountName": "acct"}, "accountName is for az://"),
+        ({"urlPrefix": "https://h/", "anonymous": True}, "anonymous is for"),
+        ({"urlPrefix": "file:///a/", "endpointURL": "http://e"}, "endpointURL is for"),
+        (
+            {"urlPrefix": "file:///a/", "credentialsSecretRef": {"name": "k"}},
+            "take no credentials",
+        ),
+        (
+            {"urlPrefix": "gs://b/", "anonymous": True, "credentialsSecretRef": {"name": "k"}},
+            "take no credentials",
+        ),
+    ]
+    for item, message in bad:
+        answer = api.create("Repository", "bad", {**repository(), "virtualContainers": [item]})
+        causes = refused(answer, "Repository", "bad")
+        assert any(message in m for m in causes.values()), (item, causes)
+        if message != "should match":  # the pattern is pydantic's too, worded its own way
+            with pytest.raises(ValueError, match=re.escape(message)):
+                VirtualContainerSpec.model_validate(item)
+    twice = [{"urlPrefix": "s3://b/"}, {"urlPrefix": "s3://b/"}]
+    answer = api.create("Repository", "bad", {**repository(), "virtualContainers": twice})
+    assert "Duplicate value" in json.dumps(refused(answer, "Repository", "bad"))

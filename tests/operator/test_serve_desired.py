@@ -488,3 +488,37 @@ def test_a_server_that_is_down_degrades_a_ready_repository_and_never_unreadies_i
     # A repository that is not ready yet says why it is not: its own condition, not the server.
     waiting = desired.repository_phase([*READY[:2], *([serve] if serve else [])])
     assert (waiting.ready, waiting.reason) == (False, "Pending")
+
+
+def test_the_virtual_containers_secrets_are_mounted_whole_and_named_by_prefix() -> None:
+    """Each virtual chunk container's credentials Secret reaches the server as files (kubelet
+    rotates them), and ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS says whose is which: no value of a
+    Secret in the Deployment."""
+    import json
+
+    b = body({"enabled": True})
+    b["spec"]["virtualContainers"] = [
+        {"urlPrefix": "s3://era5/nc/", "credentialsSecretRef": {"name": "era5-keys"}},
+        {"urlPrefix": "gs://public-data/", "anonymous": True},
+        {"urlPrefix": "https://cdn.example.org/grib/", "credentialsSecretRef": {"name": "cdn"}},
+    ]
+    spec = RepositorySpec.model_validate(b["spec"])
+    deployment = desired.serve_deployment(b, spec, URL)
+    c, p = container(deployment), pod(deployment)
+    env = {e["name"]: e for e in c["env"]}
+    dirs = json.loads(env["ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS"]["value"])
+    assert dirs == {
+        "s3://era5/nc/": f"{desired.VIRTUAL_CREDENTIALS_DIR}/0",
+        "https://cdn.example.org/grib/": f"{desired.VIRTUAL_CREDENTIALS_DIR}/2",
+    }
+    volumes = {v["name"]: v for v in p["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for path, secret in zip(dirs.values(), ("era5-keys", "cdn"), strict=True):
+        mount = mounts[path]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"] == {"secretName": secret, "defaultMode": 0o440}
+    validate_builtin(deployment)
+    # Without containers that name Secrets: nothing of it.
+    plain = desired.serve_deployment(body({"enabled": True}), RepositorySpec.model_validate(
+        body({"enabled": True})["spec"]), URL)  # fmt: skip
+    assert "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS" not in json.dumps(plain)
