@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 
 from zarrlake.format import changes as changes_module
 from zarrlake.format.changes import ChunkChanges, count_refs, sorted_changes
-from zarrlake.format.model import INLINE, OBJECT, PACKED
+from zarrlake.format.model import INLINE, OBJECT, PACKED, VIRTUAL
 
 Ref = tuple[Any, ...] | None
 
@@ -139,7 +139,22 @@ odd_packed_refs = st.one_of(
     st.tuples(st.just(PACKED), pack_ids, offsets, offsets, st.binary(max_size=31)),
     st.tuples(st.just(PACKED), pack_ids, offsets, offsets, digests, st.just("extra")),
 )
+# Virtual refs: a few files (so that runs share sources), pinned by ETag, time, both or neither.
+urls = st.sampled_from(["s3://b/a.nc", "file:///x/b.nc", "https://h/\u00e9.nc", "s3://b/a.nc\x00"])
+etags = st.one_of(st.none(), st.sampled_from(['"abc"', "1700000000", ""]))
+modifieds = st.one_of(st.none(), st.sampled_from([0, -1, 1_700_000_000_000_000, 2**63 - 1]))
+lengths = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 2**32 - 1]))
+compact_virtual_refs = st.tuples(st.just(VIRTUAL), urls, offsets, lengths, etags, modifieds)
+odd_virtual_refs = st.one_of(
+    st.tuples(st.just(VIRTUAL), urls, offsets, st.just(2**32), etags, modifieds),
+    st.tuples(st.just(VIRTUAL), urls, st.just(-1), lengths, etags, modifieds),
+    st.tuples(st.just(VIRTUAL), urls, offsets, lengths, st.just(7), modifieds),
+    st.tuples(st.just(VIRTUAL), urls, offsets, lengths, etags),
+)
 values: st.SearchStrategy[Ref] = st.one_of(
+    compact_virtual_refs,
+    compact_virtual_refs,
+    odd_virtual_refs,
     st.none(),
     compact_refs,
     compact_refs,
@@ -364,6 +379,19 @@ class ChunkChangesMachine(RuleBasedStateMachine):
             other[key] = value
         p.cc.update(other)
         p.model.update(dict(changes))
+        self.saw(*(k for k, _ in changes))
+
+    @rule(i=st.integers(0, 3), changes=items)
+    def absorb_new(self, i: int, changes: list[tuple[str, Ref]]) -> None:
+        """Staged apart, then taken over whole (how set_virtual_refs lands a batch): as update
+        from it, and the staged one left empty."""
+        p = self.pair(i)
+        other = ChunkChanges()
+        for key, value in changes:
+            other[key] = value
+        p.cc.absorb(other)
+        p.model.update(dict(changes))
+        assert not other and len(other) == 0
         self.saw(*(k for k, _ in changes))
 
     @precondition(lambda self: sum(len(p.model) for p in self.pairs) > 30)

@@ -36,6 +36,7 @@ from zarrlake.errors import (
     ZarrlakeError,
 )
 from zarrlake.format import manifest
+from zarrlake.format.changes import ChunkChanges
 from zarrlake.format.manifest import prefix_matches
 from zarrlake.format.model import ChunkRef, Snapshot, ref_identity
 from zarrlake.history import diff_nodes
@@ -329,7 +330,9 @@ class Workspace:
         items = refs.items() if isinstance(refs, Mapping) else refs
         allowed: set[str] = set()
         sources = self._objects.sources
-        batch: dict[str, ChunkRef] = {}
+        # Staged apart (nothing is set if one ref is refused), and compactly: a million refs
+        # held as Python tuples would be ~300 MB, in columns ~70 MB.
+        batch = ChunkChanges()
         for coords, vref in items:
             if type(vref) is not VirtualRef:
                 raise InvalidArgument(
@@ -344,9 +347,10 @@ class Workspace:
                     )
                 allowed.add(url)
             batch[key_of(coords)] = vref.chunk_ref()
+        count = len(batch)
         with self._mutex:
-            self._top().chunks.update(batch)
-        return len(batch)
+            self._top().chunks.absorb(batch)
+        return count
 
     def _chunk_key_function(self, path: str) -> Callable[[Any], str]:
         """What turns chunk coordinates of the array at ``path`` into its chunk keys (as its
@@ -375,6 +379,16 @@ class Workspace:
         ndim = len(shape)
 
         def key_of(coords: Any) -> str:
+            if type(coords) is tuple and len(coords) == ndim:  # the common case, quickly
+                try:
+                    pairs = zip(coords, counts, strict=True)
+                    in_grid = all([0 <= c < n and type(c) is int for c, n in pairs])
+                except TypeError:
+                    in_grid = False
+                if in_grid:
+                    if lead:
+                        return base + sep.join((lead, *map(str, coords)))
+                    return base + (sep.join(map(str, coords)) if coords else "0")
             if type(coords) is not tuple or not all(type(c) is int for c in coords):
                 try:  # numpy integers, lists: the same coordinates
                     coords = tuple(operator.index(c) for c in coords)

@@ -84,6 +84,34 @@ def _load_refs(refs: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, An
 _RECORD = re.compile(r"refs\.(\d+)\.parq$")
 
 
+_COLUMNS = ("path", "offset", "size", "raw")
+
+
+def _parquet_record(file: str) -> dict[str, list[Any]]:
+    """The columns of one record file, read with pyarrow if it is installed, else with
+    fastparquet (what kerchunk writes them with; the ``virtual`` extra brings it)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    try:
+        if pq is not None:
+            table = pq.read_table(file, columns=list(_COLUMNS))
+            return {c: table.column(c).to_pylist() for c in _COLUMNS}
+        try:
+            import fastparquet
+        except ImportError:
+            raise MissingDependency(
+                "pyarrow or fastparquet", "virtual", "reading kerchunk Parquet refs"
+            ) from None
+        frame = fastparquet.ParquetFile(file).to_pandas(columns=list(_COLUMNS))
+        return {c: frame[c].tolist() for c in _COLUMNS}
+    except MissingDependency:
+        raise
+    except Exception as e:  # each reader raises its own kinds for a file that is not one
+        raise InvalidArgument(f"{file}: not a kerchunk refs record ({e})") from None
+
+
 def _load_parquet(path: str) -> dict[str, Any]:
     """Kerchunk's Parquet references (``kerchunk.df.refs_to_dataframe``, fsspec's
     ``LazyReferenceMapper``) as the JSON form: ``.zmetadata`` holds the metadata and the
@@ -104,7 +132,6 @@ def _load_parquet(path: str) -> dict[str, Any]:
     record_size = zmeta.get("record_size") if isinstance(zmeta, dict) else None
     if not isinstance(metadata, dict) or not isinstance(record_size, int) or record_size < 1:
         raise InvalidArgument(f"{path}/.zmetadata: needs 'metadata' and a 'record_size' >= 1")
-    pandas = require("pandas", extra="virtual", feature="kerchunk Parquet refs")
     entries: dict[str, Any] = dict(metadata)
     for key, value in metadata.items():
         parent, _, name = str(key).rpartition("/")
@@ -125,22 +152,13 @@ def _load_parquet(path: str) -> dict[str, Any]:
                 if m:
                     records[int(m[1])] = os.path.join(folder, file)
         for n, file in sorted(records.items()):
-            try:
-                frame = pandas.read_parquet(file, columns=["path", "offset", "size", "raw"])
-            except ImportError:
-                raise MissingDependency(
-                    "pyarrow or fastparquet", "virtual", "reading kerchunk Parquet refs"
-                ) from None
-            except (OSError, ValueError, KeyError) as e:
-                raise InvalidArgument(f"{file}: not a kerchunk refs record ({e})") from None
+            columns = _parquet_record(file)
             start = n * record_size
-            stop = min(start + len(frame), total)
+            stop = min(start + len(columns["path"]), total)
             if stop <= start:
                 continue
-            paths = frame["path"].to_numpy()[: stop - start]
-            offsets = frame["offset"].to_numpy()[: stop - start]
-            sizes = frame["size"].to_numpy()[: stop - start]
-            raws = frame["raw"].to_numpy()[: stop - start]
+            paths, offsets = columns["path"], columns["offset"]
+            sizes, raws = columns["size"], columns["raw"]
             coords = np.unravel_index(np.arange(start, stop), grid) if grid else ()
             for i in range(stop - start):
                 name = sep.join(str(int(c[i])) for c in coords) if grid else "0"
@@ -265,9 +283,10 @@ def import_kerchunk(
     ``refs``: kerchunk references (version 0 or 1, with ``templates``), as a dict, the path of
     a JSON file, or the directory of kerchunk's Parquet references (``.zmetadata`` and
     ``<array>/refs.<n>.parq`` records, as ``kerchunk.df.refs_to_dataframe`` writes them; read
-    with pandas, which needs pyarrow or fastparquet). ``pin``: record each file's ETag (S3) or modification time (local files) as
-    they are now, so that reading a chunk of a file changed since raises
-    :class:`VirtualSourceChanged` (one request per file). Nothing is committed: call
+    with pandas, which needs pyarrow or fastparquet). ``pin``: record each file's ETag (S3,
+    Azure, HTTP), generation (GCS) or modification time (local files) as they are now, so that
+    reading a chunk of a file changed since raises :class:`VirtualSourceChanged` (one request
+    per file). Nothing is committed: call
     ``session.commit`` after.
 
     Raises :class:`VirtualContainerNotAllowed` for a file outside the repository's

@@ -20,6 +20,7 @@ would lose a trailing one) are never frozen.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import mmap
@@ -33,15 +34,15 @@ from collections.abc import (
     Sequence,
     ValuesView,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from zarrlake.format.model import OBJECT, PACKED, ChunkRef
+from zarrlake.format.model import OBJECT, PACKED, VIRTUAL, ChunkRef
 
-_NONE, _OBJECT, _OTHER, _PACKED = 0, 1, 2, 3
+_NONE, _OBJECT, _OTHER, _PACKED, _VIRTUAL = 0, 1, 2, 3, 4
 _DIGEST = 32
 #: Where a packed chunk lies: its pack (a row of the run's table of pack ids, which are 32 bytes:
 #: a hash, or the random id a session gives the packs it writes), offset and length. For packed
@@ -76,6 +77,38 @@ def _packed_place(ref: ChunkRef) -> tuple[bytes, int, int] | None:
     return bytes.fromhex(pack), offset, length
 
 
+#: A virtual ref's source as a run keeps it: (url, etag, last-modified µs), named in the pack
+#: table by a hash of the three (so that merges, which unify the table, need not know them).
+Source = tuple[str, "str | None", "int | None"]
+
+
+def _virtual_place(ref: ChunkRef, ids: dict[Source, bytes]) -> tuple[bytes, int, int] | None:
+    """(source id, offset, length) of a virtual ref a run can hold in columns, else None;
+    ``ids`` caches the source ids (a million refs name a few thousand files)."""
+    if not (len(ref) == 6 and ref[0] == VIRTUAL):
+        return None
+    url, offset, length, etag, modified = ref[1], ref[2], ref[3], ref[4], ref[5]
+    if not (
+        type(url) is str
+        and (etag is None or type(etag) is str)
+        and (modified is None or type(modified) is int)
+        and type(offset) is int
+        and type(length) is int
+        and 0 <= offset < 1 << 63
+        and 0 <= length < 1 << 32
+    ):
+        return None
+    source = (url, etag, modified)
+    sid = ids.get(source)
+    if sid is None:
+        h = hashlib.blake2b(digest_size=_DIGEST, person=b"zl-virtual")
+        for part in (url, "" if etag is None else "e" + etag, "" if modified is None else "m"):
+            h.update(part.encode(_UTF8, _SURROGATES) + b"\x00")
+        h.update(b"" if modified is None else modified.to_bytes(9, "big", signed=True))
+        sid = ids[source] = h.digest()
+    return sid, offset, length
+
+
 def _compact(ref: ChunkRef) -> bool:
     return (
         len(ref) == 3
@@ -98,8 +131,11 @@ class _Run:
     sizes: npt.NDArray[np.int64]
     others: list[ChunkRef]
     live: npt.NDArray[np.bool_]  # False: removed from the mapping (``del``), not a deletion
-    places: npt.NDArray[Any]  # (_PLACE) where each _PACKED entry's chunk lies
-    packs: npt.NDArray[np.uint8]  # (m, 32): the pack ids ``places`` names, each once
+    # (_PLACE) where each _PACKED or _VIRTUAL entry's chunk lies: its pack or source, range.
+    places: npt.NDArray[Any]
+    packs: npt.NDArray[np.uint8]  # (m, 32): the pack and source ids ``places`` names, each once
+    #: The source each _VIRTUAL id of ``packs`` stands for (it may hold ids no entry names).
+    sources: dict[bytes, Source] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -113,6 +149,7 @@ class _Run:
         sizes = np.zeros(n, np.int64)
         others: list[ChunkRef] = []
         places: list[tuple[bytes, int, int]] = []
+        ids: dict[Source, bytes] = {}
         for i, (_, v) in enumerate(items):
             if v is None:
                 continue
@@ -123,6 +160,10 @@ class _Run:
             elif (place := _packed_place(v)) is not None:
                 kinds[i] = _PACKED
                 digests[i * _DIGEST : (i + 1) * _DIGEST] = v[4]
+                sizes[i] = len(places)
+                places.append(place)
+            elif (place := _virtual_place(v, ids)) is not None:
+                kinds[i] = _VIRTUAL
                 sizes[i] = len(places)
                 places.append(place)
             else:
@@ -138,6 +179,7 @@ class _Run:
             others,
             np.ones(n, np.bool_),
             *_places(places),
+            {sid: source for source, sid in ids.items()},
         )
 
     def find(self, key: bytes) -> int:
@@ -164,6 +206,10 @@ class _Run:
                 int(place["length"]),
                 self.digests[i].tobytes(),
             )
+        if kind == _VIRTUAL:
+            place = self.places[int(self.sizes[i])]
+            url, etag, modified = self.sources[self.packs[int(place["pack"])].tobytes()]
+            return (VIRTUAL, url, int(place["offset"]), int(place["length"]), etag, modified)
         return None
 
     def items(
@@ -172,11 +218,14 @@ class _Run:
         """The entries ``where`` selects (default: the live ones), in key order."""
         where = self.live if where is None else where
         block = 4096  # decoded a block at a time: nothing of the run's size is built
-        packs = [row.tobytes().hex() for row in self.packs]  # one str a pack, shared by its refs
+        # One str a pack, shared by its refs; one source tuple a file, shared by its refs.
+        rows = [row.tobytes() for row in self.packs]
+        packs = [row.hex() for row in rows]
+        sources = [self.sources.get(row) for row in rows]
         for start in range(0, len(self.keys), block):
             live = where[start : start + block]
             keys = self.keys[start : start + block].tolist()
-            values = self._values(start, start + len(keys), packs)
+            values = self._values(start, start + len(keys), packs, sources)
             if live.all():
                 for key, value in zip(keys, values, strict=True):
                     yield key.decode(_UTF8, _SURROGATES), value
@@ -184,13 +233,15 @@ class _Run:
                 for j in np.flatnonzero(live).tolist():
                     yield keys[j].decode(_UTF8, _SURROGATES), values[j]
 
-    def _values(self, start: int, stop: int, packs: list[str]) -> list[ChunkRef | None]:
+    def _values(
+        self, start: int, stop: int, packs: list[str], sources: list[Source | None]
+    ) -> list[ChunkRef | None]:
         """:meth:`value` of entries ``start`` .. ``stop``, the columns read once for them all
         (a numpy scalar a field costs microseconds; a million packed refs, seconds)."""
         kinds = self.kinds[start:stop]
         sizes = self.sizes[start:stop].tolist()
         digests = self.digests[start:stop].tobytes()
-        places = self.places[self.sizes[start:stop][kinds == _PACKED]]
+        places = self.places[self.sizes[start:stop][_placed(kinds)]]
         pack = iter(places["pack"].tolist())
         offset = iter(places["offset"].tolist())
         length = iter(places["length"].tolist())
@@ -201,6 +252,11 @@ class _Run:
             elif kind == _PACKED:
                 digest = digests[j * _DIGEST : (j + 1) * _DIGEST]
                 out.append((PACKED, packs[next(pack)], next(offset), next(length), digest))
+            elif kind == _VIRTUAL:
+                source = sources[next(pack)]
+                assert source is not None  # a virtual entry's id is a source's
+                url, etag, modified = source
+                out.append((VIRTUAL, url, next(offset), next(length), etag, modified))
             elif kind == _OTHER:
                 out.append(self.others[sizes[j]])
             else:
@@ -227,6 +283,7 @@ class _Run:
             self.live.copy(),
             self.places,
             self.packs,
+            self.sources,
         )
 
     def merged_under(self, newer: _Run) -> _Run:
@@ -246,6 +303,7 @@ class _Run:
             self.others + newer.others,
             _empty((n,), np.dtype(np.bool_)),
             *_joined_places(self, newer),
+            {**self.sources, **newer.sources},
         )
         out.live[:] = True
         # No kept key is on both sides, so an entry's place in the result is its rank among its
@@ -264,7 +322,8 @@ class _Run:
         shift: tuple[int, int],
     ) -> None:
         """Copy ``src``'s entries that ``keep`` selects into their places in this run; the
-        indices of its _OTHER and _PACKED entries move up by ``shift`` (``others``, ``places``)."""
+        indices of its _OTHER and _PACKED/_VIRTUAL entries move up by ``shift`` (``others``,
+        ``places``)."""
         others_at, places_at = shift
         rank = 0
         for a in range(0, len(src), _BLOCK):
@@ -280,7 +339,7 @@ class _Run:
             if others_at:
                 sizes[kinds == _OTHER] += others_at
             if places_at:
-                sizes[kinds == _PACKED] += places_at
+                sizes[_placed(kinds)] += places_at
             self.keys[slots] = keys
             self.kinds[slots] = kinds
             self.digests[slots] = src.digests[idx]
@@ -289,7 +348,7 @@ class _Run:
     def _with_used_others(self) -> _Run:
         """This run, with ``others`` and ``places`` reduced to what its entries name."""
         other = self.kinds == _OTHER
-        packed = self.kinds == _PACKED
+        packed = _placed(self.kinds)
         if int(other.sum()) == len(self.others) and int(packed.sum()) == len(self.places):
             return self
         sizes = self.sizes.copy()
@@ -309,7 +368,14 @@ class _Run:
             self.live,
             places,
             self.packs[named],
+            self.sources,
         )
+
+
+def _placed(kinds: npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
+    """Which entries have a place (a packed chunk's, a virtual one's)."""
+    placed: npt.NDArray[np.bool_] = (kinds == _PACKED) | (kinds == _VIRTUAL)
+    return placed
 
 
 def _places(
@@ -343,6 +409,8 @@ _OLD_PLACE = np.dtype([("pack", np.uint8, (32,)), ("offset", np.int64), ("length
 
 def _upgraded(run: _Run) -> _Run:
     """A run as pickled by a zarrlake from before packed columns, or before the pack table."""
+    if not hasattr(run, "sources"):  # from before virtual columns: none of its entries are
+        run.sources = {}
     if not hasattr(run, "places"):
         run.places, run.packs = _places([])
     elif not hasattr(run, "packs"):  # each place held its pack's id
@@ -495,6 +563,25 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
                 self[key] = value
         else:
             super().update(other, **kwargs)
+
+    def absorb(self, other: ChunkChanges) -> None:
+        """Take ``other``'s changes over, as ``update(other)`` would, but by moving its runs
+        (a million staged refs are not frozen a second time); ``other`` is left empty."""
+        if other is self:
+            return
+        with self._lock, other._lock:
+            # The dict is newer than the runs: frozen first, so that the runs (theirs after
+            # ours) stay oldest first. Keys that cannot be frozen are in no run of theirs.
+            if self._recent:
+                self._freeze()
+            runs = [*self._runs, *other._runs]
+            while len(runs) > 1 and len(runs[-2]) <= 2 * len(runs[-1]):
+                newer = runs.pop()
+                runs[-1] = runs[-1].merged_under(newer)
+            self._runs = runs
+            recent, other._recent, other._runs = other._recent, {}, []
+        for key, value in recent.items():
+            self[key] = value
 
     def copy(self) -> ChunkChanges:
         out = ChunkChanges()
