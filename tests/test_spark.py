@@ -26,6 +26,7 @@ from zarrlake.spark import (
     open_array,
     read_array,
     write_partitions,
+    write_virtual_refs,
 )
 
 pytestmark = [
@@ -426,3 +427,55 @@ def test_writer_error_commits_nothing(spark: Any, spark_repo: zarrlake.Repositor
     assert "nothing was committed" in str(ei.value)
     assert head_and_log(repo) == (head0, log0)
     np.testing.assert_array_equal(read_grid(repo), np.zeros((ROWS, COLS)))
+
+
+# -- write_virtual_refs ----------------------------------------------------------------------------
+
+
+def refs_of_file(url: str) -> Iterator[tuple[str, tuple[int, ...], zarrlake.VirtualRef]]:
+    """On the executors: one file, one row of chunks (its name says which), pinned by mtime."""
+    import datetime as dt
+
+    path = url[len("file://") :]
+    step = int(path.rsplit("-", 1)[1].split(".")[0])
+    mtime = dt.datetime.fromtimestamp(os.stat(path).st_mtime, dt.UTC)
+    for j in range(4):
+        yield "v", (step, j), zarrlake.VirtualRef(url, 8 * j, 8, last_modified=mtime)
+
+
+def test_virtual_refs_built_on_the_executors_land_as_one_commit(spark: Any, tmp_path: Path) -> None:
+    files = tmp_path / "archive"
+    files.mkdir()
+    steps = 24
+    expected = np.arange(steps * 32, dtype="u1").reshape(steps, 32)
+    urls = []
+    for i in range(steps):
+        (files / f"step-{i}.bin").write_bytes(expected[i].tobytes())
+        urls.append((files / f"step-{i}.bin").as_uri())
+    config = {"virtual_containers": [{"url_prefix": files.as_uri() + "/"}]}
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), config=config)
+    _, log0 = head_and_log(repo)
+
+    def create(store: Any) -> None:
+        zarr.create_array(store, name="v", shape=(steps, 32), chunks=(1, 8), dtype="u1",
+                          compressors=None, fill_value=0)  # fmt: skip
+
+    rdd = spark.sparkContext.parallelize(urls, 6)
+    commit_id = write_virtual_refs(
+        rdd, repo, refs=refs_of_file, setup=create, message="index the archive"
+    )
+    head, log = head_and_log(repo)
+    assert head == commit_id and log == [commit_id, *log0]
+    np.testing.assert_array_equal(read_grid(repo, name="v"), expected)
+    ref = repo.readonly_session().resolve("v/c/3/2")
+    assert isinstance(ref, tuple) and ref[1] == urls[3] and ref[5] is not None  # pinned
+
+    # A ref outside the containers fails the job on its executor: nothing is committed.
+    def outside(url: str) -> Iterator[tuple[str, tuple[int, ...], zarrlake.VirtualRef]]:
+        yield "v", (0, 0), zarrlake.VirtualRef("file:///etc/passwd", 0, 8)
+
+    with pytest.raises(SparkWriteError, match="VirtualContainerNotAllowed"):
+        write_virtual_refs(rdd, repo, refs=outside, message="no")
+    assert head_and_log(repo) == (commit_id, log)
+    with pytest.raises(zarrlake.InvalidArgument, match="refs must be a callable"):
+        write_virtual_refs(rdd, repo, refs=None, message="no")  # type: ignore[arg-type]

@@ -51,21 +51,43 @@ def shared_instance(key: bytes, make: Callable[[], _V]) -> _V:
 
 
 def shared_object_store(
-    storage_bytes: bytes, content_hash: str = LEGACY_CONTENT_HASH
+    storage_bytes: bytes,
+    content_hash: str = LEGACY_CONTENT_HASH,
+    verify_reads: bool = True,
+    sources_bytes: bytes = b"",
 ) -> ObjectStore:
-    """This process's ObjectStore for the pickled storage and the repository's content hash (what
-    a pickled fork's store becomes)."""
-    return shared_instance(
-        b"objects:" + content_hash.encode() + b":" + storage_bytes,
-        lambda: ObjectStore(pickle.loads(storage_bytes), content_hash),
+    """This process's ObjectStore for the pickled storage, the repository's content hash, the
+    reads' verification and its virtual chunk sources (containers and credentials, pickled;
+    empty: none) — what a pickled fork's store becomes. Forks of repositories that differ in
+    any of them get stores of their own."""
+    key = b":".join(
+        (b"objects", content_hash.encode(), b"%d" % verify_reads, storage_bytes, sources_bytes)
     )
+
+    def make() -> ObjectStore:
+        sources = pickle.loads(sources_bytes) if sources_bytes else None
+        return ObjectStore(
+            pickle.loads(storage_bytes), content_hash, verify_reads=verify_reads, sources=sources
+        )
+
+    return shared_instance(key, make)
 
 
 class _ForkPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, ObjectStore) and obj.storage.shared_across_processes:
             storage_bytes = pickle.dumps(obj.storage, protocol=pickle.HIGHEST_PROTOCOL)
-            return shared_object_store, (storage_bytes, obj.content_hash)
+            # A repository's virtual containers travel with its store: a fork sets and reads
+            # virtual refs as its session does.
+            sources = b""
+            if obj.sources:
+                sources = pickle.dumps(obj.sources, protocol=pickle.HIGHEST_PROTOCOL)
+            return shared_object_store, (
+                storage_bytes,
+                obj.content_hash,
+                obj.verify_reads,
+                sources,
+            )
         return NotImplemented
 
 

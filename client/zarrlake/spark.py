@@ -38,6 +38,18 @@ The storage must be reachable from every executor: S3 (credentials given explici
 or a directory on a file system that all executors share. ``Storage.memory()`` cannot be written
 from Spark (each executor would write into its own copy).
 
+Virtual chunks from many files at once (:func:`write_virtual_refs`): ``refs(item)`` runs on
+the executors for each item (a file's URL, say), yields ``(array_path, chunk_coords,
+VirtualRef)`` triples, and the driver commits them all once, as :func:`write_partitions` does::
+
+    def refs(url):                           # on the executors: scan one file
+        step = int(url.rsplit("-", 1)[1][:4])
+        for key, (src, offset, length) in chunk_refs_of(url):
+            yield "t2m", (step, *key), VirtualRef(src, offset, length)
+
+    write_virtual_refs(sc.parallelize(urls, 64), repo, refs=refs, setup=create,
+                       message="index 40 years of NetCDF")
+
 Reading::
 
     df = read_array(spark, repo, "grid/temp", ref="main")                 # mode="element"
@@ -89,6 +101,7 @@ from zarrlake.extras import require
 from zarrlake.forks import dump_fork, load_fork, shared_instance
 from zarrlake.maintenance.spark_jobs import workers_python
 from zarrlake.repository import Repository
+from zarrlake.sources import VirtualRef
 
 if TYPE_CHECKING:
     import zarr
@@ -103,6 +116,7 @@ __all__ = [
     "open_array",
     "read_array",
     "write_partitions",
+    "write_virtual_refs",
 ]
 
 _READ_THREADS = 8
@@ -295,15 +309,18 @@ def _check_writable_storage(repo: Repository) -> None:
 
 
 def _partition_task(
-    fork_bytes: bytes, writer: Writer
+    fork_bytes: bytes, writer: Writer, *, to_fork: bool = False
 ) -> Callable[[int, Iterable[Any]], Iterable[Changeset]]:
+    """The task of each partition: ``writer(store, items)`` on a fresh copy of the fork (with
+    ``to_fork``, ``writer(fork, items)``), then the fork's changes as the task's result."""
+
     def run(index: int, items: Iterable[Any]) -> Iterator[Changeset]:
         # A fresh copy of the fork for every task (and every task attempt): a retried or
         # speculative attempt never sees another attempt's writes, and Spark keeps the result of
         # exactly one attempt per partition.
         fork = load_fork(fork_bytes)
         try:
-            result = writer(fork.store, iter(items))
+            result = writer(fork if to_fork else fork.store, iter(items))
             if isinstance(result, Iterator):
                 for _ in result:  # a generator-function writer does its work only when iterated
                     pass
@@ -375,6 +392,74 @@ def write_partitions(
     _require_pyspark("zarrlake.spark.write_partitions")
     if not callable(writer):
         raise InvalidArgument("writer must be a callable writer(store, partition_iterator)")
+    return _commit_partitions(
+        rdd_or_df, repo, branch, writer, False, message, author, metadata, setup, allow_empty
+    )
+
+
+#: What :func:`write_virtual_refs` asks of each item: ``(array_path, chunk_coords, VirtualRef)``.
+VirtualRefsOf = Callable[[Any], Iterable[tuple[str, tuple[int, ...], VirtualRef]]]
+#: Refs a task sets at a time, per array (a task's staged refs stay compact past it).
+_VIRTUAL_BATCH = 1 << 16
+
+
+def write_virtual_refs(
+    rdd_or_df: Any,
+    repo: Repository,
+    branch: str = "main",
+    *,
+    refs: VirtualRefsOf,
+    message: str,
+    author: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    setup: Callable[[Any], Any] | None = None,
+    allow_empty: bool = False,
+) -> str:
+    """Build virtual chunk refs on the executors and publish them all as one commit.
+
+    ``refs(item)`` runs on the executors for each item of ``rdd_or_df`` (a file's URL, say:
+    thousands of NetCDF files are scanned at once, each task its own) and yields
+    ``(array_path, chunk_coords, VirtualRef)`` triples, as ``session.set_virtual_refs`` takes
+    them. ``setup(store)`` runs on the driver's session first (create the arrays there). The
+    refs are checked where they are set (a URL outside the repository's virtual containers
+    fails the job: nothing is committed); the executors need the containers' credentials only
+    if ``refs`` reads the files (the commit reads none). Returns the new commit id. Raises as
+    :func:`write_partitions`.
+    """
+    _require_pyspark("zarrlake.spark.write_virtual_refs")
+    if not callable(refs):
+        raise InvalidArgument("refs must be a callable refs(item) -> (array_path, coords, ref)s")
+
+    def write(fork: Any, items: Iterator[Any]) -> None:
+        batches: dict[str, list[tuple[tuple[int, ...], VirtualRef]]] = {}
+        for item in items:
+            for array_path, coords, ref in refs(item):
+                batch = batches.setdefault(array_path, [])
+                batch.append((coords, ref))
+                if len(batch) >= _VIRTUAL_BATCH:
+                    fork.set_virtual_refs(array_path, batch)
+                    batch.clear()
+        for array_path, batch in batches.items():
+            if batch:
+                fork.set_virtual_refs(array_path, batch)
+
+    return _commit_partitions(
+        rdd_or_df, repo, branch, write, True, message, author, metadata, setup, allow_empty
+    )
+
+
+def _commit_partitions(
+    rdd_or_df: Any,
+    repo: Repository,
+    branch: str,
+    writer: Any,
+    to_fork: bool,
+    message: str,
+    author: str | None,
+    metadata: dict[str, Any] | None,
+    setup: Callable[[Any], Any] | None,
+    allow_empty: bool,
+) -> str:
     if not isinstance(message, str):
         raise InvalidArgument("message must be a string")
     rdd = _as_rdd(rdd_or_df)
@@ -388,7 +473,7 @@ def write_partitions(
     fork_bytes = dump_fork(fork)
     try:
         changesets: list[Changeset] = rdd.mapPartitionsWithIndex(
-            _partition_task(fork_bytes, writer)
+            _partition_task(fork_bytes, writer, to_fork=to_fork)
         ).collect()
     except Exception as e:
         with contextlib.suppress(ZarrlakeError):
