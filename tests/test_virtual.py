@@ -872,3 +872,48 @@ def test_kerchunk_parquet_refs_import_as_the_json_ones_do(
     ]:
         r = cli("virtual", str(tmp_path / "cli" / "repo"), "import", str(bad))
         assert r.code == 2 and message in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_compact_materialize_copies_the_virtual_chunks_in(
+    tmp_path: Path, data_dir: Path, cli: Any
+) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    imported_at = imported(repo, path, path.as_uri())
+    with xr.open_dataset(path, engine="h5netcdf") as f:
+        expected = f.load()
+    dry = repo.compact(materialize=True, dry_run=True)
+    assert dry.materialized_chunks > 0 and dry.materialized_snapshot is None
+    assert repo.lookup_branch("main") == imported_at  # a dry run commits nothing
+    url = str(tmp_path / "repo")
+    r = cli("compact", url, "--materialize", "--json")
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert report["materialized_chunks"] == dry.materialized_chunks
+    assert report["materialized_bytes"] == dry.materialized_bytes > 0
+    session = repo.readonly_session()
+    kinds = {session.resolve(k)[0] for k in session.list_prefix("t2m/") if "zarr.json" not in k}  # type: ignore[index]
+    assert VIRTUAL not in kinds
+    # The data is the repository's own now: the archive can go, the branch still reads.
+    os.rename(data_dir, tmp_path / "moved")
+    xr.testing.assert_identical(open_repo_dataset(zarrlake.Repository.open(repo.storage)).load(),
+                                expected)  # fmt: skip
+    # Older snapshots still name the sources.
+    with pytest.raises(zarrlake.VirtualSourceMissing):
+        zarr.open_array(repo.readonly_session(imported_at).store, path="t2m")[:]
+    os.rename(tmp_path / "moved", data_dir)
+    assert cli("compact", url, "--materialize").out.startswith("packed")  # nothing left to copy
+
+
+def test_compact_materialize_refuses_a_changed_source_and_commits_nothing(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    repo = local_repo(tmp_path, data_dir)
+    head = imported(repo, path, path.as_uri())
+    write_netcdf(path, make_dataset(seed=3))
+    later = dt.datetime.now().timestamp() + 5
+    os.utime(path, (later, later))
+    with pytest.raises(zarrlake.VirtualSourceChanged):
+        repo.compact(materialize=True)
+    assert repo.lookup_branch("main") == head

@@ -31,7 +31,7 @@ from zarrlake.config import (
     verify_reads_default,
     with_virtual_containers,
 )
-from zarrlake.conflicts import check_strategy
+from zarrlake.conflicts import UseTheirs, check_strategy
 from zarrlake.core import RepositoryCore, check_storage_writable
 from zarrlake.durations import as_timedelta
 from zarrlake.errors import (
@@ -58,8 +58,10 @@ from zarrlake.format.model import (
     MIRROR_REPO_KEY,
     PUBLISHED_ROOT,
     REPO_KEY,
+    VIRTUAL,
     VIRTUAL_CHUNKS,
     WRITE_PROBE_KEY,
+    ChunkRef,
     JournalEntry,
     RepoRecord,
 )
@@ -899,20 +901,28 @@ class Repository:
         progress: Progress | None = None,
         engine: str = "local",
         spark: Any = None,
+        materialize: bool = False,
     ) -> CompactReport:
         """Pack small chunks, merge undersized shards and prune old journal entries of ``branch``
         without changing what any snapshot reads; a :class:`CompactReport`.
 
         ``engine="spark"`` writes the packs in Spark tasks (see :meth:`gc` for ``spark``); the
-        same rules and one commit, as locally."""
+        same rules and one commit, as locally. Virtual chunks are left as they are, unless
+        ``materialize``: then, first, every virtual chunk of the branch's head is read from its
+        source (checked against its pins: :class:`VirtualSourceChanged` or
+        :class:`VirtualSourceMissing` if one is not as it was, and nothing is committed) and
+        written into the repository, in one commit of its own (a chunk a user rewrote meanwhile
+        keeps the user's data); older snapshots still name the sources. Sources are never
+        changed or deleted."""
         validate_name(branch)
         spark = self._spark_for(engine, spark, "compaction")
         self._core.check_writable()
         below = DEFAULT_PACK_BELOW if pack_below_bytes is None else pack_below_bytes
+        copied = (0, 0, None) if not materialize else self._materialize(branch, dry_run)
         if spark is not None:
             from zarrlake.maintenance.spark_jobs import compact_spark
 
-            return compact_spark(
+            report = compact_spark(
                 self._core,
                 spark,
                 branch=branch,
@@ -920,14 +930,56 @@ class Repository:
                 keep_journal=keep_journal,
                 dry_run=dry_run,
             )
-        return compact(
-            self._core,
-            branch=branch,
-            pack_below_bytes=below,
-            keep_journal=keep_journal,
-            dry_run=dry_run,
-            progress=progress,
+        else:
+            report = compact(
+                self._core,
+                branch=branch,
+                pack_below_bytes=below,
+                keep_journal=keep_journal,
+                dry_run=dry_run,
+                progress=progress,
+            )
+        return replace(
+            report,
+            materialized_chunks=copied[0],
+            materialized_bytes=copied[1],
+            materialized_snapshot=copied[2],
         )
+
+    def _materialize(self, branch: str, dry_run: bool) -> tuple[int, int, str | None]:
+        """Copy every virtual chunk of ``branch``'s head into the repository, as one commit:
+        (chunks, bytes, the commit or None). Each source is read once per coalesced range and
+        checked against its pins (a changed or missing one raises, and nothing is committed);
+        a chunk a user commit rewrote meanwhile keeps the user's data."""
+        core = self._core
+        head = core.journal.current(branch).snapshot
+        if head is None:
+            raise RefNotFound(branch, "branch")
+        found: list[tuple[str, ChunkRef]] = []
+        for info in core.objects.snapshot(head).shards:
+            shard = core.objects.shard(info)
+            found.extend(
+                (k, r) for k, r in zip(shard.keys, shard.refs, strict=True) if r[0] == VIRTUAL
+            )
+        total = sum(int(r[3]) for _, r in found)
+        if dry_run or not found:
+            return len(found), total, None
+        session = self.writable_session(branch)
+        sources = core.objects.sources
+        batch = 256  # chunks read at once (the storage bounds the requests in flight)
+        for start in range(0, len(found), batch):
+            part = found[start : start + batch]
+            for (key, _), data in zip(
+                part, core.objects.storage.map(lambda kr: sources.read(kr[1]), part), strict=True
+            ):
+                session.write(key, data)
+        snapshot = session.commit(
+            f"Materialized {len(found)} virtual chunk(s) ({total} bytes)",
+            author="zarrlake compaction",
+            metadata={"materialized": {"chunks": len(found), "bytes": total}},
+            solver=UseTheirs(),
+        )
+        return len(found), total, snapshot
 
     @staticmethod
     def _spark_for(engine: str, spark: Any, what: str) -> Any:
@@ -1257,6 +1309,7 @@ class Repository:
         progress: Progress | None = None,
         engine: str = "local",
         spark: Any = None,
+        materialize: bool = False,
     ) -> CompactReport:
         """Async twin of :meth:`compact`."""
         return await asyncio.to_thread(
@@ -1268,6 +1321,7 @@ class Repository:
             progress=progress,
             engine=engine,
             spark=spark,
+            materialize=materialize,
         )
 
     async def upgrade_async(self) -> UpgradeReport:

@@ -20,7 +20,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
     zarrlake gc URL [--rules RULES] [--grace 7d] [--dry-run] [--force] [--json]
                     [--engine local|spark] [--spark-master URL]
     zarrlake compact URL [--branch main] [--pack-below BYTES] [--keep-journal 7d] [--dry-run]
-                         [--json] [--engine local|spark] [--spark-master URL]
+                         [--materialize] [--json] [--engine local|spark] [--spark-master URL]
     zarrlake fsck URL [--skip-chunks] [--verify-content] [--sample N] [--repair] [--virtual]
                       [--json]
     zarrlake upgrade URL [--json]

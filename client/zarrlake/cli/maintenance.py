@@ -182,6 +182,12 @@ def add_compact(commands: Commands) -> None:
         help="keep branch-journal entries (as_of) this far back (at least 8d, whatever is given)",
     )
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    p.add_argument(
+        "--materialize",
+        action="store_true",
+        help="first copy every virtual chunk of the branch into the repository (one commit; "
+        "the sources are read, checked against their pins, never changed)",
+    )
     _add_engine(p)
     add_json(p)
     add_lock(p)
@@ -200,6 +206,7 @@ def run_compact(args: argparse.Namespace) -> None:
             progress=progress,
             engine=args.engine,
             spark=spark,
+            materialize=args.materialize,
         )
     _write_job_report(JobReport.from_reports(report))
     if args.json:

@@ -74,6 +74,11 @@ class CompactReport:
     journal_entries_pruned: int = 0
     snapshot: str | None = None
     duration_s: float = 0.0
+    #: With ``materialize``: virtual chunks copied into the repository (their sources read once,
+    #: checked against their pins), and the commit that made them native.
+    materialized_chunks: int = 0
+    materialized_bytes: int = 0
+    materialized_snapshot: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The job-report form (``zarrlake compact --json``; the operator parses it)."""
@@ -82,7 +87,13 @@ class CompactReport:
     def summary(self) -> str:
         """One line for people."""
         verb = "would pack" if self.dry_run else "packed"
-        return (
+        copied = ""
+        if self.materialized_chunks:
+            copied = (
+                f"{'would copy' if self.dry_run else 'copied'} {self.materialized_chunks} "
+                f"virtual chunk(s) ({self.materialized_bytes} bytes) in, "
+            )
+        return copied + (
             f"{verb} {self.packed_chunks} chunk(s) into {self.packs_written} pack(s), shards "
             f"{self.shards_before} -> {self.shards_after}, pruned {self.journal_entries_pruned} "
             f"journal entr{'y' if self.journal_entries_pruned == 1 else 'ies'} "
