@@ -739,15 +739,7 @@ class Repository:
         kept = RepositoryConfig.from_dict(record.config).virtual_containers
         prefixes = {c.url_prefix for c in kept}
         given = core.objects.sources.credentials  # those of containers taken out go
-        self._install(
-            RepositoryCore.build(
-                self.storage,
-                record,
-                core.lock,
-                verify_reads=self.verify_reads,
-                virtual_credentials={p: c for p, c in given.items() if p in prefixes},
-            )
-        )
+        self._reinstall(record, {p: c for p, c in given.items() if p in prefixes})
         return self.config.virtual_containers
 
     # -- tags --------------------------------------------------------------------------------------
@@ -1007,17 +999,23 @@ class Repository:
         so, and nothing changes."""
         report, record = upgrade(self._core)
         if record != self._core.record:
-            core = self._core
-            self._install(
-                RepositoryCore.build(
-                    self.storage,
-                    record,
-                    core.lock,
-                    verify_reads=self.verify_reads,
-                    virtual_credentials=core.objects.sources.credentials,
-                )
-            )
+            self._reinstall(record, self._core.objects.sources.credentials)
         return report
+
+    def _reinstall(
+        self, record: RepoRecord, virtual_credentials: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """Go on with a new core for the marker ``record`` this handle just wrote (same
+        storage, lock and reads' verification; caches start empty)."""
+        self._install(
+            RepositoryCore.build(
+                self.storage,
+                record,
+                self._core.lock,
+                verify_reads=self.verify_reads,
+                virtual_credentials=virtual_credentials,
+            )
+        )
 
     def fsck(
         self,
