@@ -70,9 +70,12 @@ def writer(task: dict[str, Any]) -> None:
     for i in range(task["commits"]):
         index = task["writer"] * task["commits"] + i
         before = repo.stats["append_retries"]
-        start = time.monotonic()
         session = repo.writable_session("main")
         session.write(chunk_key(index), chunk_value(index))
+        # A commit's age is the commit's: it starts when commit() is called, as the engine's
+        # queue counts it. Upload of the chunk before it is the writer's own time (on a loaded
+        # machine a write that started first may end last, and its commit is then younger).
+        start = time.monotonic()
         snapshot = session.commit(f"chunk {index}")
         record = {
             "index": index,
