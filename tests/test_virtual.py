@@ -917,3 +917,40 @@ def test_compact_materialize_refuses_a_changed_source_and_commits_nothing(
     with pytest.raises(zarrlake.VirtualSourceChanged):
         repo.compact(materialize=True)
     assert repo.lookup_branch("main") == head
+
+
+def test_a_source_that_cannot_be_pinned_is_refused_unless_pin_is_off(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """An HTTP server that sends neither ETag nor Last-Modified: nothing says which version a
+    ref was made from, so a pinned import is refused (it would read as changed for ever)."""
+    import functools
+    import http.server
+    import threading
+
+    class NoDates(http.server.SimpleHTTPRequestHandler):
+        def send_header(self, keyword: str, value: str) -> None:
+            if keyword.lower() not in ("last-modified", "etag"):
+                super().send_header(keyword, value)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    path = write_netcdf(data_dir / "a.nc", make_dataset())
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(NoDates, directory=str(data_dir))
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        container = f"http://127.0.0.1:{server.server_address[1]}/"
+        config = {"virtual_containers": [{"url_prefix": container}]}
+        repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"), config=config)
+        session = repo.writable_session()
+        with pytest.raises(zarrlake.InvalidArgument, match="no ETag and no Last-Modified"):
+            import_kerchunk(kerchunk_refs(path, container + "a.nc"), session)
+        assert not session.has_changes
+        report = import_kerchunk(kerchunk_refs(path, container + "a.nc"), session, pin=False)
+        assert report.virtual_refs > 0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -345,21 +345,21 @@ def _spark_reason(text: str) -> str:
     )[:500]
 
 
-def _job_error(exc: BaseException) -> SparkWriteError:
+def _job_error(exc: BaseException, what: str = "write_partitions") -> SparkWriteError:
+    """The error of a failed job of ``what`` (the function that ran it)."""
     text = str(exc)
     m = _MARK_RE.search(text)
     if m:
         part, reason = int(m.group(1)), m.group(2).strip()
         return SparkWriteError(
-            f"write_partitions: writer failed on partition {part}: {reason} "
-            "(nothing was committed)",
+            f"{what}: writer failed on partition {part}: {reason} (nothing was committed)",
             partition=part,
             reason=reason,
         )
     # Not the writer: name the first Python exception in the (Java-wrapped) traceback text.
     reason = _spark_reason(text) or type(exc).__name__
     return SparkWriteError(
-        f"write_partitions: Spark job failed: {reason} (nothing was committed)", reason=reason
+        f"{what}: Spark job failed: {reason} (nothing was committed)", reason=reason
     )
 
 
@@ -478,7 +478,7 @@ def _commit_partitions(
     except Exception as e:
         with contextlib.suppress(ZarrlakeError):
             session.discard()
-        raise _job_error(e) from e
+        raise _job_error(e, "write_partitions" if not to_fork else "write_virtual_refs") from e
     session.merge(*changesets)
     return session.commit(message, author=author, metadata=metadata, allow_empty=allow_empty)
 

@@ -338,6 +338,16 @@ def import_kerchunk(
         found = session.objects.storage.map(sources.stat, list(urls))
         stats = dict(zip(urls, found, strict=True))
     report.sources = len(urls)
+    if pin:
+        for url, stat in stats.items():
+            # A server that sends neither an ETag nor a Last-Modified (HTTP) leaves nothing to
+            # pin: pinned to the epoch, every read would say the file changed.
+            if stat.etag is None and stat.modified.timestamp() == 0:
+                raise InvalidArgument(
+                    f"{url}: the server gives no ETag and no Last-Modified, so a ref cannot be "
+                    "pinned to this version of the file; import with pin=False (reads then "
+                    "cannot tell a changed file)"
+                )
 
     if base and not session.exists(f"{base}/zarr.json"):
         _write_group(session, base, {})
