@@ -748,6 +748,18 @@ def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
         ("RetentionPolicy", "gc-only"),
     ):
         k8s.wait_condition(kind, name)
+    # The operator's counts are of every namespace: earlier tests' namespaces must be gone, or
+    # their teardown (the delete handlers taking a lock service or a server down, under load
+    # still at it) counts in this window.
+    wait_for(
+        "the namespaces of earlier tests to be gone",
+        lambda: not [
+            ns["metadata"]["name"]
+            for ns in kube.list_("Namespace", "")
+            if ns["metadata"]["name"] != k8s.namespace and ns["metadata"].get("deletionTimestamp")
+        ],
+        timeout=120,
+    )
     # Let the change handlers and the first resyncs finish what they write (under load they may
     # still be at it when every object reads Ready): settled is 3 s in a row without a write.
     _settled(k8s, quiet=3.0, timeout=60.0)
