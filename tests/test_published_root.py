@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +32,8 @@ import zarrlake
 from zarrlake.errors import PreconditionFailed, RootUnpublished, StorageError
 from zarrlake.format.model import PUBLISHED_ROOT, REPO_KEY, RepoRecord
 from zarrlake.format.root import ROOT_KEY, RootRecord
-from zarrlake_testkit.counting import CountingStorage, Counts
+from zarrlake.storage.base import Versioned
+from zarrlake_testkit.counting import CountingStorage, Counts, DelayedStorage
 
 C = 128  # int64 elements per chunk: 1 KiB, above the inline threshold
 
@@ -82,7 +84,7 @@ def test_a_new_repository_publishes_its_root(storage: zarrlake.Storage) -> None:
     assert PUBLISHED_ROOT not in old_style.record.features and not other.exists(ROOT_KEY)
 
 
-def test_open_and_read_one_chunk_is_five_requests_in_four_rounds(
+def test_open_and_read_one_chunk_is_five_requests(
     counted: Callable[[], CountingStorage],
 ) -> None:
     writer = zarrlake.Repository.create(counted())
@@ -95,13 +97,132 @@ def test_open_and_read_one_chunk_is_five_requests_in_four_rounds(
     # mirror would have.
     assert sorted(_ops(counts)) == ["get", "get_versioned"]
     counts.reset()
-    store = repo.readonly_session("main").store
-    # The head: the root read again (no listing), so that a ref moved since the open is seen.
-    assert _ops(counts) == ["get_versioned"]
-    counts.reset()
-    arr = zarr.open_array(store, path="data", mode="r")
+    arr = zarr.open_array(repo.readonly_session("main").store, path="data", mode="r")
     np.testing.assert_array_equal(arr[2 * C : 3 * C], 2)
-    assert _ops(counts) == ["get", "get_range"]  # the manifest, the chunk (in its pack)
+    # The root again (so that a ref moved since the open is seen), the manifest, the chunk (in
+    # its pack). Rounds: below.
+    assert sorted(_ops(counts)) == ["get", "get_range", "get_versioned"]
+
+
+#: A far away store's round trip, for the tests that count rounds (well above the client's own
+#: time between two requests, on a loaded machine too).
+LATENCY = 0.2
+
+
+@pytest.fixture(params=["local", "s3"])
+def far(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], zarrlake.Storage]:
+    """Storages on one repository location without latency (for writers setting the scene);
+    :func:`_far` makes a client's storage that has it."""
+    if request.param == "local":
+        return lambda: zarrlake.Storage.local(tmp_path / "r")
+    moto_s3 = request.getfixturevalue("moto_s3")
+    prefix = f"far-{tmp_path.name}"
+    return lambda: moto_s3.storage(prefix)
+
+
+def _far(storage: zarrlake.Storage, latency: float = LATENCY) -> DelayedStorage:
+    return DelayedStorage(storage, latency, Counts(record_keys=True))
+
+
+def _kinds(rounds: list[list[tuple[str, str]]]) -> list[list[str]]:
+    """Each round's requests as "op key-kind" (a manifest's or pack's digest left out)."""
+    return [sorted(f"{op} {key.split('/')[0]}" for op, key in r) for r in rounds]
+
+
+def test_open_and_read_one_chunk_takes_three_round_trips(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    for i in range(3):
+        _commit(writer, "main", i)
+    storage = _far(far())
+    repo = zarrlake.Repository.open(storage)
+    arr = zarr.open_array(repo.readonly_session("main").store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[2 * C : 3 * C], 2)
+    assert _kinds(storage.rounds()) == [
+        ["get mirror", "get_versioned root"],  # the open
+        # The root read again (a ref moved since the open is seen), and the manifest shard of
+        # the head the open saw, together: the session's base is provisional until the root
+        # answers, and the head had not moved.
+        ["get manifests", "get_versioned root"],
+        ["get_range packs"],  # the chunk
+    ]
+
+
+def test_a_head_moved_after_the_open_is_the_head_a_session_shows(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    for i in range(3):
+        _commit(writer, "main", i)
+    storage = _far(far())
+    repo = zarrlake.Repository.open(storage)
+    moved = _commit(writer, "main", 5)  # another client, after this one opened
+    session = repo.readonly_session("main")
+    arr = zarr.open_array(session.store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[5 * C : 6 * C], 5)
+    assert session.base == moved
+    # The shard read with the open's head was of no use: one round more, never a stale read.
+    assert len(storage.rounds()) == 4
+
+
+class _SlowRootOnce(DelayedStorage):
+    """Its next read of the root takes ``slow`` seconds more (once)."""
+
+    slow = 0.0
+
+    def get_versioned(self, key: str) -> Versioned:
+        if key == ROOT_KEY and self.slow:
+            delay, self.slow = self.slow, 0.0
+            time.sleep(delay)
+        return super().get_versioned(key)
+
+
+def test_a_session_taken_before_this_client_commits_does_not_show_the_commit(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    before = _commit(writer, "main", 0)
+    storage = _SlowRootOnce(far(), 0.02, Counts())
+    repo = zarrlake.Repository.open(storage)
+    storage.slow = 2.0  # the session's root read is still out when the commit below publishes
+    old = repo.readonly_session("main")
+    after = _commit(repo, "main", 7)
+    # The commit waited for that read: the session shows the head it was taken on.
+    assert old.base == before
+    arr = zarr.open_array(old.store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[7 * C : 8 * C], 0)  # not written yet, there
+    assert repo.readonly_session("main").base == after == repo.lookup_branch("main")
+
+
+def test_a_branch_deleted_after_the_open_is_not_found_at_the_first_read(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    head = _commit(writer, "main", 0)
+    writer.create_branch("gone", head)
+    repo = zarrlake.Repository.open(_far(far()))
+    writer.delete_branch("gone")
+    session = repo.readonly_session("gone")
+    with pytest.raises(zarrlake.RefNotFound, match="gone"):
+        zarr.open_array(session.store, path="data", mode="r")
+    with pytest.raises(zarrlake.RefNotFound, match="gone"):
+        session.base  # noqa: B018 - the property is the read
+    with pytest.raises(zarrlake.RefNotFound, match="gone"):
+        repo.readonly_session("gone")  # the root read now says so
+
+
+def test_a_provisional_session_pickles_as_the_head_it_settles_on(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    _commit(writer, "main", 0)
+    repo = zarrlake.Repository.open(_far(far(), 0.02))
+    moved = _commit(writer, "main", 3)
+    copy = pickle.loads(pickle.dumps(repo.readonly_session("main")))
+    assert copy.base == moved
+    arr = zarr.open_array(copy.store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[3 * C : 4 * C], 3)
 
 
 def test_listing_refs_is_one_read_whatever_their_number(

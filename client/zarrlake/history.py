@@ -456,6 +456,37 @@ class CommitGraph:
             raise RefNotFound(ref)
         raise self.journal.missing(ref, "ref")
 
+    def locate_ahead(self, ref: str) -> tuple[str, Callable[[], str]] | None:
+        """For a reader on a far away store: the head of branch ``ref`` as the newest root this
+        client has seen says, without a request, and the function that gives the head as it is
+        now, read from a root whose read starts here. None where that cannot be: a ref that is
+        not a branch there, a head whose snapshot is not at hand, a repository without a
+        published root, or a storage whose reads cost less than the thread they would start
+        on (:meth:`locate` then answers). A branch gone meanwhile: the function raises
+        :class:`RefNotFound`."""
+        journal = self.journal
+        if journal.published is None or self.objects.storage.inline_read_bytes:
+            return None
+        if not isinstance(ref, str) or is_snapshot_id(canonical_id(ref)):
+            return None
+        try:
+            validate_name(ref)
+        except InvalidName:
+            return None
+        entry = journal.cached_published_head(ref)
+        if entry is None or entry.snapshot is None:
+            return None
+        if self.objects.cached_snapshot(entry.snapshot) is None:
+            return None
+        current = journal.published_current_ahead(ref)
+
+        def now() -> str:
+            sid = current().snapshot
+            assert sid is not None  # a live head
+            return sid
+
+        return entry.snapshot, now
+
     #: How many of the snapshots a short id could name an :class:`AmbiguousRef` lists.
     CANDIDATES = 8
 

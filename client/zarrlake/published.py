@@ -19,6 +19,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
 from zarrlake.errors import (
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Swaps lost in a row before a publisher gives up (each loser backs off a little, at random).
 MAX_SWAPS = 64
+
+#: How long a publish waits for this client's reads started ahead of it (see :meth:`read_ahead`).
+AHEAD_WAIT_S = 60.0
 
 Update = Callable[[RootRecord], RootRecord | None]
 
@@ -64,6 +69,8 @@ class PublishedRoot:
         self._usable = True
         # The newest root this client has read or written, and its version (None: none yet).
         self._seen: tuple[RootRecord, str] | None = None
+        # Reads started ahead (:meth:`read_ahead`) and not finished yet.
+        self._ahead: set[Future[RootRecord | None]] = set()
 
     def __getstate__(self) -> dict[str, object]:
         # Not the rebuild: it holds the journals that hold this object. A copy without it
@@ -91,6 +98,22 @@ class PublishedRoot:
         """The newest root this client has seen, without a request (None: none yet)."""
         seen = self._seen
         return None if seen is None else seen[0]
+
+    def read_ahead(self) -> Callable[[], RootRecord | None]:
+        """Start a :meth:`read` now, to overlap what the caller does next; returns the function
+        that gives its answer (or raises its error). Until it is answered, this client's own
+        publishes wait for it: a read started before a change of this client's never shows it
+        (a read-only session taken before this client commits does not see that commit)."""
+        future = self.storage.submit(self.read)
+        with self._guard:
+            if not future.done():
+                self._ahead.add(future)
+                future.add_done_callback(self._landed)
+        return future.result
+
+    def _landed(self, future: Future[RootRecord | None]) -> None:
+        with self._guard:
+            self._ahead.discard(future)
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[RootRecord | None]:
@@ -138,6 +161,12 @@ class PublishedRoot:
 
         Raises :class:`RootUnpublished` if the storage keeps failing (the change itself is
         decided and safe: whoever publishes next carries it) or the swaps keep losing."""
+        with self._guard:
+            ahead = list(self._ahead)
+        # Their answers, not their errors, matter here. (Bounded: one waiting in an I/O pool
+        # thread could otherwise wait for a read queued behind it.)
+        if ahead and futures.wait(ahead, timeout=AHEAD_WAIT_S).not_done:
+            log.warning("%s: publishing before a read started ahead of it came back", self.key)
         seen = self._seen
         for attempt in range(MAX_SWAPS):
             if seen is None:

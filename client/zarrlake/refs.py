@@ -53,6 +53,7 @@ from zarrlake.format.model import (
     tag_marker_key,
     tag_tombstone_key,
 )
+from zarrlake.format.root import RootRecord
 from zarrlake.published import PublishedRoot
 from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
 
@@ -349,7 +350,27 @@ class BranchJournal:
         finds every other head), where the repository has one; else :meth:`head`. What the
         root says may trail the journal by a commit whose writer died between its append and
         its swap (never acknowledged; the next commit on the branch builds on it)."""
-        root = None if self.published is None else self.published.read()
+        return self._head_in(name, None if self.published is None else self.published.read())
+
+    def cached_published_head(self, name: str) -> JournalEntry | None:
+        """The live head of ``name`` in the newest published root this client has seen, without
+        a request; None if there is no such root, or it has no live branch ``name``."""
+        root = None if self.published is None else self.published.cached()
+        if root is None or name not in root.branches:
+            return None
+        entry = self._head_in(name, root)
+        return entry if entry is not None and entry.snapshot is not None else None
+
+    def published_current_ahead(self, name: str) -> Callable[[], JournalEntry]:
+        """:meth:`published_current`, started now (the root read on the I/O pool, see
+        :meth:`PublishedRoot.read_ahead`): the function that gives its answer. Only for a
+        repository with a published root."""
+        assert self.published is not None
+        answer = self.published.read_ahead()
+        return lambda: self._live(name, self._head_in(name, answer()))
+
+    def _head_in(self, name: str, root: RootRecord | None) -> JournalEntry | None:
+        """The head of ``name`` as ``root`` says (as :meth:`head` says where it is None)."""
         if root is None:
             return self.head(name)
         held = root.branches.get(name)

@@ -1062,12 +1062,21 @@ class Repository:
         (also for a moment before the ref existed), :class:`InvalidArgument` for an ``as_of``
         that is not a time."""
         graph = self._core.graph
+        mirror_of = self._core.record.mirror_of
+        if as_of is None and mirror_of is None:
+            # A branch the root this client saw last holds: the session starts on that head
+            # while the root is read again, and takes the head that read finds (if it moved)
+            # before its first read answers: the root's read and the first manifest shard's
+            # share a round trip. A ref moved before this call is seen, as by :meth:`locate`.
+            ahead = graph.locate_ahead(ref)
+            if ahead is not None:
+                sid, settle = ahead
+                return Session(self._core, sid, branch=ref, read_only=True, settle=settle)
         if as_of is not None:
             sid, branch = graph.as_of(ref, _moment(as_of)), None
         else:
             sid, is_branch = graph.locate(ref)
             branch = ref if is_branch else None
-        mirror_of = self._core.record.mirror_of
         if mirror_of is not None and branch is None and sid not in self._shown_by_mirror():
             raise NotMirrored(sid, mirror_of)
         return Session(self._core, sid, branch=branch, read_only=True)

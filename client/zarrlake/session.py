@@ -75,9 +75,13 @@ class Workspace:
     _committing: bool = False
     #: Small chunks written into packs not yet uploaded, or whose upload is not yet confirmed.
     _packs: PackWriter | None = None
+    #: A read-only session of a branch whose base is provisional (see :meth:`_settled`): the
+    #: function that gives the branch's head as it is now; None once the base is settled.
+    _settle: Callable[[], str] | None = None
 
     def _init_workspace(self) -> None:
         self._mutex = threading.Lock()
+        self._settling = threading.Lock()
         self._store: ZarrlakeStore | None = None
         self._packs: PackWriter | None = None
 
@@ -90,6 +94,7 @@ class Workspace:
     @property
     def base(self) -> str:
         """Id of the snapshot this session started from."""
+        self._settled()
         return self._base_id
 
     @property
@@ -119,7 +124,50 @@ class Workspace:
         return self._store
 
     def _snapshot(self) -> Snapshot:
+        self._settled()
         return self._objects.snapshot(self._base_id)
+
+    def _settled(self, key: str | None = None) -> None:
+        """Settle a provisional base: wait for the head read that started with the session
+        (:meth:`zarrlake.history.CommitGraph.locate_ahead`) and take the head it found, if that
+        is not the provisional one. Meanwhile, the manifest shard that ``key`` (about to be
+        read) needs under the provisional base is read too: where the head did not move, or
+        moved without changing that shard (shards are content-addressed), the read it waited
+        for was its only round trip. Raises what the head read raised (:class:`RefNotFound`
+        for a branch deleted meanwhile), then and at every later read."""
+        if self._settle is None:
+            return
+        if key is not None:
+            self._read_ahead_for(key)  # before the lock: concurrent reads read theirs at once
+        with self._settling:
+            settle = self._settle
+            if settle is None:
+                return
+            head = settle()
+            if head != self._base_id:
+                self._objects.snapshot(head)  # fail now if it cannot be read; cached for reads
+                self._base_id = head
+                self._layers = [Changeset(self._session_id, head)]
+            self._settle = None
+
+    def _read_ahead_for(self, key: str) -> None:
+        """Read the shard ``key`` needs in the provisional base (a metadata key: its node's
+        shard, if all its chunks are in one), unless it is cached. Errors are the later
+        read's to raise, against the settled base."""
+        snap = self._objects.cached_snapshot(self._base_id)
+        if snap is None:
+            return
+        if is_meta_key(key):
+            shards = manifest.shards_in_subtree(snap.shards, key.rpartition("/")[0])
+            info = shards[0] if len(shards) == 1 else None
+        else:
+            info = manifest.shard_of(snap.shards, key)
+        if info is None or self._objects.cached_shard(info) is not None:
+            return
+        try:
+            self._objects.shard(info)
+        except ZarrlakeError:
+            pass
 
     def _read_only_reason(self) -> str:
         if self._committed is not None:
@@ -157,6 +205,7 @@ class Workspace:
         decided, value = self._layer_value(key, meta)
         if decided:
             return value
+        self._settled(key)
         snap = self._snapshot()
         if meta:
             return snap.nodes.get(key)
@@ -170,6 +219,8 @@ class Workspace:
         decided, value = self._layer_value(key, meta)
         if decided:
             return True, value
+        if self._settle is not None:
+            return False, None  # the base is provisional: :meth:`resolve` settles it
         snap = self._objects.cached_snapshot(self._base_id)
         if snap is None:
             return False, None
@@ -492,7 +543,10 @@ class Session(Workspace):
         branch: str | None,
         read_only: bool,
         ttl: dt.timedelta | None = None,
+        settle: Callable[[], str] | None = None,
     ) -> None:
+        """``settle``: for a read-only session of ``branch``, ``base`` is provisional (the head
+        this client saw last) and ``settle`` gives the head as it is now (see :meth:`_settled`)."""
         self._core = core
         self._objects = core.objects
         self._config = core.config
@@ -512,7 +566,11 @@ class Session(Workspace):
         self._discarded_at = 0
         self._committed: str | None = None
         self._init_workspace()
-        self._snapshot()  # fail now, not on first read, if the base snapshot is missing or corrupt
+        # Fail now, not on first read, if the base snapshot is missing or corrupt.
+        self._objects.snapshot(base)
+        if settle is not None:
+            assert read_only and branch is not None
+            self._settle = settle
 
     def __repr__(self) -> str:
         mode = "read-only" if self._read_only else "writable"
@@ -531,8 +589,10 @@ class Session(Workspace):
                 "otherwise give each process a fork: fork = session.fork() pickles, and "
                 "session.merge(fork.changeset()) brings its writes back before the commit"
             )
+        self._settled()
         state = dict(self.__dict__)
         state.pop("_mutex", None)
+        state.pop("_settling", None)
         state["_store"] = None
         state["_packs"] = None  # read-only: a commit flushed them
         return state
@@ -540,6 +600,7 @@ class Session(Workspace):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mutex = threading.Lock()
+        self._settling = threading.Lock()
 
     def commit(
         self,
@@ -818,6 +879,7 @@ class ForkedSession(Workspace):
         # copied changes name is written (flushed after the copy, so none is missed).
         self.flush()
         state.pop("_mutex", None)
+        state.pop("_settling", None)
         state["_store"] = None
         state["_packs"] = None
         return state
@@ -825,6 +887,7 @@ class ForkedSession(Workspace):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mutex = threading.Lock()
+        self._settling = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<ForkedSession of {self._session_id} base={self._base_id}>"
