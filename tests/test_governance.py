@@ -6,6 +6,8 @@ repository state that other clients (and older ones) obey.
 from __future__ import annotations
 
 import json
+import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -544,3 +546,111 @@ def test_cli_merge_and_delete_refused_by_the_rules(tmp_path: Any, cli: Callable[
     assert zarrlake.Repository.open(zarrlake.Storage.from_url(url)).lookup_branch("main") == head
     moves = cli("branch", url, "moves", "main", "--json")
     assert moves.code == 0 and json.loads(moves.out)[0]["snapshot"] == head
+
+
+# -- checks in processes of their own (what the commit service runs) ------------------------------
+
+_TEST_CHECKS = """
+import os
+import time
+
+
+def hangs(**options):
+    def check(change):
+        with open(options["started"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+        return []
+
+    return check
+
+
+def exits(**options):
+    def check(change):
+        os._exit(3)
+
+    return check
+
+
+def reads(**options):
+    def check(change):
+        value = float(change.open_array("/t")[0, 0])
+        return [f"t is {value} in process {os.getpid()}"] if value < 0 else []
+
+    return check
+"""
+
+
+@pytest.fixture
+def installed_checks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package of checks installed for this test as any other is (a distribution whose entry
+    points are in the group ``zarrlake.checks``), on the path of this process and of the
+    processes it spawns."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "zl_test_checks.py").write_text(_TEST_CHECKS)
+    dist = site / "zl_test_checks-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zl-test-checks\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[zarrlake.checks]\n"
+        "hangs = zl_test_checks:hangs\n"
+        "exits = zl_test_checks:exits\n"
+        "reads = zl_test_checks:reads\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_isolated_checks_stop_a_hung_check_and_outlive_a_crashed_one(
+    installed_checks: None, tmp_path: Any
+) -> None:
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "repo"))
+    _seed(repo)
+    head = repo.lookup_branch("main")
+    isolated = repo.governance.isolate_checks()
+    assert isolated is not None
+    try:
+        started = tmp_path / "started"
+        repo.protect_branch(
+            "main",
+            require_merge=False,
+            required_checks=["hangs"],
+            check_options={"hangs": {"timeout_s": 2, "started": str(started)}},
+        )
+        with pytest.raises(zarrlake.CheckFailed, match=r"did not finish within 2 s"):
+            _write(repo, "main", _set("t", 2.0), "refused: hangs")
+        pid = int(started.read_text())
+        assert pid != os.getpid()
+        assert not _alive(pid)  # stopped at its timeout, not left behind
+        repo.protect_branch("main", require_merge=False, required_checks=["exits"])
+        with pytest.raises(
+            zarrlake.CheckFailed, match=r"crashed: its process exited \(exit code 3\)"
+        ):
+            _write(repo, "main", _set("t", 2.0), "refused: exits")
+        assert repo.lookup_branch("main") == head
+        # The next check gets a new worker; it reads the change in its own process.
+        repo.protect_branch("main", require_merge=False, required_checks=["reads", "no-nan"])
+        with pytest.raises(zarrlake.CheckFailed, match=r"t is -1.0 in process (\d+)") as refused:
+            _write(repo, "main", _set("t", -1.0), "refused: negative")
+        worker = int(re.search(r"process (\d+)", str(refused.value)).group(1))  # type: ignore[union-attr]
+        assert worker != os.getpid()
+        with pytest.raises(zarrlake.CheckFailed, match="NaN"):
+            _write(repo, "main", _set("t", float("nan")), "refused: nan")
+        assert repo.lookup_branch("main") == head
+        _write(repo, "main", _set("t", 5.0), "lands")
+        assert repo.lookup_branch("main") != head
+        assert isolated.pids() == [worker]  # one worker ran them all, and waits for the next
+    finally:
+        isolated.close()
+    assert not _alive(worker)

@@ -30,7 +30,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from zarrlake.errors import CheckFailed, InvalidArgument
 from zarrlake.format.model import Snapshot
@@ -39,6 +39,8 @@ from zarrlake.rules import BranchRule
 
 ENTRY_POINTS = "zarrlake.checks"
 DEFAULT_TIMEOUT_S = 120.0
+#: How long a worker process of :class:`IsolatedChecks` may take to start.
+WORKER_START_S = 120.0
 #: Problems a check may report before the rest are counted, not listed.
 MAX_PROBLEMS = 100
 
@@ -432,51 +434,225 @@ def build(name: str, options: Mapping[str, Any]) -> tuple[Check, float]:
         raise InvalidArgument(f"check {name!r} refuses its options: {e}") from None
 
 
-def run(rule: BranchRule, change: Change) -> None:
+class Runner(Protocol):
+    """Where checks run: :func:`run` asks it for each check's problems."""
+
+    def run_one(
+        self, name: str, options: Mapping[str, Any], change: Change, timeout: float
+    ) -> list[str]: ...
+
+
+def run(rule: BranchRule, change: Change, runner: Runner | None = None) -> None:
     """Run every check ``rule`` requires on ``change``, in order; raise :class:`CheckFailed` for
-    the first that finds problems, fails or runs out of time."""
+    the first that finds problems, fails or runs out of time. ``runner``: where they run (by
+    default a thread of this process each; :class:`IsolatedChecks`: worker processes)."""
     for name in rule.required_checks:
         try:
             check, timeout = build(name, rule.options(name))
         except InvalidArgument as e:
             raise CheckFailed(name, change.branch, [f"cannot run here: {e}"]) from None
-        problems = _run_one(check, change, timeout)
+        if runner is None:
+            problems = _run_in_thread(check, change, timeout)
+        else:
+            problems = runner.run_one(name, rule.options(name), change, timeout)
         if problems:
             raise CheckFailed(name, change.branch, problems)
 
 
-def _run_one(check: Check, change: Change, timeout: float) -> list[str]:
+def _problems(check: Check, change: Change) -> list[str]:
+    """What ``check`` finds in ``change``: its problems, or the one that it failed."""
+    try:
+        found = check(change)
+        if isinstance(found, str):  # one problem, said as a string
+            found = [found]
+        out: list[str] = []
+        for p in found or ():
+            if len(out) == MAX_PROBLEMS:
+                out.append("(and more)")
+                break
+            out.append(str(p))
+        return out
+    except BaseException as e:
+        return [f"crashed: {type(e).__name__}: {e}"]
+
+
+def _run_in_thread(check: Check, change: Change, timeout: float) -> list[str]:
     """The check's problems (its failure or its timeout are problems too)."""
     result: list[list[str]] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            found = check(change)
-            if isinstance(found, str):  # one problem, said as a string
-                found = [found]
-            out: list[str] = []
-            for p in found or ():
-                if len(out) == MAX_PROBLEMS:
-                    out.append("(and more)")
-                    break
-                out.append(str(p))
-            result.append(out)
-        except BaseException as e:
-            error.append(e)
-
     # A thread, so that a check that hangs does not hang the commit: it is left behind (Python
-    # cannot stop a thread), marked daemon so that it does not keep the process alive.
-    thread = threading.Thread(target=target, name="zarrlake-check", daemon=True)
+    # cannot stop a thread), marked daemon so that it does not keep the process alive. A
+    # process that runs for long (a commit service) runs them in processes instead.
+    thread = threading.Thread(
+        target=lambda: result.append(_problems(check, change)), name="zarrlake-check", daemon=True
+    )
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
         return [f"did not finish within {_seconds(timeout)}"]
-    if error:
-        e = error[0]
-        return [f"crashed: {type(e).__name__}: {e}"]
     return result[0] if result else ["crashed: returned nothing"]
 
 
 def _seconds(s: float) -> str:
     return f"{s:g} s" if not math.isinf(s) else "ever"
+
+
+# -- checks in a process of their own ---------------------------------------------------------
+
+
+class IsolatedChecks:
+    """Runs checks in worker processes of their own, so that one that hangs is stopped at its
+    timeout (the worker is killed, and the next check starts a new one) and one that crashes
+    the interpreter (``os._exit``, a segfault in an extension) takes only its worker down. What
+    a commit service uses: a thread left behind by each hung check would pile up in a process
+    that runs for months.
+
+    ``open_store(snapshot_id)``, picklable (a repository's bound method): what a worker reads
+    the change through, in its own process. Workers are spawned (not forked: the service has
+    threads) and kept for the next check; each costs an interpreter and zarrlake's imports
+    (about a second) once."""
+
+    def __init__(self, open_store: Callable[[str], Any], *, idle_workers: int = 2) -> None:
+        self._open_store = open_store
+        self._idle: list[_Worker] = []
+        self._idle_max = idle_workers
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run_one(
+        self, name: str, options: Mapping[str, Any], change: Change, timeout: float
+    ) -> list[str]:
+        """The problems check ``name`` (made with ``options``) finds in ``change`` (its failure,
+        its timeout and its worker's death are problems too)."""
+        request = _Request(
+            name,
+            dict(options),
+            change.branch,
+            change.kind,
+            change._before,
+            change._after,
+            tuple(change._written()),
+        )
+        worker = self._take()
+        try:
+            problems = worker.ask(request, timeout)
+        except _WorkerLost as e:
+            worker.stop()
+            return [str(e)]
+        self._give_back(worker)
+        return problems
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("these isolated checks were closed")
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.alive():
+                    return worker
+        return _Worker(self._open_store)
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._idle_max:
+                self._idle.append(worker)
+                return
+        worker.stop()
+
+    def pids(self) -> list[int]:
+        """The process ids of the idle workers."""
+        with self._lock:
+            return [w.pid for w in self._idle]
+
+    def close(self) -> None:
+        """Stop every idle worker (a busy one stops when its check ends)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.stop()
+
+
+@dataclass(frozen=True)
+class _Request:
+    name: str
+    options: dict[str, Any]
+    branch: str
+    kind: str
+    parent: Snapshot
+    built: Snapshot
+    written: tuple[str, ...]
+
+
+class _WorkerLost(Exception):
+    """A worker that ran out of time or died: its check's one problem."""
+
+
+class _Worker:
+    """One spawned process that runs checks one at a time (:func:`_serve`)."""
+
+    def __init__(self, open_store: Callable[[str], Any]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve, args=(child, open_store), name="zarrlake-check", daemon=True
+        )
+        self._process.start()
+        child.close()
+        self.pid = self._process.pid or 0
+        self._ready = False
+
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def ask(self, request: _Request, timeout: float) -> list[str]:
+        try:
+            if not self._ready:
+                # Its start (an interpreter, zarrlake's imports) is not the check's time.
+                if not self._conn.poll(WORKER_START_S):
+                    raise _WorkerLost(
+                        f"its process did not start within {_seconds(WORKER_START_S)}"
+                    )
+                self._ready = self._conn.recv() == "ready"
+            self._conn.send(request)
+            if not self._conn.poll(timeout):
+                raise _WorkerLost(
+                    f"did not finish within {_seconds(timeout)} (its process was stopped)"
+                )
+            answer: list[str] = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self._process.join(5)
+            code = self._process.exitcode
+            raise _WorkerLost(f"crashed: its process exited (exit code {code})") from None
+        return answer
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(10)
+        self._conn.close()
+
+
+def _serve(conn: Any, open_store: Callable[[str], Any]) -> None:
+    """A worker's loop: run each check asked for, answer its problems."""
+    conn.send("ready")
+    while True:
+        try:
+            request: _Request = conn.recv()
+        except EOFError:
+            return  # the service went away
+        change = Change(
+            request.branch,
+            request.kind,
+            request.parent,
+            request.built,
+            functools.partial(iter, request.written),
+            open_store,
+        )
+        try:
+            check, _ = build(request.name, request.options)
+        except InvalidArgument as e:
+            conn.send([f"cannot run here: {e}"])
+            continue
+        conn.send(_problems(check, change))

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.checks import Change, build, run
+from zarrlake.checks import Change, IsolatedChecks, Runner, build, run
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchProtected,
@@ -63,6 +63,7 @@ class Governance:
         # repository had rules when this client opened it, or has them since this client set
         # them (see the design note for what a client opened before the first rule misses).
         self._governed = GOVERNANCE in core.record.features
+        self._runner: Runner | None = None  # checks run in threads of this process
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -96,6 +97,21 @@ class Governance:
         """Read the marker before every guarded operation from now on, whether or not the
         repository has rules yet (a commit service: the rules it applies are the newest)."""
         self._governed = True
+
+    def isolate_checks(self) -> IsolatedChecks | None:
+        """Run the checks in worker processes from now on (:class:`IsolatedChecks`: one that
+        hangs is stopped at its timeout, not left behind as a thread), as a commit service
+        does; the runner, to close. None, and threads still, where a process of its own
+        could not read this repository (memory storage)."""
+        if not self._core.storage.shared_across_processes:
+            log.warning(
+                "checks of %s run in threads: another process cannot read its storage",
+                self._core.storage.url,
+            )
+            return None
+        runner = IsolatedChecks(self._open_store)
+        self._runner = runner
+        return runner
 
     # -- the engine's guard -----------------------------------------------------------------------
 
@@ -143,7 +159,7 @@ class Governance:
             return
         kind = "merge" if merge else "commit"
         change = Change(branch, kind, parent, built, written, self._open_store)
-        run(rule, change)
+        run(rule, change, self._runner)
 
     def before_move(self, branch: str, action: str) -> None:
         rule = self._rule(branch)

@@ -102,6 +102,9 @@ class CommitService:
         core.check_writable()
         # The newest rules before every decision, even those set after the service started.
         repo.governance.follow()
+        # A check that hangs is stopped at its timeout: in a process that runs for months, a
+        # thread left behind by each would pile up.
+        self.checks = repo.governance.isolate_checks()
         # Whom the entries the service writes itself (a merge) are by: the caller it acts for.
         self._acting = threading.local()
         core.journal.stamp = lambda: getattr(self._acting, "by", None)

@@ -753,11 +753,14 @@ def test_an_idle_fleet_writes_nothing(k8s: Env) -> None:
     # still at it) counts in this window.
     wait_for(
         "the namespaces of earlier tests to be gone",
-        lambda: not [
-            ns["metadata"]["name"]
-            for ns in kube.list_("Namespace", "")
-            if ns["metadata"]["name"] != k8s.namespace and ns["metadata"].get("deletionTimestamp")
-        ],
+        lambda: (
+            not [
+                ns["metadata"]["name"]
+                for ns in kube.list_("Namespace", "")
+                if ns["metadata"]["name"] != k8s.namespace
+                and ns["metadata"].get("deletionTimestamp")
+            ]
+        ),
         timeout=120,
     )
     # Let the change handlers and the first resyncs finish what they write (under load they may
