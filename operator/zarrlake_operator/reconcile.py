@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from zarrlake import (
     BranchExists,
     BranchRule,
+    CommitInfo,
     InvalidArgument,
     InvalidName,
     KubernetesError,
@@ -454,7 +455,8 @@ def repository(
 
     What it saw of the repository's refs is kept for :func:`dependents`."""
     ns, name, gen = _meta(body)
-    _seen_refs.pop((ns, name), None)
+    # Kept only if this reconcile reads them again (then: what moved since, for the Events).
+    refs_before = _seen_refs.pop((ns, name), None)
     spec = parse_spec(RepositorySpec, body)
     config = desired.engine_config(spec)  # parse_spec refused a config the engine refuses
     previous = observed(RepositoryStatus, body)
@@ -572,6 +574,15 @@ def repository(
                     # per resync); a journal-only repository lists them.
                     refs = repo.core.last_refs() or _kept(conn, repo).refs()
                     _seen_refs[ns, name] = SeenRefs(repo.id, refs)
+                    if refs_before is not None and refs_before.repository_id == repo.id:
+                        # main has no Branch resource (it cannot): its moves are told here.
+                        _head_moved(
+                            body,
+                            repo,
+                            MAIN,
+                            refs_before.refs.branches.get(MAIN),
+                            refs.branches.get(MAIN),
+                        )
                     counts = {"branches": len(refs.branches), "tags": len(refs.tags)}
                 status = status.model_copy(
                     update={"repository_id": repo.id, "url": conn.storage_url, **counts}
@@ -1265,6 +1276,8 @@ def branch(
         _report(body, ready=False, reason="InvalidName", message=str(e), phase="Failed")
         raise kopf.PermanentError(str(e)) from None
     info = next(iter(repo.log(head, limit=1)), None)
+    if recreated is None and previous.branch == name:
+        _head_moved(body, repo, name, previous.head, head, info)
     fields = BranchStatus(
         branch=name,
         head=head,
@@ -1330,6 +1343,36 @@ def _create_branch(
         return head, (status.recreated or 0) + 1
     _event(body, "BranchCreated", f"created branch {name!r} from {spec.from_!r} at {head}")
     return head, None
+
+
+def _head_moved(
+    body: Mapping[str, Any],
+    repo: Repository,
+    name: str,
+    before: str | None,
+    after: str | None,
+    info: CommitInfo | None = None,
+) -> None:
+    """Tell of branch ``name`` moving from ``before`` to ``after`` (as two reads of it
+    found it) with a ``HeadMoved`` Event on ``body``, naming the new head's commit: what a
+    commit, merge or reset of the branch looks like from Kubernetes. Between the two reads
+    several commits may have landed: the Event names the newest. (Best effort, as Events
+    are: the webhook notifier is the channel that delivers every one.)"""
+    if before is None or after is None or before == after:
+        return
+    if info is None or info.id != after:
+        try:
+            info = next(iter(repo.log(after, limit=1)), None)
+        except ZarrlakeError:
+            info = None
+    what = "its commit could not be read"
+    if info is not None:
+        kind = "merge" if len(info.parents) > 1 else "commit"
+        by = f" by {info.author}" if info.author else ""
+        what = f"{kind}{by}: {(info.message or '')[:200]!r}"
+        if before not in info.parents:
+            what += " (the old head is not its parent: several commits, or a reset)"
+    _event(body, "HeadMoved", f"branch {name!r} at {after} (was {before}), {what}")
 
 
 def _follow(

@@ -325,6 +325,39 @@ def test_branch_lifecycle_status_drift_and_deletion(k8s: Env) -> None:
     wait_for("resource gone", lambda: k8s.get("Branch", "dev") is None)
 
 
+def test_a_branch_that_moves_is_told_by_a_head_moved_event(k8s: Env) -> None:
+    """A commit made outside Kubernetes shows as a HeadMoved Event: on the Branch resource for
+    its branch, on the Repository for main (which no Branch resource may manage)."""
+    k8s.ready_repository()
+    repo = k8s.open_repository()
+    base = commit(repo, "main", 1.0, "base")
+    k8s.custom("Branch", "dev", {"repository": "repo", "from": "main"})
+    k8s.wait_condition("Branch", "dev")
+
+    def told(kind: str, name: str, head: str) -> list[str]:
+        return [
+            e["message"]
+            for e in k8s.events()
+            if e.get("reason") == "HeadMoved"
+            and (e.get("involvedObject") or {}).get("kind") == kind
+            and (e.get("involvedObject") or {}).get("name") == name
+            and head in e["message"]
+        ]
+
+    head = commit(repo, "dev", 2.0, "on dev")
+    (message,) = wait_for("the Branch's HeadMoved event", lambda: told("Branch", "dev", head))
+    assert message.startswith(f"branch 'dev' at {head} (was {base}), commit")
+    assert message.endswith("'on dev'")
+    moved = commit(repo, "main", 3.0, "on main")
+    (message,) = wait_for(
+        "the Repository's HeadMoved event", lambda: told("Repository", "repo", moved)
+    )
+    assert message.startswith(f"branch 'main' at {moved} (was {base}), commit")
+    # Once per move: resyncs that find the heads where they were tell nothing more.
+    time.sleep(3)
+    assert len(told("Branch", "dev", head)) == 1 and len(told("Repository", "repo", moved)) == 1
+
+
 def test_a_branch_being_deleted_is_not_recreated_by_a_resync(k8s: Env) -> None:
     """Between the operator's delete of a branch and the end of its Branch resource (another
     finalizer still holds it here, as a slower controller's would), the branch is absent and
