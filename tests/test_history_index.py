@@ -323,6 +323,32 @@ def test_decoding_a_page_into_records_equals_decoding_it_and_adding_its_records(
     ]
 
 
+def test_a_commit_whose_time_is_made_when_asked_is_any_other_commit() -> None:
+    # decode_into leaves each record's time as microseconds until it is asked for: the commit
+    # must compare, print, pickle, copy and convert as one made with its time.
+    import dataclasses
+    import pickle
+
+    from zarrlake.format.model import AncestorRecord, HistoryPage, from_micros
+    from zarrlake.history import CommitInfo
+
+    times = [1_764_000_000_123_456, 0, 2**33 * 10**6 + 7]  # fast range, epoch, beyond 2242
+    ids = tuple(c * 26 for c in "ABC")
+    records = tuple(AncestorRecord((), from_micros(us), "ann", "m", {"k": 1}) for us in times)
+    known: dict[str, CommitInfo] = {}
+    HistoryPage.decode_into(HistoryPage(ids, records, ()).encode(), CommitInfo, known)
+    for sid, record in zip(ids, records, strict=True):
+        made = CommitInfo(sid, (), "m", "ann", record.time, {"k": 1})
+        lazy = known[sid]
+        assert pickle.loads(pickle.dumps(lazy)) == made  # its time not asked for yet
+        assert dataclasses.asdict(lazy) == dataclasses.asdict(made)
+        assert lazy == made and repr(lazy) == repr(made)
+        assert dataclasses.replace(lazy, message="n").time == record.time
+        assert lazy.time is lazy.time  # made once
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        known[ids[0]].nope  # noqa: B018 - the lookup is the test
+
+
 def test_a_corrupt_page_decoded_into_records_leaves_them_as_they_were() -> None:
     from zarrlake.format.model import AncestorRecord, HistoryPage, from_micros
     from zarrlake.history import CommitInfo

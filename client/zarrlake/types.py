@@ -33,6 +33,12 @@ class PathDict(dict[str, Any]):
         return dict.get(self, node_path(key), default)
 
 
+#: Below this many microseconds after the epoch (the year 2242), ``us / 1e6`` is a float within
+#: half a microsecond of the exact time, which ``fromtimestamp`` rounds away.
+_FLOAT_EXACT_US = 2**33 * 10**6
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
 @dataclass(frozen=True)
 class CommitInfo:
     id: str
@@ -41,6 +47,24 @@ class CommitInfo:
     author: str | None
     time: dt.datetime
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # A commit decoded from a history page holds its time as microseconds since the epoch
+        # (``_us``) until the time is first asked for: ``log()`` makes a thousand of these per
+        # page, and a caller that lists ids never pays for the datetimes. Only reached for an
+        # attribute not in the instance's dict.
+        if name == "time":
+            state = self.__dict__
+            if "_us" in state:
+                us = state["_us"]
+                if 0 <= us < _FLOAT_EXACT_US:
+                    made = dt.datetime.fromtimestamp(us / 1e6, dt.UTC)
+                else:
+                    made = _EPOCH + dt.timedelta(microseconds=us)
+                state["time"] = made
+                del state["_us"]
+                return made
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

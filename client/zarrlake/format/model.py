@@ -657,7 +657,9 @@ class HistoryPage:
 
         ``kind`` is a class whose instances take the attributes ``id``, ``parents``, ``message``,
         ``author``, ``time`` and ``metadata`` in their ``__dict__`` (a frozen dataclass of those
-        fields): ``log()`` wants one of those per record and nothing else, so a record goes
+        fields), and, in the time's place, ``_us``, microseconds since the epoch, from which it
+        makes the time when asked (:class:`zarrlake.types.CommitInfo`, within the range where
+        that is exact): ``log()`` wants one of those per record and nothing else, so a record goes
         from msgpack's list to it in one step instead of through an :class:`AncestorRecord`
         (a third of a page's decoding time; ``tests/test_history_index.py`` holds the two paths
         to the same answer). Checks as :meth:`decode`; ``known`` is left as it was on error."""
@@ -669,7 +671,7 @@ class HistoryPage:
             if not isinstance(items, list) or len(items) != len(ids):
                 raise CorruptObject(key, "ids and records differ in length")
             found: dict[str, _R] = {}
-            new, fts, utc, lo, hi = object.__new__, _from_timestamp, dt.UTC, 0, _FLOAT_EXACT_US
+            new, lo, hi = object.__new__, 0, _FLOAT_EXACT_US
             for sid, item in zip(ids, items, strict=True):
                 if sid in known:
                     continue
@@ -694,7 +696,7 @@ class HistoryPage:
                         d["parents"] = tuple(parents)
                         d["message"] = message
                         d["author"] = author
-                        d["time"] = fts(us / 1e6, utc)
+                        d["_us"] = us  # the time, made when first asked (CommitInfo)
                         d["metadata"] = metadata  # msgpack's own: no other holder
                         found[sid] = info
                         continue
