@@ -8,7 +8,8 @@ committed once. Each system runs in a process of its own (peak RSS is the proces
 ``ru_maxrss``): zarrlake in this Python, Icechunk in the peers' (Icechunk 2.x needs Python >=
 3.12; ``bench/peers-venv.sh`` builds it). Icechunk is run both ways it offers: one
 ``VirtualChunkSpec`` per ref (``set_virtual_refs``, the form zarrlake's ``set_virtual_refs`` has)
-and flat arrays (``set_virtual_refs_arr``). Every run reads back a sample of chunks and checks
+and flat arrays (``set_virtual_refs_arr``), and so is zarrlake (``set_virtual_refs`` and
+``set_virtual_refs_arrays``). Every run reads back a sample of chunks and checks
 them against the files.
 """
 
@@ -35,19 +36,25 @@ n = n_side * n_side
 urls = [f"{prefix}f{i % n_files}.bin" for i in range(n_files)]
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-if system == "zarrlake":
+if system.startswith("zarrlake"):
     import zarrlake
     repo = zarrlake.Repository.create(
-        zarrlake.Storage.local(os.path.join(work, "zl")),
+        zarrlake.Storage.local(os.path.join(work, system)),
         config={"virtual_containers": [{"url_prefix": prefix}]},
     )
     s = repo.writable_session()
     zarr.create_array(s.store, name="x", shape=(n_side, n_side), chunks=(1, 1), dtype="u1",
                       compressors=None, fill_value=0)
     t1 = time.perf_counter()
-    VR = zarrlake.VirtualRef
-    s.set_virtual_refs("x", (((i // n_side, i % n_side), VR(urls[i % n_files], i % 8, 1))
-                             for i in range(n)))
+    if system == "zarrlake-arr":
+        idx = np.arange(n)
+        coords = np.stack([idx // n_side, idx % n_side], axis=1)
+        locations = [urls[i % n_files] for i in range(n)]
+        s.set_virtual_refs_arrays("x", coords, locations, idx % 8, np.ones(n, dtype=np.int64))
+    else:
+        VR = zarrlake.VirtualRef
+        s.set_virtual_refs("x", (((i // n_side, i % n_side), VR(urls[i % n_files], i % 8, 1))
+                                 for i in range(n)))
     t2 = time.perf_counter()
     s.commit("refs")
     t3 = time.perf_counter()
@@ -101,7 +108,7 @@ def main() -> None:
         for i in range(args.files):
             (src / f"f{i}.bin").write_bytes(bytes(range(8)))
         rows = []
-        runs = [("zarrlake", sys.executable)]
+        runs = [("zarrlake", sys.executable), ("zarrlake-arr", sys.executable)]
         if Path(args.peers_python).exists():
             runs += [("icechunk", args.peers_python), ("icechunk-arr", args.peers_python)]
         else:

@@ -954,3 +954,110 @@ def test_a_source_that_cannot_be_pinned_is_refused_unless_pin_is_off(
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- refs as flat arrays (set_virtual_refs_arrays) -------------------------------------------------
+
+
+def _byte_files(data: Path, n: int) -> list[str]:
+    """``n`` files of the bytes 0..7, as file:// URLs."""
+    urls = []
+    for i in range(n):
+        path = data / f"f{i}.bin"
+        path.write_bytes(bytes(range(8)))
+        urls.append(path.as_uri())
+    return urls
+
+
+def _byte_array(session: zarrlake.Session, name: str, shape: tuple[int, ...]) -> None:
+    zarr.create_array(
+        session.store, name=name, shape=shape, chunks=(1,) * len(shape), dtype="u1",
+        compressors=None, fill_value=0,
+    )  # fmt: skip
+
+
+def test_flat_arrays_set_what_virtual_ref_objects_set(tmp_path: Path, data_dir: Path) -> None:
+    urls = _byte_files(data_dir, 3)
+    repo = local_repo(tmp_path, data_dir)
+    setup = repo.writable_session()
+    _byte_array(setup, "x", (6, 5))
+    _byte_array(setup, "v", (7,))
+    setup.commit("arrays")
+    n = 30
+    idx = np.arange(n)
+    coords = np.stack([idx // 5, idx % 5], axis=1)
+    offsets, lengths = idx % 8, np.ones(n, dtype=np.uint32)
+    locations = [urls[i % 3] for i in range(n)]
+    mtime = dt.datetime.fromtimestamp(os.stat(data_dir / "f1.bin").st_mtime, dt.UTC)
+    pins = [mtime if i % 3 == 1 else None for i in range(n)]  # f1 pinned, the others not
+
+    flat = repo.writable_session()
+    assert flat.set_virtual_refs_arrays("x", coords, locations, offsets, lengths,
+                                        last_modified=pins) == n  # fmt: skip
+    # A 1-d array takes N ints; one URL serves every ref; a chunk given twice keeps its last.
+    assert flat.set_virtual_refs_arrays("v", [0, 1, 1], urls[2], [5, 6, 7], [1, 1, 1]) == 2
+    objects = repo.writable_session()
+    objects.set_virtual_refs(
+        "x",
+        {
+            (i // 5, i % 5): zarrlake.VirtualRef(locations[i], i % 8, 1, last_modified=pins[i])
+            for i in range(n)
+        },
+    )
+    objects.set_virtual_refs("v", {(0,): zarrlake.VirtualRef(urls[2], 5, 1),
+                                   (1,): zarrlake.VirtualRef(urls[2], 7, 1)})  # fmt: skip
+    keys = [f"x/c/{i // 5}/{i % 5}" for i in range(n)] + ["v/c/0", "v/c/1"]
+    assert [flat.resolve(k) for k in keys] == [objects.resolve(k) for k in keys]
+    flat.commit("flat refs")
+    session = repo.readonly_session()
+    np.testing.assert_array_equal(
+        zarr.open_array(session.store, path="x")[:], (idx % 8).reshape(6, 5)
+    )
+    np.testing.assert_array_equal(
+        zarr.open_array(session.store, path="v")[:], [5, 7, 0, 0, 0, 0, 0]
+    )
+    # Pinned as asked: the pinned file rewritten is an error, never other bytes.
+    os.utime(data_dir / "f1.bin", (1, 1))
+    with pytest.raises(zarrlake.VirtualSourceChanged, match=r"f1\.bin"):
+        zarr.open_array(repo.readonly_session().store, path="x")[0, 1]
+    assert zarr.open_array(repo.readonly_session().store, path="x")[0, 0] == 0  # unpinned
+
+
+def test_flat_arrays_are_checked_whole_and_set_nothing_when_refused(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    urls = _byte_files(data_dir, 2)
+    repo = local_repo(tmp_path, data_dir)
+    s = repo.writable_session()
+    _byte_array(s, "x", (4, 4))
+    s.commit("array")
+    s = repo.writable_session()
+    ok = np.array([[0, 0], [1, 1]])
+
+    def refused(match: str, error: type[Exception] = zarrlake.InvalidArgument, **kw: Any) -> None:
+        args = {"coords": ok, "urls": urls[0], "offsets": [0, 1], "lengths": [1, 1], **kw}
+        with pytest.raises(error, match=match):
+            s.set_virtual_refs_arrays("x", **args)
+        assert not s.has_changes
+
+    refused(r"chunk \(4, 0\) is not in the chunk grid", coords=np.array([[0, 0], [4, 0]]))
+    refused(r"chunk \(0, -1\) is not in the chunk grid", coords=np.array([[0, -1], [0, 0]]))
+    refused(r"an \(N, 2\) array of ints", coords=np.array([0, 1]))
+    refused(r"an \(N, 2\) array of ints", coords=np.array([[0.0, 0.0], [1.0, 1.0]]))
+    refused(r"ref 1: offsets -3 is negative", offsets=[0, -3])
+    refused(r"lengths must be 2 ints", lengths=[1])
+    refused(r"ref 0: length 4294967296 is not below 2\*\*32", lengths=[1 << 32, 1])
+    refused(r"urls must have 2 values", urls=[urls[0]])
+    refused(r"none of the repository's virtual containers", zarrlake.VirtualContainerNotAllowed,
+            urls=[urls[0], "s3://elsewhere/f.bin"])  # fmt: skip
+    refused(r"no ETag", etags='"abc"')
+    refused(r"ref 1: .*url must be a URL", urls=[urls[0], "no-scheme"])
+    refused(r"last_modified must be a datetime", last_modified=["yesterday", None])
+    with pytest.raises(zarrlake.InvalidArgument, match="no Zarr v3 array"):
+        s.set_virtual_refs_arrays("nope", ok, urls[0], [0, 1], [1, 1])
+    # Unsigned and numpy integer columns are ints too.
+    assert s.set_virtual_refs_arrays("x", ok.astype(np.uint16), urls, np.array([2, 3], np.uint64),
+                                     np.array([1, 1], np.int8)) == 2  # fmt: skip
+    s.commit("two")
+    got = zarr.open_array(repo.readonly_session().store, path="x")[:]
+    assert got[0, 0] == 2 and got[1, 1] == 3 and got.sum() == 5

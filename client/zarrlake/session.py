@@ -17,7 +17,7 @@ import json
 import operator
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -403,6 +403,93 @@ class Workspace:
             self._top().chunks.absorb(batch)
         return count
 
+    def set_virtual_refs_arrays(
+        self,
+        array_path: str,
+        coords: Any,
+        urls: str | Sequence[str],
+        offsets: Any,
+        lengths: Any,
+        *,
+        etags: str | Sequence[str | None] | None = None,
+        last_modified: dt.datetime | Sequence[dt.datetime | None] | None = None,
+    ) -> int:
+        """:meth:`set_virtual_refs` for refs given as flat arrays, for millions of them:
+        ``coords`` an (N, ndim) array of chunk coordinates (or N ints for a 1-d array),
+        ``offsets`` and ``lengths`` N ints each, ``urls`` one URL for every ref or N of them;
+        ``etags`` and ``last_modified``, which pin the sources, None, one value for every ref,
+        or N values (None among them: that ref unpinned). Checked as a whole before anything
+        is set (the same errors as :meth:`set_virtual_refs`, naming the first bad ref); the
+        refs are staged in columns, never as a Python object each. A chunk given twice takes
+        its last ref. Returns how many chunks were set."""
+        import numpy as np
+
+        self._check_writable()
+        path = array_path.strip("/") if isinstance(array_path, str) else array_path
+        if not isinstance(path, str):
+            raise InvalidArgument(f"array_path must be a str, not {array_path!r}")
+        if "\x00" in path:
+            raise InvalidArgument(f"array_path {array_path!r} holds a NUL character")
+        key_of = self._chunk_key_function(path)
+        counts = key_of.counts  # type: ignore[attr-defined]
+        ndim = len(counts)
+        grid = np.asarray(coords)
+        if ndim == 1 and grid.ndim == 1:
+            grid = grid.reshape(-1, 1)
+        if grid.dtype.kind not in "iu" or grid.ndim != 2 or grid.shape[1] != ndim:
+            raise InvalidArgument(
+                f"coords must be an (N, {ndim}) array of ints for array {path!r}, not "
+                f"{grid.dtype} of shape {grid.shape}"
+            )
+        n = len(grid)
+        off = _int_column(offsets, n, "offsets")
+        size = _int_column(lengths, n, "lengths")
+        outside = ((grid < 0) | (grid >= np.asarray(counts, dtype=np.int64))).any(axis=1)
+        if outside.any():
+            key_of(tuple(int(c) for c in grid[int(np.argmax(outside))]))  # raises, naming it
+        if (size >= 1 << 32).any():
+            i = int(np.argmax(size >= 1 << 32))
+            raise InvalidArgument(f"ref {i}: length {int(size[i])} is not below 2**32")
+        url_of, url_list = _codes(urls, n, "urls", str)
+        etag_of, etag_list = _codes(etags, n, "etags", str)
+        when_of, when_list = _codes(last_modified, n, "last_modified", dt.datetime)
+        # The distinct sources (URL, ETag, time), each checked as a VirtualRef, and allowed.
+        if len(etag_list) == 1 and len(when_list) == 1:
+            distinct, source_of = [(u, 0, 0) for u in range(len(url_list))], url_of
+        else:
+            combos = np.stack([url_of, etag_of, when_of], axis=1)
+            found, inverse = np.unique(combos, axis=0, return_inverse=True)
+            distinct, source_of = found.tolist(), inverse.ravel()
+        sources: list[tuple[str, str | None, int | None]] = []
+        allowed: set[str] = set()
+        for j, (u, e, w) in enumerate(distinct):
+            url, etag = url_list[u], etag_list[e]
+            try:
+                vref = VirtualRef(
+                    str(url) if isinstance(url, str) else url,
+                    0,
+                    0,
+                    etag=str(etag) if isinstance(etag, str) else etag,
+                    last_modified=when_list[w],
+                )
+            except InvalidArgument as err:
+                raise InvalidArgument(f"ref {int(np.argmax(source_of == j))}: {err}") from None
+            if vref.url not in allowed:
+                self._objects.sources.container_of(vref.url)
+                allowed.add(vref.url)
+            if vref.etag is not None and vref.url.startswith("file://"):
+                raise InvalidArgument(
+                    f"{vref.url}: a file has no ETag to check; pin it by last_modified"
+                )
+            _, url, _, _, etag, modified = vref.chunk_ref()
+            sources.append((url, etag, modified))
+        keys = key_of.keys(grid)  # type: ignore[attr-defined]
+        batch = ChunkChanges.of_virtual(keys, sources, source_of, off, size)
+        count = len(batch)
+        with self._mutex:
+            self._top().chunks.absorb(batch)
+        return count
+
     def _chunk_key_function(self, path: str) -> Callable[[Any], str]:
         """What turns chunk coordinates of the array at ``path`` into its chunk keys (as its
         ``chunk_key_encoding`` says), checking them against its chunk grid."""
@@ -460,6 +547,16 @@ class Workspace:
                 return base + sep.join((lead, *map(str, coords)))
             return base + (sep.join(map(str, coords)) if coords else "0")
 
+        def keys(grid: Any) -> list[str]:
+            """The keys of the rows of ``grid``, an (N, ndim) array already checked."""
+            if ndim == 0:
+                return [key_of(())] * len(grid)
+            columns = [map(str, grid[:, d].tolist()) for d in range(ndim)]
+            start = base + (lead + sep if lead else "")
+            return [start + sep.join(row) for row in zip(*columns, strict=True)]
+
+        key_of.counts = counts  # type: ignore[attr-defined]
+        key_of.keys = keys  # type: ignore[attr-defined]
         return key_of
 
     def writes_in_memory(self, key: str, size: int) -> bool:
@@ -891,3 +988,37 @@ class ForkedSession(Workspace):
 
     def __repr__(self) -> str:
         return f"<ForkedSession of {self._session_id} base={self._base_id}>"
+
+
+def _int_column(values: Any, n: int, name: str) -> Any:
+    """``values`` as N int64s >= 0, or :class:`InvalidArgument` naming ``name``."""
+    import numpy as np
+
+    column = np.asarray(values)
+    if column.dtype.kind not in "iu" or column.shape != (n,):
+        raise InvalidArgument(
+            f"{name} must be {n} ints (one per ref), not {column.dtype} of shape {column.shape}"
+        )
+    if column.dtype.kind == "u" and column.dtype.itemsize == 8 and (column >= 1 << 63).any():
+        raise InvalidArgument(f"{name} must be below 2**63")
+    column = column.astype(np.int64, copy=False)
+    if (column < 0).any():
+        i = int(np.argmax(column < 0))
+        raise InvalidArgument(f"ref {i}: {name} {int(column[i])} is negative")
+    return column
+
+
+def _codes(values: Any, n: int, name: str, kind: type) -> tuple[Any, list[Any]]:
+    """(a code per ref, the distinct values the codes index) of ``values``: None or one value
+    for every ref, or a sequence of N values (None among them where ``kind`` allows)."""
+    import numpy as np
+
+    if values is None or isinstance(values, kind):
+        return np.zeros(n, np.int64), [values]
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"{name} must be one {kind.__name__} or a sequence of {n}")
+    seen: dict[Any, int] = {}
+    codes = np.fromiter((seen.setdefault(v, len(seen)) for v in values), dtype=np.int64, count=-1)
+    if len(codes) != n:
+        raise InvalidArgument(f"{name} must have {n} values (one per ref), not {len(codes)}")
+    return codes, list(seen)

@@ -363,7 +363,9 @@ def import_kerchunk(
         report.arrays.append(full)
         sep = zarray.get("dimension_separator") or "."
         ndim = len(zarray["shape"])
-        virtual: dict[tuple[int, ...], VirtualRef] = {}
+        # The refs in columns (set_virtual_refs_arrays: no Python object per ref).
+        grid: list[tuple[int, ...]] = []
+        columns: tuple[list[Any], ...] = ([], [], [], [], [])  # url, offset, length, etag, when
         for name, value in chunks.get(path, []):
             if isinstance(value, list):
                 url = _url(value[0], templates)
@@ -373,16 +375,39 @@ def import_kerchunk(
                     offset, length = 0, info.size
                 else:
                     offset, length = int(value[1]), int(value[2])
-                coords = tuple(int(c) for c in name.split(sep)) if ndim else ()
+                grid.append(tuple(int(c) for c in name.split(sep)) if ndim else ())
                 # An ETag pins a version exactly; a time (a file's) where there is none.
                 etag = info.etag if pin and info is not None else None
                 when = info.modified if pin and info is not None and etag is None else None
-                virtual[coords] = VirtualRef(url, offset, length, etag=etag, last_modified=when)
+                for column, item in zip(columns, (url, offset, length, etag, when), strict=True):
+                    column.append(item)
             else:
                 session.write(f"{full}/{name}", _inline(value, f"{path}/{name}"))
                 report.inline_chunks += 1
-        if virtual:
-            report.virtual_refs += session.set_virtual_refs(full, virtual)
+        if not grid:
+            continue
+        urls_, offsets, lengths, etags, whens = columns
+        for i, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+            if not (0 <= offset < 1 << 63 and 0 <= length < 1 << 32):
+                raise InvalidArgument(
+                    f"kerchunk ref of {path!r} chunk {grid[i]}: offset {offset} and length "
+                    f"{length} are no byte range of a file"
+                )
+        if ndim == 0:  # one chunk: its coordinates are ()
+            one = VirtualRef(
+                urls_[-1], offsets[-1], lengths[-1], etag=etags[-1], last_modified=whens[-1]
+            )
+            report.virtual_refs += session.set_virtual_refs(full, [((), one)])
+            continue
+        report.virtual_refs += session.set_virtual_refs_arrays(
+            full,
+            np.array(grid, dtype=np.int64).reshape(len(grid), ndim),
+            urls_,
+            np.array(offsets, dtype=np.int64),
+            np.array(lengths, dtype=np.int64),
+            etags=etags,
+            last_modified=whens,
+        )
     return report
 
 

@@ -101,12 +101,18 @@ def _virtual_place(ref: ChunkRef, ids: dict[Source, bytes]) -> tuple[bytes, int,
     source = (url, etag, modified)
     sid = ids.get(source)
     if sid is None:
-        h = hashlib.blake2b(digest_size=_DIGEST, person=b"zl-virtual")
-        for part in (url, "" if etag is None else "e" + etag, "" if modified is None else "m"):
-            h.update(part.encode(_UTF8, _SURROGATES) + b"\x00")
-        h.update(b"" if modified is None else modified.to_bytes(9, "big", signed=True))
-        sid = ids[source] = h.digest()
+        sid = ids[source] = _source_id(source)
     return sid, offset, length
+
+
+def _source_id(source: Source) -> bytes:
+    """The id a run's pack table holds for a virtual source (URL, ETag, modification time)."""
+    url, etag, modified = source
+    h = hashlib.blake2b(digest_size=_DIGEST, person=b"zl-virtual")
+    for part in (url, "" if etag is None else "e" + etag, "" if modified is None else "m"):
+        h.update(part.encode(_UTF8, _SURROGATES) + b"\x00")
+    h.update(b"" if modified is None else modified.to_bytes(9, "big", signed=True))
+    return h.digest()
 
 
 def _compact(ref: ChunkRef) -> bool:
@@ -180,6 +186,46 @@ class _Run:
             np.ones(n, np.bool_),
             *_places(places),
             {sid: source for source, sid in ids.items()},
+        )
+
+    @classmethod
+    def of_virtual(
+        cls,
+        keys: list[str],
+        sources: list[Source],
+        source_of: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> _Run:
+        """A run of virtual refs given in columns: key ``i`` is ``lengths[i]`` bytes at
+        ``offsets[i]`` of ``sources[source_of[i]]``. A key given twice keeps its last ref (as
+        a mapping's update would). Offsets below 2**63 and lengths below 2**32, keys without
+        NUL: the caller checks."""
+        encoded = np.array([k.encode(_UTF8, _SURROGATES) for k in keys], dtype=np.bytes_)
+        # Stable: of a key's entries, the last given sorts last, and is the one kept.
+        order = np.argsort(encoded, kind="stable")
+        encoded = encoded[order]
+        keep = np.ones(len(order), np.bool_)
+        if len(order) > 1:
+            keep[:-1] = encoded[1:] != encoded[:-1]
+        order, encoded = order[keep], encoded[keep]
+        n = len(order)
+        used, rows = np.unique(source_of[order], return_inverse=True)
+        ids = [_source_id(sources[int(i)]) for i in used]
+        places = np.zeros(n, _PLACE)
+        places["pack"] = rows
+        places["offset"] = offsets[order]
+        places["length"] = lengths[order]
+        return cls(
+            encoded,
+            np.full(n, _VIRTUAL, np.uint8),
+            np.zeros((n, _DIGEST), np.uint8),
+            np.arange(n, dtype=np.int64),
+            [],
+            np.ones(n, np.bool_),
+            places,
+            np.frombuffer(b"".join(ids), np.uint8).reshape(len(ids), _DIGEST),
+            {sid: sources[int(i)] for sid, i in zip(ids, used, strict=True)},
         )
 
     def find(self, key: bytes) -> int:
@@ -582,6 +628,22 @@ class ChunkChanges(MutableMapping[str, "ChunkRef | None"]):
             recent, other._recent, other._runs = other._recent, {}, []
         for key, value in recent.items():
             self[key] = value
+
+    @classmethod
+    def of_virtual(
+        cls,
+        keys: list[str],
+        sources: list[Source],
+        source_of: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+    ) -> ChunkChanges:
+        """Changes that make ``keys`` virtual refs given in columns (:meth:`_Run.of_virtual`):
+        built as one run at once, never as a million Python tuples."""
+        out = cls()
+        if keys:
+            out._runs = [_Run.of_virtual(keys, sources, source_of, offsets, lengths)]
+        return out
 
     def copy(self) -> ChunkChanges:
         out = ChunkChanges()
