@@ -129,14 +129,21 @@ def _kinds(rounds: list[list[tuple[str, str]]]) -> list[list[str]]:
     return [sorted(f"{op} {key.split('/')[0]}" for op, key in r) for r in rounds]
 
 
-def test_open_and_read_one_chunk_takes_three_round_trips(
+def _opened_far_away(
     far: Callable[[], zarrlake.Storage],
-) -> None:
+) -> tuple[zarrlake.Repository, DelayedStorage, zarrlake.Repository]:
+    """A writer's repository of 3 commits, and a fresh client's, opened far away."""
     writer = zarrlake.Repository.create(far())
     for i in range(3):
         _commit(writer, "main", i)
     storage = _far(far())
-    repo = zarrlake.Repository.open(storage)
+    return writer, storage, zarrlake.Repository.open(storage)
+
+
+def test_open_and_read_one_chunk_takes_three_round_trips(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    _, storage, repo = _opened_far_away(far)
     arr = zarr.open_array(repo.readonly_session("main").store, path="data", mode="r")
     np.testing.assert_array_equal(arr[2 * C : 3 * C], 2)
     assert _kinds(storage.rounds()) == [
@@ -152,11 +159,7 @@ def test_open_and_read_one_chunk_takes_three_round_trips(
 def test_a_head_moved_after_the_open_is_the_head_a_session_shows(
     far: Callable[[], zarrlake.Storage],
 ) -> None:
-    writer = zarrlake.Repository.create(far())
-    for i in range(3):
-        _commit(writer, "main", i)
-    storage = _far(far())
-    repo = zarrlake.Repository.open(storage)
+    writer, storage, repo = _opened_far_away(far)
     moved = _commit(writer, "main", 5)  # another client, after this one opened
     session = repo.readonly_session("main")
     arr = zarr.open_array(session.store, path="data", mode="r")
