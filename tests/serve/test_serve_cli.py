@@ -102,6 +102,7 @@ def test_bad_input_is_a_one_line_error(
         (["--port", "70000"], 2, "port number"),
         (["--port", "http"], 2, "port number"),
         (["--host", "no.such.host.invalid"], 2, "--host"),
+        (["--max-connections", "0"], 2, "number of connections"),
     ]
     empty = tmp_path / "empty"
     empty.write_text("\n")
@@ -180,3 +181,29 @@ def test_serve_is_listed_in_the_help(cli: Any) -> None:
     assert r.code == 0
     for option in ("--host", "--port", "--token-file"):
         assert option in r.out
+
+
+def test_past_max_connections_a_request_is_answered_503(lake: Lake) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zarrlake", "serve", lake.repo.storage.url, "--port", "0",
+         "--max-connections", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = read_line(proc).split(" at ")[1].split()[0].rstrip("/")
+        host, port = base.removeprefix("http://").split(":")
+        held = socket.create_connection((host, int(port)), timeout=30)
+        try:  # one connection, kept open after its answer (HTTP/1.1 keeps it alive)
+            held.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert held.recv(4096).startswith(b"HTTP/1.1 200")
+            assert fetch(base + "/healthz")[0] == 503  # a second one, at once
+        finally:
+            held.close()
+        wait = 0
+        while fetch(base + "/healthz")[0] != 200:  # the server notices the close
+            wait += 1
+            assert wait < 100
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

@@ -32,7 +32,7 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--interval 10] [--once] [--json] [--metrics-port P] [--metrics-addr A]
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
-    zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F]
+    zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F] [--max-connections N]
     zarrlake service URL --tokens-file F [--host 127.0.0.1] [--port 8701]
     zarrlake notify URL --webhook URL [--secret-file F] [--event KIND ...] [--branch GLOB ...]
                         [--name N] [--state URL] [--interval 5s] [--once] [--json]

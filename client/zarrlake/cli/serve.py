@@ -27,6 +27,9 @@ from zarrlake.extras import require
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8700
+#: Connections served at once; past them a request is answered 503 at once, so that a flood
+#: of clients cannot make the server hold more sockets and tasks than it can serve.
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def add_serve(commands: Commands) -> None:
@@ -43,6 +46,19 @@ def add_serve(commands: Commands) -> None:
         default=None,
         help="file holding the token every request must carry (Authorization: Bearer ...)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections served at once; past them, 503 ({DEFAULT_MAX_CONNECTIONS})",
+    )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of connections >= 1, got {text!r}")
+    return int(text)
 
 
 def _port(text: str) -> int:
@@ -102,13 +118,22 @@ def run_serve(args: argparse.Namespace) -> None:
     guarded = " (token required)" if token else ""
     say(f"serving repository {repo.id} at http://{shown}:{port}/{guarded}")
     sys.stdout.flush()  # before uvicorn blocks: whoever started us waits for this line
-    run_asgi(uvicorn, asgi, sock)
+    run_asgi(uvicorn, asgi, sock, max_connections=args.max_connections)
 
 
-def run_asgi(uvicorn: Any, asgi: Any, sock: socket.socket) -> None:
-    """Serve ``asgi`` on ``sock`` with uvicorn until SIGTERM or SIGINT (then a clean exit)."""
+def run_asgi(
+    uvicorn: Any, asgi: Any, sock: socket.socket, *, max_connections: int | None = None
+) -> None:
+    """Serve ``asgi`` on ``sock`` with uvicorn until SIGTERM or SIGINT (then a clean exit);
+    past ``max_connections`` connections at once, a request is answered 503."""
     config = uvicorn.Config(
-        asgi, log_level="warning", access_log=False, lifespan="on", server_header=False
+        asgi,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        server_header=False,
+        # uvicorn counts the connection asking among those open: N + 1 lets N be served.
+        limit_concurrency=None if max_connections is None else max_connections + 1,
     )
     # uvicorn stops gracefully on SIGTERM or SIGINT, then raises the signal again for the
     # handler it found; this one makes that a clean exit (0), as `mirror run` does.
