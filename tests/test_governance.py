@@ -592,11 +592,16 @@ def installed_checks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     dist = site / "zl_test_checks-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zl-test-checks\nVersion: 1.0\n")
+    (site / "zl_slow_import.py").write_text(
+        "import time\ntime.sleep(1.5)  # a heavy import\n\n\n"
+        "def passes(**options):\n    return lambda change: []\n"
+    )
     (dist / "entry_points.txt").write_text(
         "[zarrlake.checks]\n"
         "hangs = zl_test_checks:hangs\n"
         "exits = zl_test_checks:exits\n"
         "reads = zl_test_checks:reads\n"
+        "slow-import = zl_slow_import:passes\n"
     )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv(
@@ -651,6 +656,14 @@ def test_isolated_checks_stop_a_hung_check_and_outlive_a_crashed_one(
         _write(repo, "main", _set("t", 5.0), "lands")
         assert repo.lookup_branch("main") != head
         assert isolated.pids() == [worker]  # one worker ran them all, and waits for the next
+        # Loading a check (a slow import) is not its time; nor is any timeout too long.
+        repo.protect_branch(
+            "main",
+            require_merge=False,
+            required_checks=["slow-import", "reads"],
+            check_options={"slow-import": {"timeout_s": 1}, "reads": {"timeout_s": 30 * 86400}},
+        )
+        _write(repo, "main", _set("t", 6.0), "lands again")
     finally:
         isolated.close()
     assert not _alive(worker)

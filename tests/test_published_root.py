@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -196,6 +197,62 @@ def test_a_session_taken_before_this_client_commits_does_not_show_the_commit(
     arr = zarr.open_array(old.store, path="data", mode="r")
     np.testing.assert_array_equal(arr[7 * C : 8 * C], 0)  # not written yet, there
     assert repo.readonly_session("main").base == after == repo.lookup_branch("main")
+
+
+class _FailRootOnce(DelayedStorage):
+    """Its next read of the root fails (once), as a storage error that outlived its retries."""
+
+    fail = False
+
+    def get_versioned(self, key: str) -> Versioned:
+        if key == ROOT_KEY and self.fail:
+            self.fail = False
+            raise StorageError(f"{key}: 503 Slow Down (injected)")
+        return super().get_versioned(key)
+
+
+def test_a_root_read_ahead_that_fails_is_read_again_not_kept_as_the_answer(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    head = _commit(writer, "main", 4)
+    storage = _FailRootOnce(far(), 0.02, Counts())
+    repo = zarrlake.Repository.open(storage)
+    storage.fail = True
+    session = repo.readonly_session("main")
+    arr = zarr.open_array(session.store, path="data", mode="r")
+    np.testing.assert_array_equal(arr[4 * C : 5 * C], 4)
+    assert session.base == head and not storage.fail
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_process_forked_while_the_root_read_is_out_reads_it_itself(
+    far: Callable[[], zarrlake.Storage],
+) -> None:
+    writer = zarrlake.Repository.create(far())
+    head = _commit(writer, "main", 6)
+    storage = _SlowRootOnce(far(), 0.02, Counts())
+    repo = zarrlake.Repository.open(storage)
+    storage.slow = 1.0
+    session = repo.readonly_session("main")  # its root read is out for a second
+    pid = os.fork()
+    if pid == 0:  # the child: the thread reading the root is not here
+        code = 1
+        try:
+            signal.alarm(30)
+            arr = zarr.open_array(session.store, path="data", mode="r")
+            ok = bool((arr[6 * C : 7 * C] == 6).all()) and session.base == head
+            after = _commit(repo, "main", 7)  # and its commits wait for no read of the parent
+            code = 0 if ok and after else 1
+        finally:
+            os._exit(code)
+    started = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert time.monotonic() - started < 20
+    # The parent's read came back after the child's commit landed, which, to this process,
+    # is another client's: concurrent with the call, so either head may be the answer.
+    assert session.base in (head, repo.lookup_branch("main"))
 
 
 def test_a_branch_deleted_after_the_open_is_not_found_at_the_first_read(

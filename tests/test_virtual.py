@@ -1061,3 +1061,35 @@ def test_flat_arrays_are_checked_whole_and_set_nothing_when_refused(
     s.commit("two")
     got = zarr.open_array(repo.readonly_session().store, path="x")[:]
     assert got[0, 0] == 2 and got[1, 1] == 3 and got.sum() == 5
+
+
+def test_kerchunk_refs_the_columns_cannot_hold_still_import_or_are_refused_as_before(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    urls = _byte_files(data_dir, 1)
+    repo = local_repo(tmp_path, data_dir)
+    zarray = {
+        "zarr_format": 2, "shape": [2, 2], "chunks": [1, 1], "dtype": "|u1", "order": "C",
+        "compressor": None, "filters": None, "fill_value": 0,
+    }  # fmt: skip
+    base = {".zgroup": json.dumps({"zarr_format": 2}), "x/.zarray": json.dumps(zarray)}
+    # A range of 4 GiB or more (no column holds it): imported as a VirtualRef.
+    s = repo.writable_session()
+    refs = {**base, "x/0.0": [urls[0], 0, 1], "x/1.1": [urls[0], 0, 1 << 32]}
+    assert import_kerchunk({"version": 1, "refs": refs}, s, pin=False).virtual_refs == 2
+    assert s.resolve("x/1.1")[3] == 1 << 32  # type: ignore[index]
+    first = s
+    # A chunk name of the wrong rank: the grid's error, naming it; nothing set.
+    s = repo.writable_session()
+    refs = {**base, "x/0.0": [urls[0], 0, 1], "x/0.0.1": [urls[0], 0, 1]}
+    with pytest.raises(zarrlake.InvalidArgument, match=r"chunk \(0, 0, 1\) is not in the chunk"):
+        import_kerchunk({"version": 1, "refs": refs}, s, pin=False)
+    # No refs at all, and an ETag on a second ref of a file: as set_virtual_refs says.
+    assert first.set_virtual_refs_arrays("x", [], [], [], []) == 0
+    s = first
+    with pytest.raises(zarrlake.InvalidArgument, match="no ETag"):
+        plain, tagged = (
+            zarrlake.VirtualRef(urls[0], 0, 1),
+            zarrlake.VirtualRef(urls[0], 1, 1, etag="e"),
+        )
+        s.set_virtual_refs("x", [((0, 0), plain), ((0, 1), tagged)])

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -103,12 +104,17 @@ class Change:
         return out
 
     @functools.cached_property
+    def written_keys(self) -> tuple[str, ...]:
+        """The keys of the chunks the change writes (computed when first asked, once)."""
+        return tuple(self._written())
+
+    @functools.cached_property
     def arrays(self) -> Mapping[str, ArrayChange]:
         """Node path -> :class:`ArrayChange`, for every array whose metadata or chunks change."""
         after = array_paths(self._after.nodes)
         before = array_paths(self._before.nodes)
         chunks: dict[str, list[tuple[int, ...]]] = {}
-        for key in self._written():
+        for key in self.written_keys:
             if is_meta_key(key):
                 continue
             path, coords = split_chunk_key(key, after)
@@ -530,7 +536,7 @@ class IsolatedChecks:
             change.kind,
             change._before,
             change._after,
-            tuple(change._written()),
+            change.written_keys,  # computed once for all the checks of this change
         )
         worker = self._take()
         try:
@@ -538,6 +544,9 @@ class IsolatedChecks:
         except _WorkerLost as e:
             worker.stop()
             return [str(e)]
+        except BaseException:
+            worker.stop()  # in whatever state it was left: never reused, never left running
+            raise
         self._give_back(worker)
         return problems
 
@@ -616,11 +625,21 @@ class _Worker:
                     )
                 self._ready = self._conn.recv() == "ready"
             self._conn.send(request)
-            if not self._conn.poll(timeout):
+            # Finding and importing the check is not its time either (the thread runner's
+            # check was made before its clock started): the worker says when it has it.
+            if not _poll(self._conn, max(timeout, WORKER_START_S)):
                 raise _WorkerLost(
-                    f"did not finish within {_seconds(timeout)} (its process was stopped)"
+                    f"could not be loaded within {_seconds(max(timeout, WORKER_START_S))} "
+                    "(its process was stopped)"
                 )
-            answer: list[str] = self._conn.recv()
+            answer: list[str] | str = self._conn.recv()
+            if answer == "built":
+                if not _poll(self._conn, timeout):
+                    raise _WorkerLost(
+                        f"did not finish within {_seconds(timeout)} (its process was stopped)"
+                    )
+                answer = self._conn.recv()
+            assert isinstance(answer, list)
         except (EOFError, OSError, BrokenPipeError):
             self._process.join(5)
             code = self._process.exitcode
@@ -632,6 +651,18 @@ class _Worker:
             self._process.kill()
         self._process.join(10)
         self._conn.close()
+
+
+def _poll(conn: Any, timeout: float) -> bool:
+    """``conn.poll(timeout)`` for any timeout (one poll takes at most ~24 days, as its
+    milliseconds must fit an int)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if conn.poll(max(0.0, min(left, 86_400.0))):
+            return True
+        if left <= 86_400.0:
+            return False
 
 
 def _serve(conn: Any, open_store: Callable[[str], Any]) -> None:
@@ -655,4 +686,5 @@ def _serve(conn: Any, open_store: Callable[[str], Any]) -> None:
         except InvalidArgument as e:
             conn.send([f"cannot run here: {e}"])
             continue
+        conn.send("built")
         conn.send(_problems(check, change))

@@ -461,11 +461,15 @@ class CommitGraph:
         client has seen says, without a request, and the function that gives the head as it is
         now, read from a root whose read starts here. None where that cannot be: a ref that is
         not a branch there, a head whose snapshot is not at hand, a repository without a
-        published root, or a storage whose reads cost less than the thread they would start
-        on (:meth:`locate` then answers). A branch gone meanwhile: the function raises
-        :class:`RefNotFound`."""
+        published root, a client that publishes through a commit service, or a storage whose
+        reads cost less than the thread they would start on (:meth:`locate` then answers). A
+        branch gone meanwhile: the function raises :class:`RefNotFound`."""
         journal = self.journal
         if journal.published is None or self.objects.storage.inline_read_bytes:
+            return None
+        if journal.remote is not None:
+            # This client's commits are published by a commit service, not here: they could
+            # not wait for this read, which might then show a commit made after the call.
             return None
         if not isinstance(ref, str) or is_snapshot_id(canonical_id(ref)):
             return None

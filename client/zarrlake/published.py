@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
@@ -39,6 +41,17 @@ log = logging.getLogger(__name__)
 
 #: Swaps lost in a row before a publisher gives up (each loser backs off a little, at random).
 MAX_SWAPS = 64
+
+#: Every root object of this process, for :func:`_after_fork`.
+_FORKED: weakref.WeakSet[PublishedRoot] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for root in list(_FORKED):
+        root._at_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 #: How long a publish waits for this client's reads started ahead of it (see :meth:`read_ahead`).
 AHEAD_WAIT_S = 60.0
@@ -69,8 +82,9 @@ class PublishedRoot:
         self._usable = True
         # The newest root this client has read or written, and its version (None: none yet).
         self._seen: tuple[RootRecord, str] | None = None
-        # Reads started ahead (:meth:`read_ahead`) and not finished yet.
+        # Reads started ahead (:meth:`read_ahead`) and not finished yet (this process's).
         self._ahead: set[Future[RootRecord | None]] = set()
+        _FORKED.add(self)
 
     def __getstate__(self) -> dict[str, object]:
         # Not the rebuild: it holds the journals that hold this object. A copy without it
@@ -105,15 +119,28 @@ class PublishedRoot:
         publishes wait for it: a read started before a change of this client's never shows it
         (a read-only session taken before this client commits does not see that commit)."""
         future = self.storage.submit(self.read)
+        pid = os.getpid()
         with self._guard:
-            if not future.done():
-                self._ahead.add(future)
-                future.add_done_callback(self._landed)
-        return future.result
+            self._ahead.add(future)
+        # Outside the guard: a future already done runs its callback here, at once.
+        future.add_done_callback(self._landed)
+
+        def answer() -> RootRecord | None:
+            if os.getpid() != pid:
+                # A process forked while the read was out: the thread that ran it is not here.
+                return self.read()
+            return future.result()
+
+        return answer
 
     def _landed(self, future: Future[RootRecord | None]) -> None:
         with self._guard:
             self._ahead.discard(future)
+
+    def _at_fork(self) -> None:
+        """In a forked child: the parent's reads ahead are not this process's to wait for."""
+        self._guard = threading.Lock()
+        self._ahead = set()
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[RootRecord | None]:

@@ -55,7 +55,13 @@ from zarrlake.format.model import (
 )
 from zarrlake.format.root import RootRecord
 from zarrlake.published import PublishedRoot
-from zarrlake.storage.base import ObjectInfo, ObjectNotFound, PreconditionFailed, Storage
+from zarrlake.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    StorageError,
+)
 
 log = logging.getLogger("zarrlake")
 
@@ -365,9 +371,20 @@ class BranchJournal:
         """:meth:`published_current`, started now (the root read on the I/O pool, see
         :meth:`PublishedRoot.read_ahead`): the function that gives its answer. Only for a
         repository with a published root."""
-        assert self.published is not None
-        answer = self.published.read_ahead()
-        return lambda: self._live(name, self._head_in(name, answer()))
+        published = self.published
+        assert published is not None
+        answer = published.read_ahead()
+
+        def current() -> JournalEntry:
+            try:
+                root = answer()
+            except (StorageError, CorruptObject, UnsupportedFormat):
+                # The read ahead failed (a storage error): read again now, so that one bad
+                # moment does not make every later read of the session fail with it.
+                root = published.read()
+            return self._live(name, self._head_in(name, root))
+
+        return current
 
     def _head_in(self, name: str, root: RootRecord | None) -> JournalEntry | None:
         """The head of ``name`` as ``root`` says (as :meth:`head` says where it is None)."""

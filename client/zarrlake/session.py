@@ -392,11 +392,11 @@ class Workspace:
             url = vref.url
             if url not in allowed:
                 sources.container_of(url)
-                if vref.etag is not None and url.startswith("file://"):
-                    raise InvalidArgument(
-                        f"{url}: a file has no ETag to check; pin it by last_modified"
-                    )
                 allowed.add(url)
+            if vref.etag is not None and url.startswith("file://"):
+                raise InvalidArgument(
+                    f"{url}: a file has no ETag to check; pin it by last_modified"
+                )
             batch[key_of(coords)] = vref.chunk_ref()
         count = len(batch)
         with self._mutex:
@@ -419,9 +419,10 @@ class Workspace:
         ``offsets`` and ``lengths`` N ints each, ``urls`` one URL for every ref or N of them;
         ``etags`` and ``last_modified``, which pin the sources, None, one value for every ref,
         or N values (None among them: that ref unpinned). Checked as a whole before anything
-        is set (the same errors as :meth:`set_virtual_refs`, naming the first bad ref); the
-        refs are staged in columns, never as a Python object each. A chunk given twice takes
-        its last ref. Returns how many chunks were set."""
+        is set (the errors of :meth:`set_virtual_refs`, naming the first bad ref; and a length
+        of 2**32 or more, which only :meth:`set_virtual_refs` takes); the refs are staged in
+        columns, never as a Python object each. A chunk given twice takes its last ref.
+        Returns how many chunks were set (0 for N = 0)."""
         import numpy as np
 
         self._check_writable()
@@ -434,6 +435,8 @@ class Workspace:
         counts = key_of.counts  # type: ignore[attr-defined]
         ndim = len(counts)
         grid = np.asarray(coords)
+        if grid.ndim >= 1 and grid.shape[0] == 0:
+            return 0  # nothing to set (``[]`` is not even an int array to numpy)
         if ndim == 1 and grid.ndim == 1:
             grid = grid.reshape(-1, 1)
         if grid.dtype.kind not in "iu" or grid.ndim != 2 or grid.shape[1] != ndim:

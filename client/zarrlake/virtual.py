@@ -387,17 +387,18 @@ def import_kerchunk(
         if not grid:
             continue
         urls_, offsets, lengths, etags, whens = columns
-        for i, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
-            if not (0 <= offset < 1 << 63 and 0 <= length < 1 << 32):
-                raise InvalidArgument(
-                    f"kerchunk ref of {path!r} chunk {grid[i]}: offset {offset} and length "
-                    f"{length} are no byte range of a file"
-                )
-        if ndim == 0:  # one chunk: its coordinates are ()
-            one = VirtualRef(
-                urls_[-1], offsets[-1], lengths[-1], etag=etags[-1], last_modified=whens[-1]
+        columnar = ndim > 0 and all(len(c) == ndim for c in grid)
+        columnar = columnar and all(
+            0 <= o < 1 << 63 and 0 <= n < 1 << 32 for o, n in zip(offsets, lengths, strict=True)
+        )
+        if not columnar:
+            # A 0-d array, a chunk name of the wrong rank, a range of 4 GiB or more: a
+            # VirtualRef each (which says what is wrong, or holds what columns cannot).
+            refs_of = zip(grid, urls_, offsets, lengths, etags, whens, strict=True)
+            report.virtual_refs += session.set_virtual_refs(
+                full,
+                [(c, VirtualRef(u, o, n, etag=e, last_modified=w)) for c, u, o, n, e, w in refs_of],
             )
-            report.virtual_refs += session.set_virtual_refs(full, [((), one)])
             continue
         report.virtual_refs += session.set_virtual_refs_arrays(
             full,
