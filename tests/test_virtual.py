@@ -1093,3 +1093,33 @@ def test_kerchunk_refs_the_columns_cannot_hold_still_import_or_are_refused_as_be
             zarrlake.VirtualRef(urls[0], 1, 1, etag="e"),
         )
         s.set_virtual_refs("x", [((0, 0), plain), ((0, 1), tagged)])
+
+
+def test_compact_materialize_reads_neighbouring_ranges_of_a_file_in_one_request(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    (data_dir / "f.bin").write_bytes(bytes(range(64)))
+    url = (data_dir / "f.bin").as_uri()
+    repo = local_repo(tmp_path, data_dir)
+    s = repo.writable_session()
+    _byte_array(s, "x", (8, 8))
+    idx = np.arange(64)[::-1].copy()  # set in reverse: the plan sorts them
+    s.set_virtual_refs_arrays(
+        "x", np.stack([idx // 8, idx % 8], axis=1), url, idx, np.ones(64, int)
+    )
+    s.commit("virtual")
+    sources = repo.core.objects.sources
+    asked: list[Any] = []
+    read_range = sources.read_range
+
+    def counted(whole: Any) -> bytes:
+        asked.append(whole)
+        return read_range(whole)
+
+    sources.read_range = counted  # type: ignore[method-assign]  # the real read, counted
+    report = repo.compact(materialize=True)
+    assert report.materialized_chunks == 64
+    assert len(asked) == 1 and (asked[0].start, asked[0].end) == (0, 64)  # one request, whole
+    (data_dir / "f.bin").unlink()  # the bytes are the repository's own now
+    got = zarr.open_array(zarrlake.Repository.open(repo.storage).readonly_session().store, path="x")
+    np.testing.assert_array_equal(got[:], np.arange(64).reshape(8, 8))

@@ -74,6 +74,7 @@ from zarrlake.maintenance.compact import DEFAULT_PACK_BELOW, CompactReport, comp
 from zarrlake.maintenance.expire import ExpireReport, expire
 from zarrlake.maintenance.gc import GCReport, gc
 from zarrlake.maintenance.retention import RetentionRules
+from zarrlake.objects import ReadJob
 from zarrlake.published import read_root
 from zarrlake.refs import Refs, new_writer_id, read_refs, validate_name
 from zarrlake.remote import ServiceClient
@@ -957,14 +958,17 @@ class Repository:
         if dry_run or not found:
             return len(found), total, None
         session = self.writable_session(branch)
-        sources = core.objects.sources
-        batch = 256  # chunks read at once (the storage bounds the requests in flight)
+        objects = core.objects
+        # By source and offset, so that neighbours in a file are planned together: the ranges
+        # of one source (pinned alike) that lie close share one request (plan_reads).
+        found.sort(key=lambda kr: (kr[1][1], kr[1][2]))
+        batch = 4096  # chunks planned at once (the storage bounds the requests in flight)
         for start in range(0, len(found), batch):
             part = found[start : start + batch]
-            for (key, _), data in zip(
-                part, core.objects.storage.map(lambda kr: sources.read(kr[1]), part), strict=True
-            ):
-                session.write(key, data)
+            jobs = objects.plan_reads([(ref, None) for _, ref in part])
+            for job, got in zip(jobs, objects.storage.map(_fetched, jobs), strict=True):
+                for i, data in zip(job.targets, got, strict=True):
+                    session.write(part[i][0], data)
         snapshot = session.commit(
             f"Materialized {len(found)} virtual chunk(s) ({total} bytes)",
             author="zarrlake compaction",
@@ -1357,3 +1361,8 @@ class Repository:
                 progress=progress,
             )
         )
+
+
+def _fetched(job: ReadJob) -> list[bytes]:
+    """The bytes of a planned read's chunks (its one request)."""
+    return job.fetch()
