@@ -633,6 +633,14 @@ class CommitServiceStatus(ResourceModel):
 
     url: str | None = Field(default=None, description="The service's address in the cluster.")
     ready_replicas: int | None = Field(default=None, alias="readyReplicas")
+    writer_credentials: str | None = Field(
+        default=None,
+        alias="writerCredentials",
+        description=(
+            "Whether the operator made the writers' credentials (ones that write only the "
+            "immutable objects, so that the service alone moves refs), and if not, what to do."
+        ),
+    )
 
 
 class BranchProtectionSpec(ResourceModel):

@@ -1163,8 +1163,28 @@ def _commit_service(
     fields = CommitServiceStatus(
         url=desired.commit_service_url(name, ns, service.port),
         readyReplicas=state.ready_replicas,
+        writerCredentials=_writer_credentials(spec),
     )
     return Committing(state, fields)
+
+
+def _writer_credentials(spec: RepositorySpec) -> str:
+    """What ``status.commitService.writerCredentials`` says: the operator does not make
+    per-role credentials on any provider yet, so the rules hold against a client that skips
+    them only where writers are given credentials that cannot write refs."""
+    how = {
+        "s3": "an IAM policy (or, on SeaweedFS, an identity) allowing writes only under the "
+        "immutable prefixes (chunks/, packs/, manifests/, snapshots/, txlogs/, history/), "
+        "with s3:if-none-match",
+        "gcs": "a service account with create-only rights on objects under those prefixes "
+        "(an IAM condition on resource.name)",
+        "azure": "a SAS limited to create on blobs under those prefixes",
+    }.get(spec.storage.provider, "credentials that cannot write refs/ or root")
+    return (
+        f"not provisioned: the operator makes none on {spec.storage.provider}; give writers "
+        f"{how}. Until then a client holding the repository's own credentials can move refs "
+        "past the service (docs/design/governance.md)"
+    )
 
 
 def _serve_secret_missing(ns: str, serve: ServeSpec, *, resync: bool) -> str | None:

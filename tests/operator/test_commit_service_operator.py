@@ -38,6 +38,9 @@ def test_spec_commit_service_runs_the_service_writers_use_it_and_off_removes_it(
         raise AssertionError(json.dumps(got.get("status"), indent=1) + k8s.log_tail()) from None
     url = obj["status"]["commitService"]["url"]
     assert url == f"http://zl-repo-commit.{k8s.namespace}.svc:8701"
+    # What the operator does not do yet, said where the platform team looks.
+    said = obj["status"]["commitService"]["writerCredentials"]
+    assert said.startswith("not provisioned: the operator makes none on s3; give writers an IAM")
     writer = zarrlake.Repository.from_kubernetes(
         "repo", k8s.namespace, commit_service=k8s.cluster.resolve(url), commit_token=WRITER
     )
