@@ -112,6 +112,45 @@ def test_log_pages_follow_one_history_while_the_branch_moves(
         assert get_json(server, "/api/v1/log/main?limit=1")[1]["commits"][0]["id"] == moved
 
 
+def test_a_next_page_goes_on_with_the_walk_the_page_before_stopped(tmp_path: Any) -> None:
+    from zarrlake.serve.model import WALK_AHEAD_PAGES, Walks, log_page
+
+    repo = zarrlake.Repository.create(zarrlake.Storage.local(tmp_path / "r"))
+    for i in range(60):  # a merge among them: the walk's order is not one line's
+        branch = "side" if i == 30 else "main"
+        if i == 30:
+            repo.create_branch("side", "main")
+        session = repo.writable_session(branch)
+        zarr.open_group(session.store, mode="a").attrs["i"] = i
+        session.commit(f"c{i}")
+        if i == 30:
+            repo.merge("side", "main")
+    expected = [c.id for c in repo.log("main")]
+    walks, walked = Walks(4), []
+    log = repo.log
+
+    def counted(ref: str = "main", *, limit: int | None = None) -> Any:
+        walked.append(limit)
+        return log(ref, limit=limit)
+
+    repo.log = counted  # type: ignore[method-assign]  # the real log(), its walks counted
+    seen, cursor = [], None
+    while True:
+        page = log_page(repo, "main", cursor=cursor, limit=4, walks=walks)
+        seen.extend(c["id"] for c in page["commits"])
+        cursor = page["next"]
+        if cursor is None:
+            break
+    assert seen == expected  # the same commits, in the same order, once each
+    pages = -(-len(expected) // 4)
+    # A walk from the head serves WALK_AHEAD_PAGES + 1 pages: so many walks, not one a page.
+    assert len(walked) == -(-pages // (WALK_AHEAD_PAGES + 1)) < pages
+    # A cursor whose walk is gone (another server, an old link) walks again: the same page.
+    second = log_page(repo, "main", limit=4)["next"]
+    again = log_page(repo, "main", cursor=second, limit=4)
+    assert [c["id"] for c in again["commits"]] == expected[4:8]
+
+
 def test_log_commits_are_the_repositorys(history: Lake, api: LiveServer) -> None:
     status, page = get_json(api, "/api/v1/log/main")
     assert status == 200

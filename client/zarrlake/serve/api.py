@@ -79,7 +79,9 @@ class JsonApi:
         limit = query_number(request.query_params, "limit", LOG_PAGE)
         limit = min(limit, self.ctx.limits.max_log_limit)
         cursor = request.query_params.get("cursor") or None
-        return await self.ctx.run_page(log_page, self.ctx.repo, ref, cursor=cursor, limit=limit)
+        return await self.ctx.run_page(
+            log_page, self.ctx.repo, ref, cursor=cursor, limit=limit, walks=self.ctx.walks
+        )
 
     async def _commit(self, request: Request) -> Any:
         ref = self._whole_ref(request, "commit/")

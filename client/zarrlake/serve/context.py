@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from zarrlake.errors import RefNotFound
 from zarrlake.repository import Repository
+from zarrlake.serve.model import Walks
 from zarrlake.session import Session
 
 __all__ = ["IMMUTABLE", "PRIVATE_IMMUTABLE", "Limits", "ServeContext"]
@@ -90,6 +91,8 @@ class ServeContext:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         # ref -> (snapshot id, when resolved): tags and snapshot ids only.
         self._immutable: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        #: Log walks that the next page of a log goes on with (:class:`~.model.Walks`).
+        self.walks = Walks(max(1, self.limits.sessions // 2))
 
     async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """``fn(*args, **kw)`` on the bounded worker pool, awaited."""

@@ -18,6 +18,10 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from zarrlake.format.ids import is_snapshot_id
@@ -99,8 +103,47 @@ def overview(repo: Repository) -> dict[str, Any]:
     return {"id": repo.id, "branches": branches, "tags": tags}
 
 
+#: Pages a walk started for one page can go on to (see :class:`Walks`).
+WALK_AHEAD_PAGES = 8
+
+
+@dataclass
+class _Walk:
+    first: CommitInfo  # the next page's first commit (read to know there was a next page)
+    rest: Iterator[CommitInfo]  # the walk, just past it
+    left: int  # commits ``rest`` may still give before its limit
+
+
+class Walks:
+    """History walks stopped where a page ended, by the cursor that page handed out: the next
+    page goes on with the walk instead of walking again from the head, which costs the depth
+    of the page (page 200 of 50 commits: 10,000 commits walked to show 50). At most ``size``
+    are kept, the oldest dropped first; a cursor not here walks again from its head, which
+    gives the same commits. Thread-safe: a walk is taken out while a page reads it."""
+
+    def __init__(self, size: int = 32) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._walks: OrderedDict[str, _Walk] = OrderedDict()
+
+    def take(self, cursor: str) -> _Walk | None:
+        with self._lock:
+            return self._walks.pop(cursor, None)
+
+    def keep(self, cursor: str, walk: _Walk) -> None:
+        with self._lock:
+            self._walks[cursor] = walk
+            while len(self._walks) > self._size:
+                self._walks.popitem(last=False)
+
+
 def log_page(
-    repo: Repository, ref: str, *, cursor: str | None = None, limit: int = LOG_PAGE
+    repo: Repository,
+    ref: str,
+    *,
+    cursor: str | None = None,
+    limit: int = LOG_PAGE,
+    walks: Walks | None = None,
 ) -> dict[str, Any]:
     """One page of the commits reachable from ``ref``, newest first.
 
@@ -116,15 +159,27 @@ def log_page(
         head, offset = _parse_cursor(cursor)
     else:
         head, offset = repo.resolve(ref), 0
-    # The walk from the head again, skipping the pages before (one more commit: is there a next?)
-    walk = repo.log(head, limit=offset + limit + 1)
-    found = list(itertools.islice(walk, offset, offset + limit + 1))
+    # One commit more than the page: is there a next one?
+    kept = walks.take(cursor) if walks is not None and cursor else None
+    if kept is not None and kept.left >= limit:
+        # The walk the previous page stopped (its limit allows this whole page).
+        rest = list(itertools.islice(kept.rest, limit))
+        found, left, walk = [kept.first, *rest], kept.left - len(rest), kept.rest
+    else:
+        # From the head, skipping the pages before; deep enough for the pages that may follow.
+        depth = offset + limit + 1 + (limit * WALK_AHEAD_PAGES if walks is not None else 0)
+        walk = iter(repo.log(head, limit=depth))
+        found = list(itertools.islice(walk, offset, offset + limit + 1))
+        left = depth - offset - len(found)
     commits, more = found[:limit], len(found) > limit
+    following = f"{head}.{offset + limit}" if more else None
+    if following is not None and walks is not None:
+        walks.keep(following, _Walk(found[limit], walk, left))
     return {
         "ref": ref,
         "head": head,
         "commits": [commit_json(c) for c in commits],
-        "next": f"{head}.{offset + limit}" if more else None,
+        "next": following,
     }
 
 

@@ -447,7 +447,14 @@ class Pages:
         limit = query_number(request.query_params, "n", model.LOG_PAGE)
         limit = min(limit, self.ctx.limits.max_log_limit)
         data, refs = await asyncio.gather(
-            self.ctx.run_page(model.log_page, self.ctx.repo, ref, cursor=cursor, limit=limit),
+            self.ctx.run_page(
+                model.log_page,
+                self.ctx.repo,
+                ref,
+                cursor=cursor,
+                limit=limit,
+                walks=self.ctx.walks,
+            ),
             self._refs(),
         )
         links = self._links(request)
