@@ -1095,9 +1095,12 @@ def test_kerchunk_refs_the_columns_cannot_hold_still_import_or_are_refused_as_be
         s.set_virtual_refs("x", [((0, 0), plain), ((0, 1), tagged)])
 
 
+@pytest.mark.parametrize("batch", [None, (5, 1 << 20), (4096, 3)])
 def test_compact_materialize_reads_neighbouring_ranges_of_a_file_in_one_request(
-    tmp_path: Path, data_dir: Path
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, batch: Any
 ) -> None:
+    if batch is not None:  # what one batch holds at most (chunks, bytes): several batches
+        monkeypatch.setattr(zarrlake.repository, "MATERIALIZE_BATCH", batch)
     (data_dir / "f.bin").write_bytes(bytes(range(64)))
     url = (data_dir / "f.bin").as_uri()
     repo = local_repo(tmp_path, data_dir)
@@ -1119,7 +1122,13 @@ def test_compact_materialize_reads_neighbouring_ranges_of_a_file_in_one_request(
     sources.read_range = counted  # type: ignore[method-assign]  # the real read, counted
     report = repo.compact(materialize=True)
     assert report.materialized_chunks == 64
-    assert len(asked) == 1 and (asked[0].start, asked[0].end) == (0, 64)  # one request, whole
+    if batch is None:
+        assert len(asked) == 1 and (asked[0].start, asked[0].end) == (0, 64)  # one, whole
+    else:  # a request per batch, each a run of neighbours
+        per = min(batch[0], batch[1])
+        assert [(a.start, a.end) for a in asked] == [
+            (i, min(i + per, 64)) for i in range(0, 64, per)
+        ]
     (data_dir / "f.bin").unlink()  # the bytes are the repository's own now
     got = zarr.open_array(zarrlake.Repository.open(repo.storage).readonly_session().store, path="x")
     np.testing.assert_array_equal(got[:], np.arange(64).reshape(8, 8))

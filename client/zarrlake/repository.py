@@ -962,9 +962,7 @@ class Repository:
         # By source and offset, so that neighbours in a file are planned together: the ranges
         # of one source (pinned alike) that lie close share one request (plan_reads).
         found.sort(key=lambda kr: (kr[1][1], kr[1][2]))
-        batch = 4096  # chunks planned at once (the storage bounds the requests in flight)
-        for start in range(0, len(found), batch):
-            part = found[start : start + batch]
+        for part in _batches(found):
             jobs = objects.plan_reads([(ref, None) for _, ref in part])
             for job, got in zip(jobs, objects.storage.map(_fetched, jobs), strict=True):
                 for i, data in zip(job.targets, got, strict=True):
@@ -1366,3 +1364,24 @@ class Repository:
 def _fetched(job: ReadJob) -> list[bytes]:
     """The bytes of a planned read's chunks (its one request)."""
     return job.fetch()
+
+
+#: What one batch of ``compact --materialize`` holds in memory at most: chunks, bytes.
+MATERIALIZE_BATCH = (4096, 64 * 1024 * 1024)
+
+
+def _batches(found: list[tuple[str, ChunkRef]]) -> Iterator[list[tuple[str, ChunkRef]]]:
+    """``found`` (virtual refs, in source order) cut into runs of at most
+    :data:`MATERIALIZE_BATCH` chunks and bytes (one chunk larger than that: a batch alone)."""
+    most, budget = MATERIALIZE_BATCH
+    part: list[tuple[str, ChunkRef]] = []
+    size = 0
+    for item in found:
+        length = int(item[1][3])
+        if part and (len(part) == most or size + length > budget):
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += length
+    if part:
+        yield part

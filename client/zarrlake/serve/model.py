@@ -20,7 +20,6 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,17 +108,19 @@ WALK_AHEAD_PAGES = 8
 
 @dataclass
 class _Walk:
-    first: CommitInfo  # the next page's first commit (read to know there was a next page)
-    rest: Iterator[CommitInfo]  # the walk, just past it
-    left: int  # commits ``rest`` may still give before its limit
+    commits: list[CommitInfo]  # the commits from the next page's first on, as the walk gave them
+    final: bool  # the walk ended with the last of them (history ends there)
+    expired: frozenset[str]  # what expiry had taken out of history when the walk ran
 
 
 class Walks:
-    """History walks stopped where a page ended, by the cursor that page handed out: the next
-    page goes on with the walk instead of walking again from the head, which costs the depth
-    of the page (page 200 of 50 commits: 10,000 commits walked to show 50). At most ``size``
-    are kept, the oldest dropped first; a cursor not here walks again from its head, which
-    gives the same commits. Thread-safe: a walk is taken out while a page reads it."""
+    """Where history walks stopped, by the cursor of the page they stopped after: the next
+    page takes its commits from there instead of walking again from the head, which costs the
+    depth of the page (page 200 of 50 commits: 10,000 commits walked to show 50). A walk from
+    the head goes :data:`WALK_AHEAD_PAGES` pages further and keeps those commits only (not
+    the history it decoded); a walk taken after an expiry changed history is dropped. At
+    most ``size`` are kept, the oldest dropped first; a cursor not here walks again from its
+    head, which gives the same commits. Thread-safe: a walk is taken out while a page uses it."""
 
     def __init__(self, size: int = 32) -> None:
         self._size = size
@@ -135,6 +136,11 @@ class Walks:
             self._walks[cursor] = walk
             while len(self._walks) > self._size:
                 self._walks.popitem(last=False)
+
+
+def _expired_now(repo: Repository) -> frozenset[str]:
+    """What expiry has taken out of history now (the root's record of it: one read)."""
+    return repo.core.expiry.expired(refresh=True, published=True)
 
 
 def log_page(
@@ -161,20 +167,21 @@ def log_page(
         head, offset = repo.resolve(ref), 0
     # One commit more than the page: is there a next one?
     kept = walks.take(cursor) if walks is not None and cursor else None
-    if kept is not None and kept.left >= limit:
-        # The walk the previous page stopped (its limit allows this whole page).
-        rest = list(itertools.islice(kept.rest, limit))
-        found, left, walk = [kept.first, *rest], kept.left - len(rest), kept.rest
+    expired = _expired_now(repo) if walks is not None else frozenset()
+    if kept is not None and kept.expired == expired and (kept.final or len(kept.commits) > limit):
+        # Where the walk for the pages before stopped (it holds this whole page).
+        found, ahead, final = kept.commits[: limit + 1], kept.commits[limit:], kept.final
     else:
         # From the head, skipping the pages before; deep enough for the pages that may follow.
-        depth = offset + limit + 1 + (limit * WALK_AHEAD_PAGES if walks is not None else 0)
-        walk = iter(repo.log(head, limit=depth))
+        extra = limit * WALK_AHEAD_PAGES if walks is not None else 0
+        walk = iter(repo.log(head, limit=offset + limit + 1 + extra))
         found = list(itertools.islice(walk, offset, offset + limit + 1))
-        left = depth - offset - len(found)
+        ahead = [*found[limit:], *walk]  # the next page's first on (walk: at most ``extra``)
+        final = len(ahead) < 1 + extra
     commits, more = found[:limit], len(found) > limit
     following = f"{head}.{offset + limit}" if more else None
     if following is not None and walks is not None:
-        walks.keep(following, _Walk(found[limit], walk, left))
+        walks.keep(following, _Walk(ahead, final, expired))
     return {
         "ref": ref,
         "head": head,
