@@ -1,6 +1,7 @@
 """The commit path through the commit service (``zarrlake service``) against the direct path.
 
-Two measures, on a local directory (or moto S3 with ``--backend s3``), same run:
+Two measures, on a local directory (or S3: ``--backend s3`` for moto_server, ``--backend
+seaweedfs`` for SeaweedFS, each started by the run on a loopback port), same run:
 
 1. one writer, 1-chunk commits in a row into an array of 1,000 chunks: latency p50/p95;
 2. ``--writers`` processes (default 16) committing ``--commits`` 1-chunk commits each to one
@@ -10,7 +11,8 @@ Two measures, on a local directory (or moto S3 with ``--backend s3``), same run:
 The service runs as its own process (``python -m zarrlake service``) on a loopback port; the
 writers of the service path open the repository with ``commit_service=``. Usage:
 
-    python bench/commit_service.py [--writers 16] [--commits 10] [--markdown FILE]
+    python bench/commit_service.py [--backend local|s3|seaweedfs] [--writers 16] [--commits 10]
+                                   [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -141,12 +143,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commits", type=int, default=10)
     ap.add_argument("--sequential", type=int, default=100, help="commits in a row (100)")
     ap.add_argument("--markdown", metavar="FILE")
+    ap.add_argument("--backend", choices=("local", "s3", "seaweedfs"), default="local")
     args = ap.parse_args(argv)
     if args.writer_task:
         writer_main(json.loads(args.writer_task))
         return 0
     work = Path(tempfile.mkdtemp(prefix="zl-service-bench-"))
-    url = f"file://{work / 'repo'}"
+    server = None
+    if args.backend == "local":
+        url, where = f"file://{work / 'repo'}", "local directory"
+    else:
+        from harness import CREDENTIALS, S3Server
+
+        for key, value in CREDENTIALS.items():  # for this process, the service and writers
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        if args.backend == "s3":
+            server, where = S3Server.start(str(work / "moto.log")), "moto_server S3"
+        else:
+            server, where = S3Server.start_seaweedfs(str(work / "weed")), "SeaweedFS S3"
+        bucket = server.bucket_for("service-bench")
+        url = f"s3://{bucket}/lake?endpoint_url={server.endpoint}&region=us-east-1&allow_http=true"
+    try:
+        return _run(args, url, where, work)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _run(args: argparse.Namespace, url: str, where: str, work: Path) -> int:
     create(url, 1000)
     proc, service = start_service(url, work)
     try:
@@ -159,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(timeout=30)
     lines = [
-        f"1-chunk commits into 1,000 chunks, local directory; {args.sequential} in a row, then "
+        f"1-chunk commits into 1,000 chunks, {where}; {args.sequential} in a row, then "
         f"{args.writers} writer processes x {args.commits} commits to one branch.",
         "",
-        "| path | 1 writer p50 | p95 | 16 writers wall | commits/s | p50 | p99 | landed |",
+        f"| path | 1 writer p50 | p95 | {args.writers} writers wall | commits/s | p50 | p99 "
+        "| landed |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, seq, many in rows:
