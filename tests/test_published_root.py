@@ -170,14 +170,18 @@ def test_a_head_moved_after_the_open_is_the_head_a_session_shows(
     assert len(storage.rounds()) == 4
 
 
-class _SlowRootOnce(DelayedStorage):
-    """Its next read of the root takes ``slow`` seconds more (once)."""
+class _RootOnce(DelayedStorage):
+    """Its next read of the root takes ``slow`` seconds more, or fails (``fail``: as a storage
+    error that outlived its retries); once."""
 
     slow = 0.0
+    fail = False
 
     def get_versioned(self, key: str) -> Versioned:
-        if key == ROOT_KEY and self.slow:
-            delay, self.slow = self.slow, 0.0
+        if key == ROOT_KEY and (self.slow or self.fail):
+            delay, failing, self.slow, self.fail = self.slow, self.fail, 0.0, False
+            if failing:
+                raise StorageError(f"{key}: 503 Slow Down (injected)")
             time.sleep(delay)
         return super().get_versioned(key)
 
@@ -187,7 +191,7 @@ def test_a_session_taken_before_this_client_commits_does_not_show_the_commit(
 ) -> None:
     writer = zarrlake.Repository.create(far())
     before = _commit(writer, "main", 0)
-    storage = _SlowRootOnce(far(), 0.02, Counts())
+    storage = _RootOnce(far(), 0.02, Counts())
     repo = zarrlake.Repository.open(storage)
     storage.slow = 2.0  # the session's root read is still out when the commit below publishes
     old = repo.readonly_session("main")
@@ -199,24 +203,12 @@ def test_a_session_taken_before_this_client_commits_does_not_show_the_commit(
     assert repo.readonly_session("main").base == after == repo.lookup_branch("main")
 
 
-class _FailRootOnce(DelayedStorage):
-    """Its next read of the root fails (once), as a storage error that outlived its retries."""
-
-    fail = False
-
-    def get_versioned(self, key: str) -> Versioned:
-        if key == ROOT_KEY and self.fail:
-            self.fail = False
-            raise StorageError(f"{key}: 503 Slow Down (injected)")
-        return super().get_versioned(key)
-
-
 def test_a_root_read_ahead_that_fails_is_read_again_not_kept_as_the_answer(
     far: Callable[[], zarrlake.Storage],
 ) -> None:
     writer = zarrlake.Repository.create(far())
     head = _commit(writer, "main", 4)
-    storage = _FailRootOnce(far(), 0.02, Counts())
+    storage = _RootOnce(far(), 0.02, Counts())
     repo = zarrlake.Repository.open(storage)
     storage.fail = True
     session = repo.readonly_session("main")
@@ -231,7 +223,7 @@ def test_a_process_forked_while_the_root_read_is_out_reads_it_itself(
 ) -> None:
     writer = zarrlake.Repository.create(far())
     head = _commit(writer, "main", 6)
-    storage = _SlowRootOnce(far(), 0.02, Counts())
+    storage = _RootOnce(far(), 0.02, Counts())
     repo = zarrlake.Repository.open(storage)
     storage.slow = 1.0
     session = repo.readonly_session("main")  # its root read is out for a second
