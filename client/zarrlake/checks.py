@@ -81,6 +81,7 @@ class Change:
         built: Snapshot,
         written: Callable[[], Iterable[str]],
         open_store: Callable[[str], Any],
+        digest: str | None = None,
     ) -> None:
         self.branch = branch
         self.kind = kind
@@ -88,6 +89,9 @@ class Change:
         self.snapshot = built.id
         self.message = built.message
         self.author = built.author
+        #: SHA-256 of the snapshot's bytes as they will be published (a commit service's
+        #: checks that run elsewhere read it again, and compare), or None.
+        self.snapshot_sha256 = digest
         self._before = parent
         self._after = built
         self._written = written
@@ -448,11 +452,52 @@ class Runner(Protocol):
     ) -> list[str]: ...
 
 
-def run(rule: BranchRule, change: Change, runner: Runner | None = None) -> None:
+class JobRunner(Protocol):
+    """Checks that are not installed here but run elsewhere, as programs of their own (a
+    commit service's checks run as Kubernetes Jobs: :mod:`zarrlake.checkjobs`)."""
+
+    def runs(self, name: str) -> bool:
+        """Whether check ``name`` is one of these (then no entry point of that name is looked
+        for)."""
+        ...
+
+    def run_job(self, name: str, options: Mapping[str, Any], change: Change) -> list[str]:
+        """The problems check ``name`` finds in ``change`` (its failure, its timeout are
+        problems too)."""
+        ...
+
+
+class RunElsewhere:
+    """Checks known by name only: they run in a commit service, as Jobs, not in this process.
+    A rule may require them (an operator setting rules it does not run); asked to run one,
+    this refuses the change, saying where it runs."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+
+    def runs(self, name: str) -> bool:
+        return name in self.names
+
+    def run_job(self, name: str, options: Mapping[str, Any], change: Change) -> list[str]:
+        return [f"cannot run here: {name!r} runs as a Job of the commit service; commit through it"]
+
+
+def run(
+    rule: BranchRule,
+    change: Change,
+    runner: Runner | None = None,
+    jobs: JobRunner | None = None,
+) -> None:
     """Run every check ``rule`` requires on ``change``, in order; raise :class:`CheckFailed` for
     the first that finds problems, fails or runs out of time. ``runner``: where they run (by
-    default a thread of this process each; :class:`IsolatedChecks`: worker processes)."""
+    default a thread of this process each; :class:`IsolatedChecks`: worker processes);
+    ``jobs``: the checks that run as programs of their own, by name, before entry points."""
     for name in rule.required_checks:
+        if jobs is not None and jobs.runs(name):
+            problems = jobs.run_job(name, rule.options(name), change)
+            if problems:
+                raise CheckFailed(name, change.branch, problems)
+            continue
         try:
             check, timeout = build(name, rule.options(name))
         except InvalidArgument as e:
@@ -465,7 +510,7 @@ def run(rule: BranchRule, change: Change, runner: Runner | None = None) -> None:
             raise CheckFailed(name, change.branch, problems)
 
 
-def _problems(check: Check, change: Change) -> list[str]:
+def problems_of(check: Check, change: Change) -> list[str]:
     """What ``check`` finds in ``change``: its problems, or the one that it failed."""
     try:
         found = check(change)
@@ -489,7 +534,7 @@ def _run_in_thread(check: Check, change: Change, timeout: float) -> list[str]:
     # cannot stop a thread), marked daemon so that it does not keep the process alive. A
     # process that runs for long (a commit service) runs them in processes instead.
     thread = threading.Thread(
-        target=lambda: result.append(_problems(check, change)), name="zarrlake-check", daemon=True
+        target=lambda: result.append(problems_of(check, change)), name="zarrlake-check", daemon=True
     )
     thread.start()
     thread.join(timeout)
@@ -687,4 +732,4 @@ def _serve(conn: Any, open_store: Callable[[str], Any]) -> None:
             conn.send([f"cannot run here: {e}"])
             continue
         conn.send("built")
-        conn.send(_problems(check, change))
+        conn.send(problems_of(check, change))

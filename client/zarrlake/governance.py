@@ -27,14 +27,16 @@ from dataclasses import replace
 from typing import Any
 
 from zarrlake.changeset import Changeset
-from zarrlake.checks import Change, IsolatedChecks, Runner, build, run
+from zarrlake.checks import Change, IsolatedChecks, JobRunner, Runner, build, run
 from zarrlake.core import RepositoryCore
 from zarrlake.errors import (
     BranchProtected,
     InvalidArgument,
     ReadOnlyError,
 )
+from zarrlake.format import manifest
 from zarrlake.format.model import GOVERNANCE, REPO_KEY, RepoRecord, Snapshot
+from zarrlake.objects import ObjectStore
 from zarrlake.refs import validate_name
 from zarrlake.rules import BranchRule, Protection
 
@@ -64,6 +66,7 @@ class Governance:
         # them (see the design note for what a client opened before the first rule misses).
         self._governed = GOVERNANCE in core.record.features
         self._runner: Runner | None = None  # checks run in threads of this process
+        self._jobs: JobRunner | None = None  # and none as programs of their own
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -113,6 +116,11 @@ class Governance:
         self._runner = runner
         return runner
 
+    def run_as_jobs(self, jobs: JobRunner) -> None:
+        """From now on the checks ``jobs`` runs (by name) run there, as programs of their own
+        (a commit service's Kubernetes Jobs), not as entry points in this process."""
+        self._jobs = jobs
+
     # -- the engine's guard -----------------------------------------------------------------------
 
     def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None:
@@ -148,6 +156,7 @@ class Governance:
         written: Callable[[], Iterable[str]],
         *,
         merge: bool,
+        digest: str | None = None,
     ) -> None:
         """Run the checks ``branch``'s rule requires on ``built``, about to land on ``parent``
         (``written()``: the chunk keys it writes). The rule is read again here, just before the
@@ -157,9 +166,13 @@ class Governance:
         self._refuse_direct(branch, rule, merge=merge)
         if rule is None or not rule.required_checks:
             return
+        if self._core.journal.remote is not None:
+            # Published by a commit service, which runs the checks on the snapshot as stored
+            # (some of them perhaps as Jobs this client could not run): not twice.
+            return
         kind = "merge" if merge else "commit"
-        change = Change(branch, kind, parent, built, written, self._open_store)
-        run(rule, change, self._runner)
+        change = Change(branch, kind, parent, built, written, self._open_store, digest)
+        run(rule, change, self._runner, self._jobs)
 
     def before_move(self, branch: str, action: str) -> None:
         rule = self._rule(branch)
@@ -192,6 +205,8 @@ class Governance:
     def protect(self, name: str, rule: BranchRule) -> BranchRule:
         validate_name(name)
         for check in rule.required_checks:
+            if self._jobs is not None and self._jobs.runs(check):
+                continue  # run as a Job, whose image says what it accepts
             build(check, rule.options(check))  # installed here, options accepted
         self._change(lambda branches: {**branches, name: rule})
         return rule
@@ -224,6 +239,14 @@ class Governance:
 
 def _written(changeset: Changeset) -> Iterator[str]:
     return (key for key, ref in changeset.chunks.items() if ref is not None)
+
+
+def written_between(objects: ObjectStore, parent: Snapshot, built: Snapshot) -> Iterator[str]:
+    """The keys of the chunks ``built`` writes over ``parent``, from their manifests (not from
+    what a writer says it wrote): what a commit service, or a check run as a Job, checks."""
+    for key, _, new in manifest.diff_entries(parent.shards, built.shards, objects.shard):
+        if new is not None:
+            yield key
 
 
 def rule_from_arguments(

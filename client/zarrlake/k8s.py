@@ -368,7 +368,7 @@ def _require_client() -> None:
         require(module, extra="kubernetes", feature="Repository.from_kubernetes")
 
 
-def _api_client() -> Any:
+def api_client() -> Any:
     """An ``ApiClient`` with its own configuration (the process-wide default is left alone):
     the service account inside a pod, else ``$KUBECONFIG`` / ``~/.kube/config``."""
     from kubernetes import client, config
@@ -429,7 +429,7 @@ def locate(name: str, namespace: str | None = None) -> Connection:
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    api = _api_client()
+    api = api_client()
     namespace = namespace or current_namespace()
     try:
         obj = client.CustomObjectsApi(api).get_namespaced_custom_object(

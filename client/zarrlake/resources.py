@@ -598,6 +598,37 @@ class ServeSpec(ResourceModel):
 COMMIT_SERVICE_PORT = 8701
 
 
+class CheckJobSpec(ResourceModel):
+    """A check the commit service runs as a Kubernetes Job, one per change a branch's rule
+    requires it on: the container exits 0 to pass, else it refuses, its termination message
+    (one problem per line) saying why (docs/design/governance.md, "Checks as Jobs")."""
+
+    name: str = Field(
+        pattern=CHECK_NAME, description="The check, as requiredChecks of a protection names it."
+    )
+    image: str = Field(min_length=1, description="The check's image.")
+    command: list[str] | None = Field(
+        default=None,
+        description="Its command (default, with no args either: zarrlake check <repository "
+        "URL>, which runs the entry point of this name installed in the image).",
+    )
+    args: list[str] | None = Field(default=None, description="Its arguments.")
+    timeout_seconds: int = Field(
+        default=600,
+        ge=1,
+        le=86_400,
+        alias="timeoutSeconds",
+        description="The Job's activeDeadlineSeconds: past it the change is refused.",
+    )
+    resources: Resources | None = Field(default=None, description="The check's resources.")
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the check's pod; without one no API token is mounted.",
+    )
+
+
 class CommitServiceSpec(ResourceModel):
     """zarrlake service for this repository, run by the operator: the one writer of its refs,
     which applies its branch rules and checks to every writer (docs/design/governance.md). A
@@ -623,9 +654,19 @@ class CommitServiceSpec(ResourceModel):
         default=None,
         alias="serviceAccountName",
         pattern=DNS_SUBDOMAIN,
-        description="ServiceAccount of the service pod; without one no API token is mounted.",
+        description="ServiceAccount of the service pod; without one no API token is mounted "
+        "(with checks as Jobs, the operator makes one, zl-<name>-commit, and binds the Role "
+        "they need to whichever it runs as).",
     )
     image_pull_secrets: list[str] = Field(default_factory=list, alias="imagePullSecrets")
+    checks: list[CheckJobSpec] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Checks run as Jobs (in this namespace, by the service, which the "
+        "operator gives a ServiceAccount and a Role to create them); a check a protection "
+        "requires that is not listed here runs in the service, as an installed entry point.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
 
 class CommitServiceStatus(ResourceModel):

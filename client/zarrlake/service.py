@@ -27,11 +27,13 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
+import hashlib
 import hmac
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +51,9 @@ from zarrlake.errors import (
     UnsupportedFormat,
     ZarrlakeError,
 )
-from zarrlake.format import manifest
 from zarrlake.format.ids import is_snapshot_id
 from zarrlake.format.model import JournalEntry, Snapshot, snapshot_key
+from zarrlake.governance import written_between
 from zarrlake.refs import validate_name
 from zarrlake.repository import Repository
 
@@ -221,13 +223,10 @@ class CommitService:
     def _check(self, branch: str, parent_id: str, stored: _Stored, kind: str) -> None:
         objects = self.repo.core.objects
         parent, built = objects.snapshot(parent_id), stored.snapshot
-
-        def written() -> Iterator[str]:
-            for key, _, new in manifest.diff_entries(parent.shards, built.shards, objects.shard):
-                if new is not None:
-                    yield key
-
-        self.repo.governance.check(branch, parent, built, written, merge=kind == "merge")
+        written = functools.partial(written_between, objects, parent, built)
+        digest = hashlib.sha256(stored.encoded).hexdigest()
+        gov = self.repo.governance
+        gov.check(branch, parent, built, written, merge=kind == "merge", digest=digest)
 
     # -- merges and tags ---------------------------------------------------------------------------
 

@@ -2048,6 +2048,12 @@ def commit_service_deployment(
     )
     mounts.append({"name": "service-tokens", "mountPath": COMMIT_TOKENS_DIR, "readOnly": True})
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "timeoutSeconds": 5}
+    templates = check_job_templates(body, spec, url)
+    check_jobs_env = (
+        [{"name": "ZARRLAKE_CHECK_JOBS", "value": json.dumps(templates, sort_keys=True)}]
+        if templates
+        else []
+    )
     container: dict[str, Any] = {
         "name": COMMIT_COMPONENT,
         "image": service.image or defaults.image,
@@ -2062,7 +2068,7 @@ def commit_service_deployment(
             "--tokens-file",
             COMMIT_TOKENS_FILE,
         ],
-        "env": [*storage_env(spec.storage), *virtual_env] or None,
+        "env": [*storage_env(spec.storage), *virtual_env, *check_jobs_env] or None,
         "ports": [{"name": "http", "containerPort": service.port, "protocol": "TCP"}],
         "resources": service.resources.to_k8s() if service.resources else dict(defaults.resources),
         "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
@@ -2081,8 +2087,138 @@ def commit_service_deployment(
         1,
         container,
         volumes,
-        pod_identity(service.service_account_name, service.image_pull_secrets),
+        pod_identity(commit_service_account(body, spec)[0], service.image_pull_secrets),
     )
+
+
+#: A check Job's name: its generateName (this long at most) and 8 characters of its own.
+CHECK_JOB_PREFIX_MAX = DNS_NAME_MAX - 8
+CHECK_COMPONENT = "check"
+
+
+def commit_service_account(
+    body: Mapping[str, Any], spec: RepositorySpec
+) -> tuple[str | None, bool]:
+    """Whom the commit service's pod runs as, and whether the operator makes that
+    ServiceAccount: the one the spec names; else, when it runs checks as Jobs (it needs the
+    API for them), one of the operator's; else none (no API token mounted)."""
+    service = spec.commit_service
+    if service.service_account_name:
+        return service.service_account_name, False
+    if service.checks:
+        return commit_service_names(body["metadata"]["name"]), True
+    return None, False
+
+
+def commit_service_rbac(body: Mapping[str, Any], spec: RepositorySpec) -> list[dict[str, Any]]:
+    """When the service runs checks as Jobs: a Role that lets it create them, follow them and
+    read their pods' termination messages in its namespace, bound to its ServiceAccount (made
+    too, unless the spec names one). Nothing else: not Secrets, not other kinds."""
+    if not spec.commit_service.checks:
+        return []
+    name = body["metadata"]["name"]
+    obj_name = commit_service_names(name)
+    account, managed = commit_service_account(body, spec)
+    meta = owned_metadata(body, obj_name, labels(name, COMMIT_COMPONENT))
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta,
+        "rules": [
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": obj_name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": account, "namespace": body["metadata"]["namespace"]}
+        ],
+    }
+    made = [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}] if managed else []
+    return [*made, role, binding]
+
+
+def check_job_templates(
+    body: Mapping[str, Any], spec: RepositorySpec, url: str
+) -> dict[str, dict[str, Any]]:
+    """``spec.commitService.checks`` as the Jobs the service creates (it adds a name's last
+    characters and the change, :mod:`zarrlake.checkjobs`): the check's image and command
+    (default ``zarrlake check URL``), the repository's credentials by Secret reference (a check
+    reads the change), its report to the termination log, its deadline. Owned by the
+    Repository, so that a Job left behind goes with it."""
+    name = body["metadata"]["name"]
+    service = spec.commit_service
+    out = {}
+    for check in service.checks:
+        volumes, mounts = storage_volumes(spec.storage)
+        virtual_env, virtual_volumes, virtual_mounts = virtual_credentials(spec)
+        job_labels = labels(name, CHECK_COMPONENT) | {REPOSITORY_LABEL: name}
+        container: dict[str, Any] = {
+            "name": CHECK_COMPONENT,
+            "image": check.image,
+            "env": [
+                {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"},
+                *storage_env(spec.storage),
+                *virtual_env,
+            ],
+            "terminationMessagePath": "/dev/termination-log",
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": locked_down_container(),
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts, *virtual_mounts],
+        }
+        if check.command is None and check.args is None:
+            container["command"] = ["zarrlake", "check", url]
+        if check.command is not None:
+            container["command"] = list(check.command)
+        if check.args is not None:
+            container["args"] = list(check.args)
+        if check.resources is not None:
+            container["resources"] = check.resources.to_k8s()
+        meta = owned_metadata(body, "", job_labels)
+        del meta["name"]
+        prefix = child_name(
+            name, f"{CHECK_COMPONENT}-{_short(check.name)}", CHECK_JOB_PREFIX_MAX - 1
+        )
+        meta["generateName"] = prefix + "-"
+        identity = pod_identity(check.service_account_name, service.image_pull_secrets)
+        out[check.name] = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": meta,
+            "spec": {
+                "backoffLimit": 0,
+                "activeDeadlineSeconds": check.timeout_seconds,
+                "template": {
+                    "metadata": {"labels": job_labels},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        **identity,
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"},
+                        },
+                        "containers": [container],
+                        "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes, *virtual_volumes],
+                    },
+                },
+            },
+        }
+    return out
+
+
+def _short(check: str) -> str:
+    """A check's name as part of a Job's: a DNS label of at most 20 characters (a stable hash
+    where it is longer or has dots)."""
+    label = check.replace(".", "-")
+    if label == check and len(label) <= 20:
+        return label
+    digest = hashlib.sha256(check.encode()).hexdigest()[:8]
+    return f"{label[:11].rstrip('-')}-{digest}"
 
 
 def commit_service_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:

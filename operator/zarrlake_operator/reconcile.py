@@ -44,7 +44,6 @@ from zarrlake.mirror import Mirror as Promoter
 from zarrlake.refs import Refs, validate_name
 from zarrlake.resources import (
     API_VERSION,
-    BranchProtectionSpec,
     BranchSpec,
     BranchStatus,
     CommitServiceStatus,
@@ -592,7 +591,7 @@ def repository(
                 if known is None:
                     _event(body, "Initialized", message)
                 if spec.protection is not None and not conn.read_only:
-                    ok, reason, detail, count = _protection(body, repo, spec.protection)
+                    ok, reason, detail, count = _protection(body, repo, spec)
                     cond("ProtectionReady", ok, reason, detail)
                     status = status.model_copy(update={"protected_branches": count})
                 if spec.virtual_containers is not None and not conn.read_only:
@@ -678,12 +677,16 @@ def repository(
 
 
 def _protection(
-    body: Mapping[str, Any], repo: Repository, wanted: Sequence[BranchProtectionSpec]
+    body: Mapping[str, Any], repo: Repository, spec: RepositorySpec
 ) -> tuple[bool, str, str, int]:
-    """Make the repository's branch rules exactly ``wanted`` (spec.protection): (ok, reason,
-    message, how many branches are protected now). Rules the repository refuses (a check this
-    operator's image does not install, options it refuses) are a condition, not a retry: the
-    spec has to change."""
+    """Make the repository's branch rules exactly spec.protection: (ok, reason, message, how
+    many branches are protected now). Rules the repository refuses (a check this operator's
+    image does not install and the commit service does not run as a Job, options it refuses)
+    are a condition, not a retry: the spec has to change."""
+    wanted = spec.protection or []
+    service = spec.commit_service
+    as_jobs = {c.name for c in service.checks} if service.enabled else set()
+    repo.governance.run_as_jobs(checks.RunElsewhere(as_jobs))
     have = repo.branch_protection()
     rules: dict[str, BranchRule] = {}
     try:
@@ -697,7 +700,8 @@ def _protection(
             )
         for rule in rules.values():  # every rule valid before any is changed
             for check in rule.required_checks:
-                checks.build(check, rule.options(check))
+                if check not in as_jobs:
+                    checks.build(check, rule.options(check))
         changed = []
         for branch, rule in rules.items():
             if have.get(branch) != rule:
@@ -1130,14 +1134,25 @@ def _commit_service(
     when it asks for none (then one made before goes), as :func:`_serve` does for the server."""
     ns, name, _ = _meta(body)
     service = spec.commit_service
+    names = desired.commit_service_names(name)
     if not service.enabled:
         had = observed(RepositoryStatus, body).commit_service is not None
-        names = desired.commit_service_names(name)
         _remove_server(body, names, had, "CommitService", "commit service", resync=resync)
+        if not resync:
+            _remove_check_rbac(body, names)
         return None
     if url is None:
         message = "waiting for the repository: the commit service starts once it is initialized"
         return Committing(desired.ServeState(False, "WaitingForRepository", message))
+    # Before its pod: the ServiceAccount it runs as, and its right to run checks as Jobs.
+    rbac = desired.commit_service_rbac(body, spec)
+    for obj in rbac:
+        _, action = kube.apply(obj)
+        if action != "unchanged":
+            kind = obj["kind"]
+            _event(body, f"CommitService{action.capitalize()}", f"{action} commit service {kind}")
+    if not rbac and not resync:
+        _remove_check_rbac(body, names)
     deployment = _apply_server(
         body,
         desired.commit_service_deployment(body, spec, url, defaults),
@@ -1166,6 +1181,17 @@ def _commit_service(
         writerCredentials=_writer_credentials(spec),
     )
     return Committing(state, fields)
+
+
+CHECK_RBAC_KINDS = ("RoleBinding", "Role", "ServiceAccount")
+
+
+def _remove_check_rbac(body: Mapping[str, Any], names: str) -> None:
+    """Take away what let the commit service run checks as Jobs, once it runs none (or none
+    runs): the operator's own objects only (by label), by name."""
+    ns = body["metadata"]["namespace"]
+    for kind in _remove_managed(ns, names, CHECK_RBAC_KINDS):
+        _event(body, "CommitServiceDeleted", f"deleted commit service {kind}")
 
 
 def _writer_credentials(spec: RepositorySpec) -> str:

@@ -334,6 +334,14 @@ class LocalCluster:
             env = container_environment(ns, container, pod_name=pod_name, mounted=mounted)
         except RuntimeError:
             return None
+        token = pod_spec.get("automountServiceAccountToken") is not False  # null: mounted
+        if pod_spec.get("serviceAccountName") and token:
+            # Its ServiceAccount's token, as a kubelet mounts it: here the API server's
+            # kubeconfig (the emulated API checks no RBAC; the Role the operator made says
+            # what a real one would allow).
+            kubeconfig = os.environ.get("KUBECONFIG")
+            if kubeconfig:
+                env.setdefault("KUBECONFIG", kubeconfig)
         port = free_port()
         command = [*container.get("command", []), *container.get("args", [])]
         command = [_expand(arg, env) for arg in command]
@@ -457,12 +465,16 @@ class LocalCluster:
             command[0] = exe
         deadline = job["spec"].get("activeDeadlineSeconds") or 3600
         started = _now()
+        past_deadline = False
         try:
             done = subprocess.run(
                 command, env=proc_env, capture_output=True, text=True, timeout=deadline
             )
             code, logs = done.returncode, done.stdout + done.stderr
-        except (OSError, subprocess.TimeoutExpired) as e:
+        except subprocess.TimeoutExpired as e:
+            # The Job controller ends a Job past its activeDeadlineSeconds: its pod is killed.
+            code, logs, past_deadline = 137, f"{type(e).__name__}: {e}", True
+        except OSError as e:
             code, logs = 1, f"{type(e).__name__}: {e}"
         message = Path(report).read_text()
         if (
@@ -529,7 +541,12 @@ class LocalCluster:
             "status": "True",
             "lastTransitionTime": finished,
         }
-        if code != 0:
+        if past_deadline:
+            condition |= {
+                "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline",
+            }
+        elif code != 0:
             condition |= {"reason": "BackoffLimitExceeded", "message": "Job has failed"}
         self._set_status(
             "Job",

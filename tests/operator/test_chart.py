@@ -363,8 +363,14 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("networking.k8s.io", "networkpolicies"): CHILD_VERBS,
     ("", "persistentvolumeclaims"): {"get", "create", "delete"},  # made once, never patched
     ("batch", "cronjobs"): CHILD_VERBS | {"list", "watch"},  # watched: idle resyncs compare
-    ("batch", "jobs"): READ,
-    ("", "pods"): {"list"},
+    # A commit service that runs checks as Jobs (spec.commitService.checks) gets a Role with
+    # jobs create/get/delete and pods get/list, its ServiceAccount and RoleBinding: the
+    # operator must hold those rights to grant them.
+    ("batch", "jobs"): READ | {"create", "delete"},
+    ("", "pods"): {"get", "list"},
+    ("", "serviceaccounts"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
     ("", "events"): {"create"},
 }
 # engine: spark (values spark.rbac, on by default): ScheduledSparkApplications, their runs'
@@ -490,7 +496,7 @@ def test_rbac_namespaced(chart):
 def test_rbac_without_spark_grants_only_the_local_engines_rights(chart):
     role = one(render(chart, {"spark": {"rbac": False}}), "ClusterRole")
     assert granted(role) == union(NAMESPACED_PERMISSIONS, CLUSTER_PERMISSIONS)
-    assert granted(role)[("", "pods")] == {"list"}
+    assert granted(role)[("", "pods")] == {"get", "list"}  # no watch, no create
 
 
 def test_spark_defaults_reach_the_operator(chart):
@@ -1423,3 +1429,30 @@ def test_operator_network_policy_follows_its_values(chart):
     assert len(api) == 1 and api[0]["ports"] == [{"port": 443, "protocol": "TCP"}]
     assert rules[-1] == values["extraEgress"][0]
     assert ("TCP", 9000) in egress_ports(policy) and ("TCP", 6443) not in egress_ports(policy)
+
+
+def test_the_operator_holds_every_right_it_grants_a_commit_service(chart):
+    """Kubernetes refuses a Role with rights its creator lacks: the commit service's Role (for
+    checks as Jobs) must be within the operator's, with and without the Spark rights."""
+    from zarrlake_operator import desired
+    from zarrlake_operator.models import RepositorySpec
+
+    body = {
+        "apiVersion": "zarrlake.io/v1alpha1",
+        "kind": "Repository",
+        "metadata": {"name": "r", "namespace": "ns", "uid": "u"},
+        "spec": {
+            "storage": {"bucket": "lake", "prefix": "p"},
+            "commitService": {
+                "enabled": True,
+                "tokensSecretRef": {"name": "t", "key": "k"},
+                "checks": [{"name": "c", "image": "i"}],
+            },
+        },
+    }
+    spec = RepositorySpec.model_validate(body["spec"])
+    role = next(o for o in desired.commit_service_rbac(body, spec) if o["kind"] == "Role")
+    for values in ({}, {"spark": {"rbac": False}}):
+        operator = granted(one(render(chart, values), "ClusterRole"))
+        for key, verbs in granted(role).items():
+            assert verbs <= operator.get(key, set()), (values, key)

@@ -91,3 +91,112 @@ def test_a_commit_service_without_its_tokens_secret_is_reported(k8s: Env) -> Non
     # shared operator would count that DELETE as its own.
     k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
     wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)
+
+
+def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
+    """``spec.commitService.checks``: the service creates a Job per check a rule requires, the
+    emulated kubelet runs its container (``zarrlake check URL``, the default, or a command of
+    its own), and the Job's verdict is the merge's."""
+    from zarrlake_operator import kube
+
+    tokens = {WRITER: {"identity": "job-7", "role": "writer"}}
+    k8s.secret("service-tokens", {"tokens.json": json.dumps(tokens)})
+    checks = [
+        {"name": "required-attributes", "image": "zarrlake:test", "timeoutSeconds": 120},
+        {
+            "name": "slow",
+            "image": "zarrlake:test",
+            "command": ["python", "-c", "import time; time.sleep(60)"],
+            "timeoutSeconds": 2,
+        },
+    ]
+    spec = {
+        "enabled": True,
+        "tokensSecretRef": {"name": "service-tokens", "key": "tokens.json"},
+        "checks": checks,
+    }
+    protection = [
+        {"branch": "main", "requiredChecks": ["required-attributes"]},
+        {"branch": "release", "requiredChecks": ["slow"], "allowReset": True},
+    ]
+    k8s.ready_repository(commitService=spec, protection=protection)
+
+    def up() -> dict | None:
+        obj = k8s.get("Repository", "repo") or {}
+        found = (obj.get("status") or {}).get("commitService") or {}
+        ok = condition(obj, "CommitServiceReady").get("status") == "True"
+        return obj if ok and found.get("readyReplicas") == 1 else None
+
+    try:
+        obj = wait_for("the commit service ready", up)
+    except AssertionError:
+        got = k8s.get("Repository", "repo") or {}
+        raise AssertionError(json.dumps(got.get("status"), indent=1) + k8s.log_tail()) from None
+    # The service runs as a ServiceAccount of the operator's, allowed Jobs and their pods only.
+    pod = k8s.get("Deployment", "zl-repo-commit")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "zl-repo-commit"
+    assert k8s.get("ServiceAccount", "zl-repo-commit") is not None
+    role = k8s.get("Role", "zl-repo-commit")
+    assert role["rules"] == [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+    ]
+    binding = k8s.get("RoleBinding", "zl-repo-commit")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "zl-repo-commit", "namespace": k8s.namespace}
+    ]
+
+    url = k8s.cluster.resolve(obj["status"]["commitService"]["url"])
+    writer = zarrlake.Repository.from_kubernetes(
+        "repo", k8s.namespace, commit_service=url, commit_token=WRITER
+    )
+    writer.create_branch("dev")
+    writer.create_branch("release")
+    session = writer.writable_session("dev")
+    zarr.open_group(session.store, mode="w").create_array("t", shape=(2,), dtype="f4")[:] = 3
+    session.commit("t without units")
+    head = writer.lookup_branch("main")
+
+    def check_jobs(name: str) -> list[dict]:
+        return kube.list_("Job", k8s.namespace, f"zarrlake.io/check={name}")
+
+    with pytest.raises(zarrlake.CheckFailed) as refused:
+        writer.merge("dev", "main")
+    assert refused.value.check == "required-attributes"
+    assert refused.value.problems == ("array /t has no units attribute",)
+    assert k8s.open_repository().lookup_branch("main") == head
+    # The Job that refused is kept (a day), for its logs; it ran the check in its image.
+    (kept,) = check_jobs("required-attributes")
+    assert kept["metadata"]["name"].startswith("zl-repo-check-required-attributes-")
+    assert kept["spec"]["ttlSecondsAfterFinished"] == 86_400
+    env = {
+        v["name"]: v.get("value") for v in kept["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["ZARRLAKE_CHECK_BRANCH"] == "main" and env["ZARRLAKE_CHECK_KIND"] == "merge"
+    assert env["ZARRLAKE_CHECK_PARENT"] == head
+    kube.delete("Job", k8s.namespace, kept["metadata"]["name"])
+
+    session = writer.writable_session("dev")
+    zarr.open_array(session.store, path="t", mode="a").attrs["units"] = "K"
+    session.commit("units")
+    merged = writer.merge("dev", "main")
+    assert k8s.open_repository().lookup_branch("main") == merged
+    assert check_jobs("required-attributes") == []  # the one that passed is gone
+
+    # A check that runs past its deadline: the Job controller ends it, and the change with it.
+    with pytest.raises(zarrlake.CheckFailed) as late:
+        writer.merge("dev", "release")
+    assert late.value.check == "slow"
+    (said,) = late.value.problems
+    assert said.startswith("Job zl-repo-check-slow-") and said.endswith("did not finish within 2 s")
+    assert k8s.open_repository().lookup_branch("release") == head
+    for job in check_jobs("slow"):
+        kube.delete("Job", k8s.namespace, job["metadata"]["name"])
+
+    # Without checks as Jobs the service needs no API: its ServiceAccount and Role go.
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"checks": None}}})
+    wait_for("the service's Role gone", lambda: k8s.get("Role", "zl-repo-commit") is None or None)
+    assert k8s.get("RoleBinding", "zl-repo-commit") is None
+    assert k8s.get("ServiceAccount", "zl-repo-commit") is None
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
+    wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)

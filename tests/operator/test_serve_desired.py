@@ -522,3 +522,84 @@ def test_the_virtual_containers_secrets_are_mounted_whole_and_named_by_prefix() 
     plain = desired.serve_deployment(body({"enabled": True}), RepositorySpec.model_validate(
         body({"enabled": True})["spec"]), URL)  # fmt: skip
     assert "ZARRLAKE_VIRTUAL_CREDENTIALS_DIRS" not in json.dumps(plain)
+
+
+# -- spec.commitService.checks: checks run as Jobs -------------------------------------------------
+
+
+def commit_body(checks: list[dict[str, Any]], **service: Any) -> dict[str, Any]:
+    b = body()
+    b["spec"]["commitService"] = {
+        "enabled": True,
+        "tokensSecretRef": {"name": "tokens", "key": "tokens.json"},
+        "checks": checks,
+        **service,
+    }
+    return b
+
+
+def test_checks_as_jobs_are_valid_jobs_with_credentials_by_reference_only() -> None:
+    from zarrlake.checkjobs import parse_jobs
+
+    long = "a-check-whose-name-is-as-long-as-a-check-name-may-be-0123456789a"
+    assert len(long) == 64
+    checks = [
+        {"name": "cf-units", "image": "registry.example/checks:1"},
+        {"name": long, "image": "c:2", "command": ["python", "-m", "mine"], "timeoutSeconds": 9},
+    ]
+    b = commit_body(checks)
+    spec = RepositorySpec.model_validate(b["spec"])
+    templates = desired.check_job_templates(b, spec, URL)
+    assert set(templates) == {"cf-units", long}
+    for job in templates.values():
+        made = copy.deepcopy(job)
+        made["metadata"]["name"] = job["metadata"]["generateName"] + "0" * 8  # as the service
+        assert len(made["metadata"]["name"]) <= 63
+        assert DNS_1035_LABEL.match(made["metadata"]["name"]), made["metadata"]["name"]
+        validate_builtin(made)
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-climate"
+        # The repository's credentials reach the check by Secret reference, never by value.
+        creds = [v for v in c["env"] if v["name"] in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+        assert len(creds) == 2 and all("value" not in v and "valueFrom" in v for v in creds)
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert {"name": "ZARRLAKE_REPORT_FILE", "value": "/dev/termination-log"} in c["env"]
+        # No API token unless the check names a ServiceAccount.
+        assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+        assert job["spec"]["backoffLimit"] == 0
+    default = templates["cf-units"]["spec"]["template"]["spec"]["containers"][0]
+    assert default["command"] == ["zarrlake", "check", URL]
+    assert templates[long]["spec"]["activeDeadlineSeconds"] == 9
+    assert templates["cf-units"]["spec"]["activeDeadlineSeconds"] == 600
+    # What the service reads back is what the operator wrote.
+    deployment = desired.commit_service_deployment(b, spec, URL)
+    env = {v["name"]: v.get("value") for v in container(deployment)["env"]}
+    assert set(parse_jobs(env["ZARRLAKE_CHECK_JOBS"])) == {"cf-units", long}
+    assert pod(deployment)["serviceAccountName"] == "zl-climate-commit"
+
+
+def test_the_commit_service_gets_api_rights_only_for_checks_as_jobs() -> None:
+    b = commit_body([])
+    spec = RepositorySpec.model_validate(b["spec"])
+    assert desired.commit_service_rbac(b, spec) == []
+    deployment = desired.commit_service_deployment(b, spec, URL)
+    assert pod(deployment)["automountServiceAccountToken"] is False
+    assert "ZARRLAKE_CHECK_JOBS" not in {v["name"] for v in container(deployment)["env"]}
+
+    b = commit_body([{"name": "cf-units", "image": "c:1"}])
+    spec = RepositorySpec.model_validate(b["spec"])
+    account, role, binding = desired.commit_service_rbac(b, spec)
+    for obj in (account, role, binding):
+        validate_builtin(obj)
+    assert (account["kind"], account["metadata"]["name"]) == ("ServiceAccount", "zl-climate-commit")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "zl-climate-commit", "namespace": "science"}
+    ]
+    # Given a ServiceAccount, the operator binds the Role to it and makes none.
+    b = commit_body([{"name": "cf-units", "image": "c:1"}], serviceAccountName="lake-service")
+    spec = RepositorySpec.model_validate(b["spec"])
+    role, binding = desired.commit_service_rbac(b, spec)
+    assert binding["subjects"][0]["name"] == "lake-service"
+    assert pod(desired.commit_service_deployment(b, spec, URL))["serviceAccountName"] == (
+        "lake-service"
+    )

@@ -153,13 +153,23 @@ operator uses; no wildcards.
 - apiGroups: ["batch"]
   resources: ["cronjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A commit service that runs checks as Jobs (spec.commitService.checks) gets a Role to create,
+# read and delete them: Kubernetes lets the operator grant only rights it holds itself.
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch"]
-# Job pods' termination messages carry the maintenance results (listed by job-name).
+  verbs: ["get", "list", "watch", "create", "delete"]
+# Job pods' termination messages carry the maintenance results and the checks' verdicts.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["get", "list"]
+# The ServiceAccount, Role and RoleBinding of such a commit service (and, with spark.rbac, of
+# each policy's Spark driver).
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- if .Values.spark.rbac }}
 # engine: spark. With the Spark operator: ScheduledSparkApplications (and a look at their runs).
 - apiGroups: ["sparkoperator.k8s.io"]
@@ -172,14 +182,8 @@ operator uses; no wildcards.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-# The driver's ServiceAccount, Role and RoleBinding per policy; Kubernetes lets the operator
-# create a Role only with the rights in it, which the driver needs for its executors.
-- apiGroups: [""]
-  resources: ["serviceaccounts"]
-  verbs: ["get", "create", "patch", "delete"]
-- apiGroups: ["rbac.authorization.k8s.io"]
-  resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch", "delete"]
+# The rights the driver's Role (per policy) gives it for its executors: Kubernetes lets the
+# operator create a Role only with rights it holds.
 - apiGroups: [""]
   resources: ["pods", "services", "configmaps", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]

@@ -33,7 +33,9 @@ Usage (``URL`` as in :meth:`zarrlake.Storage.from_url`: ``file:///p``, a plain p
                         [--gc-every DURATION] [--gc-grace 7d] [--lock URL]
     zarrlake mirror status SOURCE DEST [--branch GLOB ...] [--tags|--no-tags] [--json]
     zarrlake serve URL [--host 127.0.0.1] [--port 8700] [--token-file F] [--max-connections N]
-    zarrlake service URL --tokens-file F [--host 127.0.0.1] [--port 8701]
+    zarrlake service URL --tokens-file F [--host 127.0.0.1] [--port 8701] [--check-jobs F]
+    zarrlake check URL [NAME] [--snapshot ID] [--parent ID] [--branch B] [--kind commit|merge]
+                       [--options JSON]
     zarrlake notify URL --webhook URL [--secret-file F] [--event KIND ...] [--branch GLOB ...]
                         [--name N] [--state URL] [--interval 5s] [--once] [--json]
 
@@ -198,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_serve(commands)
     notify.add_notify(commands)
     service.add_service(commands)
+    service.add_check(commands)
     virtual.add_virtual(commands)
     return parser
 
