@@ -46,7 +46,7 @@ from zarrlake.checks import Change, build, problems_of
 from zarrlake.errors import InvalidArgument, KubernetesError, ObjectNotFound
 from zarrlake.format.model import Snapshot, snapshot_key
 from zarrlake.governance import written_between
-from zarrlake.k8s import api_client, current_namespace
+from zarrlake.k8s import api_client, api_error_reason, current_namespace
 from zarrlake.rules import CHECK_NAME
 from zarrlake.session import Session
 
@@ -168,7 +168,9 @@ class JobChecks:
         try:
             batch.create_namespaced_job(namespace, body)
         except api_errors as e:
-            raise KubernetesError(f"cannot create Job {namespace}/{name}: {_reason(e)}") from None
+            raise KubernetesError(
+                f"cannot create Job {namespace}/{name}: {api_error_reason(e)}"
+            ) from None
         log.info("check %s of %s runs as Job %s/%s", job.name, change.snapshot, namespace, name)
         until = time.monotonic() + job.deadline + GRACE_S
         wait = min(self._poll, 0.2)
@@ -177,7 +179,9 @@ class JobChecks:
                 found = batch.read_namespaced_job(name, namespace, _preload_content=False)
                 status = json.loads(found.data).get("status") or {}
             except api_errors as e:
-                raise KubernetesError(f"cannot read Job {namespace}/{name}: {_reason(e)}") from None
+                raise KubernetesError(
+                    f"cannot read Job {namespace}/{name}: {api_error_reason(e)}"
+                ) from None
             ended = _ended(status)
             if ended is not None:
                 break
@@ -254,7 +258,7 @@ def _termination_message(core: Any, job: str, namespace: str) -> str:
         )
         items = json.loads(pods.data).get("items") or []
     except Exception as e:  # the verdict stands; only its words are missing
-        log.warning("cannot read the pods of Job %s/%s: %s", namespace, job, _reason(e))
+        log.warning("cannot read the pods of Job %s/%s: %s", namespace, job, api_error_reason(e))
         return ""
     for pod in items:
         for status in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -270,14 +274,7 @@ def _delete(batch: Any, name: str, namespace: str) -> None:
     try:
         batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
     except Exception as e:  # it ends by its deadline or its time to live anyway
-        log.warning("cannot delete Job %s/%s: %s", namespace, name, _reason(e))
-
-
-def _reason(e: BaseException) -> str:
-    status, reason = getattr(e, "status", None), getattr(e, "reason", None)
-    if status is not None:
-        return f"{status} {reason or ''}".strip()
-    return f"{type(e).__name__}: {e}"
+        log.warning("cannot delete Job %s/%s: %s", namespace, name, api_error_reason(e))
 
 
 # -- inside the Job ---------------------------------------------------------------------------

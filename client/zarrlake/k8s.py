@@ -386,6 +386,14 @@ def api_client() -> Any:
     return client.ApiClient(configuration)
 
 
+def api_error_reason(e: BaseException) -> str:
+    """One line for a failed API call: the HTTP status and reason, else the exception."""
+    status, reason = getattr(e, "status", None), getattr(e, "reason", None)
+    if status is not None:
+        return f"{status} {reason or ''}".strip()
+    return f"{type(e).__name__}: {e}"
+
+
 def secret_reader(core_api: Any, namespace: str) -> SecretReader:
     """A :data:`SecretReader` over ``CoreV1Api`` for one namespace, caching each Secret."""
     from kubernetes.client.exceptions import ApiException

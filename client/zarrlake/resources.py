@@ -654,9 +654,15 @@ class CommitServiceSpec(ResourceModel):
         default=None,
         alias="serviceAccountName",
         pattern=DNS_SUBDOMAIN,
-        description="ServiceAccount of the service pod; without one no API token is mounted "
-        "(with checks as Jobs, the operator makes one, zl-<name>-commit, and binds the Role "
-        "they need to whichever it runs as).",
+        description="ServiceAccount of the service pod; without one, and with neither checks "
+        "as Jobs nor events, no API token is mounted (else the operator makes one, "
+        "zl-<name>-commit, and binds the Role they need to whichever it runs as).",
+    )
+    events: bool = Field(
+        default=True,
+        description="Post a Warning Event about this Repository for each change the service "
+        "refuses (who, what, the rule or check and its message; repeats counted). Needs an "
+        "API token in the service pod; false mounts none when no checks run as Jobs.",
     )
     image_pull_secrets: list[str] = Field(default_factory=list, alias="imagePullSecrets")
     checks: list[CheckJobSpec] = Field(

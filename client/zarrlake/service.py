@@ -19,13 +19,16 @@ from the writer's txlog). Only then does it append, as any client would, and pub
 Tokens: a JSON file ``{"<token>": {"identity": "alice", "role": "writer" | "admin"}}``; every
 request carries one (``Authorization: Bearer``), compared in constant time. Writers append,
 merge and tag; deleting a tag and changing rules need ``admin``. Each change is logged with the
-identity that asked for it.
+identity that asked for it; each refusal (a protection rule, a failed check, a tag deletion
+without ``admin``) is logged too, and handed to ``refused`` (the ``zarrlake service`` command
+posts it as a Kubernetes Event about the ``Repository``, :mod:`zarrlake.kevents`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -33,7 +36,7 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,23 @@ def load_tokens(path: str | Path) -> dict[str, Caller]:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A change the service refused: who asked (their token's identity), for what, the error's
+    class (``BranchProtected``, ``CheckFailed``, ``ReadOnlyError``) and its message."""
+
+    identity: str
+    action: str
+    error: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.identity}: {self.action} refused: {self.message}"
+
+
+Refused = Callable[[Refusal], None]
+
+
+@dataclass(frozen=True)
 class _Stored:
     snapshot: Snapshot
     encoded: bytes
@@ -96,8 +116,9 @@ class _Stored:
 class CommitService:
     """The service's decisions, without HTTP (what :func:`app` serves)."""
 
-    def __init__(self, repo: Repository) -> None:
+    def __init__(self, repo: Repository, *, refused: Refused | None = None) -> None:
         self.repo = repo
+        self._refused = refused
         core = repo.core
         if core.journal.remote is not None:
             raise InvalidArgument("a commit service writes refs itself: open it without one")
@@ -117,6 +138,22 @@ class CommitService:
         if client:
             by["client"] = client[:100]
         return by
+
+    @contextlib.contextmanager
+    def _refusals(self, caller: Caller, action: str) -> Iterator[None]:
+        """Logs a refusal of ``action`` and hands it to ``refused``, whose failure changes
+        nothing (the refusal stands)."""
+        try:
+            yield
+        except (BranchProtected, CheckFailed, ReadOnlyError) as e:
+            refusal = Refusal(caller.identity, action, type(e).__name__, str(e))
+            log.warning("%s", refusal)
+            if self._refused is not None:
+                try:
+                    self._refused(refusal)
+                except Exception as told:
+                    log.warning("could not report the refusal: %s", told)
+            raise
 
     # -- appends -----------------------------------------------------------------------------------
 
@@ -151,12 +188,16 @@ class CommitService:
             )
         kind, stored = self._kind(branch, entry, current)
         gov = self.repo.governance
-        if kind in ("delete", "reset", "create"):
-            gov.before_move(branch, kind)
-        else:
-            gov.admit(branch, merge=False, maintenance=False)  # merges from writers too: below
-            assert current is not None and stored is not None
-            self._check(branch, current, stored, kind)
+        action = f"{_ACTIONS[kind]} branch {branch!r}" + (
+            f" (snapshot {entry.snapshot})" if entry.snapshot is not None else ""
+        )
+        with self._refusals(caller, action):
+            if kind in ("delete", "reset", "create"):
+                gov.before_move(branch, kind)
+            else:
+                gov.admit(branch, merge=False, maintenance=False)  # a writer's merges too
+                assert current is not None and stored is not None
+                self._check(branch, current, stored, kind)
         if stored is not None:
             # What was checked is what readers get: the snapshot's bytes travel in the entry
             # (and the root), so a writer that overwrites snapshots/<id> afterwards changes
@@ -236,13 +277,14 @@ class CommitService:
             raise InvalidArgument("a merge names a source ref and a branch to merge into")
         self._acting.by = self._by(caller, client)
         try:
-            head = self.repo.merge(
-                source,
-                into,
-                message=_opt_str(body, "message"),
-                author=_opt_str(body, "author") or caller.identity,
-                strategy=_opt_str(body, "strategy"),
-            )
+            with self._refusals(caller, f"merge of {source!r} into {into!r}"):
+                head = self.repo.merge(
+                    source,
+                    into,
+                    message=_opt_str(body, "message"),
+                    author=_opt_str(body, "author") or caller.identity,
+                    strategy=_opt_str(body, "strategy"),
+                )
         finally:
             self._acting.by = None
         log.info(
@@ -255,10 +297,20 @@ class CommitService:
         log.info("%s (%s): tag %s at %s", caller.identity, caller.role, name, snapshot)
 
     def delete_tag(self, caller: Caller, name: str) -> None:
-        if caller.role != "admin":
-            raise ReadOnlyError(f"deleting tag {name!r} needs an admin token")
-        self.repo.delete_tag(name)
+        with self._refusals(caller, f"deletion of tag {name!r}"):
+            if caller.role != "admin":
+                raise ReadOnlyError(f"deleting tag {name!r} needs an admin token")
+            self.repo.delete_tag(name)
         log.info("%s (%s): deleted tag %s", caller.identity, caller.role, name)
+
+
+_ACTIONS = {
+    "commit": "commit to",
+    "merge": "merge into",
+    "create": "creation of",
+    "reset": "reset of",
+    "delete": "deletion of",
+}
 
 
 def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
@@ -295,15 +347,16 @@ def error_body(e: ZarrlakeError) -> tuple[int, dict[str, Any]]:
     return 500, body
 
 
-def app(repo: Repository, tokens: Mapping[str, Caller]) -> Any:
-    """The service as an ASGI application (Starlette), for uvicorn."""
+def app(repo: Repository, tokens: Mapping[str, Caller], *, refused: Refused | None = None) -> Any:
+    """The service as an ASGI application (Starlette), for uvicorn; ``refused`` is told of
+    every change it refuses (:class:`Refusal`)."""
     import anyio.to_thread
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    service = CommitService(repo)
+    service = CommitService(repo, refused=refused)
     keyed = [(t.encode(), c) for t, c in tokens.items()]
 
     def caller_of(request: Request) -> Caller | None:

@@ -2054,6 +2054,18 @@ def commit_service_deployment(
         if templates
         else []
     )
+    if service.events:
+        meta = body["metadata"]
+        about = {
+            "apiVersion": body.get("apiVersion", ""),
+            "kind": body.get("kind", "Repository"),
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid", ""),
+        }
+        check_jobs_env.append(
+            {"name": "ZARRLAKE_EVENTS_FOR", "value": json.dumps(about, sort_keys=True)}
+        )
     container: dict[str, Any] = {
         "name": COMMIT_COMPONENT,
         "image": service.image or defaults.image,
@@ -2100,21 +2112,31 @@ def commit_service_account(
     body: Mapping[str, Any], spec: RepositorySpec
 ) -> tuple[str | None, bool]:
     """Whom the commit service's pod runs as, and whether the operator makes that
-    ServiceAccount: the one the spec names; else, when it runs checks as Jobs (it needs the
-    API for them), one of the operator's; else none (no API token mounted)."""
+    ServiceAccount: the one the spec names; else, when it uses the API (checks as Jobs, Events
+    of refusals), one of the operator's; else none (no API token mounted)."""
     service = spec.commit_service
     if service.service_account_name:
         return service.service_account_name, False
-    if service.checks:
+    if service.checks or service.events:
         return commit_service_names(body["metadata"]["name"]), True
     return None, False
 
 
 def commit_service_rbac(body: Mapping[str, Any], spec: RepositorySpec) -> list[dict[str, Any]]:
-    """When the service runs checks as Jobs: a Role that lets it create them, follow them and
-    read their pods' termination messages in its namespace, bound to its ServiceAccount (made
-    too, unless the spec names one). Nothing else: not Secrets, not other kinds."""
-    if not spec.commit_service.checks:
+    """When the service uses the API, a Role in its namespace bound to its ServiceAccount (made
+    too, unless the spec names one): to run checks as Jobs, create them, follow them and read
+    their pods' termination messages; to tell of refusals, post Events (and count repeats).
+    Nothing else: not Secrets, not other kinds."""
+    service = spec.commit_service
+    rules: list[dict[str, Any]] = []
+    if service.checks:
+        rules += [
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        ]
+    if service.events:
+        rules.append({"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]})
+    if not rules:
         return []
     name = body["metadata"]["name"]
     obj_name = commit_service_names(name)
@@ -2124,10 +2146,7 @@ def commit_service_rbac(body: Mapping[str, Any], spec: RepositorySpec) -> list[d
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": meta,
-        "rules": [
-            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-        ],
+        "rules": rules,
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -371,7 +371,8 @@ NAMESPACED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "serviceaccounts"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "roles"): CHILD_VERBS,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD_VERBS,
-    ("", "events"): {"create"},
+    # Kopf's Events, and a commit service's (spec.commitService.events: it counts repeats).
+    ("", "events"): {"create", "patch"},
 }
 # engine: spark (values spark.rbac, on by default): ScheduledSparkApplications, their runs'
 # driver pods (watched), and the driver ServiceAccount + Role the operator creates per policy,
@@ -1433,7 +1434,8 @@ def test_operator_network_policy_follows_its_values(chart):
 
 def test_the_operator_holds_every_right_it_grants_a_commit_service(chart):
     """Kubernetes refuses a Role with rights its creator lacks: the commit service's Role (for
-    checks as Jobs) must be within the operator's, with and without the Spark rights."""
+    checks as Jobs and Events of refusals) must be within the operator's, with and without the
+    Spark rights."""
     from zarrlake_operator import desired
     from zarrlake_operator.models import RepositorySpec
 
@@ -1452,6 +1454,7 @@ def test_the_operator_holds_every_right_it_grants_a_commit_service(chart):
     }
     spec = RepositorySpec.model_validate(body["spec"])
     role = next(o for o in desired.commit_service_rbac(body, spec) if o["kind"] == "Role")
+    assert {r["resources"][0] for r in role["rules"]} == {"jobs", "pods", "events"}
     for values in ({}, {"spark": {"rbac": False}}):
         operator = granted(one(render(chart, values), "ClusterRole"))
         for key, verbs in granted(role).items():

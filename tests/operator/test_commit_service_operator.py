@@ -50,10 +50,33 @@ def test_spec_commit_service_runs_the_service_writers_use_it_and_off_removes_it(
     session = writer.writable_session("dev")
     zarr.open_group(session.store, mode="w").create_array("t", shape=(2,), dtype="f4")[:] = 3
     session.commit("through the service")
-    with pytest.raises(zarrlake.BranchProtected):  # main takes merges only, said by the service
+    with pytest.raises(zarrlake.BranchProtected):  # main takes merges only
         direct = writer.writable_session("main")
         zarr.open_group(direct.store, mode="w").create_array("u", shape=(2,), dtype="f4")
         direct.commit("direct")
+    # A client that skips its own rules is refused by the service, and the refusal is told
+    # where the platform team looks: a Warning Event about the Repository, posted by the
+    # service (its own ServiceAccount may post Events, nothing else).
+    writer.core.commits.guard = None
+    with pytest.raises(zarrlake.BranchProtected):
+        direct = writer.writable_session("main")
+        zarr.open_group(direct.store, mode="w").create_array("u", shape=(2,), dtype="f4")
+        direct.commit("direct, skipping the rules")
+    assert k8s.get("Role", "zl-repo-commit")["rules"] == [
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]}
+    ]
+
+    def refusal_event() -> dict | None:
+        for e in k8s.events():
+            if e.get("reason") == "BranchProtected" and e["involvedObject"]["name"] == "repo":
+                return e
+        return None
+
+    event = wait_for("the refusal's Event", refusal_event)
+    assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "Repository"
+    assert event["message"].startswith("job-7: commit to branch 'main' (snapshot ")
+    assert "require_merge" in event["message"]
+    assert event["reportingComponent"] == "zarrlake-commit-service"
     writer.merge("dev", "main")
     moves = k8s.open_repository().branch_moves("main", limit=1)
     assert moves[0]["by"]["identity"] == "job-7"
@@ -140,6 +163,7 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     assert role["rules"] == [
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     ]
     binding = k8s.get("RoleBinding", "zl-repo-commit")
     assert binding["subjects"] == [
@@ -175,6 +199,14 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     assert env["ZARRLAKE_CHECK_BRANCH"] == "main" and env["ZARRLAKE_CHECK_KIND"] == "merge"
     assert env["ZARRLAKE_CHECK_PARENT"] == head
     kube.delete("Job", k8s.namespace, kept["metadata"]["name"])
+    # The refusal as a Warning Event about the Repository, naming who was refused what.
+    event = wait_for(
+        "the refusal's Event",
+        lambda: next((e for e in k8s.events() if e.get("reason") == "CheckFailed"), None),
+    )
+    assert event["involvedObject"]["name"] == "repo" and event["type"] == "Warning"
+    assert event["message"].startswith("job-7: merge of 'dev' into 'main' refused: ")
+    assert "array /t has no units attribute" in event["message"]
 
     session = writer.writable_session("dev")
     zarr.open_array(session.store, path="t", mode="a").attrs["units"] = "K"
@@ -193,8 +225,9 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     for job in check_jobs("slow"):
         kube.delete("Job", k8s.namespace, job["metadata"]["name"])
 
-    # Without checks as Jobs the service needs no API: its ServiceAccount and Role go.
-    k8s.patch("Repository", "repo", {"spec": {"commitService": {"checks": None}}})
+    # Without checks as Jobs and Events the service needs no API: its ServiceAccount and
+    # Role go.
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"checks": None, "events": False}}})
     wait_for("the service's Role gone", lambda: k8s.get("Role", "zl-repo-commit") is None or None)
     assert k8s.get("RoleBinding", "zl-repo-commit") is None
     assert k8s.get("ServiceAccount", "zl-repo-commit") is None

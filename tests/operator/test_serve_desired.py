@@ -578,17 +578,41 @@ def test_checks_as_jobs_are_valid_jobs_with_credentials_by_reference_only() -> N
     assert pod(deployment)["serviceAccountName"] == "zl-climate-commit"
 
 
-def test_the_commit_service_gets_api_rights_only_for_checks_as_jobs() -> None:
-    b = commit_body([])
+def test_the_commit_service_gets_api_rights_only_for_checks_as_jobs_and_events() -> None:
+    from zarrlake.kevents import About
+
+    b = commit_body([], events=False)
     spec = RepositorySpec.model_validate(b["spec"])
     assert desired.commit_service_rbac(b, spec) == []
     deployment = desired.commit_service_deployment(b, spec, URL)
     assert pod(deployment)["automountServiceAccountToken"] is False
-    assert "ZARRLAKE_CHECK_JOBS" not in {v["name"] for v in container(deployment)["env"]}
+    names = {v["name"] for v in container(deployment)["env"]}
+    assert not names & {"ZARRLAKE_CHECK_JOBS", "ZARRLAKE_EVENTS_FOR"}
+
+    # Events of refusals (on unless turned off): a Role to post them about the Repository.
+    b = commit_body([])
+    spec = RepositorySpec.model_validate(b["spec"])
+    account, role, binding = desired.commit_service_rbac(b, spec)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]}
+    ]
+    deployment = desired.commit_service_deployment(b, spec, URL)
+    assert pod(deployment)["serviceAccountName"] == "zl-climate-commit"
+    env = {v["name"]: v.get("value") for v in container(deployment)["env"]}
+    about = About.parse(env["ZARRLAKE_EVENTS_FOR"])
+    assert about.involved() == {
+        "apiVersion": "zarrlake.io/v1alpha1",
+        "kind": "Repository",
+        "name": "climate",
+        "namespace": "science",
+        "uid": "uid-climate",
+    }
+    assert "ZARRLAKE_CHECK_JOBS" not in env
 
     b = commit_body([{"name": "cf-units", "image": "c:1"}])
     spec = RepositorySpec.model_validate(b["spec"])
     account, role, binding = desired.commit_service_rbac(b, spec)
+    assert [r["resources"] for r in role["rules"]] == [["jobs"], ["pods"], ["events"]]
     for obj in (account, role, binding):
         validate_builtin(obj)
     assert (account["kind"], account["metadata"]["name"]) == ("ServiceAccount", "zl-climate-commit")

@@ -188,10 +188,11 @@ operator uses; no wildcards.
   resources: ["pods", "services", "configmaps", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
 {{- end }}
-# Kopf posts core v1 Events.
+# Kopf posts core v1 Events; a commit service's Role lets it post them and count repeats
+# (patch), which the operator may grant only as it holds them.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end }}
 
 {{/*

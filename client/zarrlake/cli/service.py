@@ -25,6 +25,7 @@ from zarrlake.extras import require
 
 if TYPE_CHECKING:
     from zarrlake.checkjobs import CheckJob
+    from zarrlake.service import Refusal, Refused
 
 DEFAULT_PORT = 8701
 
@@ -45,6 +46,14 @@ def add_service(commands: Commands) -> None:
         default=None,
         help="JSON: {check name: batch/v1 Job template}: checks run as Kubernetes Jobs "
         "(default: $ZARRLAKE_CHECK_JOBS, as the operator sets it)",
+    )
+    p.add_argument(
+        "--events-for",
+        metavar="JSON",
+        default=None,
+        help='post a Kubernetes Event for each refused change about {"kind", "name", '
+        '"namespace"[, "apiVersion", "uid"]} (default: $ZARRLAKE_EVENTS_FOR, as the operator '
+        "sets it to the Repository)",
     )
 
 
@@ -81,13 +90,36 @@ def run_service(args: argparse.Namespace) -> None:
 
         require("kubernetes", extra="kubernetes", feature="checks run as Jobs")
         repo.governance.run_as_jobs(JobChecks(jobs))
-    asgi = app(repo, tokens)
+    refused = _refusal_events(args.events_for)
+    asgi = app(repo, tokens, refused=refused)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="zarrlake: %(message)s")
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     say(f"commit service for repository {repo.id} at http://{host}:{port}/")
     sys.stdout.flush()
     run_asgi(uvicorn, asgi, sock)
+
+
+def _refusal_events(given: str | None) -> Refused | None:
+    """Refusals as Warning Events about the object ``given`` (or ``$ZARRLAKE_EVENTS_FOR``)
+    names, or None when neither names one."""
+    from zarrlake.kevents import ENV_ABOUT, About, EventRecorder
+
+    text = given if given is not None else os.environ.get(ENV_ABOUT, "")
+    if not text.strip():
+        return None
+    try:
+        about = About.parse(text)
+    except InvalidArgument as e:
+        raise UsageError(f"{'--events-for' if given is not None else ENV_ABOUT}: {e}") from None
+    require("kubernetes", extra="kubernetes", feature="Events of refused changes")
+    recorder = EventRecorder(about, component="zarrlake-commit-service")
+
+    def post(refusal: Refusal) -> None:
+        reason = "NotAllowed" if refusal.error == "ReadOnlyError" else refusal.error
+        recorder.post(reason, str(refusal))
+
+    return post
 
 
 def _check_jobs(path: str | None) -> dict[str, CheckJob]:
