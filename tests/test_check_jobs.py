@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,10 @@ import pytest
 import zarr
 
 import zarrlake
-from zarrlake.checkjobs import Asked, parse_jobs, run_check
+from zarrlake.checkjobs import Asked, JobChecks, parse_jobs, run_check
+from zarrlake.checks import Change
 from zarrlake.format.model import snapshot_key
+from zarrlake_testkit.kubeapi import KubeAPI
 
 
 def _commit(repo: zarrlake.Repository, branch: str, units: str | None) -> str:
@@ -53,6 +57,9 @@ def _env(repo: zarrlake.Repository, snapshot: str, **more: str) -> dict[str, str
         "ZARRLAKE_CHECK_PARENT": repo.lookup_branch("main"),
         "ZARRLAKE_CHECK_SNAPSHOT": snapshot,
         "ZARRLAKE_CHECK_SNAPSHOT_SHA256": hashlib.sha256(data).hexdigest(),
+        "ZARRLAKE_CHECK_PARENT_SHA256": hashlib.sha256(
+            repo.storage.get(snapshot_key(repo.lookup_branch("main")))
+        ).hexdigest(),
         **more,
     }
 
@@ -108,6 +115,21 @@ def test_a_snapshot_overwritten_after_the_service_read_it_is_refused(
     assert problem.startswith(f"snapshot {dressed} holds other bytes than the commit service")
 
 
+def test_a_parent_overwritten_after_the_service_read_it_is_refused(
+    repo: zarrlake.Repository,
+) -> None:
+    """The parent is what a change is measured against: a writer that rewrites the head's
+    ``snapshots/<id>`` (readers use the copy its journal entry carries) as the change itself
+    would leave no change for a check to see. The Job compares the parent's bytes too."""
+    dressed = _commit(repo, "dev", "K")
+    asked = Asked.from_env(_env(repo, dressed))
+    assert run_check(repo, asked) == []
+    head = repo.lookup_branch("main")
+    repo.storage.put(snapshot_key(head), repo.storage.get(snapshot_key(dressed)))
+    (problem,) = run_check(zarrlake.Repository.open(repo.storage), asked)
+    assert problem.startswith(f"snapshot {head} holds other bytes than the commit service")
+
+
 def test_what_the_check_program_cannot_do_is_said(
     repo: zarrlake.Repository, tmp_path: Path, cli: Callable[..., Any]
 ) -> None:
@@ -148,11 +170,17 @@ def _template(deadline: Any = 60, **meta: Any) -> dict[str, Any]:
 def test_check_job_templates_are_checked() -> None:
     jobs = parse_jobs(json.dumps({"units": _template()}))
     assert jobs["units"].deadline == 60.0
+    env_not_a_list = _template()
+    env_not_a_list["spec"]["template"]["spec"]["containers"][0]["env"] = {"A": "1"}
+    with pytest.raises(zarrlake.InvalidArgument, match=r"env a list"):
+        parse_jobs(json.dumps({"units": env_not_a_list}))
     for text, says in [
         ("{", "not JSON"),
         ("[]", "expected an object"),
         (json.dumps({"Bad Name": _template()}), "is not a check name"),
         (json.dumps({"units": _template(deadline=0)}), "activeDeadlineSeconds"),
+        (json.dumps({"units": _template(deadline=True)}), "activeDeadlineSeconds"),
+        (json.dumps({"units": _template(labels={"a": 1})}), "is not a Job"),
         (json.dumps({"units": {"kind": "Pod"}}), "is not a Job"),
     ]:
         with pytest.raises(zarrlake.InvalidArgument, match=says):
@@ -174,3 +202,125 @@ def test_the_service_refuses_bad_check_jobs_in_one_line(
     got = cli("service", url, "--tokens-file", str(tokens))
     assert got.code == 2
     assert got.err.startswith("zarrlake: error: ZARRLAKE_CHECK_JOBS: check jobs are not JSON")
+
+
+
+# -- the service's side of a Job, against a real API server (no kubelet: nothing runs them) ----
+
+
+@pytest.fixture(scope="module")
+def kubeapi() -> Iterator[KubeAPI]:
+    with KubeAPI() as api:
+        yield api
+
+
+def _jobs_api(kubeapi: KubeAPI, tmp_path: Path) -> tuple[JobChecks, Any]:
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    path = kubeapi.write_kubeconfig(tmp_path / "kubeconfig")
+    config.load_kube_config(config_file=str(path), client_configuration=configuration)
+    api = client.ApiClient(configuration)
+    checks = JobChecks(parse_jobs(json.dumps({"units": _template()})), namespace="default",
+                       poll=0.05, api=api)  # fmt: skip
+    return checks, client.BatchV1Api(api)
+
+
+def _change(repo: zarrlake.Repository, **digests: str | None) -> Change:
+    dressed = _commit(repo, "dev", "K")
+    objects = repo.core.objects
+    parent = objects.snapshot(repo.lookup_branch("main"))
+    built = objects.snapshot(dressed)
+    given = {"digest": "a" * 64, "parent_digest": "b" * 64, **digests}
+    return Change("main", "merge", parent, built, list, lambda s: None, **given)
+
+
+def _names(batch: Any) -> list[str]:
+    found = batch.list_namespaced_job("default", _preload_content=False)
+    return [j["metadata"]["name"] for j in json.loads(found.data)["items"]]
+
+
+def _wait(what: str, probe: Callable[[], Any], timeout: float = 20.0) -> Any:
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if found := probe():
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_one_job_per_change_however_often_it_is_asked(
+    repo: zarrlake.Repository, kubeapi: KubeAPI, tmp_path: Path
+) -> None:
+    """A writer whose request timed out asks again while the first check still runs: it waits
+    for that Job's verdict, and no second Job is made."""
+    checks, batch = _jobs_api(kubeapi, tmp_path)
+    change = _change(repo)
+    verdicts: list[list[str]] = []
+    first = threading.Thread(target=lambda: verdicts.append(checks.run_job("units", {}, change)))
+    first.start()
+    (name,) = _wait("the Job", lambda: _names(batch))
+    again = threading.Thread(target=lambda: verdicts.append(checks.run_job("units", {}, change)))
+    again.start()
+    time.sleep(0.5)
+    assert _names(batch) == [name] and verdicts == []
+    done = {"conditions": [{"type": "Complete", "status": "True"}]}
+    batch.patch_namespaced_job_status(name, "default", {"status": done})
+    first.join(20)
+    again.join(20)
+    assert verdicts == [[], []]
+    _wait("the passed Job deleted", lambda: _names(batch) == [])
+
+
+def test_a_job_that_cannot_be_followed_is_a_refusal_and_is_deleted(
+    repo: zarrlake.Repository, kubeapi: KubeAPI, tmp_path: Path
+) -> None:
+    checks, batch = _jobs_api(kubeapi, tmp_path)
+    # Without the digests of both snapshots the service makes no Job at all.
+    (said,) = checks.run_job("units", {}, _change(repo, parent_digest=None))
+    assert said == "could not run as a Job: no digest of the snapshots to hand it"
+    assert _names(batch) == []
+    # A Job deleted under the service (by hand, by a namespace's quota controller): refused.
+    verdicts: list[list[str]] = []
+    change = _change(repo)
+    run = threading.Thread(target=lambda: verdicts.append(checks.run_job("units", {}, change)))
+    run.start()
+    (name,) = _wait("the Job", lambda: _names(batch))
+    batch.delete_namespaced_job(name, "default")
+    run.join(20)
+    ((problem,),) = verdicts
+    assert problem.startswith(f"could not run as a Job: cannot read Job default/{name}: 404")
+
+
+def test_a_client_that_commits_through_the_service_leaves_the_checks_to_it(
+    repo: zarrlake.Repository, kubeapi: KubeAPI, tmp_path: Path
+) -> None:
+    """The rule requires a check only the service can run (a Job): the writer's client, which
+    has no such check installed, sends its commit on, and the service's Job decides."""
+    from zarrlake.service import Caller, CommitService
+
+    checks, batch = _jobs_api(kubeapi, tmp_path)
+    service_repo = zarrlake.Repository.open(repo.storage)
+    service_repo.governance.run_as_jobs(checks)
+    service_repo.protect_branch("main", require_merge=False, required_checks=["units"])
+    service = CommitService(service_repo)
+
+    class ThroughService:
+        def append(self, name: str, entry: Any) -> bool:
+            return service.append(Caller("wanda", "writer"), name, entry.encode())
+
+    writer = zarrlake.Repository.open(repo.storage)
+    writer.core.journal.remote = ThroughService()  # type: ignore[assignment]
+    verdicts: list[str] = []
+    run = threading.Thread(target=lambda: verdicts.append(_commit(writer, "main", "K")))
+    run.start()
+    (name,) = _wait("the service's Job", lambda: _names(batch))
+    done = {"conditions": [{"type": "Complete", "status": "True"}]}
+    batch.patch_namespaced_job_status(name, "default", {"status": done})
+    run.join(20)
+    (published,) = verdicts
+    assert zarrlake.Repository.open(repo.storage).lookup_branch("main") == published
+    # Without the service, the same client cannot run that check: refused, never passed.
+    alone = zarrlake.Repository.open(repo.storage)
+    with pytest.raises(zarrlake.CheckFailed, match="cannot run here: no check named 'units'"):
+        _commit(alone, "main", "K")

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -43,7 +44,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zarrlake.checks import Change, build, problems_of
-from zarrlake.errors import InvalidArgument, KubernetesError, ObjectNotFound
+from zarrlake.errors import (
+    CorruptObject,
+    InvalidArgument,
+    KubernetesError,
+    ObjectNotFound,
+    UnsupportedFormat,
+)
 from zarrlake.format.model import Snapshot, snapshot_key
 from zarrlake.governance import written_between
 from zarrlake.k8s import api_client, api_error_reason, current_namespace
@@ -75,7 +82,13 @@ ENV = (
     "ZARRLAKE_CHECK_PARENT",
     "ZARRLAKE_CHECK_SNAPSHOT",
     "ZARRLAKE_CHECK_SNAPSHOT_SHA256",
+    "ZARRLAKE_CHECK_PARENT_SHA256",
 )
+#: The timeouts of each API call (connect, read), so that a half-open connection cannot hold
+#: a check past its deadline.
+API_TIMEOUT = (5.0, 30.0)
+#: Transient answers (or none) tolerated in a row while a Job is followed.
+READ_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -104,21 +117,50 @@ def parse_jobs(text: str) -> dict[str, CheckJob]:
     for name, job in doc.items():
         if not isinstance(name, str) or not CHECK_NAME.fullmatch(name):
             raise InvalidArgument(f"check jobs: {name!r} is not a check name")
-        try:
-            assert job["kind"] == "Job"
-            meta, spec = job["metadata"], job["spec"]
-            assert isinstance(meta["generateName"], str) and meta["generateName"]
-            deadline = spec["activeDeadlineSeconds"]
-            assert isinstance(deadline, int) and deadline > 0
-            (container,) = spec["template"]["spec"]["containers"]
-            assert isinstance(container, dict)
-        except (AssertionError, KeyError, TypeError, ValueError):
+        if not _valid_template(job):
             raise InvalidArgument(
                 f"check jobs: {name!r} is not a Job with metadata.generateName, one container "
-                "and spec.activeDeadlineSeconds"
-            ) from None
+                "(env a list) and a whole spec.activeDeadlineSeconds"
+            )
         out[name] = CheckJob(name, job)
     return out
+
+
+def _valid_template(job: Any) -> bool:
+    """A Job the service can fill in: generateName, one container (its env a list of named
+    variables), a positive whole activeDeadlineSeconds, labels and annotations of strings."""
+    if not isinstance(job, dict) or job.get("kind") != "Job":
+        return False
+    meta, spec = job.get("metadata"), job.get("spec")
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        return False
+    if not isinstance(meta.get("generateName"), str) or not meta["generateName"]:
+        return False
+    for key in ("labels", "annotations"):
+        given = meta.get(key) or {}
+        if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+            return False
+    deadline = spec.get("activeDeadlineSeconds")
+    if isinstance(deadline, bool) or not isinstance(deadline, int) or deadline <= 0:
+        return False
+    template = spec.get("template")
+    pod = template.get("spec") if isinstance(template, dict) else None
+    containers = pod.get("containers") if isinstance(pod, dict) else None
+    if not isinstance(containers, list) or len(containers) != 1:
+        return False
+    (container,) = containers
+    if not isinstance(container, dict):
+        return False
+    env = container.get("env") or []
+    return isinstance(env, list) and all(isinstance(v, dict) and "name" in v for v in env)
+
+
+class _Run:
+    """One Job's run, which the callers asking for the same verdict wait for."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.problems: list[str] = []
 
 
 class JobChecks:
@@ -137,6 +179,10 @@ class JobChecks:
         self._namespace = namespace
         self._poll = poll
         self._api = api
+        # One Job per (check, change) at a time: a writer whose request timed out and came
+        # again waits for the verdict of the run already going, not a Job of its own.
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, ...], _Run] = {}
 
     def runs(self, name: str) -> bool:
         return name in self.jobs
@@ -151,10 +197,39 @@ class JobChecks:
 
     def run_job(self, name: str, options: Mapping[str, Any], change: Change) -> list[str]:
         job = self.jobs[name]
+        if not change.snapshot_sha256 or not change.parent_sha256:
+            # The Job reads both snapshots from storage, which a writer may overwrite: without
+            # the bytes' digests it could check other data than what would be published.
+            return ["could not run as a Job: no digest of the snapshots to hand it"]
+        key = (
+            name,
+            json.dumps(dict(options), sort_keys=True),
+            change.branch,
+            change.kind,
+            change.parent,
+            change.snapshot,
+            change.snapshot_sha256,
+            change.parent_sha256,
+        )
+        with self._lock:
+            run = self._running.get(key)
+            mine = run is None
+            if run is None:
+                run = self._running[key] = _Run()
+        if not mine:
+            run.done.wait()
+            return list(run.problems)
         try:
-            return self._run(job, options, change)
+            run.problems = self._run(job, options, change)
         except KubernetesError as e:
-            return [f"could not run as a Job: {e}"]
+            run.problems = [f"could not run as a Job: {e}"]
+        except Exception as e:  # a verdict for the waiters too, never a pass
+            run.problems = [f"could not run as a Job: {type(e).__name__}: {e}"]
+        finally:
+            with self._lock:
+                del self._running[key]
+            run.done.set()
+        return list(run.problems)
 
     def _run(self, job: CheckJob, options: Mapping[str, Any], change: Change) -> list[str]:
         from kubernetes.client.exceptions import ApiException
@@ -164,24 +239,31 @@ class JobChecks:
         body = _job_for(job, options, change)
         name = body["metadata"]["name"]
         namespace = body["metadata"].get("namespace") or namespace
-        api_errors = (ApiException, HTTPError, OSError)
+        api_errors = (ApiException, HTTPError, OSError, ValueError)
         try:
-            batch.create_namespaced_job(namespace, body)
+            batch.create_namespaced_job(namespace, body, _request_timeout=API_TIMEOUT)
         except api_errors as e:
-            raise KubernetesError(
-                f"cannot create Job {namespace}/{name}: {api_error_reason(e)}"
-            ) from None
+            said = api_error_reason(e)
+            raise KubernetesError(f"cannot create Job {namespace}/{name}: {said}") from None
         log.info("check %s of %s runs as Job %s/%s", job.name, change.snapshot, namespace, name)
         until = time.monotonic() + job.deadline + GRACE_S
         wait = min(self._poll, 0.2)
+        failures = 0
         while True:
             try:
-                found = batch.read_namespaced_job(name, namespace, _preload_content=False)
+                found = batch.read_namespaced_job(
+                    name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT
+                )
                 status = json.loads(found.data).get("status") or {}
+                failures = 0
             except api_errors as e:
-                raise KubernetesError(
-                    f"cannot read Job {namespace}/{name}: {api_error_reason(e)}"
-                ) from None
+                failures += 1
+                if failures > READ_RETRIES or getattr(e, "status", None) == 404:
+                    # No verdict will be read: the Job must not run on, for nobody.
+                    _delete(batch, name, namespace)
+                    said = api_error_reason(e)
+                    raise KubernetesError(f"cannot read Job {namespace}/{name}: {said}") from None
+                status = {}
             ended = _ended(status)
             if ended is not None:
                 break
@@ -232,6 +314,7 @@ def _job_for(job: CheckJob, options: Mapping[str, Any], change: Change) -> dict[
         "ZARRLAKE_CHECK_PARENT": change.parent,
         "ZARRLAKE_CHECK_SNAPSHOT": change.snapshot,
         "ZARRLAKE_CHECK_SNAPSHOT_SHA256": change.snapshot_sha256 or "",
+        "ZARRLAKE_CHECK_PARENT_SHA256": change.parent_sha256 or "",
     }
     env = [v for v in container.get("env") or [] if v.get("name") not in given]
     container["env"] = env + [{"name": k, "value": v} for k, v in given.items()]
@@ -254,7 +337,10 @@ def _termination_message(core: Any, job: str, namespace: str) -> str:
     """What the Job's pod said as it ended (its termination message), or ''."""
     try:
         pods = core.list_namespaced_pod(
-            namespace, label_selector=f"job-name={job}", _preload_content=False
+            namespace,
+            label_selector=f"job-name={job}",
+            _preload_content=False,
+            _request_timeout=API_TIMEOUT,
         )
         items = json.loads(pods.data).get("items") or []
     except Exception as e:  # the verdict stands; only its words are missing
@@ -272,7 +358,9 @@ def _termination_message(core: Any, job: str, namespace: str) -> str:
 
 def _delete(batch: Any, name: str, namespace: str) -> None:
     try:
-        batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        batch.delete_namespaced_job(
+            name, namespace, propagation_policy="Background", _request_timeout=API_TIMEOUT
+        )
     except Exception as e:  # it ends by its deadline or its time to live anyway
         log.warning("cannot delete Job %s/%s: %s", namespace, name, api_error_reason(e))
 
@@ -292,6 +380,7 @@ class Asked:
     parent: str
     snapshot: str
     snapshot_sha256: str | None = None
+    parent_sha256: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **given: Any) -> Asked:
@@ -321,7 +410,13 @@ class Asked:
                 var = f"ZARRLAKE_CHECK_{key.upper()}"
                 raise InvalidArgument(f"no {key} to check: give --{key} or set {var}")
         sha = value("snapshot_sha256", "ZARRLAKE_CHECK_SNAPSHOT_SHA256")
-        return cls(options=options, snapshot_sha256=sha, **fields)  # type: ignore[arg-type]
+        parent_sha = value("parent_sha256", "ZARRLAKE_CHECK_PARENT_SHA256")
+        return cls(
+            options=options,
+            snapshot_sha256=sha,
+            parent_sha256=parent_sha,
+            **fields,  # type: ignore[arg-type]
+        )
 
 
 def run_check(
@@ -332,17 +427,25 @@ def run_check(
     Raises :class:`InvalidArgument` for a check not installed here or options it refuses."""
     check, _ = build(asked.name, asked.options)
     objects = repo.core.objects
-    key = snapshot_key(asked.snapshot)
-    try:
-        data = repo.core.storage.get(key)
-    except ObjectNotFound:
-        return [f"snapshot {asked.snapshot} is not stored"]
-    if asked.snapshot_sha256 and hashlib.sha256(data).hexdigest() != asked.snapshot_sha256:
-        return [
-            f"snapshot {asked.snapshot} holds other bytes than the commit service read: it was "
-            "overwritten after it was written"
-        ]
-    objects.adopt_snapshot(asked.snapshot, data)  # what the check reads is what was hashed
+    for snapshot_id, digest in (
+        (asked.snapshot, asked.snapshot_sha256),
+        (asked.parent, asked.parent_sha256),
+    ):
+        try:
+            data = repo.core.storage.get(snapshot_key(snapshot_id))
+        except ObjectNotFound:
+            return [f"snapshot {snapshot_id} is not stored"]
+        if digest and hashlib.sha256(data).hexdigest() != digest:
+            return [
+                f"snapshot {snapshot_id} holds other bytes than the commit service read: it "
+                "was overwritten after it was written"
+            ]
+        try:
+            # What the check reads is what was hashed (the snapshot, and the parent it is
+            # compared with: a forged parent would hide the change).
+            objects.adopt_snapshot(snapshot_id, data)
+        except (CorruptObject, UnsupportedFormat) as e:
+            return [f"snapshot {snapshot_id} cannot be read: {e}"]
     built: Snapshot = objects.snapshot(asked.snapshot)
     parent = objects.snapshot(asked.parent)
     change = Change(

@@ -82,6 +82,7 @@ class Change:
         written: Callable[[], Iterable[str]],
         open_store: Callable[[str], Any],
         digest: str | None = None,
+        parent_digest: str | None = None,
     ) -> None:
         self.branch = branch
         self.kind = kind
@@ -92,6 +93,8 @@ class Change:
         #: SHA-256 of the snapshot's bytes as they will be published (a commit service's
         #: checks that run elsewhere read it again, and compare), or None.
         self.snapshot_sha256 = digest
+        #: The same of the parent's bytes, as its journal entry carries them (or None).
+        self.parent_sha256 = parent_digest
         self._before = parent
         self._after = built
         self._written = written

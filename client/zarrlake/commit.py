@@ -112,13 +112,22 @@ class CommitGuard(Protocol):
     ``admit``: before a commit does any work (``merge``: a merge commit; ``maintenance``: a
     commit that only moves bytes, as compaction's). ``verify``: with the new snapshot written
     but not yet published (its objects unreachable until the journal append names them): the
-    checks the branch requires, on exactly what would land, after any rebase. ``before_move``:
+    checks the branch requires, on exactly what would land, after any rebase (``encoded``,
+    ``parent_encoded``: the two snapshots' bytes as their entries carry them). ``before_move``:
     before a reset (``action`` "reset") or a delete ("delete")."""
 
     def admit(self, branch: str, *, merge: bool, maintenance: bool) -> None: ...
 
     def verify(
-        self, branch: str, parent: Snapshot, built: Snapshot, changeset: Changeset, *, merge: bool
+        self,
+        branch: str,
+        parent: Snapshot,
+        built: Snapshot,
+        changeset: Changeset,
+        *,
+        merge: bool,
+        encoded: bytes | None = None,
+        parent_encoded: bytes | None = None,
     ) -> None: ...
 
     def before_move(self, branch: str, action: str) -> None: ...
@@ -599,7 +608,7 @@ class CommitEngine:
         """
         policy = policy if policy is not None else SolverPolicy()
         meta = dict(metadata or {})
-        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None = None
+        verify: Callable[..., None] | None = None
         guard = self.guard
         if guard is not None:
             merge, maintenance = bool(extra_parents), policy.relocates
@@ -650,7 +659,7 @@ class CommitEngine:
         reshard: bool,
         prebuilt: ManifestUpdate | None,
         ready: Callable[[], None] | None = None,
-        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None = None,
+        verify: Callable[..., None] | None = None,
     ) -> str:
         """:meth:`commit` while holding the branch (``token``: the lock's fencing token; with
         ``refence``, a stale one is given back for a new one, else it is used as it is)."""
@@ -695,7 +704,7 @@ class CommitEngine:
         reshard: bool,
         prebuilt: ManifestUpdate | None,
         ready: Callable[[], None] | None,
-        verify: Callable[[Snapshot, Snapshot, Changeset], None] | None,
+        verify: Callable[..., None] | None,
     ) -> str:
         """The attempts of :meth:`_commit_holding`: each reads the head (or trusts the one this
         client knows), rebases on it if it moved, writes the commit's objects and appends; a lost
@@ -764,7 +773,13 @@ class CommitEngine:
                 ready()  # (an upload that fails here fails the commit: nothing named it yet)
             if verify is not None:
                 # The checks read what would land, uploads done; a refusal publishes nothing.
-                verify(parent, snap, changeset)
+                verify(
+                    parent,
+                    snap,
+                    changeset,
+                    encoded=built.encoded,
+                    parent_encoded=head_entry.snapshot_data,
+                )
             entry = JournalEntry(
                 head_entry.seq + 1,
                 snap.id,

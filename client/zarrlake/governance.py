@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import getpass
+import hashlib
 import logging
 import socket
 import threading
@@ -35,7 +36,7 @@ from zarrlake.errors import (
     ReadOnlyError,
 )
 from zarrlake.format import manifest
-from zarrlake.format.model import GOVERNANCE, REPO_KEY, RepoRecord, Snapshot
+from zarrlake.format.model import GOVERNANCE, REPO_KEY, RepoRecord, Snapshot, snapshot_key
 from zarrlake.objects import ObjectStore
 from zarrlake.refs import validate_name
 from zarrlake.rules import BranchRule, Protection
@@ -144,9 +145,37 @@ class Governance:
         )
 
     def verify(
-        self, branch: str, parent: Snapshot, built: Snapshot, changeset: Changeset, *, merge: bool
+        self,
+        branch: str,
+        parent: Snapshot,
+        built: Snapshot,
+        changeset: Changeset,
+        *,
+        merge: bool,
+        encoded: bytes | None = None,
+        parent_encoded: bytes | None = None,
     ) -> None:
-        self.check(branch, parent, built, functools.partial(_written, changeset), merge=merge)
+        """:meth:`check` for a commit or merge this client builds; ``encoded`` and
+        ``parent_encoded``: the two snapshots' bytes as their journal entries carry them, which
+        checks run as Jobs read again and compare (a commit service's merges)."""
+        digest = parent_digest = None
+        if self._jobs is not None:
+            digest = _sha256(encoded)
+            parent_digest = _sha256(parent_encoded) or self._stored_sha256(parent.id)
+        self.check(
+            branch,
+            parent,
+            built,
+            functools.partial(_written, changeset),
+            merge=merge,
+            digest=digest,
+            parent_digest=parent_digest,
+        )
+
+    def _stored_sha256(self, snapshot_id: str) -> str:
+        """The digest of a snapshot whose entry carries no bytes: as stored (readers of it read
+        the same object)."""
+        return hashlib.sha256(self._core.storage.get(snapshot_key(snapshot_id))).hexdigest()
 
     def check(
         self,
@@ -157,6 +186,7 @@ class Governance:
         *,
         merge: bool,
         digest: str | None = None,
+        parent_digest: str | None = None,
     ) -> None:
         """Run the checks ``branch``'s rule requires on ``built``, about to land on ``parent``
         (``written()``: the chunk keys it writes). The rule is read again here, just before the
@@ -171,7 +201,9 @@ class Governance:
             # (some of them perhaps as Jobs this client could not run): not twice.
             return
         kind = "merge" if merge else "commit"
-        change = Change(branch, kind, parent, built, written, self._open_store, digest)
+        change = Change(
+            branch, kind, parent, built, written, self._open_store, digest, parent_digest
+        )
         run(rule, change, self._runner, self._jobs)
 
     def before_move(self, branch: str, action: str) -> None:
@@ -267,3 +299,7 @@ def rule_from_arguments(
     return BranchRule(
         require_merge, allow_delete, allow_reset, tuple(required_checks), check_options
     )
+
+
+def _sha256(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.sha256(data).hexdigest()

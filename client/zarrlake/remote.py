@@ -68,7 +68,13 @@ class ServiceUnavailable(ZarrlakeError):
 class ServiceClient:
     """Sends ref changes to the commit service at ``url`` with ``token``."""
 
-    def __init__(self, url: str, token: str | None, *, timeout_s: float = 120.0) -> None:
+    #: How long one request may wait for the service's answer: longer than a check run as a
+    #: Job may take by default (600 s, and the 30 s the service waits past it), so that a
+    #: writer does not give up on a commit that is still being checked. (A request sent
+    #: again while its check runs waits for the same check: the service runs it once.)
+    TIMEOUT_S = 660.0
+
+    def __init__(self, url: str, token: str | None, *, timeout_s: float = TIMEOUT_S) -> None:
         if not url.startswith(("http://", "https://")):
             raise InvalidArgument(f"a commit service URL starts with http(s)://, not {url!r}")
         self.url = url.rstrip("/")

@@ -196,8 +196,8 @@ class CommitService:
                 gov.before_move(branch, kind)
             else:
                 gov.admit(branch, merge=False, maintenance=False)  # a writer's merges too
-                assert current is not None and stored is not None
-                self._check(branch, current, stored, kind)
+                assert head is not None and stored is not None
+                self._check(branch, head, stored, kind)
         if stored is not None:
             # What was checked is what readers get: the snapshot's bytes travel in the entry
             # (and the root), so a writer that overwrites snapshots/<id> afterwards changes
@@ -261,13 +261,25 @@ class CommitService:
             return ("merge" if len(snap.parents) > 1 else "commit"), stored
         return "reset", stored
 
-    def _check(self, branch: str, parent_id: str, stored: _Stored, kind: str) -> None:
-        objects = self.repo.core.objects
-        parent, built = objects.snapshot(parent_id), stored.snapshot
-        written = functools.partial(written_between, objects, parent, built)
-        digest = hashlib.sha256(stored.encoded).hexdigest()
-        gov = self.repo.governance
-        gov.check(branch, parent, built, written, merge=kind == "merge", digest=digest)
+    def _check(self, branch: str, head: JournalEntry, stored: _Stored, kind: str) -> None:
+        core = self.repo.core
+        assert head.snapshot is not None
+        parent, built = core.objects.snapshot(head.snapshot), stored.snapshot
+        written = functools.partial(written_between, core.objects, parent, built)
+        # What checks run elsewhere (Jobs) read again and compare: both snapshots' bytes, the
+        # parent's as its entry carries them (what readers of it get), else as stored.
+        carried = head.snapshot_data
+        if carried is None:
+            carried = core.storage.get(snapshot_key(head.snapshot))
+        self.repo.governance.check(
+            branch,
+            parent,
+            built,
+            written,
+            merge=kind == "merge",
+            digest=hashlib.sha256(stored.encoded).hexdigest(),
+            parent_digest=hashlib.sha256(carried).hexdigest(),
+        )
 
     # -- merges and tags ---------------------------------------------------------------------------
 

@@ -2126,13 +2126,14 @@ def commit_service_rbac(body: Mapping[str, Any], spec: RepositorySpec) -> list[d
     """When the service uses the API, a Role in its namespace bound to its ServiceAccount (made
     too, unless the spec names one): to run checks as Jobs, create them, follow them and read
     their pods' termination messages; to tell of refusals, post Events (and count repeats).
-    Nothing else: not Secrets, not other kinds."""
+    Nothing else is granted; but creating Jobs is creating pods, which may run as any
+    ServiceAccount and mount any Secret of the namespace (docs/design/governance.md)."""
     service = spec.commit_service
     rules: list[dict[str, Any]] = []
     if service.checks:
         rules += [
             {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
         ]
     if service.events:
         rules.append({"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]})
@@ -2199,6 +2200,11 @@ def check_job_templates(
             container["resources"] = check.resources.to_k8s()
         meta = owned_metadata(body, "", job_labels)
         del meta["name"]
+        # Without blockOwnerDeletion: setting it needs update on repositories/finalizers (the
+        # OwnerReferencesPermissionEnforcement admission plugin), which the service lacks.
+        meta["ownerReferences"] = [
+            {**ref, "blockOwnerDeletion": False} for ref in meta["ownerReferences"]
+        ]
         prefix = child_name(
             name, f"{CHECK_COMPONENT}-{_short(check.name)}", CHECK_JOB_PREFIX_MAX - 1
         )
@@ -2232,12 +2238,13 @@ def check_job_templates(
 
 def _short(check: str) -> str:
     """A check's name as part of a Job's: a DNS label of at most 20 characters (a stable hash
-    where it is longer or has dots)."""
-    label = check.replace(".", "-")
+    where it is longer or has characters a label may not: dots, underscores, capitals)."""
+    label = re.sub(r"[^a-z0-9-]", "-", check).strip("-")
     if label == check and len(label) <= 20:
         return label
     digest = hashlib.sha256(check.encode()).hexdigest()[:8]
-    return f"{label[:11].rstrip('-')}-{digest}"
+    head = label[:11].strip("-")
+    return f"{head}-{digest}" if head else digest
 
 
 def commit_service_service(body: Mapping[str, Any], spec: RepositorySpec) -> dict[str, Any]:

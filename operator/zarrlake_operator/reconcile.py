@@ -1151,8 +1151,12 @@ def _commit_service(
         if action != "unchanged":
             kind = obj["kind"]
             _event(body, f"CommitService{action.capitalize()}", f"{action} commit service {kind}")
-    if not rbac and not resync:
-        _remove_check_rbac(body, names)
+    if not resync:
+        if not rbac:
+            _remove_check_rbac(body, names)
+        elif not any(obj["kind"] == "ServiceAccount" for obj in rbac):
+            # It runs as one the spec names now: the one the operator made goes.
+            _remove_check_rbac(body, names, kinds=("ServiceAccount",))
     deployment = _apply_server(
         body,
         desired.commit_service_deployment(body, spec, url, defaults),
@@ -1186,11 +1190,13 @@ def _commit_service(
 CHECK_RBAC_KINDS = ("RoleBinding", "Role", "ServiceAccount")
 
 
-def _remove_check_rbac(body: Mapping[str, Any], names: str) -> None:
-    """Take away what let the commit service run checks as Jobs, once it runs none (or none
-    runs): the operator's own objects only (by label), by name."""
+def _remove_check_rbac(
+    body: Mapping[str, Any], names: str, kinds: tuple[str, ...] = CHECK_RBAC_KINDS
+) -> None:
+    """Take away what let the commit service use the API (checks as Jobs, Events), once it
+    needs none (or none runs): the operator's own objects only (by label), by name."""
     ns = body["metadata"]["namespace"]
-    for kind in _remove_managed(ns, names, CHECK_RBAC_KINDS):
+    for kind in _remove_managed(ns, names, kinds):
         _event(body, "CommitServiceDeleted", f"deleted commit service {kind}")
 
 

@@ -6,6 +6,7 @@ Repository declares are the service's."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -13,6 +14,7 @@ import zarr
 from k8s_env import Env, condition, wait_for
 
 import zarrlake
+from zarrlake.format.model import snapshot_key
 
 WRITER = "writer-token-for-operator-tests"
 
@@ -162,7 +164,7 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     role = k8s.get("Role", "zl-repo-commit")
     assert role["rules"] == [
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     ]
     binding = k8s.get("RoleBinding", "zl-repo-commit")
@@ -198,6 +200,12 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     }
     assert env["ZARRLAKE_CHECK_BRANCH"] == "main" and env["ZARRLAKE_CHECK_KIND"] == "merge"
     assert env["ZARRLAKE_CHECK_PARENT"] == head
+    # The merge the service made: the Job is handed the digests of both snapshots as the
+    # service holds them, and compares what it reads from storage with them.
+    stored = k8s.open_repository().storage
+    for var, snapshot in (("SNAPSHOT", env["ZARRLAKE_CHECK_SNAPSHOT"]), ("PARENT", head)):
+        digest = hashlib.sha256(stored.get(snapshot_key(snapshot))).hexdigest()
+        assert env[f"ZARRLAKE_CHECK_{var}_SHA256"] == digest, var
     kube.delete("Job", k8s.namespace, kept["metadata"]["name"])
     # The refusal as a Warning Event about the Repository, naming who was refused what.
     event = wait_for(

@@ -570,6 +570,19 @@ def test_checks_as_jobs_are_valid_jobs_with_credentials_by_reference_only() -> N
     default = templates["cf-units"]["spec"]["template"]["spec"]["containers"][0]
     assert default["command"] == ["zarrlake", "check", URL]
     assert templates[long]["spec"]["activeDeadlineSeconds"] == 9
+    # Check names may hold what a Job's name may not (underscores, dots): a stable hash then.
+    odd = commit_body([{"name": n, "image": "c:1"} for n in ("cf_units", "cf.units", "x_")])
+    odd_spec = RepositorySpec.model_validate(odd["spec"])
+    prefixes = [
+        t["metadata"]["generateName"]
+        for t in desired.check_job_templates(odd, odd_spec, URL).values()
+    ]
+    assert len(set(prefixes)) == 3
+    for prefix in prefixes:
+        assert DNS_1035_LABEL.match(prefix + "0" * 8), prefix
+    # No blockOwnerDeletion: it needs rights on repositories/finalizers the service lacks.
+    (owner,) = templates["cf-units"]["metadata"]["ownerReferences"]
+    assert owner["blockOwnerDeletion"] is False
     assert templates["cf-units"]["spec"]["activeDeadlineSeconds"] == 600
     # What the service reads back is what the operator wrote.
     deployment = desired.commit_service_deployment(b, spec, URL)
