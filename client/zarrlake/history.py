@@ -340,16 +340,25 @@ class CommitRecords:
         take = 0 if expiry_only else len(self._pending) if at_most is None else max(at_most, 0)
         digests, self._pending = self._pending[:take], self._pending[take:]
         expired: frozenset[str] = frozenset()
-
-        def step(i: int) -> tuple[str, ...] | None:
-            nonlocal expired
-            if i == len(digests):
-                assert marks is not None
+        if all(d in self._carried for d in digests):
+            # Nothing to read (the root carried every page; the marks are at hand or already
+            # on their way): decoded here, without a hand-off to the pool's threads, which a
+            # fresh client would start for it.
+            olders = [self._page(d) for d in digests]
+            if marks is not None:
                 expired = marks()
-                return None
-            return self._page(digests[i])
+        else:
 
-        olders = self.objects.storage.map_reads(step, range(len(digests) + (marks is not None)))
+            def step(i: int) -> tuple[str, ...] | None:
+                nonlocal expired
+                if i == len(digests):
+                    assert marks is not None
+                    expired = marks()
+                    return None
+                return self._page(digests[i])
+
+            steps = range(len(digests) + (marks is not None))
+            olders = self.objects.storage.map_reads(step, steps)
         for older in olders:
             if older is not None:
                 self._queue(older)
