@@ -122,6 +122,7 @@ class RepositoryCore:
             guard=guard,
             published=published,
             pages=objects.written_page,
+            vouch=objects.vouch_snapshot,
         )
         tags = Tags(storage, root=root, guard=guard, published=published)
         # A mirror's expiry records are its source's, replicated: not what its own root holds.

@@ -161,7 +161,7 @@ class Governance:
         digest = parent_digest = None
         if self._jobs is not None:
             digest = _sha256(encoded)
-            parent_digest = _sha256(parent_encoded) or self._stored_sha256(parent.id)
+            parent_digest = _sha256(parent_encoded) or self._vouched_sha256(branch, parent.id)
         self.check(
             branch,
             parent,
@@ -172,9 +172,12 @@ class Governance:
             parent_digest=parent_digest,
         )
 
-    def _stored_sha256(self, snapshot_id: str) -> str:
-        """The digest of a snapshot whose entry carries no bytes: as stored (readers of it read
-        the same object)."""
+    def _vouched_sha256(self, branch: str, snapshot_id: str) -> str:
+        """The digest of a snapshot whose entry carries no bytes: the one the head entry vouches
+        for, else (an entry from before digests) of its bytes as stored."""
+        head = self._core.journal.published_head(branch)
+        if head is not None and head.snapshot == snapshot_id and head.snapshot_sha256:
+            return head.snapshot_sha256
         return hashlib.sha256(self._core.storage.get(snapshot_key(snapshot_id))).hexdigest()
 
     def check(

@@ -6,6 +6,7 @@ Snapshots, shards and txlogs are immutable, so they are cached freely by id or d
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import weakref
@@ -169,6 +170,9 @@ class ObjectStore:
         #: Pack writers of this process's sessions, by the id of a pack they hold unwritten.
         self._staged: weakref.WeakValueDictionary[str, StagedPacks] = weakref.WeakValueDictionary()
         self._snapshots: LRU[str, Snapshot] = LRU(512)
+        #: Snapshot id -> the SHA-256 its branch's journal entry vouches for (snapshots too
+        #: large for the entry to carry): a read of ``snapshots/<id>`` must match it.
+        self._vouched: LRU[str, str] = LRU(4096)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
         self._pages: LRU[str, HistoryPage] = LRU(1024)
@@ -245,11 +249,30 @@ class ObjectStore:
 
     def snapshot(self, snapshot_id: str) -> Snapshot:
         snap = self._cached(
-            self._snapshots, snapshot_key(snapshot_id), snapshot_id, Snapshot.decode, "snapshot"
+            self._snapshots,
+            snapshot_key(snapshot_id),
+            snapshot_id,
+            partial(self._decode_snapshot, snapshot_id),
+            "snapshot",
         )
         if snap.id != snapshot_id:
             raise CorruptObject(snapshot_key(snapshot_id), f"holds snapshot {snap.id}")
         return snap
+
+    def _decode_snapshot(self, snapshot_id: str, data: bytes, key: str) -> Snapshot:
+        vouched = self._vouched.get(snapshot_id)
+        if vouched is not None and hashlib.sha256(data).hexdigest() != vouched:
+            raise CorruptObject(
+                key,
+                "holds other bytes than its branch's journal entry vouches for: it was "
+                "overwritten after it was published",
+            )
+        return Snapshot.decode(data, key)
+
+    def vouch_snapshot(self, snapshot_id: str, sha256: str) -> None:
+        """From now on a read of snapshot ``snapshot_id`` must give bytes of digest ``sha256``
+        (its journal entry's ``snapshot_sha256``) or raise :class:`CorruptObject`."""
+        self._vouched.put(snapshot_id, sha256)
 
     def adopt_snapshot(self, snapshot_id: str, data: bytes) -> None:
         """Cache snapshot ``snapshot_id`` from ``data``, its encoded object as a branch's journal

@@ -212,8 +212,12 @@ class BranchJournal:
         guard: str | None = None,
         published: PublishedRoot | None = None,
         pages: Callable[[str], bytes | None] | None = None,
+        vouch: Callable[[str, str], None] | None = None,
     ) -> None:
         self.storage = storage
+        # Where a head entry's digest of a snapshot too large to carry goes (the object
+        # store's), so that a read of that snapshot is checked against it.
+        self._vouch = vouch
         # History pages this client sealed, by digest (the object store's): what the published
         # root carries of ``main``'s history comes from them.
         self._pages = pages
@@ -254,6 +258,7 @@ class BranchJournal:
             "guard": self.guard,
             "published": self.published,
             "pages": self._pages,
+            "vouch": self._vouch,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -264,6 +269,7 @@ class BranchJournal:
             guard=state.get("guard"),
             published=state.get("published"),
             pages=state.get("pages"),
+            vouch=state.get("vouch"),
         )
 
     def entry_key(self, name: str, seq: int) -> str:
@@ -289,6 +295,8 @@ class BranchJournal:
         self._known[name] = (entry, at, data)
         if self._adopt is not None and entry.snapshot and entry.snapshot_data is not None:
             self._adopt(entry.snapshot, entry.snapshot_data)
+        elif self._vouch is not None and entry.snapshot and entry.snapshot_sha256 is not None:
+            self._vouch(entry.snapshot, entry.snapshot_sha256)
 
     def confirms(self, name: str, data: bytes | None, entry: JournalEntry) -> bool:
         """Whether ``data``, read from the key of ``entry``, is ``entry`` itself: the same

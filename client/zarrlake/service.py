@@ -200,8 +200,9 @@ class CommitService:
                 self._check(branch, head, stored, kind)
         if stored is not None:
             # What was checked is what readers get: the snapshot's bytes travel in the entry
-            # (and the root), so a writer that overwrites snapshots/<id> afterwards changes
-            # nothing a reader of the head sees.
+            # (and the root), or, too large to, their digest, which readers compare with what
+            # they read: a writer that overwrites snapshots/<id> afterwards changes nothing a
+            # reader of the head is shown.
             entry = dataclasses.replace(entry, snapshot_data=stored.encoded)
         by = self._by(caller, client)
         published = journal.append(branch, dataclasses.replace(entry, by=by))
@@ -239,14 +240,13 @@ class CommitService:
                 f"entry {entry.seq} of {branch!r} carries other bytes than snapshot "
                 f"{entry.snapshot} holds"
             )
-        if len(data) > JournalEntry.CARRY_MAX_BYTES:
-            # Too big to travel in the entry: readers would read snapshots/<id>, which a writer
-            # can overwrite where the provider cannot make it create-only. Refused rather than
-            # published on trust (docs/design/governance.md).
+        if (
+            entry.snapshot_sha256 is not None
+            and hashlib.sha256(data).hexdigest() != entry.snapshot_sha256
+        ):
             raise InvalidArgument(
-                f"snapshot {entry.snapshot} is {len(data)} bytes, more than a journal entry "
-                f"carries ({JournalEntry.CARRY_MAX_BYTES}): the commit service cannot vouch "
-                "for it yet"
+                f"entry {entry.seq} of {branch!r} vouches for other bytes than snapshot "
+                f"{entry.snapshot} holds"
             )
         try:
             snap = Snapshot.decode(data, key)
@@ -266,11 +266,16 @@ class CommitService:
         assert head.snapshot is not None
         parent, built = core.objects.snapshot(head.snapshot), stored.snapshot
         written = functools.partial(written_between, core.objects, parent, built)
-        # What checks run elsewhere (Jobs) read again and compare: both snapshots' bytes, the
-        # parent's as its entry carries them (what readers of it get), else as stored.
-        carried = head.snapshot_data
-        if carried is None:
-            carried = core.storage.get(snapshot_key(head.snapshot))
+        # What checks run elsewhere (Jobs) read again and compare: both snapshots' digests, the
+        # parent's as its entry carries it or vouches for it (what readers of it get), else
+        # (an entry from before either) of its bytes as stored.
+        if head.snapshot_data is not None:
+            parent_digest = hashlib.sha256(head.snapshot_data).hexdigest()
+        elif head.snapshot_sha256 is not None:
+            parent_digest = head.snapshot_sha256
+        else:
+            stored_parent = core.storage.get(snapshot_key(head.snapshot))
+            parent_digest = hashlib.sha256(stored_parent).hexdigest()
         self.repo.governance.check(
             branch,
             parent,
@@ -278,7 +283,7 @@ class CommitService:
             written,
             merge=kind == "merge",
             digest=hashlib.sha256(stored.encoded).hexdigest(),
-            parent_digest=hashlib.sha256(carried).hexdigest(),
+            parent_digest=parent_digest,
         )
 
     # -- merges and tags ---------------------------------------------------------------------------

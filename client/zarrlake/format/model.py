@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
+import hashlib
 import itertools
 import re
 from collections.abc import Sequence
@@ -907,6 +908,12 @@ class JournalEntry:
     ``by``: who made the move, as a commit service recorded it (``identity`` its token names,
     ``role``, ``service`` and ``client`` versions); None where a client wrote the entry itself
     (its commit's ``author`` is then the only word, and a free one).
+
+    ``snapshot_sha256``: of a snapshot too large to carry, the SHA-256 of its encoded bytes,
+    which readers compare with what they read from ``snapshots/<id>`` (an object a writer
+    with the immutable objects' credentials could overwrite where the provider cannot make it
+    create-only). Written for every entry given ``snapshot_data`` too large to carry; None in
+    entries that carry their snapshot, and in entries from before it was written.
     """
 
     seq: int
@@ -918,6 +925,7 @@ class JournalEntry:
     snapshot_data: bytes | None = field(default=None, compare=False, repr=False)
     fence: int | None = None
     by: dict[str, str] | None = field(default=None, compare=False)
+    snapshot_sha256: str | None = field(default=None, compare=False)
 
     @property
     def highest_token(self) -> int | None:
@@ -942,6 +950,10 @@ class JournalEntry:
             body["fence"] = self.fence
         if self.snapshot_data is not None and len(self.snapshot_data) <= self.CARRY_MAX_BYTES:
             body["snap"] = self.snapshot_data
+        elif self.snapshot_data is not None:
+            body["snap256"] = hashlib.sha256(self.snapshot_data).hexdigest()
+        elif self.snapshot_sha256 is not None:
+            body["snap256"] = self.snapshot_sha256
         if self.by is not None:
             body["by"] = self.by
         return encode(ObjectType.BRANCH_ENTRY, body)
@@ -962,7 +974,19 @@ class JournalEntry:
             snapshot_data=_opt(obj.get("snap"), bytes, key, "snap"),
             fence=_opt(obj.get("fence"), int, key, "fence"),
             by=_by(obj.get("by"), key),
+            snapshot_sha256=_sha256_hex(obj.get("snap256"), key),
         )
+
+
+def _sha256_hex(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
+        raise CorruptObject(key, "snap256 is not a SHA-256 digest")
+    return value
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)

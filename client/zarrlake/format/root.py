@@ -27,6 +27,7 @@ what is left: tables of many thousands of refs still live inline.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -453,7 +454,12 @@ def _without_snapshot(name: str, head: BranchHead) -> bytes:
 @functools.lru_cache(maxsize=16384)
 def _stripped(entry: bytes) -> bytes:
     # Cached: the heads that stay over the budget are the same entries publish after publish.
-    return replace(JournalEntry.decode(entry, "<root head>"), snapshot_data=None).encode()
+    # The snapshot's digest stays in its place, for readers to check what they read instead.
+    decoded = JournalEntry.decode(entry, "<root head>")
+    digest = decoded.snapshot_sha256
+    if digest is None and decoded.snapshot_data is not None:
+        digest = hashlib.sha256(decoded.snapshot_data).hexdigest()
+    return replace(decoded, snapshot_data=None, snapshot_sha256=digest).encode()
 
 
 Lineage = tuple[tuple[str, AncestorRecord], ...]

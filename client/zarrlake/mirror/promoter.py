@@ -577,10 +577,19 @@ class Mirror:
             return False
         seq = 0 if dest_entry is None else dest_entry.seq + 1
         previous = None if dest_entry is None else dest_entry.snapshot
-        carried = None
+        carried = digest = None
         if source_entry is not None and source_entry.snapshot == snapshot:
-            carried = source_entry.snapshot_data
-        new = JournalEntry(seq, snapshot, previous, _now(), self._writer, source_seq, carried)
+            carried, digest = source_entry.snapshot_data, source_entry.snapshot_sha256
+        new = JournalEntry(
+            seq,
+            snapshot,
+            previous,
+            _now(),
+            self._writer,
+            source_seq,
+            carried,
+            snapshot_sha256=digest,
+        )
         if not journal.append(name, new):
             # Another promoter moved it since we read it: the next pass looks again.
             raise _Raced(f"branch {name} moved at the destination while promoting; retrying")
