@@ -204,7 +204,6 @@ def test_the_service_refuses_bad_check_jobs_in_one_line(
     assert got.err.startswith("zarrlake: error: ZARRLAKE_CHECK_JOBS: check jobs are not JSON")
 
 
-
 # -- the service's side of a Job, against a real API server (no kubelet: nothing runs them) ----
 
 

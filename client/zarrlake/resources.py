@@ -658,6 +658,22 @@ class CommitServiceSpec(ResourceModel):
         "as Jobs nor events, no API token is mounted (else the operator makes one, "
         "zl-<name>-commit, and binds the Role they need to whichever it runs as).",
     )
+    provision_credentials: bool = Field(
+        default=False,
+        alias="provisionCredentials",
+        description="s3: make an IAM user per role through the provider's IAM API, with the "
+        "Repository's own credentials (which must manage IAM users): writer (reads the "
+        "repository, writes only chunks/, packs/, manifests/, snapshots/, txlogs/, history/; "
+        "create-only on AWS) and reader (reads only), their keys in the Secrets "
+        "zl-<name>-writer-credentials and zl-<name>-reader-credentials; removed when turned "
+        "off or the Repository goes. status.commitService.writerCredentials says how it went.",
+    )
+    iam_endpoint_url: EndpointURL | None = Field(
+        default=None,
+        alias="iamEndpointUrl",
+        description="IAM API for provisionCredentials (default: storage.endpointUrl, where an "
+        "S3-compatible server such as SeaweedFS serves it, else AWS's).",
+    )
     events: bool = Field(
         default=True,
         description="Post a Warning Event about this Repository for each change the service "

@@ -2103,6 +2103,38 @@ def commit_service_deployment(
     )
 
 
+CREDENTIALS_COMPONENT = "credentials"
+
+
+def role_credentials_secret_name(repository: str, role: str) -> str:
+    """The Secret holding the key the operator made for ``role`` (provisionCredentials)."""
+    return child_name(repository, f"{role}-credentials")
+
+
+def role_credentials_secret(
+    body: Mapping[str, Any], role: str, access_key_id: str, secret_access_key: str, user: str
+) -> dict[str, Any]:
+    """A ``role``'s key as a credentials Secret (the keys ``storage.credentialsSecret``
+    reads by default, so a pod can take it with ``envFrom``), owned by the Repository."""
+    name = body["metadata"]["name"]
+    meta = owned_metadata(
+        body,
+        role_credentials_secret_name(name, role),
+        labels(name, CREDENTIALS_COMPONENT) | {REPOSITORY_LABEL: name},
+    )
+    meta["annotations"] = {"zarrlake.io/iam-user": user, "zarrlake.io/role": role}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {
+            "AWS_ACCESS_KEY_ID": access_key_id,
+            "AWS_SECRET_ACCESS_KEY": secret_access_key,
+        },
+    }
+
+
 #: A check Job's name: its generateName (this long at most) and 8 characters of its own.
 CHECK_JOB_PREFIX_MAX = DNS_NAME_MAX - 8
 CHECK_COMPONENT = "check"

@@ -62,7 +62,7 @@ from zarrlake.resources import (
     TagStatus,
     problems,
 )
-from zarrlake_operator import buckets, desired, kube, metrics
+from zarrlake_operator import buckets, credentials, desired, kube, metrics
 
 MAIN = "main"
 
@@ -1140,6 +1140,7 @@ def _commit_service(
         _remove_server(body, names, had, "CommitService", "commit service", resync=resync)
         if not resync:
             _remove_check_rbac(body, names)
+            _remove_role_credentials(body)
         return None
     if url is None:
         message = "waiting for the repository: the commit service starts once it is initialized"
@@ -1179,10 +1180,16 @@ def _commit_service(
             found = None
         if found is None:
             state = desired.ServeState(False, "SecretNotFound", missing, state.ready_replicas)
+    if service.provision_credentials:
+        said = _role_credentials(body, spec, resync=resync)
+    else:
+        said = _writer_credentials(spec)
+        if not resync:
+            _remove_role_credentials(body)
     fields = CommitServiceStatus(
         url=desired.commit_service_url(name, ns, service.port),
         readyReplicas=state.ready_replicas,
-        writerCredentials=_writer_credentials(spec),
+        writerCredentials=said,
     )
     return Committing(state, fields)
 
@@ -1200,11 +1207,120 @@ def _remove_check_rbac(
         _event(body, "CommitServiceDeleted", f"deleted commit service {kind}")
 
 
+def _role_user(body: Mapping[str, Any], role: str) -> str:
+    meta = body["metadata"]
+    return credentials.user_name(meta["namespace"], meta["name"], meta["uid"], role)
+
+
+def _role_credentials(body: Mapping[str, Any], spec: RepositorySpec, *, resync: bool) -> str:
+    """``provisionCredentials``: an IAM user and key per role, the key in its Secret (made
+    again only when the Secret is missing or names a key the user lost); returns what
+    ``status.commitService.writerCredentials`` says. A resync whose Secrets are there asks
+    the IAM API nothing."""
+    ns, name, _ = _meta(body)
+    if spec.storage.provider != "s3":
+        return (
+            f"not provisioned: provisionCredentials needs an IAM API (s3); on "
+            f"{spec.storage.provider}, give writers {_how(spec)}"
+        )
+    read = kube.secrets(ns, kept=resync)
+    try:
+        held = {
+            role: read(desired.role_credentials_secret_name(name, role))
+            for role in credentials.ROLES
+        }
+        if not (resync and all(held.values())):
+            conn = _connection(body, require_ready=False)
+            iam = credentials.iam_client(conn, spec.commit_service.iam_endpoint_url)
+            aws = not (spec.commit_service.iam_endpoint_url or conn.endpoint_url)
+            for role in credentials.ROLES:
+                _provision_role(body, iam, conn, role, held[role], aws=aws)
+    except (credentials.ProvisionFailed, KubernetesError) as e:
+        if not resync:
+            _event(body, "CredentialsFailed", str(e), warning=True)
+        return f"not provisioned: {e}"
+    writer = desired.role_credentials_secret_name(name, "writer")
+    reader = desired.role_credentials_secret_name(name, "reader")
+    kinds = ", ".join(f"{k}/" for k in credentials.IMMUTABLE_KINDS)
+    return (
+        f"provisioned: writers use Secret {writer} (IAM user {_role_user(body, 'writer')}: "
+        f"reads the repository, writes only {kinds}), readers Secret {reader} (reads only)"
+    )
+
+
+def _provision_role(
+    body: Mapping[str, Any],
+    iam: Any,
+    conn: Connection,
+    role: str,
+    held: Mapping[str, str] | None,
+    *,
+    aws: bool,
+) -> None:
+    ns, name, _ = _meta(body)
+    user = _role_user(body, role)
+    document = credentials.policy(role, conn.bucket, conn.prefix, aws=aws)
+    keep = (held or {}).get("AWS_ACCESS_KEY_ID")
+    keys = credentials.ensure_user(iam, user, document, keep)
+    if keys is None:
+        return
+    secret_name = desired.role_credentials_secret_name(name, role)
+    if held is not None:
+        kube.delete("Secret", ns, secret_name)  # it names a key the user no longer has
+    kube.create(
+        desired.role_credentials_secret(
+            body, role, keys.access_key_id, keys.secret_access_key, user
+        )
+    )
+    _event(body, "CredentialsProvisioned", f"{role} key of IAM user {user} in Secret {secret_name}")
+
+
+def _remove_role_credentials(body: Mapping[str, Any], *, always: bool = False) -> None:
+    """Take away the IAM users and Secrets provisionCredentials made, once it is off (or the
+    commit service is, or the Repository goes: ``always``, whether or not its Secrets are
+    there). Failures are Warning Events: the users can be removed by hand."""
+    ns, name, _ = _meta(body)
+    secrets_held = [
+        role
+        for role in credentials.ROLES
+        if _ours(kube.get("Secret", ns, desired.role_credentials_secret_name(name, role)))
+    ]
+    if not secrets_held and not always:
+        return
+    try:
+        conn = _connection(body, require_ready=False)
+        spec = RepositorySpec.model_validate(body.get("spec") or {})
+        iam = credentials.iam_client(conn, spec.commit_service.iam_endpoint_url)
+        for role in credentials.ROLES:
+            if credentials.remove_user(iam, _role_user(body, role)):
+                _event(body, "CredentialsDeleted", f"deleted IAM user {_role_user(body, role)}")
+    except (credentials.ProvisionFailed, KubernetesError, ValidationError) as e:
+        _event(body, "CredentialsFailed", f"could not remove IAM users: {e}", warning=True)
+        return
+    for role in secrets_held:
+        kube.delete("Secret", ns, desired.role_credentials_secret_name(name, role))
+
+
+def _ours(obj: Mapping[str, Any] | None) -> bool:
+    labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+    return labels.get("app.kubernetes.io/managed-by") == desired.MANAGED_BY
+
+
 def _writer_credentials(spec: RepositorySpec) -> str:
     """What ``status.commitService.writerCredentials`` says: the operator does not make
     per-role credentials on any provider yet, so the rules hold against a client that skips
     them only where writers are given credentials that cannot write refs."""
-    how = {
+    return (
+        f"not provisioned: the operator makes none on {spec.storage.provider} "
+        f"(spec.commitService.provisionCredentials: s3); give writers {_how(spec)}. Until then "
+        "a client holding the repository's own credentials can move refs past the service "
+        "(docs/design/governance.md)"
+    )
+
+
+def _how(spec: RepositorySpec) -> str:
+    """What writers' credentials must allow, on the Repository's provider."""
+    return {
         "s3": "an IAM policy (or, on SeaweedFS, an identity) allowing writes only under the "
         "immutable prefixes (chunks/, packs/, manifests/, snapshots/, txlogs/, history/), "
         "with s3:if-none-match",
@@ -1212,11 +1328,6 @@ def _writer_credentials(spec: RepositorySpec) -> str:
         "(an IAM condition on resource.name)",
         "azure": "a SAS limited to create on blobs under those prefixes",
     }.get(spec.storage.provider, "credentials that cannot write refs/ or root")
-    return (
-        f"not provisioned: the operator makes none on {spec.storage.provider}; give writers "
-        f"{how}. Until then a client holding the repository's own credentials can move refs "
-        "past the service (docs/design/governance.md)"
-    )
 
 
 def _serve_secret_missing(ns: str, serve: ServeSpec, *, resync: bool) -> str | None:
@@ -1249,6 +1360,9 @@ def delete_repository(body: Mapping[str, Any]) -> str:
         spec = RepositorySpec.model_validate(body.get("spec") or {})
     except ValidationError as e:  # the API server would not have stored it: keep the data
         return f"Retain: the spec does not parse ({problems(e, prefix='spec.')}); data retained"
+    if spec.commit_service.provision_credentials:
+        # Whatever becomes of the data, keys to it must not outlive the resource.
+        _remove_role_credentials(body, always=True)
     if spec.reclaim_policy != "Delete":
         return "Retain: the repository's data stays in the bucket"
     status = observed(RepositoryStatus, body)

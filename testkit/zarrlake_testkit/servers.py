@@ -271,10 +271,15 @@ SEAWEEDFS_LISTENERS = ("master", "volume", "filer", "s3")
 
 
 def seaweedfs_command(
-    ports: dict[str, int], workdir: str | os.PathLike[str], s3_config: str | os.PathLike[str]
+    ports: dict[str, int],
+    workdir: str | os.PathLike[str],
+    s3_config: str | os.PathLike[str],
+    *,
+    iam_writable: bool = False,
 ) -> list[str]:
     """A throwaway single-process SeaweedFS with an S3 gateway: loopback only, data and sockets
-    under ``workdir``, its log on stderr, ``ports`` as ``{"s3": …, "s3.grpc": …, …}``."""
+    under ``workdir``, its log on stderr, ``ports`` as ``{"s3": …, "s3.grpc": …, …}``.
+    ``iam_writable``: its IAM API (on the S3 port) takes CreateUser, PutUserPolicy, … too."""
     work = Path(workdir)
     listen = [f"-{name}.port={ports[name]}" for name in SEAWEEDFS_LISTENERS] + [
         f"-{name}.port.grpc={ports[name + '.grpc']}" for name in SEAWEEDFS_LISTENERS
@@ -296,6 +301,7 @@ def seaweedfs_command(
         # One master, its own leader: started again on its data, it waits one election timeout
         # (10 s by default, twice over) before it serves.
         "-master.electionTimeout=1s",
+        *(["-s3.iam.readOnly=false"] if iam_writable else []),
     ]  # fmt: skip
 
 
@@ -331,6 +337,7 @@ def start_seaweedfs(
     attempts: int = 5,
     ports: dict[str, int] | None = None,
     identities: list[dict[str, object]] | None = None,
+    iam_writable: bool = False,
 ) -> SeaweedFS:
     """``weed server -s3`` on free loopback ports (stop it with :meth:`SeaweedFS.stop`).
 
@@ -347,7 +354,8 @@ def start_seaweedfs(
 
     ``identities``: more S3 identities, in SeaweedFS's form (``{"name", "credentials":
     [{"accessKey", "secretKey"}], "actions": ["Read", "Write:bucket/prefix/*", ...]}``), for
-    tests of what a credential with fewer permissions can do.
+    tests of what a credential with fewer permissions can do. ``iam_writable``: identities may
+    also be made through its IAM API (``CreateUser``, ``CreateAccessKey``, ``PutUserPolicy``).
     """
     work = Path(workdir)
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -369,7 +377,7 @@ def start_seaweedfs(
             ports[name], ports[name + ".grpc"] = free_port(), free_port()
         with open(work / "weed.log", "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                seaweedfs_command(ports, work, config),
+                seaweedfs_command(ports, work, config, iam_writable=iam_writable),
                 start_new_session=True,
                 stdout=log,
                 stderr=log,

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from typing import Any
 
+import boto3
 import pytest
 import zarr
+from botocore.exceptions import ClientError
 from k8s_env import Env, condition, wait_for
 
 import zarrlake
 from zarrlake.format.model import snapshot_key
+from zarrlake_operator import kube
+from zarrlake_testkit.servers import start_seaweedfs
 
 WRITER = "writer-token-for-operator-tests"
 
@@ -42,7 +48,8 @@ def test_spec_commit_service_runs_the_service_writers_use_it_and_off_removes_it(
     assert url == f"http://zl-repo-commit.{k8s.namespace}.svc:8701"
     # What the operator does not do yet, said where the platform team looks.
     said = obj["status"]["commitService"]["writerCredentials"]
-    assert said.startswith("not provisioned: the operator makes none on s3; give writers an IAM")
+    assert said.startswith("not provisioned: the operator makes none on s3 (spec.commitService.")
+    assert "; give writers an IAM" in said
     writer = zarrlake.Repository.from_kubernetes(
         "repo", k8s.namespace, commit_service=k8s.cluster.resolve(url), commit_token=WRITER
     )
@@ -239,5 +246,134 @@ def test_checks_run_as_jobs_refuse_pass_and_time_out(k8s: Env) -> None:
     wait_for("the service's Role gone", lambda: k8s.get("Role", "zl-repo-commit") is None or None)
     assert k8s.get("RoleBinding", "zl-repo-commit") is None
     assert k8s.get("ServiceAccount", "zl-repo-commit") is None
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
+    wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)
+
+
+@pytest.fixture(scope="module")
+def seaweed_iam(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """SeaweedFS with its IAM API writable: the provider the operator makes users on."""
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs-iam"), iam_writable=True)
+    try:
+        boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                     aws_access_key_id="testing", aws_secret_access_key="testing",
+                     ).create_bucket(Bucket="governed-lake")  # fmt: skip
+        yield server
+    finally:
+        server.stop()
+
+
+def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
+    k8s: Env, seaweed_iam: Any
+) -> None:
+    """``provisionCredentials`` on SeaweedFS: the operator makes a writer and a reader, their
+    keys in Secrets; the writer commits and merges through the service but cannot move a ref
+    itself; the reader reads; a lost Secret gets a new key (the old one stops working); off,
+    the users and Secrets go."""
+    endpoint = seaweed_iam.endpoint
+    k8s.secret("sw-admin", {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+    tokens = {WRITER: {"identity": "wanda", "role": "writer"}}
+    k8s.secret("service-tokens", {"tokens.json": json.dumps(tokens)})
+    service = {
+        "enabled": True,
+        "tokensSecretRef": {"name": "service-tokens", "key": "tokens.json"},
+        "provisionCredentials": True,
+    }
+    k8s.create({
+        "apiVersion": "zarrlake.io/v1alpha1",
+        "kind": "Repository",
+        "metadata": {"name": "repo"},
+        "spec": {
+            "storage": {"bucket": "governed-lake", "prefix": f"repos/{k8s.namespace}",
+                        "endpointURL": endpoint, "region": "us-east-1",
+                        "credentialsSecret": {"name": "sw-admin"}},
+            "lockService": {"mode": "none"},
+            "commitService": service,
+            "protection": [{"branch": "main"}],
+        },
+    })  # fmt: skip
+    k8s.wait_condition("Repository", "repo")
+
+    def provisioned() -> dict | None:
+        obj = k8s.get("Repository", "repo") or {}
+        found = (obj.get("status") or {}).get("commitService") or {}
+        ready = condition(obj, "CommitServiceReady").get("status") == "True"
+        said = found.get("writerCredentials") or ""
+        return obj if ready and said.startswith("provisioned:") else None
+
+    try:
+        obj = wait_for("credentials provisioned", provisioned)
+    except AssertionError:
+        got = k8s.get("Repository", "repo") or {}
+        raise AssertionError(json.dumps(got.get("status"), indent=1) + k8s.log_tail()) from None
+    said = obj["status"]["commitService"]["writerCredentials"]
+    assert "writers use Secret zl-repo-writer-credentials" in said
+    url = k8s.cluster.resolve(obj["status"]["commitService"]["url"])
+
+    def keys(role: str) -> tuple[str, str]:
+        found = kube.secrets(k8s.namespace)(f"zl-repo-{role}-credentials")
+        assert found is not None, role
+        return found["AWS_ACCESS_KEY_ID"], found["AWS_SECRET_ACCESS_KEY"]
+
+    def storage(role: str) -> zarrlake.Storage:
+        key, secret = keys(role)
+        return zarrlake.Storage.s3("governed-lake", f"repos/{k8s.namespace}",
+                                   endpoint_url=endpoint, region="us-east-1",
+                                   access_key_id=key, secret_access_key=secret,
+                                   allow_http=True)  # fmt: skip
+
+    writer = zarrlake.Repository.open(storage("writer"), commit_service=url, commit_token=WRITER)
+    writer.create_branch("dev")
+    session = writer.writable_session("dev")
+    zarr.open_group(session.store, mode="w").create_array("t", shape=(2,), dtype="f4")[:] = 5
+    session.commit("through the service, with provisioned keys")
+    merged = writer.merge("dev", "main")
+    admin_view = k8s.open_repository()
+    assert admin_view.lookup_branch("main") == merged
+    # The same keys without the service, skipping every rule: the storage refuses the ref.
+    rogue = zarrlake.Repository.open(storage("writer"))
+    rogue.core.commits.guard = None
+    with pytest.raises(zarrlake.StorageError, match="access denied"):
+        session = rogue.writable_session("main")  # (its write probe, under refs/, is refused)
+        zarr.open_array(session.store, path="t", mode="a")[:] = -1
+        session.commit("past the service")
+    assert k8s.open_repository().lookup_branch("main") == merged
+    # The reader reads, and writes nothing.
+    reader = zarrlake.Repository.open(storage("reader"))
+    assert zarr.open_array(reader.readonly_session("main").store, path="t")[:].tolist() == [5, 5]
+    with pytest.raises(zarrlake.StorageError, match="access denied"):
+        session = reader.writable_session("dev")
+        zarr.open_array(session.store, path="t", mode="a")[:] = 0
+        session.commit("a reader's")
+
+    # A lost Secret: a new key for the same user on the next change; the old key is dead.
+    old_key = keys("writer")
+    k8s.delete("Secret", "zl-repo-writer-credentials")
+    k8s.patch("Repository", "repo", {"metadata": {"annotations": {"touch": "1"}}})
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"events": False}}})
+    wait_for(
+        "a new writer key",
+        lambda: (found := kube.secrets(k8s.namespace)("zl-repo-writer-credentials"))
+        and found["AWS_ACCESS_KEY_ID"] != old_key[0],
+    )
+    stale = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                         aws_access_key_id=old_key[0], aws_secret_access_key=old_key[1])
+    with pytest.raises(ClientError):
+        stale.head_bucket(Bucket="governed-lake")
+    assert zarrlake.Repository.open(storage("writer")).lookup_branch("main") == merged
+
+    # Off: the users and their Secrets go.
+    live = keys("reader")
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"provisionCredentials": False}}})
+    wait_for(
+        "the credentials Secrets gone",
+        lambda: all(k8s.get("Secret", f"zl-repo-{r}-credentials") is None
+                    for r in ("writer", "reader")),  # fmt: skip
+    )
+    dead = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id=live[0], aws_secret_access_key=live[1])
+    with pytest.raises(ClientError):
+        dead.head_bucket(Bucket="governed-lake")
+    assert {"CredentialsProvisioned", "CredentialsDeleted"} <= k8s.event_reasons()
     k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
     wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)
