@@ -1307,14 +1307,20 @@ def _ours(obj: Mapping[str, Any] | None) -> bool:
 
 
 def _writer_credentials(spec: RepositorySpec) -> str:
-    """What ``status.commitService.writerCredentials`` says: the operator does not make
-    per-role credentials on any provider yet, so the rules hold against a client that skips
-    them only where writers are given credentials that cannot write refs."""
+    """What ``status.commitService.writerCredentials`` says when the operator made no
+    credentials per role: the rules hold against a client that skips them only where writers
+    are given credentials that cannot write refs."""
+    provider = spec.storage.provider
+    why = {
+        "s3": "spec.commitService.provisionCredentials is off",
+        "gcs": "it manages no Google Cloud service accounts (their IAM API is not a bucket's)",
+        "azure": "a SAS cannot be limited to a prefix of a container without a hierarchical "
+        "namespace, and it manages no Entra identities",
+    }.get(provider, f"{provider} has no credentials that write")
     return (
-        f"not provisioned: the operator makes none on {spec.storage.provider} "
-        f"(spec.commitService.provisionCredentials: s3); give writers {_how(spec)}. Until then "
-        "a client holding the repository's own credentials can move refs past the service "
-        "(docs/design/governance.md)"
+        f"not provisioned: the operator makes none on {provider} ({why}); give writers "
+        f"{_how(spec)}. Until then a client holding the repository's own credentials can move "
+        "refs past the service (docs/design/governance.md)"
     )
 
 
@@ -1326,7 +1332,8 @@ def _how(spec: RepositorySpec) -> str:
         "with s3:if-none-match",
         "gcs": "a service account with create-only rights on objects under those prefixes "
         "(an IAM condition on resource.name)",
-        "azure": "a SAS limited to create on blobs under those prefixes",
+        "azure": "a SAS limited to create on blobs under those prefixes (a hierarchical "
+        "namespace's directory SAS), or an identity with an ABAC condition on the blob path",
     }.get(spec.storage.provider, "credentials that cannot write refs/ or root")
 
 

@@ -48,7 +48,8 @@ def test_spec_commit_service_runs_the_service_writers_use_it_and_off_removes_it(
     assert url == f"http://zl-repo-commit.{k8s.namespace}.svc:8701"
     # What the operator does not do yet, said where the platform team looks.
     said = obj["status"]["commitService"]["writerCredentials"]
-    assert said.startswith("not provisioned: the operator makes none on s3 (spec.commitService.")
+    assert said.startswith("not provisioned: the operator makes none on s3 (spec.commitService."
+                           "provisionCredentials is off)")  # fmt: skip
     assert "; give writers an IAM" in said
     writer = zarrlake.Repository.from_kubernetes(
         "repo", k8s.namespace, commit_service=k8s.cluster.resolve(url), commit_token=WRITER
@@ -353,11 +354,18 @@ def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
     k8s.patch("Repository", "repo", {"spec": {"commitService": {"events": False}}})
     wait_for(
         "a new writer key",
-        lambda: (found := kube.secrets(k8s.namespace)("zl-repo-writer-credentials"))
-        and found["AWS_ACCESS_KEY_ID"] != old_key[0],
+        lambda: (
+            (found := kube.secrets(k8s.namespace)("zl-repo-writer-credentials"))
+            and found["AWS_ACCESS_KEY_ID"] != old_key[0]
+        ),
     )
-    stale = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                         aws_access_key_id=old_key[0], aws_secret_access_key=old_key[1])
+    stale = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=old_key[0],
+        aws_secret_access_key=old_key[1],
+    )
     with pytest.raises(ClientError):
         stale.head_bucket(Bucket="governed-lake")
     assert zarrlake.Repository.open(storage("writer")).lookup_branch("main") == merged
@@ -367,11 +375,17 @@ def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
     k8s.patch("Repository", "repo", {"spec": {"commitService": {"provisionCredentials": False}}})
     wait_for(
         "the credentials Secrets gone",
-        lambda: all(k8s.get("Secret", f"zl-repo-{r}-credentials") is None
-                    for r in ("writer", "reader")),  # fmt: skip
+        lambda: all(
+            k8s.get("Secret", f"zl-repo-{r}-credentials") is None for r in ("writer", "reader")
+        ),  # fmt: skip
     )
-    dead = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id=live[0], aws_secret_access_key=live[1])
+    dead = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=live[0],
+        aws_secret_access_key=live[1],
+    )
     with pytest.raises(ClientError):
         dead.head_bucket(Bucket="governed-lake")
     assert {"CredentialsProvisioned", "CredentialsDeleted"} <= k8s.event_reasons()
