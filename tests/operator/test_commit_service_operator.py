@@ -377,7 +377,7 @@ def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
         "the credentials Secrets gone",
         lambda: all(
             k8s.get("Secret", f"zl-repo-{r}-credentials") is None for r in ("writer", "reader")
-        ),  # fmt: skip
+        ),
     )
     dead = boto3.client(
         "s3",
