@@ -10,6 +10,7 @@ operator's end to end (the service pod posting about its Repository) is in
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,16 @@ def test_each_refusal_is_told_and_a_failing_teller_changes_nothing(tmp_path: Pat
     with pytest.raises(zarrlake.ReadOnlyError):
         writer.delete_tag("v1")
     assert (told[-1].action, told[-1].error) == ("deletion of tag 'v1'", "ReadOnlyError")
+    # An entry whose snapshot is not what it says (what a forger sends) is told too.
+    dev = zarrlake.Repository.open(storage).core.journal.published_head("dev")
+    assert dev is not None
+    forged = dataclasses.replace(
+        dev, seq=dev.seq + 1, previous=dev.snapshot, snapshot_data=b"not those bytes"
+    )
+    with pytest.raises(InvalidArgument, match="carries other bytes"):
+        service.append(Caller("mallory", "writer"), "dev", forged.encode())
+    assert (told[-1].identity, told[-1].error) == ("mallory", "InvalidArgument")
+    assert told[-1].action == "move of branch 'dev'"
 
     # A teller that fails (the API down, say) is logged; the refusal stands, nothing moved.
     def broken(refusal: Refusal) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,91 @@ def test_the_commit_service_publishes_a_large_snapshot_and_vouches_for_it(
     )
     with pytest.raises(zarrlake.InvalidArgument, match="vouches for other bytes"):
         service.append(Caller("wanda", "writer"), "main", forged.encode())
+
+
+def fresh_session(storage: zarrlake.Storage, branch: str) -> object:
+    return zarrlake.Repository.open(storage).readonly_session(branch).store
+
+
+def _read(session: zarrlake.Session) -> list[float]:
+    return zarr.open_array(session.store, path="t")[:].tolist()
+
+
+def _forged_by(storage: zarrlake.Storage, victim: str, donor: str) -> None:
+    """``snapshots/<victim>`` rewritten with ``donor``'s content under the victim's id."""
+    given = Snapshot.decode(storage.get(snapshot_key(donor)))
+    own = Snapshot.decode(storage.get(snapshot_key(victim)))
+    forged = dataclasses.replace(given, id=victim, parents=own.parents)
+    storage.put(snapshot_key(victim), forged.encode())
+
+
+def _two_commits(tmp_path: Path, big: bool) -> tuple[zarrlake.Storage, str, str]:
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    session = repo.writable_session("main")
+    array = zarr.open_group(session.store, mode="w").create_array(
+        "t", shape=(4,), chunks=(2,), dtype="f4"
+    )
+    if big:
+        array.attrs["blob"] = base64.b64encode(os.urandom(300_000)).decode()
+    array[:] = 1.0
+    head = session.commit("ones")
+    repo.create_branch("other", head)
+    session = repo.writable_session("other")
+    zarr.open_array(session.store, path="t", mode="a")[:] = 2.0
+    donor = session.commit("twos")
+    repo.create_tag("v1", head)
+    return storage, head, donor
+
+
+@pytest.mark.parametrize("big", [True, False], ids=["vouched", "carried"])
+def test_a_forged_copy_read_first_by_tag_does_not_reach_the_branch(
+    tmp_path: Path, big: bool
+) -> None:
+    """A tag is read from ``snapshots/<id>`` unchecked; the branch at the same snapshot is
+    not: its entry's copy (or digest) wins over the copy the tag's read left in the cache."""
+    storage, head, donor = _two_commits(tmp_path, big)
+    _forged_by(storage, head, donor)
+    fresh = zarrlake.Repository.open(storage)
+    assert _read(fresh.readonly_session("v1")) == [2.0] * 4  # tags carry no digest (yet)
+    if big:
+        with pytest.raises(zarrlake.CorruptObject, match="overwritten after it was published"):
+            _read(fresh.readonly_session("main"))
+    else:
+        assert _read(fresh.readonly_session("main")) == [1.0] * 4
+
+
+def test_a_pickled_session_checks_as_its_client_does(tmp_path: Path) -> None:
+    """A dask worker's copy of a session reads the snapshot again: the vouch travels along."""
+    storage, head, donor = _two_commits(tmp_path, big=True)
+    session = zarrlake.Repository.open(storage).readonly_session("main")
+    assert _read(session) == [1.0] * 4
+    _forged_by(storage, head, donor)
+    worker = pickle.loads(pickle.dumps(session))
+    with pytest.raises(zarrlake.CorruptObject, match="overwritten after it was published"):
+        _read(worker)
+
+
+def test_a_new_branch_carries_the_bytes_as_stored_not_a_re_encoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot written by another encoder (here: another zstd level) re-encodes to other
+    bytes: a branch made at it must vouch for the stored ones, or its readers would be told
+    it was overwritten."""
+    from zarrlake.format import codec
+
+    monkeypatch.setattr(codec, "ZSTD_LEVEL", 3)
+    monkeypatch.setattr(codec._local, "zstd", None, raising=False)
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    head = _big_commit(repo)
+    monkeypatch.setattr(codec, "ZSTD_LEVEL", 1)
+    monkeypatch.setattr(codec._local, "zstd", None, raising=False)
+    repo = zarrlake.Repository.open(storage)
+    assert repo.core.objects.snapshot(head).encode() != storage.get(snapshot_key(head))
+    repo.create_branch("dev", head)
+    repo.create_branch("other")
+    repo.reset_branch("other", head)
+    assert zarr.open_array(fresh_session(storage, "other"), path="t")[:].tolist() == [1] * 4
+    fresh = zarrlake.Repository.open(storage)
+    assert zarr.open_array(fresh.readonly_session("dev").store, path="t")[:].tolist() == [1] * 4

@@ -499,8 +499,8 @@ class CommitEngine:
         if self.guard is not None:
             self.guard.before_move(name, "reset")
         # The entry carries the snapshot, as a commit's does: a fresh reader of the branch then
-        # needs no read of the snapshot object.
-        encoded = self.objects.snapshot(target).encode()
+        # needs no read of the snapshot object. Its bytes as stored, not a re-encoding.
+        encoded = self.objects.stored_snapshot_bytes(target)
 
         def reset(cur: JournalEntry, token: int | None, fence: int | None) -> JournalEntry:
             if expected is not None and cur.snapshot != expected:

@@ -64,6 +64,10 @@ class StagedPacks(Protocol):
         ...
 
 
+#: :attr:`ObjectStore._origin` of a snapshot adopted from a journal entry's copy.
+CARRIED = "carried"
+
+
 class LRU(Generic[K, V]):
     """A bounded, thread-safe cache whose loads are single-flight: of threads missing the same
     key at once, one loads it and the others wait for its value (N readers of one manifest
@@ -116,6 +120,10 @@ class LRU(Generic[K, V]):
     def discard(self, key: K) -> None:
         with self._lock:
             self._data.pop(key, None)
+
+    def items(self) -> list[tuple[K, V]]:
+        with self._lock:
+            return list(self._data.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +181,10 @@ class ObjectStore:
         #: Snapshot id -> the SHA-256 its branch's journal entry vouches for (snapshots too
         #: large for the entry to carry): a read of ``snapshots/<id>`` must match it.
         self._vouched: LRU[str, str] = LRU(4096)
+        #: Where each cached snapshot came from: CARRIED (a journal entry's copy, trusted as
+        #: the entry is) or the SHA-256 of the bytes read from storage, so that a vouch or a
+        #: carried copy learned later replaces a copy read before it, unchecked.
+        self._origin: LRU[str, str] = LRU(4096)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
         self._pages: LRU[str, HistoryPage] = LRU(1024)
@@ -189,6 +201,9 @@ class ObjectStore:
             "content_hash": self.content_hash,
             "verify_reads": self.verify_reads,
             "sources": self.sources,
+            # What the entries vouch for travels along (a dask worker's reads are checked
+            # too); the cached snapshots themselves do not.
+            "vouched": self._vouched.items(),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -198,6 +213,8 @@ class ObjectStore:
         self.content_hash = state.get("content_hash", LEGACY_CONTENT_HASH)
         self.verify_reads = state.get("verify_reads", True)
         self._init_caches()
+        for snapshot_id, sha256 in state.get("vouched") or ():
+            self._vouched.put(snapshot_id, sha256)
 
     def stage_pack(self, pack_id: str, writer: StagedPacks) -> None:
         """Serve reads of pack ``pack_id`` from ``writer`` until :meth:`unstage_pack` (it is not
@@ -260,30 +277,55 @@ class ObjectStore:
         return snap
 
     def _decode_snapshot(self, snapshot_id: str, data: bytes, key: str) -> Snapshot:
+        digest = hashlib.sha256(data).hexdigest()
         vouched = self._vouched.get(snapshot_id)
-        if vouched is not None and hashlib.sha256(data).hexdigest() != vouched:
+        if vouched is not None and digest != vouched:
             raise CorruptObject(
                 key,
                 "holds other bytes than its branch's journal entry vouches for: it was "
                 "overwritten after it was published",
             )
-        return Snapshot.decode(data, key)
+        snap = Snapshot.decode(data, key)
+        self._origin.put(snapshot_id, digest)
+        return snap
 
     def vouch_snapshot(self, snapshot_id: str, sha256: str) -> None:
         """From now on a read of snapshot ``snapshot_id`` must give bytes of digest ``sha256``
-        (its journal entry's ``snapshot_sha256``) or raise :class:`CorruptObject`."""
+        (its journal entry's ``snapshot_sha256``) or raise :class:`CorruptObject`; a copy read
+        before, of other bytes, is dropped (the next read checks)."""
         self._vouched.put(snapshot_id, sha256)
+        origin = self._origin.get(snapshot_id)
+        if origin != sha256 and origin != CARRIED:
+            self._snapshots.discard(snapshot_id)
 
     def adopt_snapshot(self, snapshot_id: str, data: bytes) -> None:
         """Cache snapshot ``snapshot_id`` from ``data``, its encoded object as a branch's journal
-        entry carries it. Raises :class:`CorruptObject` if ``data`` holds another snapshot."""
-        if self._snapshots.get(snapshot_id) is not None:
+        entry carries it (in place of a copy read from storage before: the entry's is the one
+        readers of the branch are shown). Raises :class:`CorruptObject` if ``data`` holds
+        another snapshot."""
+        if (
+            self._snapshots.get(snapshot_id) is not None
+            and self._origin.get(snapshot_id) == CARRIED
+        ):
             return
         key = snapshot_key(snapshot_id)
         snap = Snapshot.decode(data, key)
         if snap.id != snapshot_id:
             raise CorruptObject(key, f"the journal entry carries snapshot {snap.id}")
         self._snapshots.put(snapshot_id, snap)
+        self._origin.put(snapshot_id, CARRIED)
+
+    def stored_snapshot_bytes(self, snapshot_id: str) -> bytes:
+        """Snapshot ``snapshot_id``'s object as stored (checked against its entry's vouch, if
+        any): what an entry that carries it must carry, not a re-encoding of it. Raises
+        :class:`RefNotFound`, :class:`CorruptObject`."""
+        key = snapshot_key(snapshot_id)
+        try:
+            data = self.storage.get(key)
+        except ObjectNotFound:
+            raise RefNotFound(snapshot_id, "snapshot") from None
+        self._decode_snapshot(snapshot_id, data, key)
+        return data
 
     def cached_snapshot(self, snapshot_id: str) -> Snapshot | None:
         """The snapshot if it is in the cache (no I/O), else None."""

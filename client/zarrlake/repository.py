@@ -576,8 +576,10 @@ class Repository:
         if head is not None and head.snapshot is not None:
             raise BranchExists(f"branch {name!r} already exists")
         seq = 0 if head is None else head.seq + 1
-        # Carry the snapshot in the entry, as a commit does (a fresh reader then skips its read).
-        encoded = self._core.objects.snapshot(target).encode()
+        # Carry the snapshot in the entry, as a commit does (a fresh reader then skips its read):
+        # its bytes as stored, not a re-encoding (another client's encoder may differ, and the
+        # entry of a large one vouches for them by digest).
+        encoded = self._core.objects.stored_snapshot_bytes(target)
         fence = None if head is None else head.highest_token
         entry = JournalEntry(
             seq, target, None, _now(), new_writer_id(), snapshot_data=encoded, fence=fence

@@ -93,7 +93,8 @@ def load_tokens(path: str | Path) -> dict[str, Caller]:
 @dataclass(frozen=True)
 class Refusal:
     """A change the service refused: who asked (their token's identity), for what, the error's
-    class (``BranchProtected``, ``CheckFailed``, ``ReadOnlyError``) and its message."""
+    class (``BranchProtected``, ``CheckFailed``, ``ReadOnlyError``; ``InvalidArgument`` for an
+    entry whose snapshot is not what it says) and its message."""
 
     identity: str
     action: str
@@ -140,12 +141,15 @@ class CommitService:
         return by
 
     @contextlib.contextmanager
-    def _refusals(self, caller: Caller, action: str) -> Iterator[None]:
-        """Logs a refusal of ``action`` and hands it to ``refused``, whose failure changes
-        nothing (the refusal stands)."""
+    def _refusals(
+        self, caller: Caller, action: str, also: tuple[type[ZarrlakeError], ...] = ()
+    ) -> Iterator[None]:
+        """Logs a refusal of ``action`` (a rule's, a check's, a role's, and ``also`` these) and
+        hands it to ``refused``, whose failure changes nothing (the refusal stands)."""
+        caught: tuple[type[ZarrlakeError], ...] = (BranchProtected, CheckFailed, ReadOnlyError)
         try:
             yield
-        except (BranchProtected, CheckFailed, ReadOnlyError) as e:
+        except caught + also as e:
             refusal = Refusal(caller.identity, action, type(e).__name__, str(e))
             log.warning("%s", refusal)
             if self._refused is not None:
@@ -186,7 +190,10 @@ class CommitService:
             raise InvalidArgument(
                 f"entry {entry.seq} of {branch!r} says the head was {entry.previous}, not {current}"
             )
-        kind, stored = self._kind(branch, entry, current)
+        # An entry whose snapshot is not what it says (other bytes, not stored, unreadable) is
+        # what a forger sends: told, as a refusal is.
+        with self._refusals(caller, f"move of branch {branch!r}", also=(InvalidArgument,)):
+            kind, stored = self._kind(branch, entry, current)
         gov = self.repo.governance
         action = f"{_ACTIONS[kind]} branch {branch!r}" + (
             f" (snapshot {entry.snapshot})" if entry.snapshot is not None else ""

@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from zarrlake.k8s import Connection
 
@@ -96,6 +97,18 @@ def policy(role: str, bucket: str, prefix: str, *, aws: bool) -> dict[str, Any]:
     return {"Version": "2012-10-17", "Statement": statements}
 
 
+def is_aws(endpoint_url: str | None) -> bool:
+    """Whether an S3 or IAM endpoint is AWS's own (none given, or a host of amazonaws.com):
+    where the policies' condition keys are understood."""
+    if not endpoint_url:
+        return True
+    host = (urlsplit(endpoint_url).hostname or "").lower()
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn")) or host in (
+        "amazonaws.com",
+        "amazonaws.com.cn",
+    )
+
+
 def iam_client(conn: Connection, endpoint_url: str | None) -> Any:
     """An IAM client with the Repository's own credentials: at ``endpoint_url``, else at the
     storage's endpoint (an S3-compatible server serves IAM there), else AWS's."""
@@ -129,9 +142,11 @@ def ensure_user(iam: Any, user: str, document: dict[str, Any], keep: str | None)
         held = [k["AccessKeyId"] for k in iam.list_access_keys(UserName=user)["AccessKeyMetadata"]]
         if keep is not None and keep in held:
             return None
-        made = iam.create_access_key(UserName=user)["AccessKey"]
+        # The others first: AWS allows two keys a user, and a key made before a crash (never
+        # put in a Secret) must not leave room for none.
         for old in held:
             iam.delete_access_key(UserName=user, AccessKeyId=old)
+        made = iam.create_access_key(UserName=user)["AccessKey"]
         return Keys(made["AccessKeyId"], made["SecretAccessKey"])
 
 

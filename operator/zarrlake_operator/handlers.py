@@ -297,9 +297,9 @@ async def repository_seen(body: kopf.Body, event: kopf.RawEvent, **_: Any) -> No
 
 @kopf.on.delete(*REPOSITORIES)
 @metrics.instrumented("Repository")
-def repository_deleted(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+def repository_deleted(body: kopf.Body, logger: kopf.Logger, retry: int = 0, **_: Any) -> None:
     with deleting(body):
-        outcome = reconcile.delete_repository(body)
+        outcome = reconcile.delete_repository(body, retry=retry)
     _passed.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
     logger.info(outcome)
     kopf.info(body, reason="Reclaimed", message=outcome)

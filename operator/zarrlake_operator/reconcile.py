@@ -1232,9 +1232,8 @@ def _role_credentials(body: Mapping[str, Any], spec: RepositorySpec, *, resync: 
         if not (resync and all(held.values())):
             conn = _connection(body, require_ready=False)
             iam = credentials.iam_client(conn, spec.commit_service.iam_endpoint_url)
-            aws = not (spec.commit_service.iam_endpoint_url or conn.endpoint_url)
             for role in credentials.ROLES:
-                _provision_role(body, iam, conn, role, held[role], aws=aws)
+                _provision_role(body, iam, conn, role, held[role], aws=_on_aws(spec, conn))
     except (credentials.ProvisionFailed, KubernetesError) as e:
         if not resync:
             _event(body, "CredentialsFailed", str(e), warning=True)
@@ -1242,10 +1241,26 @@ def _role_credentials(body: Mapping[str, Any], spec: RepositorySpec, *, resync: 
     writer = desired.role_credentials_secret_name(name, "writer")
     reader = desired.role_credentials_secret_name(name, "reader")
     kinds = ", ".join(f"{k}/" for k in credentials.IMMUTABLE_KINDS)
+    if _on_aws(spec, None):
+        how = f"writes only {kinds}, create-only (If-None-Match)"
+    else:
+        how = (
+            f"writes only {kinds}, not create-only (this provider takes no such condition: an "
+            "overwritten snapshot is caught by its entry, a chunk by its hash); lists the whole "
+            "bucket"
+        )
     return (
         f"provisioned: writers use Secret {writer} (IAM user {_role_user(body, 'writer')}: "
-        f"reads the repository, writes only {kinds}), readers Secret {reader} (reads only)"
+        f"reads the repository, {how}), readers Secret {reader} (reads only)"
     )
+
+
+def _on_aws(spec: RepositorySpec, conn: Connection | None) -> bool:
+    """Whether the Repository's storage and IAM are AWS's (their policies take its condition
+    keys)."""
+    endpoint = spec.storage.endpoint_url if conn is None else conn.endpoint_url
+    iam = spec.commit_service.iam_endpoint_url
+    return credentials.is_aws(endpoint) and credentials.is_aws(iam)
 
 
 def _provision_role(
@@ -1275,30 +1290,54 @@ def _provision_role(
     _event(body, "CredentialsProvisioned", f"{role} key of IAM user {user} in Secret {secret_name}")
 
 
-def _remove_role_credentials(body: Mapping[str, Any], *, always: bool = False) -> None:
+#: How many times the deletion of a Repository waits for its IAM users to be removed (an IAM
+#: API that is down) before it lets the resource go, saying which users are left.
+DELETE_IAM_RETRIES = 5
+
+
+def _remove_role_credentials(
+    body: Mapping[str, Any], *, deleting: bool = False, retry: int = 0
+) -> None:
     """Take away the IAM users and Secrets provisionCredentials made, once it is off (or the
-    commit service is, or the Repository goes: ``always``, whether or not its Secrets are
-    there). Failures are Warning Events: the users can be removed by hand."""
+    commit service is, or the Repository goes: ``deleting``). Users are removed by their names
+    (which the resource determines), whether or not their Secrets are still there. A failure is
+    a Warning Event naming the users left; deleting, an IAM API that fails is waited for
+    (:data:`DELETE_IAM_RETRIES` times) before the resource is let go."""
     ns, name, _ = _meta(body)
     secrets_held = [
         role
         for role in credentials.ROLES
         if _ours(kube.get("Secret", ns, desired.role_credentials_secret_name(name, role)))
     ]
-    if not secrets_held and not always:
+    said = observed(RepositoryStatus, body).commit_service or CommitServiceStatus()
+    made = (said.writer_credentials or "").startswith("provisioned")
+    if not (secrets_held or made or deleting):
         return
+    users = [_role_user(body, role) for role in credentials.ROLES]
     try:
-        conn = _connection(body, require_ready=False)
         spec = RepositorySpec.model_validate(body.get("spec") or {})
-        iam = credentials.iam_client(conn, spec.commit_service.iam_endpoint_url)
-        for role in credentials.ROLES:
-            if credentials.remove_user(iam, _role_user(body, role)):
-                _event(body, "CredentialsDeleted", f"deleted IAM user {_role_user(body, role)}")
-    except (credentials.ProvisionFailed, KubernetesError, ValidationError) as e:
-        _event(body, "CredentialsFailed", f"could not remove IAM users: {e}", warning=True)
+        if spec.storage.provider == "s3":  # none are made elsewhere
+            conn = connection_from_resource(
+                body, kube.secrets(ns), require_ready=False, with_lock=False
+            )
+            iam = credentials.iam_client(conn, spec.commit_service.iam_endpoint_url)
+            for user in users:
+                if credentials.remove_user(iam, user):
+                    _event(body, "CredentialsDeleted", f"deleted IAM user {user}")
+    except credentials.ProvisionFailed as e:
+        if deleting and retry < DELETE_IAM_RETRIES:
+            raise kopf.TemporaryError(f"could not remove IAM users: {e}", delay=20) from None
+        _event(body, "CredentialsFailed", _left(users, e), warning=True)
+        return
+    except (KubernetesError, ValidationError) as e:
+        _event(body, "CredentialsFailed", _left(users, e), warning=True)
         return
     for role in secrets_held:
         kube.delete("Secret", ns, desired.role_credentials_secret_name(name, role))
+
+
+def _left(users: Sequence[str], e: BaseException) -> str:
+    return f"could not remove IAM users {', '.join(users)} ({e}): delete them by hand"
 
 
 def _ours(obj: Mapping[str, Any] | None) -> bool:
@@ -1356,7 +1395,7 @@ def _serve_secret_missing(ns: str, serve: ServeSpec, *, resync: bool) -> str | N
     return None
 
 
-def delete_repository(body: Mapping[str, Any]) -> str:
+def delete_repository(body: Mapping[str, Any], *, retry: int = 0) -> str:
     """Honour the reclaim policy; returns what was done. Owned objects go by owner references.
 
     When the data cannot be deleted for good (the credentials Secret is gone, or the location
@@ -1367,9 +1406,9 @@ def delete_repository(body: Mapping[str, Any]) -> str:
         spec = RepositorySpec.model_validate(body.get("spec") or {})
     except ValidationError as e:  # the API server would not have stored it: keep the data
         return f"Retain: the spec does not parse ({problems(e, prefix='spec.')}); data retained"
-    if spec.commit_service.provision_credentials:
+    if spec.commit_service.provision_credentials and spec.storage.provider == "s3":
         # Whatever becomes of the data, keys to it must not outlive the resource.
-        _remove_role_credentials(body, always=True)
+        _remove_role_credentials(body, deleting=True, retry=retry)
     if spec.reclaim_policy != "Delete":
         return "Retain: the repository's data stays in the bucket"
     status = observed(RepositoryStatus, body)

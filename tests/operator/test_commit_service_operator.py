@@ -6,6 +6,7 @@ Repository declares are the service's."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -338,6 +339,13 @@ def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
         session = rogue.writable_session("main")  # (its write probe, under refs/, is refused)
         zarr.open_array(session.store, path="t", mode="a")[:] = -1
         session.commit("past the service")
+    # Nor can it write the journal entry or the root by hand.
+    head = admin_view.core.journal.published_head("main")
+    assert head is not None
+    forged = dataclasses.replace(head, seq=head.seq + 1, previous=head.snapshot)
+    for key in (admin_view.core.journal.entry_key("main", head.seq + 1), "root"):
+        with pytest.raises(zarrlake.StorageError, match="access denied"):
+            storage("writer").put(key, forged.encode())
     assert k8s.open_repository().lookup_branch("main") == merged
     # The reader reads, and writes nothing.
     reader = zarrlake.Repository.open(storage("reader"))
@@ -389,5 +397,28 @@ def test_provisioned_credentials_hold_writers_to_the_immutable_objects(
     with pytest.raises(ClientError):
         dead.head_bucket(Bucket="governed-lake")
     assert {"CredentialsProvisioned", "CredentialsDeleted"} <= k8s.event_reasons()
+
+    def dead(key: tuple[str, str]) -> bool:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=key[0], aws_secret_access_key=key[1])  # fmt: skip
+        try:
+            client.head_bucket(Bucket="governed-lake")
+        except ClientError:
+            return True
+        return False
+
+    # On again; the commit service off takes them too.
+    k8s.patch("Repository", "repo", {"spec": {"commitService": {"provisionCredentials": True}}})
+    wait_for("credentials provisioned again", provisioned)
+    live = keys("writer")
     k8s.patch("Repository", "repo", {"spec": {"commitService": {"enabled": False}}})
     wait_for("the commit service gone", lambda: k8s.get("Deployment", "zl-repo-commit") is None)
+    wait_for("its users gone with it", lambda: dead(live))
+    # On once more, then the Repository deleted: its users go with it (its data stays).
+    again = {"enabled": True, "provisionCredentials": True}
+    k8s.patch("Repository", "repo", {"spec": {"commitService": again}})
+    wait_for("credentials provisioned once more", provisioned)
+    live = keys("writer")
+    k8s.delete("Repository", "repo")
+    wait_for("the Repository gone", lambda: k8s.get("Repository", "repo") is None)
+    assert dead(live)

@@ -176,3 +176,12 @@ def test_iam_that_refuses_is_a_clear_error(seaweed: Any) -> None:
     gone = credentials.iam_client(conn, "http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(credentials.ProvisionFailed, match="IAM unreachable"):
         credentials.remove_user(gone, "zl-x")
+
+
+def test_aws_is_told_by_its_endpoints() -> None:
+    assert credentials.is_aws(None)
+    assert credentials.is_aws("https://s3.eu-west-1.amazonaws.com")
+    assert credentials.is_aws("https://iam.amazonaws.com")
+    assert not credentials.is_aws("http://127.0.0.1:8333")
+    assert not credentials.is_aws("https://minio.example.com")
+    assert not credentials.is_aws("https://amazonaws.com.evil.example")

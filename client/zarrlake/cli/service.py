@@ -116,7 +116,9 @@ def _refusal_events(given: str | None) -> Refused | None:
     recorder = EventRecorder(about, component="zarrlake-commit-service")
 
     def post(refusal: Refusal) -> None:
-        reason = "NotAllowed" if refusal.error == "ReadOnlyError" else refusal.error
+        reason = {"ReadOnlyError": "NotAllowed", "InvalidArgument": "Rejected"}.get(
+            refusal.error, refusal.error
+        )
         recorder.post(reason, str(refusal))
 
     return post

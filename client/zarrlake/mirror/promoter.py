@@ -237,6 +237,9 @@ class Mirror:
         # Branch -> (snapshot, source entry seq) of heads earlier passes saw and did not
         # promote, oldest first.
         self._seen: dict[str, list[tuple[str, int]]] = {}
+        # The digest each of those heads' entries vouched for its snapshot (too large to
+        # carry), so that a mirror's entry for an older candidate vouches as the source's did.
+        self._digests: dict[str, str] = {}
         # Keys found missing in the current pass: not asked about twice in one pass.
         self._absent: set[str] = set()
         self._status: MirrorStatus | None = None
@@ -514,7 +517,12 @@ class Mirror:
                 seen = self._seen.setdefault(name, [])
                 if not seen or seen[-1] != (source_head, entry.seq):
                     seen.append((source_head, entry.seq))
+                    if entry.snapshot_sha256 is not None:
+                        self._digests[source_head] = entry.snapshot_sha256
                 del seen[: -self.CANDIDATES]
+                kept = {sid for held in self._seen.values() for sid, _ in held}
+                for sid in [s for s in self._digests if s not in kept]:
+                    del self._digests[sid]
             if target is not None and promote:
                 carried = entry if target[0] == source_head else None
                 if self._append(name, dest_entry, target[0], target[1], carried):
@@ -580,6 +588,8 @@ class Mirror:
         carried = digest = None
         if source_entry is not None and source_entry.snapshot == snapshot:
             carried, digest = source_entry.snapshot_data, source_entry.snapshot_sha256
+        elif snapshot is not None:
+            digest = self._digests.get(snapshot)  # an older candidate's, as its entry said
         new = JournalEntry(
             seq,
             snapshot,
