@@ -64,8 +64,9 @@ class StagedPacks(Protocol):
         ...
 
 
-#: :attr:`ObjectStore._origin` of a snapshot adopted from a journal entry's copy.
-CARRIED = "carried"
+#: :attr:`ObjectStore._origin` of a snapshot adopted from a journal entry's copy, and of one
+#: read from storage unchecked.
+CARRIED, STORED = "carried", "stored"
 
 
 class LRU(Generic[K, V]):
@@ -182,8 +183,9 @@ class ObjectStore:
         #: large for the entry to carry): a read of ``snapshots/<id>`` must match it.
         self._vouched: LRU[str, str] = LRU(4096)
         #: Where each cached snapshot came from: CARRIED (a journal entry's copy, trusted as
-        #: the entry is) or the SHA-256 of the bytes read from storage, so that a vouch or a
-        #: carried copy learned later replaces a copy read before it, unchecked.
+        #: the entry is), the SHA-256 it was checked against, or STORED (read from storage,
+        #: unchecked), so that a vouch or a carried copy learned later replaces a copy read
+        #: before it, unchecked.
         self._origin: LRU[str, str] = LRU(4096)
         self._shards: LRU[str, ManifestShard] = LRU(256)
         self._txlogs: LRU[str, TxLog] = LRU(512)
@@ -277,22 +279,26 @@ class ObjectStore:
         return snap
 
     def _decode_snapshot(self, snapshot_id: str, data: bytes, key: str) -> Snapshot:
-        digest = hashlib.sha256(data).hexdigest()
         vouched = self._vouched.get(snapshot_id)
-        if vouched is not None and digest != vouched:
-            raise CorruptObject(
-                key,
-                "holds other bytes than its branch's journal entry vouches for: it was "
-                "overwritten after it was published",
-            )
+        origin = STORED
+        if vouched is not None:
+            # Hashed only where an entry vouches (a read of any other snapshot costs nothing
+            # more than it did).
+            origin = hashlib.sha256(data).hexdigest()
+            if origin != vouched:
+                raise CorruptObject(
+                    key,
+                    "holds other bytes than its branch's journal entry vouches for: it was "
+                    "overwritten after it was published",
+                )
         snap = Snapshot.decode(data, key)
-        self._origin.put(snapshot_id, digest)
+        self._origin.put(snapshot_id, origin)
         return snap
 
     def vouch_snapshot(self, snapshot_id: str, sha256: str) -> None:
         """From now on a read of snapshot ``snapshot_id`` must give bytes of digest ``sha256``
         (its journal entry's ``snapshot_sha256``) or raise :class:`CorruptObject`; a copy read
-        before, of other bytes, is dropped (the next read checks)."""
+        before unchecked, or against another digest, is dropped (the next read checks)."""
         self._vouched.put(snapshot_id, sha256)
         origin = self._origin.get(snapshot_id)
         if origin != sha256 and origin != CARRIED:
