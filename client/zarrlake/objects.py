@@ -330,7 +330,11 @@ class ObjectStore:
             data = self.storage.get(key)
         except ObjectNotFound:
             raise RefNotFound(snapshot_id, "snapshot") from None
-        self._decode_snapshot(snapshot_id, data, key)
+        vouched = self._vouched.get(snapshot_id)
+        if vouched is not None and hashlib.sha256(data).hexdigest() != vouched:
+            raise CorruptObject(
+                key, "holds other bytes than its branch's journal entry vouches for"
+            )
         return data
 
     def cached_snapshot(self, snapshot_id: str) -> Snapshot | None:
