@@ -55,6 +55,7 @@ from zarrlake.format.ids import content_hash, new_snapshot_id
 from zarrlake.format.manifest import ManifestUpdate, prefix_matches
 from zarrlake.format.model import (
     AncestorRecord,
+    ChunkRef,
     HistoryIndex,
     HistoryPage,
     JournalEntry,
@@ -62,6 +63,7 @@ from zarrlake.format.model import (
     ShardInfo,
     Snapshot,
     TxLog,
+    ref_identity,
     wait_queue_prefix,
 )
 from zarrlake.history import CommitGraph
@@ -75,6 +77,11 @@ log = logging.getLogger("zarrlake")
 #: The lock name garbage collection's sweep and deduplicating commits share.
 GC_LOCK_BRANCH = "__gc__"
 MAX_COMMIT_ATTEMPTS = 200
+#: A rebase over at least this many commits first asks the two manifests whether any of them
+#: touched what it changes (:meth:`CommitEngine._untouched`), before reading their txlogs; for
+#: changes of up to this many chunk keys.
+NARROW_MIN_COMMITS = 4
+NARROW_MAX_KEYS = 4096
 #: Chunk changes above which a commit writes manifest shards while it cuts them.
 SPILL_CHANGES = 65_536
 #: Back-off after a lost journal append, before the writer has precedence: full jitter,
@@ -98,7 +105,9 @@ class BranchLock(Protocol):
 
     ``hold`` is a lease on ``branch`` of repository ``repo_id`` for the duration of the ``with``
     block, yielding a fencing token (monotonic per repository) or None. A lock service may also
-    offer ``raise_floor(repo_id, floor)`` to keep its tokens above ones the journal already holds.
+    offer ``raise_floor(repo_id, floor)`` to keep its tokens above ones the journal already holds,
+    and ``record_head(repo_id, branch, seq)`` / ``last_head(repo_id, branch)``: where the last
+    holder appended, so the next reads the head in one round (a hint the journal checks).
     """
 
     def hold(self, repo_id: str, branch: str) -> contextlib.AbstractContextManager[int | None]: ...
@@ -420,7 +429,8 @@ class CommitEngine:
     ``rebases`` — the branch had moved and the changeset was rebased onto its head;
     ``append_retries`` — another commit won the create-only journal append (a retry);
     ``deferrals`` — optimistic commits that waited for an older writer (:class:`WaitQueue`)
-    before appending.
+    before appending; ``narrow_rebases`` — rebases that the two manifests settled without
+    reading the txlogs in between (:meth:`_untouched`).
     """
 
     def __init__(
@@ -438,7 +448,12 @@ class CommitEngine:
         self.journal = journal
         self.graph = graph
         self.lock = lock
-        self.stats: dict[str, int] = {"rebases": 0, "append_retries": 0, "deferrals": 0}
+        self.stats: dict[str, int] = {
+            "rebases": 0,
+            "append_retries": 0,
+            "deferrals": 0,
+            "narrow_rebases": 0,
+        }
         # Optimistic writers' queue by age, where $ZARRLAKE_FAIR_COMMITS turns it on (it trades
         # throughput for fairness: bench/RESULTS.md, issue 45); None too on a storage that
         # cannot list (plain HTTP, read-only: it never commits anyway).
@@ -732,10 +747,11 @@ class CommitEngine:
             known = self.journal.known(branch) if attempt == 0 and token is None else None
             if known is not None and known.snapshot is None:
                 known = None
-            head_entry = known if known is not None else self.journal.current(branch)
+            head_entry = known if known is not None else self._read_head(branch, token, attempt)
             head = head_entry.snapshot
             assert head is not None
             fence = self._fence(branch, head_entry, token, refence=refence)
+            self.journal.ready_to_publish(branch, head_entry)
             if head != changeset.base:
                 if not rebase:
                     raise ConflictError(
@@ -803,6 +819,9 @@ class CommitEngine:
             # One attempt's time, smoothed: what a deferring writer waits per look.
             self.window_s = 0.8 * self.window_s + 0.2 * (time.monotonic() - started)
             if published:
+                record = getattr(self.lock, "record_head", None) if token is not None else None
+                if record is not None:
+                    record(self.repo_id, branch, entry.seq)
                 return snap.id
             self.stats["append_retries"] += 1
             # Another commit took this sequence number: back off, then rebase on the newest head.
@@ -813,6 +832,21 @@ class CommitEngine:
                 # next holder already appended. Retry soon, with jitter, bounded.
                 time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise ZarrlakeError(f"could not commit to {branch!r} after {MAX_COMMIT_ATTEMPTS} attempts")
+
+    def _read_head(self, branch: str, token: int | None, attempt: int) -> JournalEntry:
+        """The head entry of live ``branch``, read. Holding the lock, first where the lock
+        service says its last holder appended (one round: that entry, and the next absent),
+        rather than from the head this client knew, which a queue of writers left far behind.
+        Raises :class:`RefNotFound`."""
+        if token is not None and attempt == 0:
+            said = getattr(self.lock, "last_head", None)
+            seq = None if said is None else said(self.repo_id, branch)
+            known = self.journal.known(branch)
+            if seq is not None and (known is None or known.seq < seq):
+                entry = self.journal.head_at(branch, seq)
+                if entry is not None and entry.snapshot is not None:
+                    return entry
+        return self.journal.current(branch)
 
     def merge(
         self,
@@ -871,7 +905,7 @@ class CommitEngine:
         Raises :class:`ConflictError` with every conflict the policy reports."""
         base = self.objects.snapshot(changeset.base)
         head = self.objects.snapshot(head_id)
-        theirs = self.changes_since(base, head)
+        theirs = self.changes_since(base, head, ours=changeset)
         ours_nodes = {k: v for k, v in changeset.nodes.items() if v is not None}
         arrays = array_paths(base.nodes) | array_paths(head.nodes) | array_paths(ours_nodes)
         conflicts, drop = policy.settle(changeset, base, head, theirs, arrays)
@@ -883,12 +917,25 @@ class CommitEngine:
             rebased.chunks.pop(key, None)
         return rebased
 
-    def changes_since(self, base: Snapshot, head: Snapshot) -> ChangeSummary:
+    def changes_since(
+        self, base: Snapshot, head: Snapshot, *, ours: Changeset | None = None
+    ) -> ChangeSummary:
         """What happened between ``base`` and ``head``: from txlogs along the first-parent chain,
-        or — if ``base`` is not on it (the branch was reset, or history expired) — from a diff."""
+        or — if ``base`` is not on it (the branch was reset, or history expired) — from a diff.
+
+        Given ``ours`` (the changes about to be rebased), an empty summary where the two
+        manifests show that nothing in between touched what ``ours`` changes (see
+        :meth:`_untouched`): what a rebase asks, without a txlog read per commit."""
         logs: list[TxLog] = []
         chain = self._chain_to(base, head)
         if base.id in chain:
+            if (
+                ours is not None
+                and chain.index(base.id) >= NARROW_MIN_COMMITS
+                and self._untouched(ours, base, head, chain.index(base.id))
+            ):
+                self.stats["narrow_rebases"] += 1
+                return ChangeSummary()
             # The head names its first-parent ancestors: fetch the txlogs in between concurrently
             # instead of one dependent round trip per commit (a session that waited for the
             # branch lock is often many commits behind).
@@ -912,6 +959,58 @@ class CommitEngine:
         for txlog in logs:
             summary.add_txlog(txlog)
         return summary
+
+    def _untouched(self, ours: Changeset, base: Snapshot, head: Snapshot, commits: int) -> bool:
+        """Whether the ``commits`` commits from ``base`` to ``head`` provably left alone every
+        chunk key ``ours`` changes, read off the two manifests: each key's ref means the same
+        bytes in both (:func:`ref_identity`: a compaction's move is no change), and no node
+        changed at all (so nothing was deleted or resized). False is no verdict, only "read the
+        txlogs": so for changes with deleted subtrees or resized arrays of their own (whose
+        conflicts depend on others' keys), too many keys, or more shards to read than half the
+        txlogs they replace (a commit's txlog is small, a shard need not be).
+
+        It judges by net change, as a rebase onto a reset branch does: a chunk someone wrote
+        and wrote back to the same bytes, or an array deleted and made again just as it was,
+        is left alone here — the outcome of running the commits one after the other."""
+        if (
+            ours.deleted_prefixes
+            or len(ours.chunks) > NARROW_MAX_KEYS
+            or base.nodes != head.nodes
+            or resized_arrays(base.nodes, ours.nodes)
+        ):
+            return False
+        pairs: list[tuple[str, ShardInfo | None, ShardInfo | None]] = []
+        wanted: dict[str, ShardInfo] = {}
+        for key in ours.chunks:
+            before = manifest.shard_of(base.shards, key)
+            after = manifest.shard_of(head.shards, key)
+            if before is not None and after is not None and before.digest == after.digest:
+                continue  # the same shard object: the same ref
+            if before is None and after is None:
+                continue  # no shard on either side can hold it: absent from both
+            for info in (before, after):
+                if info is not None:
+                    wanted[info.digest] = info
+            if len(wanted) > max(2, commits // 2):
+                return False
+            pairs.append((key, before, after))
+        if not pairs:
+            return True
+        loaded = dict(
+            zip(
+                wanted,
+                self.objects.storage.map(self.objects.shard, list(wanted.values())),
+                strict=True,
+            )
+        )
+
+        def ref(info: ShardInfo | None, key: str) -> ChunkRef | None:
+            return None if info is None else loaded[info.digest].get(key)
+
+        return all(
+            ref_identity(ref(before, key)) == ref_identity(ref(after, key))
+            for key, before, after in pairs
+        )
 
     def _chain_to(self, base: Snapshot, head: Snapshot) -> list[str]:
         """``head``'s first-parent chain, newest first, as far back as ``base`` if it is on it.

@@ -331,6 +331,32 @@ class RedisLock:
             log.warning("could not raise the fencing-token floor: %s", e)
             return False
 
+    def _head_key(self, repo_id: str, branch: str) -> str:
+        return f"{self.namespace}:{{{repo_id}}}:head:{quote(branch, safe='')}"
+
+    def last_head(self, repo_id: str, branch: str) -> int | None:
+        """The journal entry the branch's last holder appended, as it told this service: a
+        hint, so that the next holder reads that entry (and finds the one after it absent) in
+        one round instead of listing the journal. The journal decides: a wrong hint costs the
+        listing, nothing else. None if no holder said, or the service cannot be asked."""
+        import redis
+
+        try:
+            said = self.client.get(self._head_key(repo_id, branch))
+            return None if said is None else int(said)
+        except (redis.RedisError, ValueError):
+            return None
+
+    def record_head(self, repo_id: str, branch: str, seq: int) -> None:
+        """Tell the next holder of the branch that entry ``seq`` is the head (see
+        :meth:`last_head`); called holding the lease, after the append landed. Kept a day."""
+        import redis
+
+        try:
+            self.client.set(self._head_key(repo_id, branch), int(seq), ex=86_400)
+        except redis.RedisError as e:
+            log.debug("could not record the head of %s: %s", branch, e)
+
     def status(self, repo_id: str) -> list[LockHolder]:
         """Current holders of this repository's branch locks. Raises :class:`LockUnavailable`
         when the service cannot be asked (unreachable, refused credentials)."""

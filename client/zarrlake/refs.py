@@ -326,9 +326,10 @@ class BranchJournal:
 
         With a recently known head ``N``, one round of reads (concurrent where reads are not
         cheaper in place: :meth:`Storage.map_reads`) reads the keys of ``N`` (still the entry
-        this client saw) and ``N + 1`` (absent: ``N`` is the head; present: the next key is read
-        too), instead of a listing and a read; otherwise, or if ``N`` is not what it
-        was, the listing — or, on a storage that cannot list, probing (:meth:`_probe_head_key`).
+        this client saw) and ``N + 1`` (absent: ``N`` is the head; present: on a remote store
+        the listing names the newest, read unless it is ``N + 1``; else the next keys are read),
+        instead of a listing and a read; otherwise, or if ``N`` is not what it was, the
+        listing — or, on a storage that cannot list, probing (:meth:`_probe_head_key`).
         """
         asked = time.monotonic()
         known = self.known(name)
@@ -337,6 +338,27 @@ class BranchJournal:
             mine, following = self.storage.map_reads(self._get_optional, keys)
             if self.confirms(name, mine, known):
                 entry, data, probes = known, mine, 0
+                if (
+                    following is not None
+                    and self.storage.supports_listing
+                    and not self.storage.inline_read_bytes
+                ):
+                    # The branch moved on: one listing names the newest entry however far it
+                    # went (a writer that waited for a lock is often many commits behind),
+                    # where reading on entry by entry costs a round trip per commit. (Not
+                    # where a read is a local file's: there reading on costs less than a
+                    # listing sorting the whole journal.)
+                    data, following = following, None
+                    entry = self._parse(self.entry_key(name, known.seq + 1), data)
+                    keys = self.storage.list_keys(self.root + branch_prefix(name), limit=1)
+                    newest = keys[0] if keys else None
+                    # (Keys count down: a smaller key is a newer entry.)
+                    if newest is not None and newest < self.entry_key(name, entry.seq):
+                        data = self.storage.get(newest)
+                        entry = self._parse(newest, data)
+                    elif newest != self.entry_key(name, entry.seq):
+                        # A listing behind what a read has shown: read on, entry by entry.
+                        following = self._get_optional(self.entry_key(name, entry.seq + 1))
                 while following is not None and probes < _PROBES:
                     entry = self._parse(self.entry_key(name, entry.seq + 1), following)
                     data = following
@@ -356,6 +378,21 @@ class BranchJournal:
             return None
         data = self.storage.get(newest)
         entry = self._parse(newest, data)
+        self._learn(name, entry, asked, data)
+        return entry
+
+    def head_at(self, name: str, seq: int) -> JournalEntry | None:
+        """Entry ``seq`` of ``name``'s journal if it is the head (it exists, the next does
+        not: one round of two reads), else None (the caller finds the head as usual). For a
+        head someone said it is (a lock service's hint), never trusted untested."""
+        asked = time.monotonic()
+        keys = [self.entry_key(name, seq + i) for i in (0, 1)]
+        data, following = self.storage.map_reads(self._get_optional, keys)
+        if data is None or following is not None:
+            return None
+        entry = self._parse(keys[0], data)
+        if entry.seq != seq:
+            return None
         self._learn(name, entry, asked, data)
         return entry
 
@@ -756,6 +793,20 @@ class BranchJournal:
             # sees it). Our bytes, if the stored ones are an earlier try's: the same entry.
             self.published.publish(lambda r: r.with_head(name, entry, encoded, self._pages))
         return True
+
+    def ready_to_publish(self, name: str, head: JournalEntry) -> None:
+        """About to append after ``head``: if the root this client saw trails the journal there
+        (others' commits were published since it was read), read it again now, alongside the
+        commit's own writes, so that the swap after the append lands at its first try instead
+        of losing to a version this client never saw and reading the root only then."""
+        published = self.published
+        if published is None or self.remote is not None:
+            return
+        root = published.cached()
+        held = None if root is None else root.branches.get(name)
+        if held is not None and held.seq >= head.seq:
+            return
+        published.read_ahead()
 
     def names(self) -> list[str]:
         """Names of every branch that has a journal (deleted branches included), in no order.

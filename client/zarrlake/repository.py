@@ -546,7 +546,8 @@ class Repository:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Per-process counters of the commit protocol: ``rebases`` and ``append_retries``."""
+        """Per-process counters of the commit protocol: ``rebases``, ``append_retries``,
+        ``deferrals`` and ``narrow_rebases`` (see :class:`zarrlake.commit.CommitEngine`)."""
         return self._core.commits.stats
 
     # -- branches ----------------------------------------------------------------------------------
