@@ -6,9 +6,10 @@ K times in a row; all N start at the same moment (each reports ready after its i
 connections, then waits for one start signal, so process start-up never counts). Systems, in one
 run against the same servers:
 
-- ``zarrlake`` optimistic (no lock: rebase and retry on a lost journal append),
-- ``zarrlake+fair`` optimistic with the age queue (``ZARRLAKE_FAIR_COMMITS=1``: writers of a
-  contended branch append oldest first),
+- ``zarrlake`` optimistic, racing (no lock, no age queue: ``ZARRLAKE_FAIR_COMMITS=0``; rebase
+  and retry on a lost journal append),
+- ``zarrlake+fair`` optimistic with the age queue (the default: writers of a contended branch
+  append oldest first),
 - ``zarrlake+lock`` with :class:`zarrlake.RedisLock` on a ``redis-server`` the run starts,
 - ``icechunk`` 2.x in the peers' Python (``--peers-python``, default ``.venv-peers``), retrying a
   commit that lost the race with ``session.rebase(ConflictDetector())``, its documented way for
@@ -423,6 +424,14 @@ def verdicts(rows: list[Row]) -> list[str]:
                 f"{r.system}: wall {r.wall_s:.1f}s = {ratio:.2f}x Icechunk's {ice.wall_s:.1f}s "
                 f"(target <= {TARGET_WALL:g}x)"
             )
+            if 0 < ice.landed < ice.expected and r.landed:
+                # Icechunk's wall there is of fewer commits than it acknowledged: also say
+                # what each commit that did land cost, side by side (the verdict stays above).
+                per = (r.wall_s / r.landed) / (ice.wall_s / ice.landed)
+                out.append(
+                    f"NOTE  {r.backend} N={r.writers} {r.system}: per landed commit "
+                    f"{per:.2f}x Icechunk's (it landed {ice.landed} of {ice.expected})"
+                )
     ours = [r for r in rows if r.system != "icechunk"]
     lost = [r for r in ours if r.problems]
     out.append(f"{'PASS' if not lost else 'MISS'}  zarrlake lost nothing in {len(ours)} runs")

@@ -28,7 +28,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import zarrlake
-from zarrlake.commit import Waiter, WaitQueue
+from zarrlake.commit import LAPSED_US, Waiter, WaitQueue
+from zarrlake.config import fair_commits_default
 
 ARRAY = "a"
 HERE = Path(__file__).resolve()
@@ -143,15 +144,15 @@ def overtaken(records: list[dict[str, Any]], landed_order: list[str]) -> dict[in
 
 @pytest.fixture(autouse=True)
 def fair_commits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The age queue is opt-in ($ZARRLAKE_FAIR_COMMITS): on for these tests and for the writer
-    processes they start (which inherit the environment)."""
+    """The age queue is on by default ($ZARRLAKE_FAIR_COMMITS=0 turns it off): on, explicitly,
+    for these tests and for the writer processes they start (which inherit the environment)."""
     monkeypatch.setenv("ZARRLAKE_FAIR_COMMITS", "1")
 
 
-def test_without_the_switch_a_writer_that_lost_a_race_never_queues(
+def test_with_the_switch_off_a_writer_that_lost_a_race_never_queues(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("ZARRLAKE_FAIR_COMMITS")
+    monkeypatch.setenv("ZARRLAKE_FAIR_COMMITS", "0")
     storage = zarrlake.Storage.local(tmp_path / "repo")
     repo = zarrlake.Repository.create(storage)
     s = repo.writable_session("main")
@@ -345,6 +346,41 @@ def test_a_waiter_past_its_lease_holds_nobody_up(tmp_path: Path) -> None:
     assert queue.first("main", now=2_000) == live
     queue.leave("main", live)
     assert queue.first("main", now=2_000) is None
+
+
+def test_places_of_writers_long_dead_are_taken_away_by_a_waiter(tmp_path: Path) -> None:
+    """A killed writer's place stays in the queue; a contended writer that lists the queue
+    takes it away once it is ten minutes past its lease, and leaves a recent one alone."""
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    s = repo.writable_session("main")
+    s.write(f"{ARRAY}/zarr.json", array_doc(8))
+    s.commit("array")
+    queue = WaitQueue(storage)
+    now = int(time.time() * 1e6)
+    long_dead = Waiter(1, "dead", now - LAPSED_US - 1_000_000)
+    just_lapsed = Waiter(2, "lapsed", now - 1_000_000)
+    queue.join("main", long_dead)
+    queue.join("main", just_lapsed)
+    other = zarrlake.Repository.open(storage)
+    late = repo.writable_session("main")
+    late.write(chunk_key(0), chunk_value(0))
+    w = other.writable_session("main")
+    w.write(chunk_key(1), chunk_value(1))
+    w.commit("winner")
+    late.commit("late")  # lost the race: contended, so it queues, and looks at the queue
+    second = repo.writable_session("main")
+    second.write(chunk_key(2), chunk_value(2))
+    second.commit("second")  # still contended: queues before its first append
+    assert repo.stats["append_retries"] == 1
+    assert queue.waiters("main") == [just_lapsed]
+
+
+def test_the_age_queue_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZARRLAKE_FAIR_COMMITS")
+    assert fair_commits_default()
+    monkeypatch.setenv("ZARRLAKE_FAIR_COMMITS", "off")
+    assert not fair_commits_default()
 
 
 if __name__ == "__main__":

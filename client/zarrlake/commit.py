@@ -93,6 +93,9 @@ BACKOFF_CAP_S = 0.25
 CONTENDED_S = 30.0
 #: The longest a writer waits for older writers in one commit before it races anyway.
 MAX_DEFER_S = 300.0
+#: How long past its ``until`` a place in the queue is left before a waiter that sees it takes
+#: it away (its writer is dead: a live one renews it long before).
+LAPSED_US = 600 * 1_000_000
 
 
 class _StaleFence(Exception):
@@ -309,7 +312,8 @@ class WaitQueue:
     the queue and appends only while it is the oldest live waiter; the others wait (polling the
     queue about once per attempt's time) instead of racing. Each writer writes and deletes only
     its own objects, so no update of one is lost to another's. A waiter that dies stops renewing
-    its ``until`` and is passed over once that is past. The queue is only a hint: no read of it
+    its ``until`` and is passed over once that is past (and its place taken away by whoever
+    sees it :data:`LAPSED_US` later). The queue is only a hint: no read of it
     decides anything, and the create-only journal append still decides every race.
     """
 
@@ -384,9 +388,16 @@ class _Contender:
             now = _micros()
             self._renew(queue, now)
             try:
-                live = [w.writer for w in queue.waiters(self.branch) if w.until >= now]
+                waiters = queue.waiters(self.branch)
             except (ZarrlakeError, OSError):
                 return  # the queue is a hint: unreadable, race as before
+            live = [w.writer for w in waiters if w.until >= now]
+            gone = [w for w in waiters if w.until < now - LAPSED_US]
+            if gone:
+                # Places of writers long dead (killed, or their machine gone): nobody else
+                # would ever take them away, and every look lists them.
+                with contextlib.suppress(ZarrlakeError, OSError):
+                    queue.leave(self.branch, *gone)
             ahead = live.index(self.writer) if self.writer in live else len(live)
             if ahead == 0 or time.monotonic() >= deadline:
                 return
@@ -454,9 +465,9 @@ class CommitEngine:
             "deferrals": 0,
             "narrow_rebases": 0,
         }
-        # Optimistic writers' queue by age, where $ZARRLAKE_FAIR_COMMITS turns it on (it trades
-        # throughput for fairness: bench/RESULTS.md, issue 45); None too on a storage that
-        # cannot list (plain HTTP, read-only: it never commits anyway).
+        # Optimistic writers' queue by age, unless $ZARRLAKE_FAIR_COMMITS turns it off
+        # (bench/RESULTS.md, issue 45); None on a storage that cannot list (plain HTTP,
+        # read-only: it never commits anyway).
         self.waiting: WaitQueue | None = (
             WaitQueue(journal.storage, journal.root)
             if fair_commits_default()

@@ -263,15 +263,17 @@ def verify_reads_default() -> bool:
     return _switch(VERIFY_READS_ENV, True)
 
 
-#: Turns on the age queue of optimistic writers (``zarrlake.commit.WaitQueue``) for a process:
-#: fair (p99 within a few times p50 with dozens of writers on one branch) at some throughput.
+#: Turns off (``0``) the age queue of optimistic writers (``zarrlake.commit.WaitQueue``) for a
+#: process: with it, p99 stays within a few times p50 with dozens of writers on one branch.
 FAIR_COMMITS_ENV = "ZARRLAKE_FAIR_COMMITS"
 
 
 def fair_commits_default() -> bool:
-    """Whether optimistic writers of a contended branch queue by age: off, unless
-    ``$ZARRLAKE_FAIR_COMMITS`` is ``1``, ``true``, ``yes`` or ``on`` (a typo raises)."""
-    return _switch(FAIR_COMMITS_ENV, False)
+    """Whether optimistic writers of a contended branch queue by age: on, unless
+    ``$ZARRLAKE_FAIR_COMMITS`` is ``0``, ``false``, ``no`` or ``off`` (a typo raises). On by
+    default since a rebase no longer reads a txlog per commit behind: on S3 the queue is then
+    faster as well as fairer than racing (bench/RESULTS.md, issue 45)."""
+    return _switch(FAIR_COMMITS_ENV, True)
 
 
 def _switch(name: str, default: bool) -> bool:
