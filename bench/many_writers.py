@@ -174,6 +174,10 @@ class Row:
     max_s: float
     longest_streak: int
     problems: list[str]
+    # Each writer's first commit (the burst of all N at once, every process's first use of its
+    # connections and caches) apart from the rest: the median of those, and p99/p50 of the rest.
+    first_p50_s: float = float("nan")
+    later_tail: float = float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -337,6 +341,8 @@ def run_one(
     found = json.loads(_in_system_python(task, "--check-task", size))
     messages: list[str] = found["messages"]
     latencies = [r["end"] - r["start"] for r in records]
+    first = [r["end"] - r["start"] for r in records if r["index"] % k == 0]
+    later = [r["end"] - r["start"] for r in records if r["index"] % k != 0]
     wall = (max(r["end"] for r in records) - min(r["start"] for r in records)) if records else 0.0
     expected_log = size + 2  # + the repository's first commit + the array's creation
     if len(messages) != expected_log:
@@ -364,6 +370,8 @@ def run_one(
         max_s=max(latencies, default=float("nan")),
         longest_streak=longest_streak(messages),
         problems=problems,
+        first_p50_s=percentile(first, 50),
+        later_tail=percentile(later, 99) / percentile(later, 50) if later else float("nan"),
     )
 
 
@@ -381,6 +389,8 @@ HEADERS = [
     "p99 s",
     "max s",
     "p99/p50",
+    "first commits' p50 s",
+    "p99/p50 after the first",
     "longest streak",
 ]
 
@@ -400,6 +410,8 @@ def cells(r: Row) -> list[str]:
         f"{r.p99_s:.2f}",
         f"{r.max_s:.2f}",
         f"{r.p99_s / r.p50_s:.1f}" if r.p50_s else "-",
+        f"{r.first_p50_s:.2f}",
+        f"{r.later_tail:.1f}",
         str(r.longest_streak),
     ]
 
