@@ -17,25 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zarrlake
+from lock_workers import array_doc
 from zarrlake.commit import NARROW_MIN_COMMITS
 from zarrlake_testkit.counting import CountingStorage, Counts
 
 ARRAY = "a"
 
 
-def array_doc(size: int, attrs: dict[str, object] | None = None) -> bytes:
-    doc = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [size],
-        "data_type": "uint8",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0,
-        "codecs": [{"name": "bytes"}],
-        "attributes": attrs or {},
-    }
-    return json.dumps(doc).encode()
+def with_attributes(doc: bytes, **attrs: object) -> bytes:
+    parsed = json.loads(doc)
+    parsed["attributes"] = attrs
+    return json.dumps(parsed).encode()
 
 
 def key(i: int) -> str:
@@ -159,7 +151,7 @@ def test_a_metadata_change_in_between_is_judged_by_the_txlogs(tmp_path: Path) ->
     late.write(key(1), value(1, 9))
     _others_commit(repo, [10, 11])
     s = repo.writable_session("main")
-    s.write(f"{ARRAY}/zarr.json", array_doc(64, {"units": "K"}))
+    s.write(f"{ARRAY}/zarr.json", with_attributes(array_doc(64), units="K"))
     s.commit("attributes")
     _others_commit(repo, [12, 13])
     reads = Reads(storage)
