@@ -196,6 +196,26 @@ def test_a_short_rebase_reads_the_txlogs(tmp_path: Path) -> None:
     assert late_repo.stats["narrow_rebases"] == 0 and late_repo.stats["rebases"] == 1
 
 
+def test_the_switch_off_reads_the_txlogs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ZARRLAKE_NARROW_REBASE", "0")
+    storage, repo = _repo(tmp_path / "r")
+    late_repo = zarrlake.Repository.open(storage)
+    late = late_repo.writable_session("main")
+    late.write(key(1), value(1, 9))
+    _others_commit(repo, list(range(10, 20)))
+    reads = Reads(storage)
+    try:
+        late.commit("late")
+    finally:
+        reads.close()
+    assert reads.txlogs == 10 and late_repo.stats["narrow_rebases"] == 0
+    monkeypatch.setenv("ZARRLAKE_NARROW_REBASE", "perhaps")
+    with pytest.raises(zarrlake.ZarrlakeError, match="ZARRLAKE_NARROW_REBASE"):
+        zarrlake.Repository.open(storage)
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zarrlake.changeset import Changeset
-from zarrlake.config import RepositoryConfig, fair_commits_default
+from zarrlake.config import RepositoryConfig, fair_commits_default, narrow_rebase_default
 from zarrlake.conflicts import (
     ChangeSummary,
     Solver,
@@ -475,6 +475,8 @@ class CommitEngine:
             and journal.storage.supports_listing
             else None
         )
+        # Whether rebases may settle from the manifests (docs/design/narrow-rebase.md).
+        self.narrow = narrow_rebase_default()
         # Until when (time.monotonic()) this engine takes branches to be contended; and a moving
         # average of one attempt's time (head read to append), which scales the waits.
         self.contended_until = 0.0
@@ -943,6 +945,7 @@ class CommitEngine:
             if (
                 ours is not None
                 and chain.index(base.id) >= NARROW_MIN_COMMITS
+                and self.narrow
                 and self._untouched(ours, base, head, chain.index(base.id))
             ):
                 self.stats["narrow_rebases"] += 1

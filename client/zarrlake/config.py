@@ -276,6 +276,18 @@ def fair_commits_default() -> bool:
     return _switch(FAIR_COMMITS_ENV, True)
 
 
+#: Turns off (``0``) the narrow rebase (``docs/design/narrow-rebase.md``): every rebase then
+#: reads the txlogs of the commits in between, as ``DESIGN.md`` words the rule.
+NARROW_REBASE_ENV = "ZARRLAKE_NARROW_REBASE"
+
+
+def narrow_rebase_default() -> bool:
+    """Whether a rebase over several commits first asks the manifests whether any of them
+    touched what it changes: on, unless ``$ZARRLAKE_NARROW_REBASE`` is ``0``, ``false``,
+    ``no`` or ``off`` (a typo raises)."""
+    return _switch(NARROW_REBASE_ENV, True)
+
+
 def _switch(name: str, default: bool) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if value == "":
