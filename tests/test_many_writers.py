@@ -350,7 +350,8 @@ def test_a_waiter_past_its_lease_holds_nobody_up(tmp_path: Path) -> None:
 
 def test_places_of_writers_long_dead_are_taken_away_by_a_waiter(tmp_path: Path) -> None:
     """A killed writer's place stays in the queue; a contended writer that lists the queue
-    takes it away once it is ten minutes past its lease, and leaves a recent one alone."""
+    deletes it once the server shows it unchanged ten minutes longer than the newest place, and
+    leaves alone a place that only the writers' clocks call old (a clock that runs behind)."""
     storage = zarrlake.Storage.local(tmp_path / "repo")
     repo = zarrlake.Repository.create(storage)
     s = repo.writable_session("main")
@@ -358,10 +359,14 @@ def test_places_of_writers_long_dead_are_taken_away_by_a_waiter(tmp_path: Path) 
     s.commit("array")
     queue = WaitQueue(storage)
     now = int(time.time() * 1e6)
-    long_dead = Waiter(1, "dead", now - LAPSED_US - 1_000_000)
-    just_lapsed = Waiter(2, "lapsed", now - 1_000_000)
+    long_dead = Waiter(1, "dead", now - 700_000_000)
+    slow_clock = Waiter(2, "skewed", now - 10 * LAPSED_US)  # lapsed by its clock: object fresh
     queue.join("main", long_dead)
-    queue.join("main", just_lapsed)
+    queue.join("main", slow_clock)
+    old = time.time() - LAPSED_US / 1e6 - 120
+    os.utime(tmp_path / "repo" / "refs" / "wait.main" / long_dead.name(), (old, old))
+    waiters, dead = queue.look("main")
+    assert waiters == [long_dead, slow_clock] and dead == [long_dead]
     other = zarrlake.Repository.open(storage)
     late = repo.writable_session("main")
     late.write(chunk_key(0), chunk_value(0))
@@ -369,11 +374,8 @@ def test_places_of_writers_long_dead_are_taken_away_by_a_waiter(tmp_path: Path) 
     w.write(chunk_key(1), chunk_value(1))
     w.commit("winner")
     late.commit("late")  # lost the race: contended, so it queues, and looks at the queue
-    second = repo.writable_session("main")
-    second.write(chunk_key(2), chunk_value(2))
-    second.commit("second")  # still contended: queues before its first append
     assert repo.stats["append_retries"] == 1
-    assert queue.waiters("main") == [just_lapsed]
+    assert queue.waiters("main") == [slow_clock]
 
 
 def test_the_age_queue_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

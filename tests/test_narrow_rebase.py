@@ -123,6 +123,22 @@ def test_a_chunk_both_created_still_conflicts(tmp_path: Path) -> None:
         late.commit("late")
 
 
+def test_a_solver_that_keeps_their_side_reads_the_txlogs(tmp_path: Path) -> None:
+    """With UseTheirs a chunk they wrote and wrote back keeps their bytes: the txlogs say they
+    wrote it, the manifests could not (so the narrow rebase is not asked)."""
+    storage, repo = _repo(tmp_path / "r")
+    late_repo = zarrlake.Repository.open(storage)
+    late = late_repo.writable_session("main")
+    late.write(key(2), value(2, 9))
+    _others_commit(repo, [2], round_=5)
+    _others_commit(repo, [10, 11, 12])
+    _others_commit(repo, [2], round_=0)  # back to the base's bytes
+    late.commit("late", solver=zarrlake.UseTheirs())
+    assert late_repo.stats["narrow_rebases"] == 0
+    head = zarrlake.Repository.open(storage).readonly_session("main")
+    assert head.read(key(2)) == value(2, 0)
+
+
 def test_a_compaction_in_between_moves_bytes_and_is_no_conflict(tmp_path: Path) -> None:
     storage, repo = _repo(tmp_path / "r")
     late_repo = zarrlake.Repository.open(storage)
@@ -282,6 +298,10 @@ def test_the_lock_holder_reads_the_head_its_predecessor_names(
     late.commit("late")
     ops = [op for op, k in counts.calls() if "/refs/branch.main/" in f"/{k}"]
     assert "list" not in ops, counts.calls()
+    # The root it had seen was ten commits old: read again beside the commit's writes, so the
+    # swap lands at its first try.
+    swaps = [op for op, k in counts.calls() if k.endswith("root") and op.startswith("put")]
+    assert len(swaps) == 1, counts.calls()
     assert late_repo.stats["narrow_rebases"] == 1
 
     # A hint that lies, too far ahead or behind: the journal decides, the commit lands.

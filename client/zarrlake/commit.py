@@ -46,6 +46,7 @@ from zarrlake.errors import (
     InvalidArgument,
     MergeConflictError,
     RefNotFound,
+    StorageError,
     UnsupportedFormat,
     ZarrlakeError,
 )
@@ -93,8 +94,9 @@ BACKOFF_CAP_S = 0.25
 CONTENDED_S = 30.0
 #: The longest a writer waits for older writers in one commit before it races anyway.
 MAX_DEFER_S = 300.0
-#: How long past its ``until`` a place in the queue is left before a waiter that sees it takes
-#: it away (its writer is dead: a live one renews it long before).
+#: How much longer than the newest place in the queue a place must have stood unchanged, by the
+#: server's clock, before a waiter that sees it (and finds it lapsed) deletes it: its writer is
+#: dead (a live one replaces its place every third of a lease, 10 to 60 s).
 LAPSED_US = 600 * 1_000_000
 
 
@@ -311,10 +313,12 @@ class WaitQueue:
     commits in a row while others lost 60 races for one). On a contended branch a writer joins
     the queue and appends only while it is the oldest live waiter; the others wait (polling the
     queue about once per attempt's time) instead of racing. Each writer writes and deletes only
-    its own objects, so no update of one is lost to another's. A waiter that dies stops renewing
-    its ``until`` and is passed over once that is past (and its place taken away by whoever
-    sees it :data:`LAPSED_US` later). The queue is only a hint: no read of it
-    decides anything, and the create-only journal append still decides every race.
+    its own objects, so no update of one is lost to another's — with one exception: a waiter
+    that dies stops renewing its ``until`` and is passed over once that is past, and an object
+    the server shows unchanged for :data:`LAPSED_US` longer than the newest in the queue (a
+    live writer replaces its own every third of a lease) is deleted by whoever sees it. The
+    queue is only a hint: no read of it decides anything, and the create-only journal append
+    still decides every race.
     """
 
     def __init__(self, storage: Storage, root: str = "") -> None:
@@ -329,6 +333,21 @@ class WaitQueue:
         prefix = self._prefix(branch)
         found = (Waiter.parse(k[len(prefix) :]) for k in self.storage.list_keys(prefix))
         return sorted(w for w in found if w is not None)
+
+    def look(self, branch: str) -> tuple[list[Waiter], list[Waiter]]:
+        """The branch's waiters, live or not, oldest first; and those whose objects the server
+        shows unchanged for :data:`LAPSED_US` longer than the newest one's (by the server's
+        clock alone: the writers' clocks may disagree by any amount): dead writers'."""
+        prefix = self._prefix(branch)
+        seen = [(Waiter.parse(o.key[len(prefix) :]), o.modified) for o in self.storage.list(prefix)]
+        found = [(w, m) for w, m in seen if w is not None]
+        newest = max((m for _, m in found), default=None)
+        dead = [
+            w
+            for w, m in found
+            if newest is not None and (newest - m).total_seconds() * 1e6 > LAPSED_US
+        ]
+        return sorted(w for w, _ in found), dead
 
     def first(self, branch: str, now: int) -> Waiter | None:
         """The oldest waiter alive at ``now`` (microseconds), if any."""
@@ -388,11 +407,11 @@ class _Contender:
             now = _micros()
             self._renew(queue, now)
             try:
-                waiters = queue.waiters(self.branch)
+                waiters, dead = queue.look(self.branch)
             except (ZarrlakeError, OSError):
                 return  # the queue is a hint: unreadable, race as before
             live = [w.writer for w in waiters if w.until >= now]
-            gone = [w for w in waiters if w.until < now - LAPSED_US]
+            gone = [w for w in dead if w.until < now]
             if gone:
                 # Places of writers long dead (killed, or their machine gone): nobody else
                 # would ever take them away, and every look lists them.
@@ -856,7 +875,10 @@ class CommitEngine:
             seq = None if said is None else said(self.repo_id, branch)
             known = self.journal.known(branch)
             if seq is not None and (known is None or known.seq < seq):
-                entry = self.journal.head_at(branch, seq)
+                try:
+                    entry = self.journal.head_at(branch, seq)
+                except StorageError:
+                    entry = None  # a hint: read the head as without one
                 if entry is not None and entry.snapshot is not None:
                     return entry
         return self.journal.current(branch)
@@ -918,7 +940,10 @@ class CommitEngine:
         Raises :class:`ConflictError` with every conflict the policy reports."""
         base = self.objects.snapshot(changeset.base)
         head = self.objects.snapshot(head_id)
-        theirs = self.changes_since(base, head, ours=changeset)
+        # Only where settling by net change decides as the txlogs would, bar a warning: not
+        # for a solver that keeps their side (it would keep ours for a chunk they wrote back).
+        narrow = isinstance(policy, SolverPolicy) and not isinstance(policy.solver, UseTheirs)
+        theirs = self.changes_since(base, head, ours=changeset if narrow else None)
         ours_nodes = {k: v for k, v in changeset.nodes.items() if v is not None}
         arrays = array_paths(base.nodes) | array_paths(head.nodes) | array_paths(ours_nodes)
         conflicts, drop = policy.settle(changeset, base, head, theirs, arrays)

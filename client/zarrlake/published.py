@@ -55,6 +55,8 @@ os.register_at_fork(after_in_child=_after_fork)
 
 #: How long a publish waits for this client's reads started ahead of it (see :meth:`read_ahead`).
 AHEAD_WAIT_S = 60.0
+#: How long a publish waits for a read of the root started for it (see :meth:`refresh_ahead`).
+REFRESH_WAIT_S = 5.0
 
 Update = Callable[[RootRecord], RootRecord | None]
 
@@ -84,6 +86,8 @@ class PublishedRoot:
         self._seen: tuple[RootRecord, str] | None = None
         # Reads started ahead (:meth:`read_ahead`) and not finished yet (this process's).
         self._ahead: set[Future[RootRecord | None]] = set()
+        # A read for this client's next publish (:meth:`refresh_ahead`), and in which process.
+        self._refreshing: tuple[int, threading.Event] | None = None
         _FORKED.add(self)
 
     def __getstate__(self) -> dict[str, object]:
@@ -133,6 +137,32 @@ class PublishedRoot:
 
         return answer
 
+    def refresh_ahead(self) -> None:
+        """Read the root again now, on a thread of its own, for this client's next publish
+        (which waits for it, at most :data:`REFRESH_WAIT_S`): for a caller that knows the root
+        it has seen is stale (the journal is ahead of it), so that the swap does not first lose
+        to a version this client never saw and read the root only then. Not a read a publish
+        must wait for to keep its promises (as :meth:`read_ahead`'s are): a failed or slow one
+        only costs the swap that loses. Not on the storage's I/O pool, where it could queue
+        behind uploads while its caller holds a branch lock."""
+        pid = os.getpid()
+        with self._guard:
+            out = self._refreshing
+            if out is not None and out[0] == pid and not out[1].is_set():
+                return  # one is out already
+            done = threading.Event()
+            self._refreshing = (pid, done)
+
+        def run() -> None:
+            try:
+                self.read()
+            except Exception as e:  # the swap reads again if it loses: nothing depends on it
+                log.debug("%s: reading ahead of a publish failed: %s", self.key, e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="zarrlake-root-refresh", daemon=True).start()
+
     def _landed(self, future: Future[RootRecord | None]) -> None:
         with self._guard:
             self._ahead.discard(future)
@@ -141,6 +171,7 @@ class PublishedRoot:
         """In a forked child: the parent's reads ahead are not this process's to wait for."""
         self._guard = threading.Lock()
         self._ahead = set()
+        self._refreshing = None
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[RootRecord | None]:
@@ -194,6 +225,9 @@ class PublishedRoot:
         # thread could otherwise wait for a read queued behind it.)
         if ahead and futures.wait(ahead, timeout=AHEAD_WAIT_S).not_done:
             log.warning("%s: publishing before a read started ahead of it came back", self.key)
+        refreshing = self._refreshing
+        if refreshing is not None and refreshing[0] == os.getpid():
+            refreshing[1].wait(REFRESH_WAIT_S)
         seen = self._seen
         for attempt in range(MAX_SWAPS):
             if seen is None:

@@ -391,8 +391,6 @@ class BranchJournal:
         if data is None or following is not None:
             return None
         entry = self._parse(keys[0], data)
-        if entry.seq != seq:
-            return None
         self._learn(name, entry, asked, data)
         return entry
 
@@ -800,13 +798,13 @@ class BranchJournal:
         commit's own writes, so that the swap after the append lands at its first try instead
         of losing to a version this client never saw and reading the root only then."""
         published = self.published
-        if published is None or self.remote is not None:
-            return
+        if published is None or self.remote is not None or self.storage.inline_read_bytes:
+            return  # (a local read costs less than the hand-off to a thread)
         root = published.cached()
         held = None if root is None else root.branches.get(name)
         if held is not None and held.seq >= head.seq:
             return
-        published.read_ahead()
+        published.refresh_ahead()
 
     def names(self) -> list[str]:
         """Names of every branch that has a journal (deleted branches included), in no order.
