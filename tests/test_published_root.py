@@ -880,3 +880,19 @@ def test_a_swap_that_keeps_losing_says_the_commit_is_in(tmp_path: Path) -> None:
     assert zarrlake.Repository.open(storage).fsck(repair=True).repaired == (ROOT_KEY,)
     assert next(c.message for c in zarrlake.Repository.open(storage).log()) == "main 0"
     assert os.path.exists(tmp_path / "r" / ROOT_KEY)
+
+
+def test_a_client_of_a_deleted_repository_does_not_leave_a_root_behind(tmp_path: Path) -> None:
+    """A reclaim removes the root, then the marker, then the rest. A client that still holds the
+    repository open and then moves a ref must not publish a root into the emptied location (it
+    would name a repository that is not there): it is told the repository is gone."""
+    storage = zarrlake.Storage.local(tmp_path / "repo")
+    repo = zarrlake.Repository.create(storage)
+    repo.create_branch("dev", repo.lookup_branch("main"))
+    stale = zarrlake.Repository.open(zarrlake.Storage.local(tmp_path / "repo"))
+    # The operator's reclaim has begun (root, then marker) when the stale client moves a ref
+    # whose head it can still read (a Branch resource's deletion, racing its Repository's).
+    storage.delete_many(["root", "repo"])
+    with pytest.raises(zarrlake.RepositoryNotFound, match="deleted"):
+        stale.delete_branch("dev")
+    assert "root" not in storage.list_keys("")

@@ -29,12 +29,13 @@ from zarrlake.errors import (
     CorruptObject,
     ObjectNotFound,
     PreconditionFailed,
+    RepositoryNotFound,
     RootUnpublished,
     StorageError,
     UnsupportedFormat,
 )
-from zarrlake.format.model import RepoRecord
-from zarrlake.format.root import ROOT_KEY, RootRecord
+from zarrlake.format.model import MIRROR_REPO_KEY, REPO_KEY, RepoRecord
+from zarrlake.format.root import MIRROR_ROOT_KEY, ROOT_KEY, RootRecord
 from zarrlake.storage.base import Storage, Versioned
 
 log = logging.getLogger(__name__)
@@ -267,7 +268,15 @@ class PublishedRoot:
             self._usable = True
             return record, version
         except ObjectNotFound:
-            pass
+            # Gone with the repository's marker: the repository was deleted (a reclaim removes
+            # the root, then the marker, then the rest). A root written now from the journals
+            # would be left behind in the emptied location, naming a repository that is not.
+            marker = MIRROR_REPO_KEY if self.key == MIRROR_ROOT_KEY else REPO_KEY
+            if not self.storage.exists(marker):
+                raise RepositoryNotFound(
+                    f"{self.storage.url}: the repository was deleted (no {marker!r}); "
+                    f"{self.key} is not published into it"
+                ) from None
         except (CorruptObject, UnsupportedFormat) as e:
             if isinstance(e, UnsupportedFormat) and not isinstance(e, CorruptObject):
                 raise  # a newer zarrlake's root: not ours to overwrite

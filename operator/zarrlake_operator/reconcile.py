@@ -1648,6 +1648,8 @@ def delete_branch(body: Mapping[str, Any]) -> str:
         repo.delete_branch(name)
     except RefNotFound:
         return f"branch {name!r} was already gone"
+    except RepositoryNotFound:
+        return "the repository was deleted meanwhile (its reclaimPolicy); nothing to delete"
     return f"deleted branch {name!r}"
 
 
@@ -1734,6 +1736,8 @@ def delete_tag(body: Mapping[str, Any]) -> str:
         repo.delete_tag(name)
     except RefNotFound:
         return f"tag {name!r} was already gone"
+    except RepositoryNotFound:
+        return "the repository was deleted meanwhile (its reclaimPolicy); nothing to delete"
     return f"deleted tag {name!r}"
 
 
