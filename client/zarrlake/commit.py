@@ -967,11 +967,12 @@ class CommitEngine:
         logs: list[TxLog] = []
         chain = self._chain_to(base, head)
         if base.id in chain:
+            behind = chain.index(base.id)
             if (
                 ours is not None
-                and chain.index(base.id) >= NARROW_MIN_COMMITS
                 and self.narrow
-                and self._untouched(ours, base, head, chain.index(base.id))
+                and behind >= NARROW_MIN_COMMITS
+                and self._untouched(ours, base, head, behind)
             ):
                 self.stats["narrow_rebases"] += 1
                 return ChangeSummary()
@@ -979,7 +980,7 @@ class CommitEngine:
             # instead of one dependent round trip per commit (a session that waited for the
             # branch lock is often many commits behind).
             try:
-                logs = self.objects.txlogs(chain[: chain.index(base.id)])
+                logs = self.objects.txlogs(chain[:behind])
             except RefNotFound:
                 return self._summary_from_diff(base, head)
             cur = base
